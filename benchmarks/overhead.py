@@ -1,0 +1,139 @@
+"""Overhead of trainmon on a small GPT: step time and peak memory against no monitor.
+
+    python benchmarks/overhead.py [--steps 8] [--rounds 3] [--device cpu|cuda] [--quick]
+
+Cases (alternating rounds, same seed and data):
+  none          no monitor
+  weights       weight grads + optimizer states, 6 metrics, every step
+  activations   the above + every module's activations and activation grads, every step
+  uncollected   everything on, step_interval 100 (measured steps are not collected)
+  grad_probe    weights + the grad probe at level L1 (summaries, packed signs, in-run similarity),
+                every step; compared with `weights`, the same run without the grad probe
+Peak memory is measured per case in a fresh subprocess (CUDA: max_memory_allocated; CPU: peak RSS
+growth during training). Targets (4-layer d=256, 1 thread): weights <= 1.12x, activations <= 1.40x,
+uncollected <= 1.01x, grad_probe <= 1.15x weights, peak memory <= +2%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
+
+METRICS6 = ["norm", "min", "max", "mean", "nans", "infs"]
+CASES = {
+    "none": None,
+    "weights": {"weight_grads": {"metrics": METRICS6}, "optimizer_states": {"metrics": METRICS6}},
+    "activations": {"weight_grads": {"metrics": METRICS6}, "optimizer_states": {"metrics": METRICS6},
+                    "activations": {"enabled": True, "metrics": METRICS6}},
+    "uncollected": {"weight_grads": {"metrics": METRICS6}, "optimizer_states": {"metrics": METRICS6},
+                    "activations": {"enabled": True, "metrics": METRICS6}, "step_interval": 100, "start_step": 1},
+    "grad_probe": {"weight_grads": {"metrics": METRICS6}, "optimizer_states": {"metrics": METRICS6},
+                   "grad_probe": {"enabled": True, "level": "L1"}},
+}
+SHAPE = dict(vocab=1024, d=256, layers=4, heads=4, seq=128)
+BATCH = 8
+
+
+def _train(case: str, steps: int, device: str, out: str) -> list[float]:
+    from trainmon import TrainerMonitor
+
+    torch.manual_seed(0)
+    model = TinyGPT(**SHAPE).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    config = CASES[case]
+    monitor = None
+    if config is not None:
+        monitor = TrainerMonitor({"output_dir": out, "sinks": ["csv"], "anomaly": {"detectors": []}, **config})
+        monitor.attach(model, optimizer)
+    times = []
+    for step in range(steps + 2):  # 2 warm-up steps
+        tokens, targets = (t.to(device) for t in make_batch(step, BATCH, SHAPE["seq"], SHAPE["vocab"]))
+        start = time.perf_counter()
+        loss = gpt_loss(model, tokens, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if monitor is not None:
+            monitor.step(loss=loss)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    if monitor is not None:
+        monitor.close()
+    return times
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _memory_child(case: str, device: str, out: str) -> None:
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        _train(case, 3, device, out)
+        print(json.dumps({"peak_mb": torch.cuda.max_memory_allocated() / 2**20}))
+        return
+    before = _rss_mb()
+    _train(case, 3, device, out)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"peak_mb": peak - before}))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--skip-memory", action="store_true", help="do not measure peak memory")
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    out = args.out or tempfile.mkdtemp(prefix="trainmon_bench_")
+    if args.memory_child:
+        _memory_child(args.memory_child, args.device, out)
+        return 0
+    torch.set_num_threads(1)
+    times: dict[str, list[float]] = {case: [] for case in args.cases}
+    for _ in range(args.rounds):  # alternate cases so drift hits all of them alike
+        for case in args.cases:
+            times[case].extend(_train(case, args.steps, args.device, out))
+    memory = {}
+    for case in [] if args.skip_memory else args.cases:
+        result = subprocess.run([sys.executable, __file__, "--memory-child", case, "--device", args.device,
+                                 "--out", out], capture_output=True, text=True, check=True)
+        memory[case] = json.loads(result.stdout.strip().splitlines()[-1])["peak_mb"]
+    base_time = statistics.median(times["none"]) if "none" in times else None
+    print(f"device {args.device}, model {SHAPE}, batch {BATCH}, threads {torch.get_num_threads()}")
+    print(f"{'case':<12} {'median step ms':>15} {'time ratio':>11} {'peak MB':>9} {'memory ratio':>13}")
+    for case in args.cases:
+        median = statistics.median(times[case])
+        ratio = median / base_time if base_time else float("nan")
+        peak = memory.get(case, float("nan"))
+        mem_ratio = peak / memory["none"] if memory.get("none", 0) > 0 else float("nan")
+        print(f"{case:<12} {median * 1e3:>15.1f} {ratio:>10.3f}x {peak:>9.1f} {mem_ratio:>12.3f}x")
+    if "grad_probe" in times and "weights" in times:
+        probe_ratio = statistics.median(times["grad_probe"]) / statistics.median(times["weights"])
+        print(f"grad_probe / weights (the same run without the grad probe): {probe_ratio:.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

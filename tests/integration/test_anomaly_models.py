@@ -1,0 +1,217 @@
+"""Anomaly detection on real torch training loops through TrainerMonitor.
+
+Also the worker of the 2-rank test: ``python test_anomaly_models.py OUT_DIR`` under RANK/WORLD_SIZE.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from trainmon import AnomalyError, TrainerMonitor  # noqa: E402
+from trainmon.anomaly.analyse import analyse_run  # noqa: E402
+
+
+class _NanGradient(torch.autograd.Function):
+    """Identity forward; NaN gradient in backward (a backward-only fault)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+class Layer(nn.Module):
+    """Linear + tanh; on ``bad_step`` it divides by zero in forward or poisons its backward."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.fault: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fault == "backward":
+            x = _NanGradient.apply(x)
+        y = torch.tanh(self.fc(x))
+        if self.fault == "forward":
+            y = y / torch.zeros((), dtype=y.dtype)
+        return y
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 8, layers: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(d) for _ in range(layers))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def train(model, monitor, steps, fault=None, optimizer=None, before_step=None):
+    """``fault = (step, layer index, "forward"|"backward")``."""
+    optimizer = optimizer or torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor.attach(model, optimizer)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for i, layer in enumerate(model.layers):
+            layer.fault = fault[2] if fault and fault[:2] == (step, i) else None
+        x = torch.randn(16, 8, generator=generator)
+        loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).tanh())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if before_step:
+            before_step(step)
+        monitor.step(loss=loss)
+
+
+def make_monitor(tmp_path, **anomaly):
+    return TrainerMonitor({"output_dir": str(tmp_path), "run_name": "run", "sinks": [],
+                           "activations": {"enabled": True, "metrics": ["norm", "nans"]},
+                           "anomaly": {"actions": ["jsonl"], **anomaly}})
+
+
+def read_events(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_forward_nan_first_origin_written_within_the_step(tmp_path):
+    torch.manual_seed(0)
+    model, monitor = Net(), make_monitor(tmp_path)
+    jsonl = tmp_path / "run" / "rank0" / "anomalies.jsonl"
+    seen_at_step = {}
+
+    def check(step):  # runs before monitor.step(): nothing may be there yet for this step
+        seen_at_step[step] = len(read_events(jsonl))
+
+    try:
+        train(model, monitor, 6, fault=(5, 2, "forward"), before_step=check)
+        at_step_5 = [e for e in read_events(jsonl) if e["step"] == 5]
+    finally:
+        monitor.close()
+    assert seen_at_step == {s: 0 for s in range(6)}
+    (event,) = at_step_5  # one event: the first origin; downstream NaNs are summarised in it
+    assert (event["step"], event["micro_step"], event["rank"], event["phase"]) == (5, 0, 0, "forward")
+    assert (event["family"], event["name"], event["detector"]) == ("actv", "layers.2.output", "nonfinite")
+    assert (event["metric"], event["value"]) == ("norm", "inf")  # tanh(.) / 0 is +-inf; no infs metric
+    assert "forward output of layers.2 " in event["message"]
+    assert "more non-finite values later in this step" in event["message"]
+
+
+def test_backward_only_nan_is_attributed_to_that_layers_backward(tmp_path):
+    torch.manual_seed(0)
+    model, monitor = Net(), make_monitor(tmp_path)
+    try:
+        train(model, monitor, 3, fault=(2, 1, "backward"))
+    finally:
+        monitor.close()
+    events = read_events(tmp_path / "run" / "rank0" / "anomalies.jsonl")
+    assert [(e["step"], e["phase"], e["family"], e["name"]) for e in events] == [
+        (2, "backward", "actv_grad", "layers.1.input_grad")]
+    assert "backward gradient w.r.t. the input of layers.1" in events[0]["message"]
+
+
+def test_raise_stops_training_with_the_first_origin(tmp_path):
+    torch.manual_seed(0)
+    model, monitor = Net(), make_monitor(tmp_path, actions=["jsonl", "raise"])
+    with pytest.raises(AnomalyError, match=r"first non-finite value at step 3, micro-step 0, rank 0: "
+                                           r"forward output of layers\.2 "):
+        try:
+            train(model, monitor, 10, fault=(3, 2, "forward"))
+        finally:
+            monitor.close()
+    assert [e["step"] for e in read_events(tmp_path / "run" / "rank0" / "anomalies.jsonl")] == [3]
+
+
+def test_layer_gradient_spike_warns_before_the_loss(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    monitor = make_monitor(tmp_path, detectors=[
+        {"type": "nonfinite"}, {"type": "loss_spike"},
+        {"type": "spike", "series": ["grad_reduced/*/norm"], "method": "mad", "min_relative_change": 1.0}])
+    current = {"step": 0}
+    handle = model.head.weight.register_hook(lambda g: g * 1000 if current["step"] == 40 else g)
+    try:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        train(model, monitor, 50, optimizer=optimizer, before_step=lambda s: current.update(step=s + 1))
+    finally:
+        handle.remove()
+        monitor.close()
+    events = read_events(tmp_path / "run" / "rank0" / "anomalies.jsonl")
+    assert events, "nothing fired"
+    first = events[0]
+    assert (first["step"], first["detector"], first["name"]) == (40, "spike", "head.weight")
+    loss_steps = [e["step"] for e in events if e["detector"] == "loss_spike"]
+    assert loss_steps and min(loss_steps) > 40
+
+
+# ----------------------------------------------------------------------------- 2 ranks
+def _worker(out_dir: str) -> None:
+    """One rank of the 2-rank run: DDP over gloo; only rank 1's layer 2 divides by zero at step 3."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(Net())
+    monitor = TrainerMonitor({"output_dir": out_dir, "run_name": "run", "sinks": [],
+                              "activations": {"enabled": True, "metrics": ["norm"]},
+                              "anomaly": {"actions": ["jsonl"]}})
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor.attach(model, optimizer)
+    generator = torch.Generator().manual_seed(rank)
+    try:
+        for step in range(4):
+            model.module.layers[2].fault = "forward" if (rank, step) == (1, 3) else None
+            x = torch.randn(16, 8, generator=generator)
+            loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True).tanh())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step(loss=loss)
+    finally:
+        monitor.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_analyse_names_the_bad_rank_step_and_module(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    result = analyse_run(tmp_path / "run", top=5)
+    first = result["first_origin"]
+    assert (first["rank"], first["step"], first["phase"]) == (1, 3, "forward")
+    assert first["name"].endswith("layers.2.output")
+    # rank 0 saw the NaN only after the gradient all-reduce, so it is listed after rank 1's origin
+    assert [(e["step"], e["rank"]) for e in result["first_by_step"]] == [(3, 1)]
+    assert result["counts"]["by_rank"] == {"0": 1, "1": 1}
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

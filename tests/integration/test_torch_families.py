@@ -1,0 +1,167 @@
+"""Every statistics family of a plain torch run equals an independent numpy float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.models import TinyNet, batch, loss_fn
+from tests.reference import METRICS, adam_update_np, assert_close, np_stats, read_family
+from trainmon import TrainerMonitor
+
+ALL = {"enabled": True, "metrics": METRICS}
+
+
+def _capture_activations(model: torch.nn.Module, store: dict) -> list:
+    """The test's own hooks (independent of trainmon) copying tensors to numpy."""
+    handles = []
+    for name, module in model.named_modules():
+        if not name or isinstance(module, torch.nn.ModuleList):
+            continue
+
+        def fwd(mod, args, out, name=name):
+            store.setdefault(f"{name}.output", []).append(out.detach().double().numpy().copy())
+            if isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                store.setdefault(f"{name}.input", []).append(args[0].detach().double().numpy().copy())
+
+        def bwd(mod, grad_in, grad_out, name=name):
+            store.setdefault(f"{name}.output_grad", []).append(grad_out[0].double().numpy().copy())
+            if grad_in[0] is not None:
+                store.setdefault(f"{name}.input_grad", []).append(grad_in[0].double().numpy().copy())
+
+        handles.append(module.register_forward_hook(fwd))
+        handles.append(module.register_full_backward_hook(bwd))
+    return handles
+
+
+def test_every_family_matches_numpy(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    with torch.no_grad():
+        model.layers[0].fc1.bias.zero_()  # exact zeros: exercises `zeros` and the ratio's param == 0 rule
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    config = {"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv", "tensorboard"],
+              "activations": ALL, "weight_grads": ALL, "params": ALL,
+              "optimizer_states": {"metrics": METRICS, "states": ["exp_avg", "exp_avg_sq", "update", "ratio"]}}
+    acts: dict[str, list[np.ndarray]] = {}
+    ref: dict[tuple[str, str, int], np.ndarray] = {}
+    monitor = TrainerMonitor(config).attach(model, optimizer)
+    handles = _capture_activations(model, acts)
+    losses = []
+    for step in range(3):
+        acts.clear()
+        loss = loss_fn(model, *batch(step))
+        loss.backward()
+        for name, p in model.named_parameters():
+            ref[("grad", name, step)] = p.grad.double().numpy().copy()
+            ref[("param", name, step)] = p.detach().double().numpy().copy()
+        optimizer.step()
+        for name, p in model.named_parameters():
+            state = optimizer.state[p]
+            ref[("exp_avg", name, step)] = state["exp_avg"].double().numpy().copy()
+            ref[("exp_avg_sq", name, step)] = state["exp_avg_sq"].double().numpy().copy()
+            update = adam_update_np(state["exp_avg"].numpy(), state["exp_avg_sq"].numpy(), float(step + 1),
+                                    (0.9, 0.999), 1e-8)
+            ref[("update", name, step)] = update
+            pnp = p.detach().double().numpy()
+            ref[("ratio", name, step)] = np.where(pnp != 0, update / np.where(pnp != 0, pnp, 1), 0.0)
+        for key, arrays in acts.items():
+            ref[("actv_capture", key, step)] = arrays[0]
+        optimizer.zero_grad()
+        monitor.step(loss=loss)
+        losses.append(float(loss))
+    for h in handles:
+        h.remove()
+    monitor.close()
+    rank_dir = tmp_path / "run" / "rank0"
+
+    # Weight gradients, parameters, optimizer states.
+    for family, kind in [("grad_unreduced", "grad"), ("grad_reduced", "grad"), ("param", "param"),
+                         ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"), ("update", "update"),
+                         ("ratio", "ratio")]:
+        frame = read_family(rank_dir, family)
+        assert list(frame.columns) == ["vpp_stage", "name", "step", "micro_step", *METRICS]
+        assert len(frame) == 3 * len(list(model.parameters())), family
+        for _, row in frame.iterrows():
+            assert_close(row, np_stats(ref[(kind, row["name"], row["step"])]), METRICS, label=f"{family} {row['name']}")
+
+    # Activations and activation gradients (forward inputs/outputs and full-backward grads).
+    for family in ("actv", "actv_grad"):
+        frame = read_family(rank_dir, family)
+        checked = 0
+        for _, row in frame.iterrows():
+            key = ("actv_capture", row["name"], row["step"])
+            if key in ref:
+                assert_close(row, np_stats(ref[key]), METRICS, label=f"{family} {row['name']}")
+                checked += 1
+        assert checked >= 10, (family, checked)
+    names = set(read_family(rank_dir, "actv")["name"])
+    assert {"layers.1.fc2.output", "layers.1.fc2.input", "embed.output", "head.output"} <= names
+    assert "layers.1.fc2.output_grad" in set(read_family(rank_dir, "actv_grad")["name"])
+
+    # Scalars: loss, global grad norm, learning rate.
+    scalars = read_family(rank_dir, "scalars")
+    loss_rows = scalars[scalars["name"] == "loss"]
+    np.testing.assert_allclose(loss_rows["value"].to_numpy(), losses, rtol=1e-6)
+    grad_norm = scalars[(scalars["name"] == "grad_norm") & (scalars["step"] == 2)]["value"].item()
+    want = np.sqrt(sum(np.sum(ref[("grad", n, 2)] ** 2) for n, _ in model.named_parameters()))
+    assert np.isclose(grad_norm, want, rtol=1e-5)
+    assert scalars[scalars["name"] == "lr/group0"]["value"].tolist() == [1e-2] * 3
+
+    # TensorBoard: tags {family}/{name}/{metric}, read back with tensorboard's reader.
+    events = EventAccumulator(str(rank_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "grad_reduced/layers.0.fc1.weight/norm" in tags and "scalars/loss" in tags
+    tb = [e.value for e in events.Scalars("grad_reduced/layers.0.fc1.weight/norm")]
+    csv_norms = read_family(rank_dir, "grad_reduced").query("name == 'layers.0.fc1.weight'")["norm"].tolist()
+    np.testing.assert_allclose(tb, csv_norms, rtol=1e-6)
+    assert (tmp_path / "run" / "run.json").exists()
+
+
+def test_gradient_accumulation_rows_per_micro_step(tmp_path):
+    torch.manual_seed(0)
+    model = TinyNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    config = {"output_dir": str(tmp_path), "run_name": "acc", "sinks": ["csv"], "targets": {"modules": ["head"]},
+              "activations": {"enabled": True, "metrics": ["norm"]},
+              "weight_grads": {"metrics": ["norm"], "per_micro_step": True},
+              "optimizer_states": {"states": ["momentum"], "metrics": ["norm"]}}
+    with TrainerMonitor(config) as monitor:
+        monitor.attach(model, optimizer, grad_acc_steps=2)
+        for step in range(2):
+            grads = []
+            for micro in range(2):
+                (loss_fn(model, *batch(10 * step + micro)) / 2).backward()
+                grads.append(model.head.weight.grad.double().numpy().copy())
+            optimizer.step()
+            momentum = optimizer.state[model.head.weight]["momentum_buffer"].double().numpy()
+            optimizer.zero_grad()
+            monitor.step()
+    rank_dir = tmp_path / "acc" / "rank0"
+    actv = read_family(rank_dir, "actv")
+    assert sorted(set(zip(actv["step"], actv["micro_step"]))) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    unreduced = read_family(rank_dir, "grad_unreduced").query("name == 'head.weight' and step == 1")
+    assert unreduced["micro_step"].tolist() == [0, 1]
+    for micro, grad in enumerate(grads):  # the accumulated gradient after each micro-step
+        assert np.isclose(unreduced["norm"].iloc[micro], np.linalg.norm(grad), rtol=1e-5)
+    reduced = read_family(rank_dir, "grad_reduced").query("name == 'head.weight' and step == 1")
+    assert reduced["micro_step"].tolist() == [1] and np.isclose(reduced["norm"].item(), np.linalg.norm(grads[-1]), rtol=1e-5)
+    mom = read_family(rank_dir, "momentum").query("name == 'head.weight' and step == 1")
+    assert np.isclose(mom["norm"].item(), np.linalg.norm(momentum), rtol=1e-5)
+
+
+def test_bf16_statistics_accumulate_in_float32(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(torch.bfloat16)
+    x = torch.randn(256, 64).to(torch.bfloat16)
+    config = {"output_dir": str(tmp_path), "run_name": "bf16", "sinks": ["csv"],
+              "activations": ALL, "weight_grads": {"enabled": False}, "optimizer_states": {"enabled": False}}
+    with TrainerMonitor(config) as monitor:
+        monitor.attach(model)
+        out = model(x)
+        monitor.step()
+    row = read_family(tmp_path / "bf16" / "rank0", "actv").query("name == '0.output'").iloc[0]
+    expected = np_stats(out.detach().float().numpy())
+    assert_close(row, expected, ["norm", "mean", "min", "max"], rtol=1e-4)

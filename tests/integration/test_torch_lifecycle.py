@@ -1,0 +1,247 @@
+"""Lifecycle, step control, targets, host transfers, failing outputs, struct, dynamic config."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from tests.models import TinyNet, batch, loss_fn
+from tests.reference import read_family
+from trainmon import TargetError, TrainerMonitor
+
+
+def _train(model, optimizer, monitor, steps, start=0):
+    for step in range(start, start + steps):
+        loss = loss_fn(model, *batch(step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step(loss=loss)
+
+
+def _setup(tmp_path, **config):
+    torch.manual_seed(0)
+    model = TinyNet()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    base = {"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"]}
+    return model, optimizer, TrainerMonitor({**base, **config})
+
+
+class _TransferCounter:
+    """Counts host-synchronising tensor calls made from trainmon code on the training thread.
+
+    ``numpy()`` of a CPU tensor is a zero-copy view (trainmon's CPU fast path for counts), not a
+    transfer, so it is counted only for tensors on another device; everything else always counts.
+    """
+
+    METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self._originals = {}
+
+    def __enter__(self):
+        main = threading.current_thread()
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+            self._originals[name] = original
+
+            def wrapper(tensor, *args, _original=original, _name=name, **kwargs):
+                view = _name == "numpy" and tensor.device.type == "cpu"
+                if not view and threading.current_thread() is main and _from_trainmon():
+                    self.calls.append(_name)
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _from_trainmon() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("trainmon"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_one_host_transfer_per_collected_step_and_none_otherwise(tmp_path):
+    model, optimizer, monitor = _setup(tmp_path, step_interval=2,
+                                       activations={"enabled": True}, params={"enabled": True})
+    monitor.attach(model, optimizer)
+    per_step = []
+    for step in range(4):
+        with _TransferCounter() as counter:
+            loss = loss_fn(model, *batch(step))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step(loss=loss)
+        per_step.append(counter.calls)
+    monitor.close()
+    # The one transfer is the `.cpu()` of the stacked statistics.
+    assert per_step[0] == ["cpu"] and per_step[2] == ["cpu"], per_step
+    assert per_step[1] == [] and per_step[3] == [], per_step
+
+
+def test_step_control(tmp_path):
+    model, optimizer, monitor = _setup(tmp_path, start_step=2, step_interval=3, collect_times=2)
+    monitor.attach(model, optimizer)
+    _train(model, optimizer, monitor, 12)
+    monitor.close()
+    steps = sorted(set(read_family(tmp_path / "run" / "rank0", "grad_reduced")["step"]))
+    assert steps == [2, 5]
+
+
+def test_uncollected_steps_leave_no_hooks_armed(tmp_path):
+    model, optimizer, monitor = _setup(tmp_path, step_interval=10, activations={"enabled": True})
+    monitor.attach(model, optimizer)
+    assert len(model.layers[0].fc1._forward_hooks) == 1  # step 0 is collected
+    _train(model, optimizer, monitor, 1)
+    assert len(model.layers[0].fc1._forward_hooks) == 0
+    assert not model.layers[0].fc1.weight._post_accumulate_grad_hooks
+    monitor.close()
+
+
+def test_ranks_not_selected_writes_nothing(tmp_path):
+    model, optimizer, monitor = _setup(tmp_path, ranks=[1])
+    monitor.attach(model, optimizer)
+    _train(model, optimizer, monitor, 2)
+    monitor.close()
+    assert not (tmp_path / "run" / "rank0").exists()
+
+
+def test_targets_glob_regex_and_errors(tmp_path):
+    model, optimizer, monitor = _setup(tmp_path, targets={"modules": ["layers.*.fc1"], "params": ["re:^head\\."]},
+                                       activations={"enabled": True, "metrics": ["norm"]})
+    monitor.attach(model, optimizer)
+    _train(model, optimizer, monitor, 1)
+    monitor.close()
+    rank_dir = tmp_path / "run" / "rank0"
+    modules = {name.rsplit(".", 1)[0] for name in read_family(rank_dir, "actv")["name"]}
+    assert modules == {"layers.0.fc1", "layers.1.fc1"}
+    assert set(read_family(rank_dir, "grad_reduced")["name"]) == {"head.weight", "head.bias"}
+
+    model, optimizer, monitor = _setup(tmp_path, targets={"modules": ["layers.0.fc3"]},
+                                       activations={"enabled": True})
+    with pytest.raises(TargetError, match=r"targets.modules\[0\].*close names: .*'layers.0.fc1'"):
+        monitor.attach(model, optimizer)
+    monitor.close()
+
+
+def test_close_is_idempotent_and_works_after_an_exception(tmp_path):
+    model, optimizer, monitor = _setup(tmp_path, activations={"enabled": True})
+    with pytest.raises(RuntimeError, match="boom"):
+        with monitor:
+            monitor.attach(model, optimizer)
+            loss_fn(model, *batch(0)).backward()
+            raise RuntimeError("boom")
+    monitor.close()
+    monitor.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        monitor.attach(model, optimizer)
+
+
+def test_the_optimizer_hook_ends_steps_without_monitor_step(tmp_path):
+    model, optimizer, monitor = _setup(tmp_path)
+    monitor.attach(model, optimizer)
+    for step in range(3):
+        loss_fn(model, *batch(step)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
+    assert sorted(set(read_family(tmp_path / "run" / "rank0", "exp_avg")["step"])) == [0, 1, 2]
+
+
+def test_unwritable_output_dir_warns_once_and_training_completes(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    model, optimizer, _ = _setup(tmp_path)
+    monitor = TrainerMonitor({"output_dir": str(blocker / "out"), "activations": {"enabled": True}})
+    monitor.attach(model, optimizer)
+    _train(model, optimizer, monitor, 3)
+    monitor.close()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "trainmon" in r.getMessage()]
+    assert len(warnings) == 1 and "outputs are disabled" in warnings[0].getMessage()
+
+
+def test_a_failing_sink_is_disabled_with_one_warning(tmp_path, caplog):
+    model, optimizer, monitor = _setup(tmp_path)
+    monitor.attach(model, optimizer)
+    _train(model, optimizer, monitor, 1)
+    monitor._session.writer.sinks[0].write = _raise_disk_full  # what a full disk looks like to a sink
+    _train(model, optimizer, monitor, 3, start=1)
+    monitor.close()
+    warnings = [r for r in caplog.records if "disabled" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
+
+
+def _raise_disk_full(record):
+    raise OSError(28, "No space left on device")
+
+
+def test_print_struct_writes_module_tree(tmp_path):
+    model, optimizer, monitor = _setup(tmp_path, print_struct=True)
+    monitor.attach(model, optimizer)
+    _train(model, optimizer, monitor, 2)
+    monitor.close()
+    tree = json.loads((tmp_path / "run" / "rank0" / "module_struct.json").read_text())
+    fc1 = tree["children"]["layers"]["children"]["0"]["children"]["fc1"]
+    assert fc1["class"] == "Linear"
+    assert fc1["tensors"]["output"] == {"shape": [4, 8, 32], "dtype": "float32"}
+
+
+def test_dynamic_config_applies_from_next_step_and_ignores_broken_edits(tmp_path, caplog):
+    path = tmp_path / "monitor.yaml"
+    path.write_text(f"output_dir: {tmp_path}\nrun_name: dyn\nsinks: [csv]\ndynamic: {{watch: true, poll_seconds: 0}}\n")
+    before = path.read_bytes()
+    torch.manual_seed(0)
+    model = TinyNet()
+    optimizer = torch.optim.Adam(model.parameters())
+    monitor = TrainerMonitor(path).attach(model, optimizer)
+    _train(model, optimizer, monitor, 2)
+    path.write_text(before.decode() + "activations: {enabled: true, metric: [norm]}\n")  # typo: ignored
+    _train(model, optimizer, monitor, 1, start=2)
+    path.write_text(before.decode() + "activations: {enabled: true, metrics: [norm]}\n")
+    _train(model, optimizer, monitor, 1, start=3)  # step 3 picks the change up at its end
+    _train(model, optimizer, monitor, 1, start=4)
+    path.write_text(before.decode() + "enabled: false\n")
+    _train(model, optimizer, monitor, 2, start=5)
+    monitor.close()
+    rank_dir = tmp_path / "dyn" / "rank0"
+    assert sorted(set(read_family(rank_dir, "actv")["step"])) == [4, 5]
+    assert max(read_family(rank_dir, "grad_reduced")["step"]) == 5
+    assert any("activations.metric" in r.getMessage() for r in caplog.records)
+    assert b"enabled: false" in path.read_bytes()  # the user's file is never rewritten by trainmon
+
+
+def test_from_msprobe(tmp_path, caplog):
+    path = tmp_path / "msprobe.json"
+    path.write_text(json.dumps({"targets": {"layers.0.fc1": {}}, "xy_distribution": True, "all_xy": True,
+                                "wg_distribution": True, "mv_distribution": False, "ops": ["norm", "max", "id"],
+                                "format": "csv", "ndigits": 12, "step_interval": 1, "start_step": 0}))
+    monitor = TrainerMonitor.from_msprobe(path)
+    assert monitor.config.activations.enabled and monitor.config.activations.metrics == ["norm", "max"]
+    assert not monitor.config.optimizer_states.enabled and monitor.config.sinks == ["csv"]
+    assert monitor.config.targets.modules == ["layers.0.fc1"]
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "ndigits" in messages and "'id'" in messages
+    monitor.close()
+
+
+def test_import_trainmon_pulls_in_no_framework():
+    code = ("import sys, trainmon; bad = [m for m in ('torch', 'deepspeed', 'megatron', 'mindspore') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

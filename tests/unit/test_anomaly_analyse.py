@@ -1,0 +1,84 @@
+"""``trainmon analyse`` against a brute-force reference, corrupt lines, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from trainmon.anomaly.analyse import analyse_run, parse_steps
+from trainmon.anomaly.events import AnomalyEvent
+from trainmon.cli import main
+
+PHASE_RANK = {"forward": 0, "loss": 1, "backward": 2, "communication": 3, "optimizer": 4}
+
+
+def reference_key(e):
+    """DESIGN.md: step, micro-step, phase, stage (ascending forward, descending backward), order."""
+    back = e["phase"] == "backward"
+    stage = (-e["vpp_stage"], -e["pp_stage"]) if back else (e["vpp_stage"], e["pp_stage"])
+    return (e["step"], e["micro_step"], PHASE_RANK[e["phase"]], *stage, e["order"], e["rank"])
+
+
+def write_run(root, ranks=6, per_rank=80, seed=0):
+    rng = random.Random(seed)
+    good = []
+    for rank in range(ranks):
+        lines = []
+        for _ in range(per_rank):
+            e = AnomalyEvent(rng.randrange(10), rng.randrange(2), rank, rng.choice(list(PHASE_RANK)), "actv",
+                             f"layers.{rng.randrange(4)}.output", "norm", rng.choice([1.5, float("nan")]), 1.0,
+                             rng.choice(["spike", "nonfinite"]), "m", rng.randrange(50), rank % 3,
+                             rng.randrange(2), "2026-11-21T10:00:00.000Z")
+            good.append(e.to_dict())
+            # other writers may order keys differently: the slow path must read them too
+            lines.append(json.dumps(e.to_dict(), sort_keys=True) if rng.random() < 0.1 else e.to_json())
+        if rank == 2:
+            lines.insert(5, '{"step": 1, "micro_ste')          # truncated (crash mid-write)
+            lines.insert(9, "")                                 # blank lines are fine
+            lines.insert(12, json.dumps({**good[-1], "step": "7"}))  # wrong type
+        (root / f"rank{rank}").mkdir(parents=True)
+        (root / f"rank{rank}" / "anomalies.jsonl").write_text("\n".join(lines) + "\n")
+    return good
+
+
+def test_analyse_matches_brute_force_reference(tmp_path):
+    good = write_run(tmp_path)
+    result = analyse_run(tmp_path, top=15)
+    ordered = sorted(good, key=reference_key)
+    assert [reference_key(e) for e in result["top"]] == [reference_key(e) for e in ordered[:15]]
+    assert result["first_origin"] == result["top"][0]
+    assert result["events"] == len(good) and result["files"] == 6
+    firsts = {}
+    for e in ordered:
+        firsts.setdefault(e["step"], e)
+    assert [reference_key(e) for e in result["first_by_step"]] == [reference_key(firsts[s]) for s in sorted(firsts)]
+    assert result["counts"]["by_rank"] == {str(r): 80 for r in range(6)}
+    assert sum(result["counts"]["by_detector"].values()) == len(good)
+    assert [(c["file"], c["line"]) for c in result["corrupt"]] == [("rank2/anomalies.jsonl", 6),
+                                                                  ("rank2/anomalies.jsonl", 13)]
+    subset = analyse_run(tmp_path, top=1000, steps={3, 5})
+    assert sorted(reference_key(e) for e in subset["top"]) == sorted(
+        reference_key(e) for e in good if e["step"] in (3, 5))
+
+
+def test_parse_steps():
+    assert parse_steps("1,3,5-9") == {1, 3, 5, 6, 7, 8, 9}
+    for bad in ("", "1,,2", "5-3", "a"):
+        with pytest.raises(ValueError):
+            parse_steps(bad)
+
+
+def test_cli(tmp_path, capsys):
+    write_run(tmp_path / "run", ranks=2, per_rank=10)
+    assert main(["analyse", str(tmp_path / "run"), "--top", "3", "-o", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr()
+    assert "first origin:" in out.out and "rank  step  micro  phase" in out.out
+    written = json.loads((tmp_path / "out" / "anomaly_analyse.json").read_text())
+    assert len(written["top"]) == 3
+    assert main(["analyse", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["analyse", str(tmp_path / "run"), "--steps", "4-1"])
+    assert info.value.code == 2

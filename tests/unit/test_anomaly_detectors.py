@@ -1,0 +1,202 @@
+"""Detectors on synthetic step records, checked against independent numpy references."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from trainmon.anomaly.detectors import build_detectors
+from trainmon.config import load_config
+from trainmon.errors import ConfigError
+from trainmon.records import Row, RowKey, StepRecord
+
+NAN, INF = math.nan, math.inf
+
+# Synthetic host records (what build_record produces after a transfer); also used by test_anomaly_engine.
+
+
+def row(step: int, family: str, name: str, order: int, micro_step: int = 0, vpp_stage: int = 0,
+        **values: float) -> Row:
+    """A row whose non-finite flag follows its values (``nonfinite=True`` may be forced)."""
+    forced = values.pop("nonfinite", None)
+    nonfinite = any(not math.isfinite(v) for v in values.values()) if forced is None else bool(forced)
+    return Row(RowKey(family, name, micro_step, vpp_stage, order), step, values, nonfinite)
+
+
+def record(step: int, rows: list[Row] | None = None, rank: int = 0, pp_stage: int = 0, **scalars: float) -> StepRecord:
+    return StepRecord(step=step, rank=rank, rows=rows or [], scalars=dict(scalars), pp_stage=pp_stage)
+
+
+def run(detectors, records):
+    return [event for rec in records for d in detectors for event in d.update(rec, "t")]
+
+
+@pytest.mark.parametrize("spec, key", [
+    ({"type": "spikes"}, "anomaly.detectors[0].type"),
+    ({"type": "spike", "treshold": 3}, "anomaly.detectors[0].treshold"),
+    ({"type": "spike", "threshold": "3"}, "anomaly.detectors[0].threshold"),
+    ({"type": "spike", "method": "zscore"}, "anomaly.detectors[0].method"),
+    ({"type": "spike", "series": ["grad_reduced/*/l2"]}, "anomaly.detectors[0].series[0]"),
+    ({"type": "spike", "window": 1}, "anomaly.detectors[0].window"),
+    ({"type": "loss_spike", "series": ["loss"]}, "anomaly.detectors[0].series"),
+    ({"type": "nonfinite", "families": ["activations"]}, "anomaly.detectors[0].families"),
+])
+def test_bad_specs_fail_at_config_construction(spec, key):
+    with pytest.raises(ConfigError) as info:
+        load_config({"anomaly": {"detectors": [spec]}})
+    assert info.value.key == key
+    assert "allowed" in str(info.value) or "must" in str(info.value)
+
+
+def test_nonfinite_reports_first_origin_and_summarises_the_rest():
+    rows = [row(5, "actv", "layers.0.mlp.output", 0, norm=1.0),
+            row(5, "actv", "layers.1.mlp.output", 1, norm=2.0),
+            row(5, "actv", "layers.2.mlp.output", 2, norm=NAN, nans=4.0),
+            row(5, "actv", "layers.3.mlp.output", 3, norm=NAN, nans=16.0),
+            # backward rows come in reverse module order; the NaN reached them from the forward pass
+            row(5, "actv_grad", "layers.3.mlp.output_grad", 4, norm=NAN),
+            row(5, "actv_grad", "layers.2.mlp.input_grad", 5, nonfinite=True),  # no stats configured
+            row(5, "grad_reduced", "layers.0.fc1.weight", 6, norm=INF)]
+    (event,) = run(build_detectors([{"type": "nonfinite"}]), [record(5, rows, rank=3, loss=NAN, grad_norm=NAN)])
+    assert (event.step, event.micro_step, event.rank, event.phase) == (5, 0, 3, "forward")
+    assert (event.family, event.name, event.metric, event.value, event.order) == (
+        "actv", "layers.2.mlp.output", "nans", 4.0, 2)
+    assert "forward output of layers.2.mlp" in event.message
+    assert "6 more non-finite values" in event.message
+    assert "actv 1, actv_grad 2, grad_reduced 1, scalars 2" in event.message
+
+
+def test_nonfinite_backward_only_and_loss_only():
+    rows = [row(1, "actv", "a.output", 0, norm=1.0),
+            row(1, "actv_grad", "b.input_grad", 1, norm=1.0),
+            row(1, "actv_grad", "a.input_grad", 2, norm=INF, infs=1.0)]
+    (event,) = run(build_detectors([{"type": "nonfinite"}]), [record(1, rows, loss=2.0)])
+    assert (event.phase, event.name, event.metric) == ("backward", "a.input_grad", "infs")
+    assert "backward gradient w.r.t. the input of a" in event.message
+    (event,) = run(build_detectors([{"type": "nonfinite"}]), [record(2, rows[:1], loss=NAN)])
+    assert (event.family, event.name, event.phase) == ("scalars", "loss", "loss")
+
+
+def test_nonfinite_orders_micro_steps_before_phases():
+    rows = [row(0, "actv", "a.output", 0, micro_step=0, norm=1.0),
+            row(0, "actv_grad", "a.output_grad", 1, micro_step=0, norm=NAN),
+            row(0, "actv", "a.output", 2, micro_step=1, norm=NAN)]
+    (event,) = run(build_detectors([{"type": "nonfinite"}]), [record(0, rows)])
+    assert (event.micro_step, event.phase) == (0, "backward")
+
+
+def ema_reference(values, alpha, warmup, threshold):
+    """Independent float64 EMA z-score: plain mean/var during warm-up weights, winsorised spikes."""
+    fired, mean, var = [], 0.0, 0.0
+    for n, x in enumerate(values):
+        sd = max(math.sqrt(var), 1e-6 * abs(mean), 1e-30)
+        z = (x - mean) / sd
+        fire = n >= warmup and z > threshold
+        fired.append(fire)
+        fed = np.clip(x, mean - threshold * sd, mean + threshold * sd) if fire else x
+        a = max(alpha, 1 / (n + 1))
+        d = fed - mean
+        mean, var = mean + a * d, (1 - a) * (var + a * d * d)
+    return fired
+
+
+def test_spike_ema_and_mad_match_numpy_references_and_ignore_nan():
+    rng = np.random.default_rng(0)
+    values = list(1.0 + 0.05 * rng.standard_normal(120))
+    values[60] = 3.0
+    values[90] = 1.6
+    with_nan = values[:30] + [NAN, INF] + values[30:]
+    ema = build_detectors([{"type": "spike", "series": ["grad_norm"], "method": "ema", "alpha": 0.2}])
+    fired = {e.step for e in run(ema, [record(s, grad_norm=v) for s, v in enumerate(with_nan)])}
+    expected = {s + (2 if s >= 30 else 0) for s, f in enumerate(ema_reference(values, 0.2, 10, 6.0)) if f}
+    assert fired == expected and {62, 92} <= fired
+
+    mad = build_detectors([{"type": "spike", "series": ["grad_norm"], "method": "mad", "window": 20}])
+    events = run(mad, [record(s, grad_norm=v) for s, v in enumerate(values)])
+    window = values[40:60]
+    med = float(np.median(window))
+    scale = 1.4826 * float(np.median(np.abs(np.array(window) - med)))
+    assert [e.step for e in events] == [60, 90]
+    assert events[0].baseline == pytest.approx(med, rel=1e-12)
+    assert f"z={(3.0 - med) / scale:.4g}" in events[0].message
+
+
+def test_relative_mode_reproduces_msprobe_turbulence_without_nan_poisoning():
+    values = [1.0, 1.2, 0.9, 1.1, 2.0, NAN, 1.0, 1.9, -1.0]
+    det = build_detectors([{"type": "spike", "series": ["loss"], "method": "relative", "threshold": 0.5}])
+    fired = [e.step for e in run(det, [record(s, loss=v) for s, v in enumerate(values)])]
+    # msprobe: baseline = mean of every earlier value; fires when value > baseline * 1.5
+    expected, history = [], []
+    for s, v in enumerate(values):
+        if math.isnan(v):
+            continue
+        if history and v > np.mean(history) * 1.5:
+            expected.append(s)
+        history.append(v)
+    assert fired == expected == [4, 7]
+
+
+def test_loss_spike_fires_on_4x_jump_only_and_not_on_healthy_noise():
+    for seed in range(5):
+        rng = np.random.default_rng(seed)
+        t = np.arange(200)
+        healthy = (2.5 * np.exp(-t / 50) + 0.5) * np.exp(0.1 * rng.standard_normal(200))
+        assert run(build_detectors([{"type": "loss_spike"}]), [record(s, loss=v) for s, v in enumerate(healthy)]) == []
+        spiky = healthy.copy()
+        spiky[30] *= 4
+        events = run(build_detectors([{"type": "loss_spike"}]), [record(s, loss=v) for s, v in enumerate(spiky)])
+        assert [(e.step, e.detector, e.name) for e in events] == [(30, "loss_spike", "loss")]
+
+
+def test_layer_gradient_spike_fires_before_the_loss():
+    rng = np.random.default_rng(1)
+    detectors = build_detectors([{"type": "spike", "series": ["grad_reduced/*/norm"], "method": "mad"},
+                                 {"type": "loss_spike"}])
+    records = []
+    for s in range(80):
+        norms = np.exp(0.2 * rng.standard_normal(4))
+        if s == 50:
+            norms[2] *= 30
+        rows = [row(s, "grad_reduced", f"layers.{i}.weight", i, norm=float(n)) for i, n in enumerate(norms)]
+        loss = (1.0 + 0.05 * rng.standard_normal()) * (5.0 if s == 51 else 1.0)
+        records.append(record(s, rows, loss=loss))
+    events = run(detectors, records)
+    assert [(e.step, e.detector, e.name) for e in events] == [
+        (50, "spike", "layers.2.weight"), (51, "loss_spike", "loss")]
+
+
+@pytest.mark.parametrize("spec", [{"type": "nonfinite"}, {"type": "loss_spike", "warmup": 3},
+                                  {"type": "spike", "series": ["loss", "actv/*/norm"], "method": "ema"},
+                                  {"type": "spike", "series": ["actv/re:^l/norm"], "method": "mad", "window": 5},
+                                  {"type": "spike", "series": ["loss"], "method": "relative"}])
+def test_state_dict_round_trip_resumes_identically(spec):
+    rng = np.random.default_rng(2)
+    records = []
+    for s in range(60):
+        value = float(1 + 0.1 * rng.standard_normal()) * (6 if s in (20, 45) else 1)
+        rows = [row(s, "actv", f"l{i}.output", i, micro_step=m, norm=value * (i + 1))
+                for m in range(2) for i in range(2)]
+        records.append(record(s, rows, loss=NAN if s == 30 else value))
+    whole = build_detectors([spec])
+    expected = [e.to_dict() for e in run(whole, records)]
+    first = build_detectors([spec])
+    events = run(first, records[:25])
+    state = json.loads(json.dumps(first[0].state_dict()))  # checkpoints may go through JSON
+    resumed = build_detectors([spec])
+    resumed[0].load_state_dict(state)
+    events += run(resumed, records[25:])
+    assert [e.to_dict() for e in events] == expected
+    assert resumed[0].state_dict() == whole[0].state_dict()
+    assert len(expected) > 0
+
+
+def test_spike_state_never_holds_nan():
+    det = build_detectors([{"type": "spike", "series": ["loss", "actv/*/norm"], "method": "ema"}])[0]
+    for s, v in enumerate([1.0, NAN, INF, -INF, 1.1, NAN]):
+        det.update(record(s, [row(s, "actv", "a.output", 0, norm=v)], loss=v), "t")
+    state = json.dumps(det.state_dict(), allow_nan=False)  # raises on NaN/Inf
+    assert '"count": 2' in state

@@ -1,0 +1,76 @@
+"""`trainmon grad-compare` on hand-written direction files (framework-free)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from trainmon.cli import main as cli_main
+from trainmon.probe.compare import compare, scan_run
+from trainmon.probe.storage import direction_path, read_direction_header, write_direction_file
+
+
+def _write(run: Path, rank: int, step: int, name: str, signs: np.ndarray, vpp_stage: int = 0) -> None:
+    header = {"name": name, "vpp_stage": vpp_stage, "step": step, "shape": list(signs.shape),
+              "numel": int(signs.size), "count": int(signs.size), "sample": None}
+    path = direction_path(run / f"rank{rank}" / "grad_probe", step, name, vpp_stage)
+    write_direction_file(path, header, np.packbits(signs.ravel() > 0, bitorder="little"))
+
+
+def test_similarities_summaries_and_reported_mismatches(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    expected = {}
+    for step in (0, 1):
+        for name, n in (("w", 37), ("v", 200)):
+            ga, gb = rng.standard_normal(n), rng.standard_normal(n)
+            gb[: n // 2] = ga[: n // 2]
+            _write(a_dir, 0, step, name, ga)
+            _write(b_dir, 0, step, name, gb)
+            expected[(step, name)] = (np.mean((ga > 0) == (gb > 0)), n)
+    _write(a_dir, 0, 2, "w", rng.standard_normal(37))  # step 2 only in A
+    _write(a_dir, 1, 0, "w", rng.standard_normal(37))  # rank 1 only in A
+    _write(a_dir, 0, 1, "shape", rng.standard_normal((4, 3)))
+    _write(b_dir, 0, 1, "shape", rng.standard_normal((3, 4)))  # same numel, other shape: not compared
+    _write(b_dir, 0, 0, "only_b", rng.standard_normal(5))
+    _write(a_dir, 0, 0, "w", rng.standard_normal(37), vpp_stage=1)  # a chunk only in A
+    assert read_direction_header(direction_path(a_dir / "rank0/grad_probe", 0, "w", 0)).path.stat().st_size > 5
+
+    out = tmp_path / "out"
+    assert cli_main(["grad-compare", str(a_dir), str(b_dir), "-o", str(out), "--no-plots"]) == 0
+    df = pd.read_csv(out / "similarities.csv", keep_default_na=False)
+    params = df[df["kind"] == "param"]
+    assert len(params) == 4
+    for _, row in params.iterrows():
+        want, n = expected[(row["step"], row["name"])]
+        assert row["similarity"] == want and row["count"] == n
+    for step in (0, 1):
+        sims = np.array([expected[(step, name)][0] for name in ("w", "v")])
+        counts = np.array([expected[(step, name)][1] for name in ("w", "v")])
+        rows = df[df["step"] == step].set_index("kind")
+        assert np.isclose(rows.loc["element_weighted", "similarity"], (sims * counts).sum() / counts.sum())
+        assert np.isclose(rows.loc["param_averaged", "similarity"], sims.mean())
+    problems = (out / "problems.txt").read_text().splitlines()
+    assert "rank 1 only in run A" in problems
+    assert "rank 0: step 2 only in run A" in problems
+    assert "rank 0 step 0: parameter only_b only in run B" in problems
+    assert "rank 0 step 0: parameter w (vpp 1) only in run A" in problems
+    assert any(p.startswith("rank 0 step 1: parameter shape differs in layout") for p in problems)
+    assert "warning: rank 1 only in run A" in capsys.readouterr().err
+    self_cmp = compare(scan_run(a_dir), scan_run(a_dir))
+    assert not self_cmp.problems and all(r["similarity"] == 1.0 for r in self_cmp.rows)
+
+
+def test_bad_usage_exits_2_with_one_line(tmp_path, capsys):
+    _write(tmp_path / "a", 0, 0, "w", np.ones(3))
+    _write(tmp_path / "b", 1, 0, "w", np.ones(3))
+    (tmp_path / "empty").mkdir()
+    cases = [[str(tmp_path / "missing"), str(tmp_path / "a")], [str(tmp_path / "a"), str(tmp_path / "empty")],
+             [str(tmp_path / "a"), str(tmp_path / "b")]]
+    for case in cases:
+        capsys.readouterr()
+        assert cli_main(["grad-compare", *case, "-o", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("trainmon grad-compare: error:") and "\n" not in err, err

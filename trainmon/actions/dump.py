@@ -1,0 +1,373 @@
+"""Targeted msprobe-style dump of the modules implicated by an anomaly.
+
+Only the requested modules are hooked, and only during the requested step; every other step
+runs with no hook of ours. The layout and the ``dump.json`` schema follow msprobe's L0 dump::
+
+    rank{R}/dump/step{S}/dump.json  stack.json  construct.json  dump_tensor_data/*.pt
+
+Statistics are computed on the device in the hooks and copied to the host once at the end of
+the dump step; files are written by a background thread. ``tensor`` and ``md5`` modes copy
+tensors to the host in the hooks (that is the point of a dump; it only happens on dump steps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import traceback
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainmon.actions.naming import is_within, module_parents, modules_for_events, safe_file_name
+from trainmon.collect.hooks import HookRegistry
+from trainmon.rundir import write_json
+from trainmon.targets import select
+
+if TYPE_CHECKING:
+    from trainmon.config import DumpConfig
+
+logger = logging.getLogger("trainmon")
+_GROUP = "dump"
+_SKIP_FRAMES = (os.sep + "torch" + os.sep, os.sep + "trainmon" + os.sep)
+
+
+def tensor_statistics(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``[Max, Min, Mean, Norm]`` of a tensor on its device (no host sync); None when empty.
+
+    Low-precision and integer tensors are measured in float32, float64 tensors in float64.
+    """
+    x = tensor.detach()
+    if x.numel() == 0:
+        return None
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if not x.is_floating_point():
+        x = x.to(torch.float32)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    lo, hi = torch.aminmax(x)
+    return torch.stack([hi.to(acc), lo.to(acc), x.mean(dtype=acc), torch.linalg.vector_norm(x, dtype=acc)])
+
+
+class _Capture:
+    """What one dump step captured; filled by hooks on the training thread."""
+
+    def __init__(self, step: int, mode: str, max_bytes: int) -> None:
+        self.step = step
+        self.mode = mode
+        self.max_bytes = max_bytes
+        self.data: dict[str, dict[str, Any]] = {}
+        self.stack: dict[str, list[str]] = {}
+        self.construct: dict[str, str | None] = {}
+        self.stats: list[torch.Tensor] = []
+        self.stat_targets: list[dict[str, Any]] = []
+        self.files: dict[str, torch.Tensor] = {}
+        self.hashes: list[tuple[dict[str, Any], torch.Tensor]] = []
+        self.bytes = 0
+        self.budget_hit = False
+
+    def describe(self, value: Any, stem: str) -> Any:
+        """msprobe's description of an argument; tensors get statistics (filled in later)."""
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, stem)
+        if isinstance(value, (list, tuple)):
+            return [self.describe(item, f"{stem}.{i}") for i, item in enumerate(value)]
+        if isinstance(value, dict):
+            return {str(k): self.describe(v, f"{stem}.{k}") for k, v in value.items()}
+        if value is None:
+            return None
+        if isinstance(value, (bool, int, float, str)):
+            return {"type": type(value).__name__, "value": value}
+        if isinstance(value, (torch.dtype, torch.device, torch.Size, slice)):
+            return {"type": type(value).__name__, "value": str(value)}
+        return {"type": type(value).__name__}
+
+    def _tensor(self, tensor: torch.Tensor, stem: str) -> dict[str, Any]:
+        desc: dict[str, Any] = {"type": "torch.Tensor", "dtype": str(tensor.dtype), "shape": list(tensor.shape),
+                                "Max": None, "Min": None, "Mean": None, "Norm": None,
+                                "requires_grad": bool(tensor.requires_grad)}
+        stats = tensor_statistics(tensor)
+        if stats is not None:
+            self.stats.append(stats)
+            self.stat_targets.append(desc)
+        if self.mode == "statistics":
+            return desc
+        file_name = safe_file_name(stem, ".pt")
+        previous = self.files.pop(file_name, None)  # a parameter grad re-captured at a later micro-step
+        if previous is not None:
+            self.bytes -= previous.numel() * previous.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.bytes + nbytes > self.max_bytes:
+            if not self.budget_hit:
+                logger.warning("trainmon dump: step %d reached dump.max_bytes=%d; later tensors keep their "
+                               "statistics but are not %s", self.step, self.max_bytes,
+                               "saved" if self.mode == "tensor" else "hashed")
+            self.budget_hit = True
+            return desc
+        self.bytes += nbytes
+        host = tensor.detach().to("cpu", copy=True)  # sync: the dump's host copy (dump steps only)
+        if self.mode == "tensor":
+            self.files[file_name] = host
+            desc["data_name"] = file_name
+        else:
+            self.hashes.append((desc, host))
+        return desc
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """Copy ``[4]`` statistics tensors to the host with one transfer per device."""
+    out: list[list[float]] = [[] for _ in tensors]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(i)
+    for device, indices in by_device.items():
+        dtype = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+        stacked = torch.stack([tensors[i].to(dtype) for i in indices])
+        values = stacked.cpu().tolist()  # sync: the one statistics transfer of a dump step
+        for i, row in zip(indices, values):
+            out[i] = row
+    return out
+
+
+class TargetedDump:
+    """Dump the inputs, outputs, parameters and gradients of a few modules during one step.
+
+    The owner calls :meth:`begin_step` before each step's first forward and :meth:`end_step`
+    after its optimizer step (on every step, collected or not: both return at once when no
+    dump is due). Requests come from :meth:`request` (``monitor.dump``) or :meth:`on_anomaly`
+    (the ``dump`` anomaly action) and apply to a step that has not begun yet.
+
+    Args:
+        model: the root module (inside any DDP wrapper).
+        rank_dir: ``{output_dir}/{run_name}/rank{R}``; dumps go to ``rank_dir/dump/step{S}``.
+        config: the ``dump`` section.
+
+    Example:
+        >>> dump = TargetedDump(model, Path("out/run/rank0"), DumpConfig(enabled=True))  # doctest: +SKIP
+        >>> dump.request(["layers.2"], steps=[6])  # doctest: +SKIP
+    """
+
+    def __init__(self, model: torch.nn.Module, rank_dir: Path, config: DumpConfig) -> None:
+        self.model = model
+        self.rank_dir = Path(rank_dir)
+        self.config = config
+        self.parents = module_parents(model)
+        self._modules = {name: module for name, module in model.named_modules() if name}
+        self._registry = HookRegistry()
+        self._requests: dict[int, set[str]] = {}
+        self._next: set[str] = set()
+        self._step: int | None = None
+        self._capture: _Capture | None = None
+        self._dumps = 0
+        self._refused = False
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: list[Future[Path]] = []
+        self.written: list[Path] = []
+        """Dump directories written so far (complete once :meth:`flush` returns)."""
+        self._calls: dict[str, int] = {}
+        self._open: list[tuple[str, str]] = []
+        self._backward_calls: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ requests
+    def request(self, modules: Iterable[str], steps: Iterable[int] | None = None) -> list[str]:
+        """Dump ``modules`` (exact names, globs or ``re:`` regexes) on ``steps`` (default: the next step).
+
+        Returns:
+            The module names that will be dumped (none when ``dump.enabled`` is false).
+
+        Raises:
+            TargetError: a pattern matches no module.
+        """
+        names = select(list(self._modules), list(modules), "dump.modules")
+        if not self.config.enabled:
+            logger.warning("trainmon dump: dump.enabled is false; the request for %s is ignored", names)
+            return []
+        if steps is None:
+            self._next.update(names)
+            return names
+        for step in steps:
+            if self._step is not None and step <= self._step:
+                logger.warning("trainmon dump: step %d has already begun; not dumped", step)
+                continue
+            self._requests.setdefault(int(step), set()).update(names)
+        return names
+
+    def on_anomaly(self, events: Iterable[Any]) -> list[str]:
+        """The ``dump`` action: dump the first-origin event's module and its neighbours next step.
+
+        Args:
+            events: the step's anomaly events, first-origin first (objects with ``name``/``family``).
+
+        Returns:
+            The module names requested (empty when no event implicates a module).
+        """
+        names = modules_for_events(events, self.parents, self.config.depth)
+        if names and self.config.enabled:
+            self._next.update(names)
+        return names
+
+    # ------------------------------------------------------------------ step lifecycle
+    def begin_step(self, step: int) -> None:
+        """Arm hooks on the modules requested for ``step``; costs a dict lookup otherwise."""
+        if self._capture is not None:
+            self.end_step()
+        self._step = step
+        names = self._requests.pop(step, set()) | self._next
+        self._next = set()
+        if not names or not self.config.enabled:
+            return
+        if self._dumps >= self.config.max_dumps:
+            if not self._refused:
+                logger.warning("trainmon dump: dump.max_dumps=%d reached; no more dumps in this run",
+                               self.config.max_dumps)
+            self._refused = True
+            return
+        self._capture = _Capture(step, self.config.mode, self.config.max_bytes)
+        self._calls, self._open, self._backward_calls = {}, [], {}
+        for name in (n for n in self._modules if n in names):
+            module = self._modules[name]
+            self._registry.add(_GROUP, module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+            self._registry.add(_GROUP, module.register_forward_hook(self._forward_hook(name), with_kwargs=True))
+            self._registry.add(_GROUP, module.register_full_backward_hook(self._backward_hook(name)))
+            for param_name, param in module.named_parameters(recurse=False):
+                if param.requires_grad:
+                    hook = self._grad_hook(name, param_name)
+                    self._registry.add(_GROUP, param.register_post_accumulate_grad_hook(hook))
+
+    def end_step(self) -> Path | None:
+        """Remove the hooks and hand the step's dump to the writer thread.
+
+        Returns:
+            The dump directory being written, or None when this step was not dumped.
+        """
+        self._registry.remove(_GROUP)
+        capture, self._capture = self._capture, None
+        if capture is None:
+            return None
+        self._dumps += 1
+        values = _to_host(capture.stats)
+        directory = self.rank_dir / "dump" / f"step{capture.step}"
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainmon-dump")
+        self._pending.append(self._writer.submit(self._write, capture, values, directory))
+        return directory
+
+    def flush(self) -> None:
+        """Wait until every dump handed to the writer is on disk."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            try:
+                self.written.append(future.result())
+            except Exception:  # noqa: BLE001 - a failed dump must never stop training
+                logger.exception("trainmon dump: writing a dump failed")
+
+    def close(self) -> None:
+        """Finish a dump in progress, wait for the writer and remove every hook (idempotent)."""
+        if self._capture is not None:
+            self.end_step()
+        self._registry.remove_all()
+        self.flush()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    # ------------------------------------------------------------------ hooks
+    def _prefix(self, name: str) -> str:
+        return f"Module.{name}.{type(self._modules[name]).__name__}"
+
+    def _pre_hook(self, name: str):  # noqa: ANN202 - hook closure
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            capture = self._capture
+            if capture is None:
+                return
+            call = self._calls.get(name, 0)
+            self._calls[name] = call + 1
+            node = f"{self._prefix(name)}.forward.{call}"
+            capture.data[node] = {
+                "input_args": capture.describe(list(args), f"{node}.input"),
+                "input_kwargs": capture.describe(dict(kwargs), f"{node}.input"),
+                "parameters": {pn: capture.describe(p, f"{node}.parameters.{pn}")
+                               for pn, p in module.named_parameters(recurse=False)},
+            }
+            capture.construct[node] = self._open[-1][1] if self._open else None
+            if self.config.stack:
+                frames = traceback.extract_stack()[:-1]
+                capture.stack[node] = [f"File {f.filename}, line {f.lineno}, in {f.name}, \n {f.line}"
+                                       for f in frames if not any(s in f.filename for s in _SKIP_FRAMES)]
+            self._open.append((name, node))
+
+        return hook
+
+    def _forward_hook(self, name: str):  # noqa: ANN202 - hook closure
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            capture = self._capture
+            if capture is None or not self._open or self._open[-1][0] != name:
+                return
+            _, node = self._open.pop()
+            outputs = list(output) if isinstance(output, (list, tuple)) else [output]
+            capture.data[node]["output"] = capture.describe(outputs, f"{node}.output")
+            if torch.is_grad_enabled():
+                self._backward_calls.setdefault(name, []).append(int(node.rsplit(".", 1)[1]))
+
+        return hook
+
+    def _backward_hook(self, name: str):  # noqa: ANN202 - hook closure
+        def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+            capture = self._capture
+            if capture is None:
+                return
+            pending = self._backward_calls.get(name)
+            call = pending.pop() if pending else 0
+            node = f"{self._prefix(name)}.backward.{call}"
+            # msprobe convention: a backward's input is the gradient w.r.t. the forward output.
+            capture.data[node] = {"input": capture.describe(list(grad_output), f"{node}.input"),
+                                  "output": capture.describe(list(grad_input), f"{node}.output")}
+            parent = capture.construct.get(f"{self._prefix(name)}.forward.{call}")
+            capture.construct[node] = _as_backward(parent) if parent else None
+
+        return hook
+
+    def _grad_hook(self, name: str, param_name: str):  # noqa: ANN202 - hook closure
+        def hook(param: torch.Tensor) -> None:
+            capture = self._capture
+            if capture is None or param.grad is None:
+                return
+            node = f"{self._prefix(name)}.parameters_grad"
+            capture.data.setdefault(node, {})[param_name] = capture.describe(param.grad, f"{node}.{param_name}")
+
+        return hook
+
+    # ------------------------------------------------------------------ writer thread
+    def _write(self, capture: _Capture, values: list[list[float]], directory: Path) -> Path:
+        for desc, (hi, lo, mean, norm) in zip(capture.stat_targets, values):
+            desc.update(Max=hi, Min=lo, Mean=mean, Norm=norm)
+        for desc, host in capture.hashes:
+            desc["md5"] = hashlib.md5(host.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        tensor_dir = directory / "dump_tensor_data"
+        if capture.files:
+            tensor_dir.mkdir(parents=True, exist_ok=True)
+        for file_name, host in capture.files.items():
+            path = tensor_dir / file_name
+            if not is_within(tensor_dir, path):  # safe_file_name guarantees this; checked regardless
+                raise AssertionError(f"dump file {file_name!r} escapes {tensor_dir}")
+            torch.save(host.contiguous().clone(), path)
+        task = "tensor" if capture.mode == "tensor" else "statistics"
+        write_json(directory / "dump.json", {
+            "task": task, "level": "L0", "framework": "pytorch",
+            "dump_data_dir": str(tensor_dir) if capture.mode == "tensor" else None,
+            "summary_mode": "md5" if capture.mode == "md5" else "statistics",
+            "data": capture.data,
+        })
+        write_json(directory / "stack.json", capture.stack)
+        write_json(directory / "construct.json", capture.construct)
+        return directory
+
+
+def _as_backward(node: str) -> str:
+    head, kind, call = node.rsplit(".", 2)
+    assert kind == "forward", node
+    return f"{head}.backward.{call}"

@@ -1,0 +1,261 @@
+"""Free benchmark: re-run a module's forward on perturbed inputs and compare with its output.
+
+On an armed step the module's forward pre-hook saves the RNG states and a copy of the inputs;
+its forward hook re-runs a hook-free copy of the module (see :func:`shadow_module`) on perturbed
+inputs under ``torch.no_grad()`` from the saved RNG states, then restores every RNG state, so
+training is not disturbed (weights stay bit-identical). The comparison stays on the device;
+:meth:`FreeBenchmark.end_step` copies the step's results to the host once and appends
+failures to ``rank{R}/free_benchmark.csv``.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+from collections.abc import Iterable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import torch
+
+from trainmon.actions.naming import module_parents, modules_for_events
+from trainmon.actions.perturb import (
+    RATIO_LIMIT, chain_tensors, converts_precision, device_rng_states, flat_tensors, max_ratio, perturb_value,
+    replace_tensors, run_with_rng, shadow_module, straight_through,
+)
+from trainmon.collect.hooks import HookRegistry
+from trainmon.targets import select
+
+if TYPE_CHECKING:
+    from trainmon.config import FreeBenchmarkConfig
+
+logger = logging.getLogger("trainmon")
+_GROUP = "free_benchmark"
+CSV_HEADER: tuple[str, ...] = ("rank", "pert_mode", "stage", "step", "name", "max_rel", "dtype", "shape",
+                               "output_index")
+
+
+@dataclass
+class CheckResult:
+    """One compared output tensor of one checked module call.
+
+    Attributes:
+        step, name, output_index: where (``output_index`` is the tensor's position in the output).
+        pert_mode: the perturbation.
+        max_rel: largest elementwise ratio (``inf`` for a sign flip or a one-sided NaN/Inf).
+        limit: the pass threshold for ``dtype``.
+        dtype, shape: of the original output tensor.
+    """
+
+    step: int
+    name: str
+    output_index: int
+    pert_mode: str
+    max_rel: float
+    limit: float
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def passed(self) -> bool:
+        return self.max_rel <= self.limit  # NaN compares False: a NaN ratio fails
+
+
+class FreeBenchmark:
+    """Perturbation checks of a few modules' forward passes.
+
+    The owner calls :meth:`begin_step` before each step's first forward and :meth:`end_step`
+    after it (every step; both return at once when nothing is due). Modules are checked when
+    requested (:meth:`request`, :meth:`on_anomaly`: the next step) and, with
+    ``free_benchmark.targets``, every ``interval`` steps; never more than ``max_per_step``
+    modules in one step. With ``handler: fix`` requested modules stay fixed on later steps.
+
+    Args:
+        model: the root module (inside any DDP wrapper).
+        rank_dir: ``{output_dir}/{run_name}/rank{R}``.
+        config: the ``free_benchmark`` section.
+        rank: written in the CSV's ``rank`` column.
+
+    Raises:
+        TargetError: a ``targets`` pattern matches no module.
+        ValueError: ``handler: fix`` with a mode other than improve_precision or to_cpu.
+    """
+
+    def __init__(self, model: torch.nn.Module, rank_dir: Path, config: FreeBenchmarkConfig, *, rank: int = 0) -> None:
+        if config.handler == "fix" and not converts_precision(config.pert_mode):
+            raise ValueError("free_benchmark.handler: fix needs pert_mode improve_precision or to_cpu, "
+                             f"got {config.pert_mode!r}")
+        self.config = config
+        self.rank = rank
+        self.csv_path = Path(rank_dir) / "free_benchmark.csv"
+        self.parents = module_parents(model)
+        self._modules = {name: module for name, module in model.named_modules() if name}
+        self._targets = select(list(self._modules), config.targets, "free_benchmark.targets") if config.targets else []
+        self._registry = HookRegistry()
+        self._next: list[str] = []
+        self._fixed: list[str] = []
+        self._step: int | None = None
+        self._done: set[str] = set()
+        self._saved: dict[str, list[tuple[torch.Tensor, Any, Any, Any]]] = {}
+        self._pending: list[tuple[int, str, int, str, torch.Tensor, float, str, tuple[int, ...]]] = []
+        self._warned: set[str] = set()
+        self._csv: TextIO | None = None
+        self.results: list[CheckResult] = []
+        """Every comparison made so far (passes included), in order."""
+
+    # ------------------------------------------------------------------ requests
+    def request(self, modules: Iterable[str]) -> list[str]:
+        """Check ``modules`` (exact names, globs or ``re:``) on the next step; returns their names."""
+        names = select(list(self._modules), list(modules), "free_benchmark.modules")
+        if not self.config.enabled:
+            self._warn_once("disabled", "free_benchmark.enabled is false; the request for %s is ignored", names)
+            return []
+        self._next.extend(n for n in names if n not in self._next)
+        if self.config.handler == "fix":
+            self._fixed.extend(n for n in names if n not in self._fixed)
+        return names
+
+    def on_anomaly(self, events: Iterable[Any]) -> list[str]:
+        """The ``free_benchmark`` action: check the first-origin event's module on the next step."""
+        names = modules_for_events(events, self.parents, 0)
+        if names and self.config.enabled:
+            self.request(names)
+        return names
+
+    # ------------------------------------------------------------------ step lifecycle
+    def begin_step(self, step: int) -> None:
+        """Arm the modules due on ``step`` (at most ``max_per_step``)."""
+        if self._registry.count():
+            self.end_step()
+        self._step = step
+        due = list(self._next) + self._fixed
+        self._next = []
+        if self._targets and step % self.config.interval == 0:
+            due += self._targets
+        if not due or not self.config.enabled:
+            return
+        names = list(dict.fromkeys(due))
+        if len(names) > self.config.max_per_step:
+            self._warn_once("budget", "free_benchmark.max_per_step=%d: checking %d of %d modules this step",
+                            self.config.max_per_step, self.config.max_per_step, len(names))
+            names = names[: self.config.max_per_step]
+        self._done = set()
+        for name in names:
+            module = self._modules[name]
+            self._registry.add(_GROUP, module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+            self._registry.add(_GROUP, module.register_forward_hook(self._forward_hook(name), with_kwargs=True))
+
+    def end_step(self) -> list[CheckResult]:
+        """Remove the hooks, copy the step's results to the host and append failures to the CSV.
+
+        Returns:
+            This step's results (passes included).
+        """
+        self._registry.remove(_GROUP)
+        self._saved.clear()
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        values = torch.stack([p[4].to(torch.float64 if p[4].device.type in ("cpu", "cuda") else torch.float32)
+                              .to("cpu") for p in pending]).tolist()  # sync: one transfer per checked step
+        results = [CheckResult(step, name, index, mode, value, limit, dtype, shape)
+                   for (step, name, index, mode, _, limit, dtype, shape), value in zip(pending, values)]
+        self.results.extend(results)
+        failures = [r for r in results if not r.passed]
+        if failures:
+            writer = csv.writer(self._open_csv())
+            for r in failures:
+                writer.writerow([self.rank, r.pert_mode, "forward", r.step, r.name, _fmt(r.max_rel), r.dtype,
+                                 list(r.shape), r.output_index])
+            assert self._csv is not None
+            self._csv.flush()
+        return results
+
+    def close(self) -> None:
+        """Finish the current step and remove every hook (idempotent)."""
+        self.end_step()
+        self._registry.remove_all()
+        if self._csv is not None:
+            self._csv.close()
+            self._csv = None
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_hook(self, name: str):  # noqa: ANN202 - hook closure
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if name in self._done and self.config.handler == "check":
+                return
+            tensors = list(chain_tensors(args, kwargs))
+            # Inputs are copied because the forward may modify them in place; RNG states are
+            # taken before the forward so a re-run draws the same dropout masks.
+            saved_args = replace_tensors(args, iter([t.detach().clone() for t in flat_tensors(args)]))
+            saved_kwargs = replace_tensors(kwargs, iter([t.detach().clone() for t in flat_tensors(kwargs)]))
+            self._saved.setdefault(name, []).append(
+                (torch.get_rng_state(), device_rng_states(iter(tensors)), saved_args, saved_kwargs))
+
+        return hook
+
+    def _forward_hook(self, name: str):  # noqa: ANN202 - hook closure
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            saved = self._saved.get(name)
+            if not saved:
+                return None
+            cpu_state, device_state, saved_args, saved_kwargs = saved.pop()
+            self._done.add(name)
+            mode = self.config.pert_mode
+            try:
+                shadow = shadow_module(module, mode)
+            except Exception as exc:  # noqa: BLE001 - an uncopyable module is skipped, never fatal
+                self._warn_once(f"copy:{name}", "free_benchmark: cannot copy module %s (%s); not checked", name, exc)
+                return None
+            autocast = _no_autocast(output) if converts_precision(mode) else nullcontext()
+
+            def rerun() -> Any:
+                with torch.no_grad(), autocast:
+                    return shadow(*perturb_value(saved_args, mode), **perturb_value(saved_kwargs, mode))
+
+            perturbed = run_with_rng(rerun, cpu_state, device_state)
+            originals = list(flat_tensors(output))
+            others = list(flat_tensors(perturbed))
+            if len(others) != len(originals):
+                self._warn_once(f"struct:{name}", "free_benchmark: %s returned a different output structure "
+                                "when perturbed; not compared", name)
+                return None
+            for index, (orig, pert) in enumerate(zip(originals, others)):
+                limit = RATIO_LIMIT.get(orig.dtype)
+                if limit is None:
+                    continue
+                self._pending.append((self._step or 0, name, index, mode, max_ratio(orig, pert), limit,
+                                      str(orig.dtype), tuple(orig.shape)))
+            if self.config.handler != "fix":
+                return None
+            fixed = [straight_through(o, p) if o.is_floating_point() else o for o, p in zip(originals, others)]
+            return replace_tensors(output, iter(fixed))
+
+        return hook
+
+    # ------------------------------------------------------------------ helpers
+    def _open_csv(self) -> TextIO:
+        if self._csv is None:
+            self.csv_path.parent.mkdir(parents=True, exist_ok=True)
+            new = not self.csv_path.exists() or self.csv_path.stat().st_size == 0
+            self._csv = self.csv_path.open("a", newline="", encoding="utf-8")
+            if new:
+                csv.writer(self._csv).writerow(CSV_HEADER)
+        return self._csv
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)
+
+
+def _no_autocast(output: Any) -> Any:
+    tensors = list(flat_tensors(output))
+    device_type = tensors[0].device.type if tensors else "cpu"
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
+def _fmt(value: float) -> str:
+    return "nan" if value != value else ("inf" if value == float("inf") else repr(value))

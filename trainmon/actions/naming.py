@@ -1,0 +1,156 @@
+"""Host-side helpers of the anomaly actions: which modules an event implicates, and safe file names.
+
+Framework-free (no torch import): the module tree is passed in as ``name -> parent name``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Collection, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+_ACTIVATION_SUFFIXES: dict[str, tuple[str, ...]] = {
+    "actv": ("input", "output"),
+    "actv_grad": ("input_grad", "output_grad"),
+}
+_NO_MODULE: frozenset[str] = frozenset({"scalars", "comm"})
+"""Families whose rows name no module (the loss and other scalars, collectives)."""
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+_DOTS = re.compile(r"\.{2,}")
+MAX_FILE_NAME = 200
+"""Longest file name written (most file systems allow 255 bytes)."""
+
+
+def module_parents(model: Any) -> dict[str, str | None]:
+    """``module name -> parent module name`` of a torch module tree (the root ``""`` maps to None).
+
+    Works on anything with ``named_modules()``/``named_children()``; imports no framework.
+    """
+    names = {name for name, _ in model.named_modules()}
+    parents: dict[str, str | None] = {"": None}
+    for name, module in model.named_modules():
+        for child_name, _ in module.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            if full in names:
+                parents.setdefault(full, name)
+    return parents
+
+
+def implicated_module(name: str, module_names: Collection[str], family: str | None = None) -> str | None:
+    """The module a statistics row or anomaly event belongs to.
+
+    Activation rows (``actv``/``actv_grad``) are named ``{module}.input``, ``{module}.output.1``,
+    ``{module}.input_grad``, ...; every other family uses the full parameter name
+    (``{module}.{param}``). A module that itself ends in ``.output`` (HF BERT's
+    ``layer.0.output``) is resolved by reading the suffix from the right.
+
+    Args:
+        name: the row/event name.
+        module_names: every module name of the model (the root ``""`` is never returned).
+        family: the row family when known; None tries activation suffixes first.
+
+    Returns:
+        The module name, or None when no module matches (a scalar such as the loss, a
+        collective, a parameter of the root module).
+
+    Example:
+        >>> implicated_module("layers.2.mlp.output", {"layers.2.mlp", "layers.2.mlp.fc1"})
+        'layers.2.mlp'
+        >>> implicated_module("layers.2.mlp.fc1.weight", {"layers.2.mlp", "layers.2.mlp.fc1"}, "grad_reduced")
+        'layers.2.mlp.fc1'
+    """
+    if family in _NO_MODULE:
+        return None
+    parts = name.split(".")
+    if family is None or family in _ACTIVATION_SUFFIXES:
+        suffixes = _ACTIVATION_SUFFIXES.get(family or "", ()) or sum(_ACTIVATION_SUFFIXES.values(), ())
+        for i in range(len(parts) - 1, 0, -1):
+            if parts[i] in suffixes:
+                prefix = ".".join(parts[:i])
+                if prefix in module_names:
+                    return prefix
+        if family is not None:
+            return None
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix and prefix in module_names:
+            return prefix
+    return None
+
+
+def neighbourhood(name: str, parent_of: Mapping[str, str | None], depth: int) -> list[str]:
+    """``name`` plus its ancestors and descendants up to ``depth`` levels (never the root ``""``).
+
+    Example:
+        >>> tree = {"a": "", "a.b": "a", "a.b.c": "a.b", "a.b.c.d": "a.b.c"}
+        >>> neighbourhood("a.b", tree, 1)
+        ['a', 'a.b', 'a.b.c']
+    """
+    chosen = {name}
+    current: str | None = name
+    for _ in range(depth):
+        current = parent_of.get(current) if current is not None else None
+        if not current:
+            break
+        chosen.add(current)
+    children: dict[str, list[str]] = {}
+    for child, parent in parent_of.items():
+        if parent is not None:
+            children.setdefault(parent, []).append(child)
+    frontier = [name]
+    for _ in range(depth):
+        frontier = [child for node in frontier for child in children.get(node, [])]
+        chosen.update(frontier)
+    order = list(parent_of)
+    return sorted(chosen, key=lambda n: order.index(n) if n in parent_of else -1)
+
+
+def modules_for_events(events: Iterable[Any], parent_of: Mapping[str, str | None], depth: int) -> list[str]:
+    """Modules to act on for one step's anomaly events, given first-origin first.
+
+    The first event that maps to a module wins (events of the loss or of the root's own
+    parameters map to none and are skipped); its neighbourhood of ``depth`` levels is returned.
+
+    Args:
+        events: objects with ``name`` and (optionally) ``family`` attributes, e.g. ``AnomalyEvent``.
+        parent_of: ``module name -> parent module name`` (see ``module_parents`` in the dump).
+        depth: levels of parents and children to add.
+
+    Returns:
+        Module names, empty when no event implicates a module.
+    """
+    names = {n for n in parent_of if n}
+    for event in events:
+        module = implicated_module(str(getattr(event, "name", "")), names, getattr(event, "family", None))
+        if module is not None:
+            return neighbourhood(module, parent_of, depth)
+    return []
+
+
+def safe_file_name(name: str, suffix: str = "") -> str:
+    """A file name built from ``name`` that can only ever name a file in its own directory.
+
+    Characters outside ``[A-Za-z0-9_.-]`` (``/``, ``\\``, ``:``, NUL, spaces, ...) become ``_``,
+    runs of dots become ``_``, a leading dot is dropped, and the result is cut to
+    :data:`MAX_FILE_NAME` characters. When anything was changed, a short hash of the original
+    name is appended so two different names never share a file.
+
+    Example:
+        >>> safe_file_name("Module.layers.0.Linear.forward.0.input.0", ".pt")
+        'Module.layers.0.Linear.forward.0.input.0.pt'
+        >>> safe_file_name("../../etc/passwd").startswith("_")
+        True
+    """
+    cleaned = _DOTS.sub("_", _UNSAFE.sub("_", name)).lstrip(".") or "_"
+    limit = MAX_FILE_NAME - len(suffix)
+    if cleaned != name or len(cleaned) > limit:
+        digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+        cleaned = f"{cleaned[:limit - 11]}-{digest}"
+    return cleaned + suffix
+
+
+def is_within(base: Path, path: Path) -> bool:
+    """Whether ``path`` resolves to a location inside ``base`` (symlinks followed)."""
+    return path.resolve().is_relative_to(base.resolve())

@@ -1,0 +1,214 @@
+"""Perturbations of a module's inputs and the msprobe-style comparison of outputs (torch).
+
+Everything here runs on the device and never synchronises with the host: the comparison
+returns a 0-d tensor that the free benchmark copies to the host once at the end of the step.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+PERT_MODES: tuple[str, ...] = ("improve_precision", "add_noise", "bit_noise", "change_value", "no_change", "to_cpu")
+LOW_PRECISION: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+NOISE: dict[torch.dtype, float] = {torch.bfloat16: 1e-4, torch.float16: 1e-6, torch.float32: 1e-8, torch.float64: 1e-16}
+"""The ε of ``add_noise``; its square root is also the magnitude below which values are not compared by ratio."""
+
+RATIO_LIMIT: dict[torch.dtype, float] = {torch.float16: 1.002, torch.bfloat16: 1.004,
+                                         torch.float32: 1.0002, torch.float64: 1.0002}
+"""Largest elementwise ratio between original and perturbed output that still passes (msprobe's)."""
+
+_HIGHER: dict[torch.dtype, torch.dtype] = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+                                           torch.float32: torch.float64, torch.float64: torch.float64}
+_INT_OF_SIZE: dict[int, torch.dtype] = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def converts_precision(mode: str) -> bool:
+    """Whether ``mode`` runs the module in a higher precision (or on the CPU)."""
+    return mode in ("improve_precision", "to_cpu")
+
+
+def perturb_tensor(x: torch.Tensor, mode: str) -> torch.Tensor:
+    """A perturbed copy of one input tensor; non-floating tensors come back unchanged (or moved to CPU).
+
+    - ``improve_precision``: float16/bfloat16 -> float32.
+    - ``add_noise``: +ε (by dtype, :data:`NOISE`) on elements with ``|x| > sqrt(ε)``.
+    - ``bit_noise``: the lowest mantissa bit flipped on finite elements above the smallest normal.
+    - ``change_value``: first and last elements (of the flattened tensor) swapped.
+    - ``no_change``: the tensor itself (re-running catches non-determinism).
+    - ``to_cpu``: a CPU copy, float16/bfloat16 -> float32 and float32 -> float64.
+    """
+    x = x.detach()
+    if mode == "to_cpu":
+        return x.to("cpu", _HIGHER.get(x.dtype, x.dtype)) if x.is_floating_point() else x.to("cpu")
+    if not x.is_floating_point() or mode == "no_change":
+        return x
+    if mode == "improve_precision":
+        return x.float() if x.dtype in LOW_PRECISION else x
+    if mode == "add_noise":
+        eps = NOISE[x.dtype]
+        return torch.where(x.abs() > eps ** 0.5, x + eps, x)
+    if mode == "bit_noise":
+        int_type = _INT_OF_SIZE[x.element_size()]
+        flipped = (x.contiguous().view(int_type) ^ 1).view(x.dtype)
+        mask = torch.isfinite(x) & (x.abs() > torch.finfo(x.dtype).tiny)
+        return torch.where(mask, flipped, x)
+    if mode == "change_value":
+        y = x.clone()
+        flat = y.view(-1)
+        if flat.numel() >= 2:
+            first = flat[0].clone()
+            flat[0] = flat[-1]
+            flat[-1] = first
+        return y
+    raise ValueError(f"unknown perturbation {mode!r}; choose from {list(PERT_MODES)}")
+
+
+def perturb_value(value: Any, mode: str) -> Any:
+    """:func:`perturb_tensor` applied to every tensor in nested tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return perturb_tensor(value, mode)
+    if isinstance(value, tuple):
+        return tuple(perturb_value(v, mode) for v in value)
+    if isinstance(value, list):
+        return [perturb_value(v, mode) for v in value]
+    if isinstance(value, dict):
+        return {k: perturb_value(v, mode) for k, v in value.items()}
+    return value
+
+
+def _clear_hooks(module: torch.nn.Module) -> None:
+    # The shadow is our own deep copy: drop the hooks it inherited so that re-running it
+    # triggers neither our hooks nor the monitor's collectors nor the user's.
+    for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+                 "_backward_pre_hooks"):
+        hooks = getattr(module, attr, None)
+        if hooks is not None:
+            hooks.clear()
+
+
+def shadow_module(module: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """A hook-free copy of ``module`` to re-run; the original is never modified.
+
+    Parameters are shared with the original unless ``mode`` changes their precision or device
+    (then they are converted copies); buffers are always copied, so a re-run that updates them
+    (batch-norm running statistics) leaves the original's untouched.
+
+    Raises:
+        Exception: whatever ``copy.deepcopy`` raises for a module that cannot be copied.
+    """
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if mode == "to_cpu" or (mode == "improve_precision" and t.dtype in LOW_PRECISION):
+            out = perturb_tensor(t, mode)
+            # .to() returns the tensor itself when nothing changes (an int buffer already on the CPU).
+            return out.clone() if out.data_ptr() == t.data_ptr() else out
+        return t.detach().clone()
+
+    memo: dict[int, Any] = {}
+    for param in module.parameters():
+        changed = mode == "to_cpu" or (mode == "improve_precision" and param.dtype in LOW_PRECISION)
+        memo[id(param)] = torch.nn.Parameter(convert(param), requires_grad=False) if changed else param
+    for buffer in module.buffers():
+        memo[id(buffer)] = convert(buffer)
+    shadow = copy.deepcopy(module, memo)
+    for sub in shadow.modules():
+        _clear_hooks(sub)
+    return shadow
+
+
+def flat_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value`` (nested tuples, lists, dicts), in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from flat_tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from flat_tensors(item)
+
+
+def replace_tensors(value: Any, new: Iterator[torch.Tensor]) -> Any:
+    """``value`` with its tensors replaced, in :func:`flat_tensors` order, by those of ``new``."""
+    if isinstance(value, torch.Tensor):
+        return next(new)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(replace_tensors(v, new) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(replace_tensors(v, new) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, replace_tensors(v, new)) for k, v in value.items())
+    return value
+
+
+def max_ratio(original: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor:
+    """The largest elementwise ratio ``max(|o|, |p|) / min(|o|, |p|)`` as a 0-d device tensor.
+
+    Elements where both magnitudes are at most ``sqrt(ε)`` of the original dtype count as
+    equal (ratio 1) and smaller magnitudes are clamped to ``sqrt(ε)``; a sign flip beyond that
+    tolerance, a NaN/Inf on one side only, or a shape mismatch gives ``inf``. Matching NaNs
+    and equal infinities count as equal.
+    """
+    device = original.device
+    acc = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+    if original.shape != perturbed.shape:
+        return torch.full((), float("inf"), dtype=acc, device=device)
+    if original.numel() == 0:
+        return torch.ones((), dtype=acc, device=device)
+    tol = NOISE.get(original.dtype, NOISE[torch.float32]) ** 0.5
+    o = original.detach().to(acc)
+    p = perturbed.detach().to(device=device, dtype=acc)
+    a, b = o.abs(), p.abs()
+    big = torch.maximum(a, b)
+    ratio = big / torch.clamp(torch.minimum(a, b), min=tol)
+    one = torch.ones((), dtype=acc, device=device)
+    inf = torch.full((), float("inf"), dtype=acc, device=device)
+    ratio = torch.where(big <= tol, one, ratio)
+    ratio = torch.where((o * p < 0) & (big > tol), inf, ratio)
+    same = torch.isnan(o) & torch.isnan(p) | (o == p)
+    ratio = torch.where(torch.isfinite(o) & torch.isfinite(p), ratio, torch.where(same, one, inf))
+    return ratio.max()
+
+
+def straight_through(original: torch.Tensor, better: torch.Tensor) -> torch.Tensor:
+    """``better``'s value in ``original``'s dtype and device, with ``original``'s gradient path."""
+    if not original.requires_grad:
+        return better.to(device=original.device, dtype=original.dtype)
+    reference = original.float()
+    delta = better.to(device=original.device, dtype=torch.float32) - reference.detach()
+    return (reference + delta).to(original.dtype)
+
+
+def device_rng_states(tensors: Iterator[torch.Tensor]) -> tuple[str | None, list[int], list[torch.Tensor]]:
+    """``(device type, device indices, RNG states)`` of the accelerators the tensors live on."""
+    devices = sorted({(t.device.type, t.device.index or 0) for t in tensors if t.device.type != "cpu"})
+    if not devices:
+        return None, [], []
+    device_type = devices[0][0]
+    indices = [index for kind, index in devices if kind == device_type]
+    module = torch.get_device_module(device_type)
+    return device_type, indices, [module.get_rng_state(i) for i in indices]
+
+
+def run_with_rng(fn: Callable[[], Any], cpu_state: torch.Tensor,
+                 device_state: tuple[str | None, list[int], list[torch.Tensor]]) -> Any:
+    """Run ``fn`` from the given RNG states; every RNG state is restored afterwards."""
+    device_type, indices, states = device_state
+    with torch.random.fork_rng(devices=indices, device_type=device_type or "cuda"):
+        torch.set_rng_state(cpu_state)
+        if device_type is not None:
+            module = torch.get_device_module(device_type)
+            for index, state in zip(indices, states):
+                module.set_rng_state(state, index)
+        return fn()
+
+
+def chain_tensors(*values: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in several nested values."""
+    return itertools.chain.from_iterable(flat_tensors(v) for v in values)

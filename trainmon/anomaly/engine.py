@@ -1,0 +1,178 @@
+"""The anomaly engine: detectors on each collected step's host record, then the actions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainmon.anomaly.actions import JsonlAction, LogAction, logger
+from trainmon.anomaly.detectors import build_detectors
+from trainmon.anomaly.events import AnomalyEvent, utc_now
+from trainmon.anomaly.ordering import order_events
+from trainmon.errors import AnomalyError
+
+if TYPE_CHECKING:
+    from trainmon.config import AnomalyConfig
+    from trainmon.records import StepRecord
+
+AnomalyCallback = Callable[[AnomalyEvent], Any]
+"""A user callback: receives each event of a step, first origin first."""
+StepAction = Callable[[list[AnomalyEvent]], Any]
+"""A hand-off action (dump, free benchmark): receives the step's events, first origin first."""
+
+HANDOFF_ACTIONS: tuple[str, ...] = ("dump", "free_benchmark")
+_STATE_VERSION = 1
+
+
+class AnomalyEngine:
+    """Runs the configured detectors on each collected step and applies the actions.
+
+    Action order within a step: ``log``, ``jsonl``, user callbacks, hand-offs (``dump``,
+    ``free_benchmark``), then ``raise``. An action that fails is logged once and disabled;
+    only ``raise`` stops training, on purpose, after every other action ran.
+
+    Callbacks registered with :meth:`on_anomaly` run when ``callback`` is in ``anomaly.actions``
+    (registering one without it logs a warning once).
+
+    Args:
+        config: the ``anomaly`` config section.
+        rank: global rank (log prefix and event field).
+        rank_dir: ``{run}/rank{R}`` for ``anomalies.jsonl``; None disables ``jsonl`` (a rank that
+            does not write).
+
+    Example:
+        >>> from trainmon.config import AnomalyConfig
+        >>> from trainmon.records import StepRecord
+        >>> engine = AnomalyEngine(AnomalyConfig(actions=[]), rank=0, rank_dir=None)
+        >>> [e.name for e in engine.process(StepRecord(step=3, rank=0, scalars={"loss": float("nan")}))]
+        ['loss']
+    """
+
+    def __init__(self, config: AnomalyConfig, rank: int, rank_dir: Path | None) -> None:
+        self.config = config
+        self.rank = rank
+        self.detectors = build_detectors(config.detectors, "anomaly.detectors")
+        self.actions = list(config.actions)
+        self._log = LogAction(rank, config.log_limit) if "log" in self.actions else None
+        jsonl_path = Path(rank_dir) / "anomalies.jsonl" if rank_dir is not None else None
+        self._jsonl = JsonlAction(jsonl_path) if "jsonl" in self.actions and jsonl_path else None
+        self._callbacks: list[AnomalyCallback] = []
+        self._handoffs: dict[str, StepAction] = {}
+        self._disabled: set[str] = set()
+        self._warned: set[str] = set()
+        self._closed = False
+
+    @property
+    def jsonl_path(self) -> Path | None:
+        """Where events are appended, or None without the ``jsonl`` action."""
+        return self._jsonl.path if self._jsonl else None
+
+    def on_anomaly(self, fn: AnomalyCallback) -> AnomalyCallback:
+        """Register a callback called with each event (usable as a decorator)."""
+        if not callable(fn):
+            raise TypeError(f"on_anomaly needs a callable, got {type(fn).__name__}")
+        self._callbacks.append(fn)
+        if "callback" not in self.actions:
+            self._warn_once("callback", "on_anomaly(): 'callback' is not in anomaly.actions, so registered "
+                                        "callbacks are not called; add it to anomaly.actions")
+        return fn
+
+    def register_action(self, name: str, fn: StepAction) -> None:
+        """Provide a hand-off action; it runs only when ``name`` is in ``anomaly.actions``."""
+        if name not in HANDOFF_ACTIONS:
+            raise ValueError(f"unknown hand-off action {name!r}; allowed: {list(HANDOFF_ACTIONS)}")
+        self._handoffs[name] = fn
+
+    # ------------------------------------------------------------------ per step
+    def process(self, record: StepRecord) -> list[AnomalyEvent]:
+        """Detect on one collected step's record and apply the actions.
+
+        Returns:
+            The step's events, earliest first (the first is the first origin).
+
+        Raises:
+            AnomalyError: with the ``raise`` action, when the step has an event.
+        """
+        if self._closed:
+            return []
+        time = utc_now()
+        events: list[AnomalyEvent] = []
+        for index, detector in enumerate(self.detectors):
+            name = f"detector {index} ({detector.type_name})"
+            if name in self._disabled:
+                continue
+            try:
+                events.extend(detector.update(record, time))
+            except Exception:  # a detector bug must not kill training
+                self._fail(name)
+        if not events:
+            if self._log is not None:
+                self._log.quiet()
+            return []
+        events = order_events(events)
+        if self._log is not None:
+            self._run("log", self._log, events)
+        if self._jsonl is not None:
+            self._run("jsonl", self._jsonl, events)
+        for i, callback in enumerate(self._callbacks if "callback" in self.actions else []):
+            self._run(f"callback {i} ({getattr(callback, '__qualname__', callback)!r})",
+                      lambda evs, cb=callback: [cb(e) for e in evs], events)
+        for action in HANDOFF_ACTIONS:
+            if action in self.actions:
+                handoff = self._handoffs.get(action)
+                if handoff is None:
+                    self._warn_once(action, f"anomaly action {action!r} is configured but not available "
+                                            f"(its {action} section is not attached); skipping it")
+                else:
+                    self._run(action, handoff, events)
+        if "raise" in self.actions:
+            raise AnomalyError(events[0].message)
+        return events
+
+    def _run(self, name: str, action: Callable[[list[AnomalyEvent]], Any], events: list[AnomalyEvent]) -> None:
+        if name in self._disabled:
+            return
+        try:
+            action(events)
+        except Exception:  # an action must never kill training (only `raise` does)
+            self._fail(name)
+
+    def _fail(self, name: str) -> None:
+        self._disabled.add(name)
+        logger.exception("[rank %d] anomaly %s failed and is disabled for the rest of the run", self.rank, name)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("[rank %d] %s", self.rank, message)
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Every detector's state, for checkpoints (JSON-compatible)."""
+        return {"version": _STATE_VERSION,
+                "detectors": [{"type": d.type_name, "state": d.state_dict()} for d in self.detectors]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output.
+
+        Raises:
+            ValueError: the state does not match the configured detectors (count or types).
+        """
+        saved = state.get("detectors") if isinstance(state, Mapping) else None
+        if state.get("version") != _STATE_VERSION or not isinstance(saved, list):
+            raise ValueError("not an anomaly engine state (missing version/detectors)")
+        types = [d.type_name for d in self.detectors]
+        if [item.get("type") for item in saved] != types:
+            raise ValueError(f"anomaly state holds detectors {[item.get('type') for item in saved]}, "
+                             f"the config has {types}")
+        for detector, item in zip(self.detectors, saved):
+            detector.load_state_dict(item["state"])
+
+    def close(self) -> None:
+        """Close ``anomalies.jsonl``; idempotent. Later steps are not processed."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._jsonl is not None:
+            self._jsonl.close()

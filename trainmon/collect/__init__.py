@@ -1,0 +1,1 @@
+"""Framework side: hooks and on-device statistics (torch)."""

@@ -1,0 +1,324 @@
+"""Statistics of the tensors that pass through ``torch.distributed`` collectives (family ``comm``).
+
+While a :class:`CommCollector` is attached, the supported functions of ``torch.distributed``
+(and the same names in ``torch.distributed.distributed_c10d``, which its own helpers call) are
+replaced by thin wrappers; :meth:`CommCollector.close` puts the originals back. On a step that is
+not collected a wrapper calls straight through. On a collected step it measures the inputs
+before the call and the outputs after it (for async calls: after ``wait()`` on the returned
+handle), on the device and without a host synchronisation, and adds the host-known payload size
+and call count. Calls of a step with the same row name are combined exactly on the device at the
+end of the step (norm = sqrt(sum of norm^2), min of mins, max of maxes, counts and sums added).
+
+Row names are ``{op}.{site}.{pre|post}.{i}``: ``site`` is the process group named by its global
+ranks (``g0-7``), followed by ``@{file}:{function}:{line}`` with ``call_sites: true``; ``i`` is the
+tensor's index in the call (the source rank's slot for ``all_gather`` outputs).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import CodeType, FrameType, ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from trainmon.collect.comm_ops import PLANNERS, ArgumentBinder, CallPlan, MeasuredWork, group_label, in_coalescing, \
+    payload_bytes
+from trainmon.collect.stats import combine_partials_torch, partial_stats
+from trainmon.config import COMM_OPS
+from trainmon.records import RowKey
+
+if TYPE_CHECKING:
+    from trainmon.collect.buffer import StepBuffer
+    from trainmon.collect.context import StepContext
+    from trainmon.config import CommunicationConfig
+
+log = logging.getLogger(__name__)
+
+FAMILY = "comm"
+_MODULES: tuple[ModuleType, ...] = (dist, c10d)
+# Frames in these places are communication plumbing, not the call site a user wants to see.
+_PLUMBING = (os.path.dirname(dist.__file__) + os.sep, f"{os.sep}deepspeed{os.sep}comm{os.sep}", __file__)
+
+
+@dataclass
+class _Row:
+    order: int
+    micro_step: int
+    partials: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Wrap:
+    """One installed wrapper. The wrapper calls ``original`` through this object, so a later
+    trainmon wrapper's ``original`` can be re-pointed when an earlier one is removed."""
+
+    name: str
+    original: Callable[..., Any]
+    modules: list[ModuleType]
+    wrapper: Callable[..., Any] = lambda *a, **k: None
+
+
+class CommCollector:
+    """Wraps the ``torch.distributed`` collectives while attached and measures their tensors.
+
+    Args:
+        ctx: the monitor's step context; rows are measured with ``ctx.specs["comm"]`` and only
+            while ``ctx.wants("comm")``.
+        config: the ``communication`` section.
+
+    Example:
+        >>> collector = CommCollector(ctx, config.communication)   # wrappers installed
+        >>> dist.all_reduce(tensor)                                  # measured on collected steps
+        >>> collector.before_transfer(); collector.close()          # originals restored
+    """
+
+    def __init__(self, ctx: StepContext, config: CommunicationConfig) -> None:
+        self.ctx = ctx
+        self.config = config
+        self._site_filter = re.compile(config.call_site_filter) if config.call_site_filter is not None else None
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._local = threading.local()  # depth of our wrappers on this thread (nested calls pass through)
+        self._rows: dict[tuple[str, int], _Row] = {}
+        self._traffic: dict[str, list[int]] = {}  # "{op}.{site}" -> [calls, bytes]
+        self._step_buffer: StepBuffer | None = None
+        self._flushed: StepBuffer | None = None
+        self._groups: dict[Any, str] = {}
+        self._sites: dict[tuple[CodeType, int], str | None] = {}
+        self._plumbing: dict[CodeType, bool] = {}
+        self._binders: dict[str, ArgumentBinder] = {}
+        self._wraps: list[_Wrap] = []
+        self._active = True
+        self._install(config.ops or list(COMM_OPS))
+
+    # ------------------------------------------------------------------ lifecycle
+    def arm(self) -> None:
+        pass
+
+    def disarm(self) -> None:
+        self._reset(None)
+
+    def before_transfer(self) -> None:
+        """Combine each row's calls on the device and add rows and traffic scalars to the buffer."""
+        buffer = self.ctx.buffer
+        if self._step_buffer is buffer:
+            self._flush(buffer)
+        # Collectives run by the monitor itself after this point (e.g. a cross-rank reduction of
+        # statistics) belong to no user step: ignore them until the buffer is replaced.
+        self._flushed = buffer
+        self._reset(None)
+
+    def close(self) -> None:
+        """Restore the original functions; idempotent.
+
+        Where another trainmon collector wrapped ours (a config reload attaches the new collectors
+        before closing the old ones), ours is spliced out of the chain. Where foreign code wrapped
+        ours, its wrapper is left in place (not clobbered) and ours underneath only calls through.
+        """
+        self._active = False
+        for wrap in self._wraps:
+            for module in wrap.modules:
+                if getattr(module, wrap.name, None) is wrap.wrapper:
+                    setattr(module, wrap.name, wrap.original)
+                elif not _splice(getattr(module, wrap.name, None), wrap):
+                    log.info("%s.%s was wrapped again after trainmon; trainmon's wrapper stays under it and "
+                             "only calls through", module.__name__, wrap.name)
+        self._wraps.clear()
+        self._reset(None)
+        self._groups.clear()
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Calls made inside this block on this thread are not measured (the monitor's own collectives)."""
+        self._local.depth = getattr(self._local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.depth -= 1
+
+    # ------------------------------------------------------------------ wrapping
+    def _install(self, names: list[str]) -> None:
+        for name in names:
+            by_function: dict[int, _Wrap] = {}  # torch.distributed and c10d share the function objects
+            for module in _MODULES:
+                current = getattr(module, name, None)
+                if current is None:
+                    continue
+                wrap = by_function.get(id(current))
+                if wrap is None:
+                    wrap = by_function[id(current)] = self._wrap(name, current)
+                    self._wraps.append(wrap)
+                wrap.modules.append(module)
+                setattr(module, name, wrap.wrapper)
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> _Wrap:
+        wrap = _Wrap(name, original, [])
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            ctx = self.ctx
+            if (not self._active or not ctx.collecting or FAMILY not in ctx.specs
+                    or ctx.buffer is self._flushed or getattr(self._local, "depth", 0)):
+                return wrap.original(*args, **kwargs)
+            self._local.depth = getattr(self._local, "depth", 0) + 1
+            try:
+                return self._call(name, wrap.original, args, kwargs)
+            finally:
+                self._local.depth -= 1
+
+        wrapper._trainmon_wrap = wrap  # type: ignore[attr-defined]
+        wrap.wrapper = wrapper
+        return wrap
+
+    def _call(self, name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        plan = self._plan(name, original, args, kwargs)
+        site = None if plan is None else self._site(plan)
+        if plan is None or site is None:
+            return original(*args, **kwargs)
+        prefix = f"{name}.{site}"
+        buffer = self._start(self.ctx.buffer)
+        traffic = self._traffic.setdefault(prefix, [0, 0])
+        traffic[0] += 1
+        traffic[1] += payload_bytes(plan)
+        self._measure(prefix, "pre", plan.pre)
+        result = original(*args, **kwargs)
+        if not plan.post or in_coalescing(plan.group):
+            return result  # inside _coalescing_manager the call only runs at the manager's exit
+        if not plan.async_op:
+            self._measure(prefix, "post", plan.post)
+            return result
+        return self._measure_on_completion(result, prefix, plan, buffer)
+
+    def _plan(self, name: str, original: Callable[..., Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> CallPlan | None:
+        binder = self._binders.get(name)
+        if binder is None:
+            binder = self._binders[name] = ArgumentBinder(original)
+        try:
+            plan = PLANNERS[name](binder(args, kwargs), self._rank)
+        except (TypeError, KeyError, ValueError, RuntimeError):
+            return None  # a malformed call: let torch.distributed raise its own error
+        if c10d._rank_not_in_group(plan.group):
+            return None
+        return plan
+
+    def _site(self, plan: CallPlan) -> str | None:
+        """``g{ranks}`` plus ``@file:function:line`` with call sites; None when filtered out."""
+        group = plan.group if plan.group is not None else c10d._get_default_group()
+        label = self._groups.get(group)
+        if label is None:
+            label = self._groups[group] = group_label(dist.get_process_group_ranks(group))
+        if not self.config.call_sites and self._site_filter is None:
+            return label
+        frame = self._caller()
+        if frame is None:
+            return label
+        key = (frame.f_code, frame.f_lineno)
+        if key not in self._sites:  # formatted and filtered once per distinct call site
+            self._sites[key] = self._describe(frame)
+        site = self._sites[key]
+        if site is None:
+            return None
+        return f"{label}@{site}" if self.config.call_sites else label
+
+    def _caller(self) -> FrameType | None:
+        """The first frame outside torch.distributed, deepspeed.comm and this module (a few hops)."""
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            code = frame.f_code
+            plumbing = self._plumbing.get(code)
+            if plumbing is None:
+                plumbing = self._plumbing[code] = any(p in code.co_filename for p in _PLUMBING)
+            if not plumbing:
+                return frame
+            frame = frame.f_back
+        return None
+
+    def _describe(self, frame: FrameType) -> str | None:
+        code = frame.f_code
+        text = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        if self._site_filter is not None and not self._site_filter.search(text):
+            return None
+        stem = os.path.splitext(os.path.basename(code.co_filename))[0]
+        return re.sub(r"[^A-Za-z0-9_:-]", "_", f"{stem}:{code.co_name}:{frame.f_lineno}")
+
+    # ------------------------------------------------------------------ measuring
+    def _start(self, buffer: StepBuffer) -> StepBuffer:
+        if self._step_buffer is not buffer:  # first measured call of a step
+            self._reset(buffer)
+        return buffer
+
+    def _reset(self, buffer: StepBuffer | None) -> None:
+        self._rows.clear()
+        self._traffic.clear()
+        self._step_buffer = buffer
+
+    def _measure(self, prefix: str, when: str, tensors: list[tuple[int, torch.Tensor]]) -> None:
+        spec = self.ctx.specs[FAMILY]
+        micro_step = self.ctx.micro_step
+        for i, tensor in tensors:
+            key = (f"{prefix}.{when}.{i}", micro_step)
+            row = self._rows.get(key)
+            if row is None:
+                row = self._rows[key] = _Row(self.ctx.buffer.next_order(), micro_step)
+            row.partials.append(partial_stats(tensor, spec))
+
+    def _measure_on_completion(self, result: Any, prefix: str, plan: CallPlan, buffer: StepBuffer) -> Any:
+        works = result if isinstance(result, list) else [result]
+        if not works or not all(isinstance(w, dist.Work) for w in works):
+            return result  # not a member of the group, or a backend without work handles
+        pending = [len(works)]
+
+        def done() -> None:
+            pending[0] -= 1
+            # Measured only if the step is still the one that issued the call.
+            if pending[0] == 0 and self._active and self.ctx.collecting and self._step_buffer is buffer:
+                self._measure(prefix, "post", plan.post)
+
+        wrapped = [MeasuredWork(w, done) for w in works]
+        return wrapped if isinstance(result, list) else wrapped[0]
+
+    def _flush(self, buffer: StepBuffer) -> None:
+        """Combine the calls of each row on the device (one combination per distinct call count)."""
+        items = list(self._rows.items())
+        by_shape: dict[tuple[int, torch.device], list[int]] = {}
+        for index, (_, row) in enumerate(items):
+            by_shape.setdefault((len(row.partials), row.partials[0].device), []).append(index)
+        combined: dict[int, torch.Tensor] = {}
+        for (calls, _), indices in by_shape.items():
+            if calls == 1:
+                combined.update((i, items[i][1].partials[0]) for i in indices)
+                continue
+            # [calls, rows, 8] -> [rows, 8]
+            stacked = torch.stack([torch.stack(items[i][1].partials) for i in indices], dim=1)
+            out = combine_partials_torch(stacked)
+            combined.update((i, out[k]) for k, i in enumerate(indices))
+        for index, ((name, micro_step), row) in enumerate(items):
+            buffer.add(RowKey(FAMILY, name, micro_step, 0, row.order), combined[index])
+        for prefix, (calls, nbytes) in self._traffic.items():
+            buffer.add_scalar(f"comm/{prefix}/calls", calls)
+            buffer.add_scalar(f"comm/{prefix}/bytes", nbytes)
+
+
+def _splice(top: Any, wrap: _Wrap) -> bool:
+    """Remove ``wrap`` from a chain of trainmon wrappers starting at ``top``; False when a foreign
+    wrapper is in the way (or ``wrap`` is not in the chain)."""
+    node = getattr(top, "_trainmon_wrap", None)
+    while node is not None and node is not wrap:  # `is wrap`: a foreign functools.wraps copy of ours
+        if node.original is wrap.wrapper:
+            node.original = node.wrapper.__wrapped__ = wrap.original
+            return True
+        if node.original is wrap.original:
+            return True  # already spliced through the other module that shares the wrapper
+        node = getattr(node.original, "_trainmon_wrap", None)
+    return False

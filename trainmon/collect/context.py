@@ -1,0 +1,104 @@
+"""The state shared by the collectors of one attached monitor, and the collector protocol."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from trainmon.collect.buffer import StepBuffer
+from trainmon.collect.stats import StatsSpec, partial_stats
+from trainmon.records import RowKey
+
+
+class Collector(Protocol):
+    """Something that measures tensors into the step buffer.
+
+    The monitor calls :meth:`arm` before a collected step and :meth:`disarm` before an
+    uncollected one (so uncollected steps cost nothing), :meth:`before_transfer` at the end
+    of a collected step (the place for end-of-step reads and the one cross-rank collective),
+    and :meth:`close` once. ``close`` must leave no hook behind and be idempotent.
+    """
+
+    def arm(self) -> None: ...
+
+    def disarm(self) -> None: ...
+
+    def before_transfer(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class StepContext:
+    """Per-monitor state that hooks read and append to.
+
+    Attributes:
+        specs: ``family -> StatsSpec`` for every enabled family; a family missing here is off.
+        metrics: ``family -> metric names`` in config order (for the host side).
+        buffer: the current step's buffer (replaced at every step end).
+        step: the current optimizer step.
+        micro_step: forward passes of the root module in this step, minus one (0 without accumulation).
+        collecting: whether the current step is collected.
+        grad_acc_steps: micro-steps per step, as given to ``attach``.
+        pp_stage: this rank's pipeline stage.
+    """
+
+    specs: dict[str, StatsSpec]
+    metrics: dict[str, list[str]]
+    buffer: StepBuffer = field(default_factory=StepBuffer)
+    step: int = 0
+    micro_step: int = 0
+    forwards: int = 0
+    collecting: bool = False
+    grad_acc_steps: int = 1
+    pp_stage: int = 0
+    buffer_factory: Callable[[], StepBuffer] = StepBuffer
+    """Makes each step's buffer; an integration with its own tensors (MindSpore) sets its own."""
+    _measured: dict[int, tuple[weakref.ref, int, StatsSpec, torch.Tensor]] = field(default_factory=dict)
+
+    def wants(self, family: str) -> bool:
+        return self.collecting and family in self.specs
+
+    def record(self, family: str, name: str, tensor: torch.Tensor, vpp_stage: int = 0,
+               micro_step: int | None = None) -> torch.Tensor | None:
+        """Measure ``tensor`` into the buffer as a row of ``family`` (no host sync).
+
+        Returns the device partial vector (so a caller can reuse it), or None when the family is off.
+        """
+        spec = self.specs.get(family)
+        if spec is None:
+            return None
+        # The same tensor object at the same version was already measured this step (an output
+        # that is the next module's input, a gradient unchanged between accumulation and the
+        # optimizer step): reuse its statistics instead of reading the tensor again.
+        seen = self._measured.get(id(tensor))
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version and seen[2] == spec:
+            partial = seen[3]
+        else:
+            partial = partial_stats(tensor, spec)
+            self._measured[id(tensor)] = (weakref.ref(tensor), tensor._version, spec, partial)
+        self.add(family, name, partial, vpp_stage, micro_step)
+        return partial
+
+    def new_step(self) -> None:
+        """Reset the per-step state after the step's transfer."""
+        self.buffer = self.buffer_factory()
+        self._measured.clear()
+        self.micro_step = 0
+
+    def add(self, family: str, name: str, partial: torch.Tensor, vpp_stage: int = 0,
+            micro_step: int | None = None) -> None:
+        """Append an already computed ``[8]`` partial vector (e.g. combined across shards)."""
+        key = RowKey(family, name, self.micro_step if micro_step is None else micro_step,
+                     vpp_stage, self.buffer.next_order())
+        self.buffer.add(key, partial)
+
+    def add_many(self, family: str, names: Sequence[str], partials: torch.Tensor,
+                 vpp_stages: Sequence[int] | None = None) -> None:
+        """Append ``[N, 8]`` partials (one row each), e.g. after one all-gather for all parameters."""
+        for i, name in enumerate(names):
+            self.add(family, name, partials[i], vpp_stages[i] if vpp_stages else 0)

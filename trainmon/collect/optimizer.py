@@ -1,0 +1,151 @@
+"""Weight gradients, parameters and optimizer states of a plain torch optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from trainmon.collect.hooks import HookRegistry
+
+if TYPE_CHECKING:
+    from trainmon.collect.context import StepContext
+    from trainmon.config import MonitorConfig
+
+_GRADS = "weight_grads"
+_OPTIMIZER = "optimizer_step"
+
+
+def adam_update(state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor | None:
+    """The bias-corrected Adam update ``m_hat / (sqrt(v_hat) + eps)`` of one parameter.
+
+    Returns None when ``state`` is not Adam-like. Bias corrections are computed in float64
+    on the step counter's device (a CPU tensor in torch's Adam), as torch's Adam does, so
+    reading them needs no host synchronisation.
+    """
+    exp_avg, exp_avg_sq = state.get("exp_avg"), state.get("exp_avg_sq")
+    step = state.get("step")
+    if exp_avg is None or exp_avg_sq is None or step is None:
+        return None
+    exp_avg_sq = state.get("max_exp_avg_sq", exp_avg_sq) if group.get("amsgrad") else exp_avg_sq
+    beta1, beta2 = group.get("betas", (0.9, 0.999))
+    eps = group.get("eps", 1e-8)
+    if isinstance(step, torch.Tensor):
+        step = step.to(torch.float64 if step.device.type in ("cpu", "cuda") else torch.float32)
+        bias1, bias2 = 1 - torch.pow(beta1, step), 1 - torch.pow(beta2, step)
+    else:
+        bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
+    denom = (exp_avg_sq / bias2).sqrt_().add_(eps)
+    return (exp_avg / bias1).div_(denom)
+
+
+def update_ratio(update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``update / param``; elements where the parameter is exactly 0 give 0
+    (a zero-initialised bias would otherwise report a false Inf)."""
+    param = param.detach()
+    if param.device.type == "cpu" and update.dtype == param.dtype == torch.float32:
+        ratio = torch.zeros_like(update)  # numpy's masked divide on CPU views: no copy, SIMD
+        np.divide(update.numpy(), param.numpy(), out=ratio.numpy(), where=param.numpy() != 0)
+        return ratio
+    return torch.where(param != 0, update / param, 0.0)
+
+
+class TorchOptimizerCollector:
+    """``grad_unreduced``, ``grad_reduced``, ``param`` and optimizer-state rows for a torch optimizer.
+
+    - ``grad_unreduced``: ``param.grad`` in its post-accumulate-grad hook, i.e. as accumulated
+      on the parameter after each micro-step's backward (before any data-parallel reduction
+      outside autograd); written for the last micro-step, or every one with ``per_micro_step``.
+    - ``grad_reduced`` and ``param``: in the optimizer's step pre-hook (what the step uses).
+    - optimizer states, ``update`` and ``ratio``: in the step post-hook (after the step).
+    - the global gradient norm over every parameter with a gradient, as scalar ``grad_norm``.
+
+    Args:
+        ctx: the monitor's step context.
+        params: ``(name, parameter, vpp_stage)`` of the target parameters.
+        optimizer: the optimizer, or None (then only ``grad_unreduced``).
+        config: the monitor config.
+        registry: where the hook handles live.
+        all_params: parameters counted in ``grad_norm`` (default: every optimizer parameter).
+    """
+
+    def __init__(self, ctx: StepContext, params: Sequence[tuple[str, torch.nn.Parameter, int]],
+                 optimizer: torch.optim.Optimizer | None, config: MonitorConfig, registry: HookRegistry) -> None:
+        self.ctx = ctx
+        self.params = list(params)
+        self.optimizer = optimizer
+        self.config = config
+        self.registry = registry
+        self._states = [s for s in config.optimizer_states.states if s in ctx.specs]
+
+    def arm(self) -> None:
+        if self.registry.count(_GRADS) or self.registry.count(_OPTIMIZER):
+            return
+        if "grad_unreduced" in self.ctx.specs:
+            for name, param, vpp_stage in self.params:
+                if param.requires_grad:
+                    hook = self._grad_hook(name, vpp_stage)
+                    self.registry.add(_GRADS, param.register_post_accumulate_grad_hook(hook))
+        if self.optimizer is not None:
+            self.registry.add(_OPTIMIZER, self.optimizer.register_step_pre_hook(self._pre_step))
+            if self._states:
+                self.registry.add(_OPTIMIZER, self.optimizer.register_step_post_hook(self._post_step))
+
+    def disarm(self) -> None:
+        self.registry.remove(_GRADS)
+        self.registry.remove(_OPTIMIZER)
+
+    def before_transfer(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.disarm()
+
+    def _grad_hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+        per_micro_step = self.config.weight_grads.per_micro_step
+
+        def hook(param: torch.Tensor) -> None:
+            ctx = self.ctx
+            if ctx.collecting and param.grad is not None and (
+                    per_micro_step or ctx.micro_step >= ctx.grad_acc_steps - 1):
+                ctx.record("grad_unreduced", name, param.grad, vpp_stage)
+
+        return hook
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        ctx = self.ctx
+        if not ctx.collecting:
+            return
+        for name, param, vpp_stage in self.params:
+            if param.grad is not None:
+                ctx.record("grad_reduced", name, param.grad, vpp_stage)
+            ctx.record("param", name, param, vpp_stage)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            ctx.buffer.add_scalar("grad_norm", torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+        for i, group in enumerate(optimizer.param_groups):
+            ctx.buffer.add_scalar(f"lr/group{i}", group["lr"])
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        ctx = self.ctx
+        if not ctx.collecting:
+            return
+        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        for name, param, vpp_stage in self.params:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            for family in ("exp_avg", "exp_avg_sq"):
+                if family in self._states and family in state:
+                    ctx.record(family, name, state[family], vpp_stage)
+            if "momentum" in self._states and state.get("momentum_buffer") is not None:
+                ctx.record("momentum", name, state["momentum_buffer"], vpp_stage)
+            if "update" in self._states or "ratio" in self._states:
+                update = adam_update(state, group_of[id(param)])
+                if update is None:
+                    continue
+                ctx.record("update", name, update, vpp_stage)
+                if "ratio" in self._states:
+                    ctx.record("ratio", name, update_ratio(update, param), vpp_stage)

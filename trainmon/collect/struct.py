@@ -1,0 +1,61 @@
+"""``print_struct``: the module tree with the shapes and dtypes seen in the first collected step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from trainmon.collect.activations import named_tensors
+from trainmon.collect.hooks import HookRegistry
+
+_GROUP = "struct"
+
+
+class StructRecorder:
+    """Records input/output shapes and dtypes (metadata only: no sync) of every module once."""
+
+    def __init__(self, modules: Sequence[tuple[str, torch.nn.Module, int]], registry: HookRegistry) -> None:
+        self.modules = list(modules)
+        self.registry = registry
+        self.seen: dict[str, dict[str, Any]] = {}
+        self.done = False
+
+    def arm(self) -> None:
+        if self.done or self.registry.count(_GROUP):
+            return
+        for name, module, vpp_stage in self.modules:
+            self.registry.add(_GROUP, module.register_forward_hook(self._hook(name or "(root)", vpp_stage),
+                                                                   with_kwargs=True))
+
+    def _hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if name in self.seen:
+                return
+            describe = {row: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                        for value, prefix in ((args, "input"), (kwargs, "input"), (output, "output"))
+                        for row, t in named_tensors(value, prefix)}
+            self.seen[name] = {"class": type(module).__name__, "vpp_stage": vpp_stage, "tensors": describe}
+
+        return hook
+
+    def disarm(self) -> None:
+        self.registry.remove(_GROUP)
+
+    def before_transfer(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.disarm()
+
+    def tree(self) -> dict[str, Any]:
+        """``{name: {class, vpp_stage, tensors, children}}`` nested by module path."""
+        root: dict[str, Any] = {"children": {}}
+        for name, module, vpp_stage in self.modules:
+            node = root
+            for part in name.split(".") if name else []:
+                node = node["children"].setdefault(part, {"children": {}})
+            node.update(self.seen.get(name or "(root)", {"class": type(module).__name__, "vpp_stage": vpp_stage,
+                                                         "tensors": {}}))
+        return root

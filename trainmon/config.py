@@ -1,0 +1,485 @@
+"""Typed monitor configuration, loaded from YAML, JSON, a dict or a :class:`MonitorConfig`.
+
+Each section is a dataclass with a docstring per field. Unknown keys, wrong types and
+out-of-range values fail at construction with the dotted key and what is allowed.
+``docs/config.md`` is generated from these docstrings (``python -m trainmon.config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from trainmon.errors import ConfigError
+from trainmon.records import METRICS
+
+DEFAULT_METRICS: list[str] = list(METRICS)
+SINKS: tuple[str, ...] = ("csv", "tensorboard")
+OPTIMIZER_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "update", "ratio", "momentum")
+ACTIONS: tuple[str, ...] = ("log", "jsonl", "callback", "raise", "dump", "free_benchmark")
+COMM_OPS: tuple[str, ...] = (
+    "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_single", "all_gather_into_tensor",
+    "_all_gather_base", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base",
+    "all_to_all", "all_to_all_single",
+    "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+)
+"""``torch.distributed`` functions the communication collector can wrap."""
+
+
+def _metrics() -> list[str]:
+    return list(DEFAULT_METRICS)
+
+
+@dataclass
+class TargetsConfig:
+    """Which modules and parameters are monitored."""
+
+    modules: list[str] = field(default_factory=lambda: ["*"])
+    """Module names: exact (``layers.0.mlp``), glob (``layers.*.mlp``) or regex (``re:^layers\\.[01]\\.``)."""
+    params: list[str] = field(default_factory=lambda: ["*"])
+    """Parameter names, same pattern forms as ``modules``."""
+
+
+@dataclass
+class ActivationsConfig:
+    """Forward inputs/outputs of target modules and the gradients w.r.t. them."""
+
+    enabled: bool = False
+    """Collect activations (family ``actv``) and activation gradients (``actv_grad``)."""
+    metrics: list[str] = field(default_factory=_metrics)
+    """Statistics per tensor, any of norm, min, max, mean, zeros, nans, infs."""
+    forward: bool = True
+    """Measure forward inputs and outputs (msprobe ``backward_only: true`` turns this off)."""
+    backward: bool = True
+    """Measure gradients w.r.t. module inputs and outputs (full backward hooks)."""
+    inputs: bool = True
+    """Measure module inputs as well as outputs (msprobe ``all_xy``)."""
+
+
+@dataclass
+class WeightGradsConfig:
+    """Gradients of the target parameters."""
+
+    enabled: bool = True
+    """Collect weight gradients."""
+    metrics: list[str] = field(default_factory=_metrics)
+    """Statistics per gradient."""
+    unreduced: bool = True
+    """Family ``grad_unreduced``: the gradient as accumulated on the parameter, before any data-parallel reduction."""
+    reduced: bool = True
+    """Family ``grad_reduced``: the gradient the optimizer steps with."""
+    per_micro_step: bool = False
+    """Write ``grad_unreduced`` after every micro-step, not only after the last one of the step."""
+
+
+@dataclass
+class OptimizerStatesConfig:
+    """Optimizer states of the target parameters, read after the optimizer step."""
+
+    enabled: bool = True
+    """Collect optimizer states."""
+    states: list[str] = field(default_factory=lambda: ["exp_avg", "exp_avg_sq", "update", "ratio"])
+    """Any of exp_avg, exp_avg_sq, update (m_hat / (sqrt(v_hat) + eps)), ratio (update / param), momentum (SGD)."""
+    metrics: list[str] = field(default_factory=_metrics)
+    """Statistics per state tensor."""
+
+
+@dataclass
+class ParamsConfig:
+    """Parameters themselves, read before the optimizer step (family ``param``)."""
+
+    enabled: bool = False
+    """Collect parameter statistics."""
+    metrics: list[str] = field(default_factory=_metrics)
+    """Statistics per parameter."""
+
+
+@dataclass
+class CommunicationConfig:
+    """Tensors passing through ``torch.distributed`` collectives (family ``comm``)."""
+
+    enabled: bool = False
+    """Wrap the collectives while attached and measure their inputs and outputs."""
+    metrics: list[str] = field(default_factory=_metrics)
+    """Statistics per communicated tensor."""
+    ops: list[str] = field(default_factory=list)
+    """``torch.distributed`` functions to wrap (e.g. all_reduce, reduce_scatter_tensor); empty means all supported."""
+    call_sites: bool = False
+    """Add the Python call site (``file:function:line``) of each collective to the row name."""
+    call_site_filter: str | None = None
+    """Regex searched in ``path/file.py:line in function``; only matching calls are measured."""
+
+
+@dataclass
+class GradProbeConfig:
+    """Gradient distributions and direction similarity (``rank{R}/grad_probe/``)."""
+
+    enabled: bool = False
+    """Run the grad probe on collected steps."""
+    level: str = "L1"
+    """L0: max, min, norm, shape, hash; L1: plus direction data; L2: plus interval fractions."""
+    bounds: list[float] = field(default_factory=lambda: [-1.0, 0.0, 1.0])
+    """Increasing interval bounds for L2 histograms."""
+    sample_elements: int | None = None
+    """Direction bits of at most this many elements per parameter (a fixed stratified subset); null: all.
+    Also enables ``cos_prev`` (cosine with the previous collected step's sampled gradient)."""
+    scalars: str = "global"
+    """In-run similarities also sent as scalars (for anomaly detectors, TensorBoard): none;
+    global (``grad_probe/{metric}`` over all target parameters); param (also ``grad_probe/{name}/{metric}``)."""
+
+
+@dataclass
+class AnomalyConfig:
+    """Anomaly detectors and what happens when they fire."""
+
+    detectors: list[dict[str, Any]] = field(default_factory=lambda: [{"type": "nonfinite"}, {"type": "loss_spike"}])
+    """Detector specs, each ``{type: nonfinite|spike|loss_spike, ...}``; see docs/anomaly.md."""
+    actions: list[str] = field(default_factory=lambda: ["log", "jsonl"])
+    """Any of log, jsonl, callback, raise, dump, free_benchmark."""
+    log_limit: int = 10
+    """At most this many log lines per step (the rest are summarised)."""
+
+
+@dataclass
+class DumpConfig:
+    """Targeted tensor dump of the modules implicated by an anomaly."""
+
+    enabled: bool = False
+    """Allow dumps (as the ``dump`` action or through ``monitor.dump``)."""
+    mode: str = "statistics"
+    """statistics, tensor or md5."""
+    depth: int = 1
+    """Also dump the parent and children this many levels around the implicated module."""
+    max_bytes: int = 1 << 30
+    """Byte budget of one dump."""
+    max_dumps: int = 3
+    """Dumps per run."""
+    stack: bool = True
+    """Write ``stack.json``: the Python call stack of each dumped forward call."""
+
+
+@dataclass
+class FreeBenchmarkConfig:
+    """Perturbation checks of a module's forward."""
+
+    enabled: bool = False
+    """Allow free-benchmark checks (as the ``free_benchmark`` action or by hand)."""
+    pert_mode: str = "improve_precision"
+    """improve_precision, add_noise, bit_noise, change_value, no_change or to_cpu."""
+    handler: str = "check"
+    """check: compare and write failures to ``free_benchmark.csv``; fix: also replace the module's
+    output by the improve_precision / to_cpu result (value only; gradients flow through the original)."""
+    targets: list[str] = field(default_factory=list)
+    """Modules checked every ``interval`` steps (exact names, globs or ``re:`` regexes); empty: only on anomaly or by hand."""
+    interval: int = 1
+    """Check ``targets`` on every N-th step."""
+    max_per_step: int = 4
+    """At most this many modules are re-run per step (a whole network is never re-run by accident)."""
+
+
+@dataclass
+class DynamicConfig:
+    """Re-reading the config file while training."""
+
+    watch: bool = False
+    """Re-read the config file when it changes; the new config applies from the next step."""
+    poll_seconds: float = 5.0
+    """Check the file's modification time at most this often."""
+
+
+@dataclass
+class MonitorConfig:
+    """The whole monitor configuration; every key is optional."""
+
+    enabled: bool = True
+    """Master switch; ``false`` makes every step uncollected."""
+    output_dir: str = "./trainmon_output"
+    """Directory that receives ``{run_name}/``."""
+    run_name: str | None = None
+    """Run directory name; default a UTC timestamp (shared by all ranks)."""
+    sinks: list[str] = field(default_factory=lambda: ["csv", "tensorboard"])
+    """Outputs: csv, tensorboard."""
+    ranks: list[int] | None = None
+    """Ranks that collect and write; null means every rank."""
+    start_step: int = 0
+    """First step that is collected."""
+    step_interval: int = 1
+    """Collect every N-th step from ``start_step``."""
+    collect_times: int | None = None
+    """Stop after this many collected steps; null means no limit."""
+    eps: float = 1e-8
+    """``zeros`` counts elements with ``|x| < eps``."""
+    flush_seconds: float = 2.0
+    """Sinks flush at most this often (and always on close)."""
+    targets: TargetsConfig = field(default_factory=TargetsConfig)
+    """Module and parameter selection."""
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
+    """Activation statistics."""
+    weight_grads: WeightGradsConfig = field(default_factory=WeightGradsConfig)
+    """Weight-gradient statistics."""
+    optimizer_states: OptimizerStatesConfig = field(default_factory=OptimizerStatesConfig)
+    """Optimizer-state statistics."""
+    params: ParamsConfig = field(default_factory=ParamsConfig)
+    """Parameter statistics."""
+    communication: CommunicationConfig = field(default_factory=CommunicationConfig)
+    """Collective-communication statistics."""
+    grad_probe: GradProbeConfig = field(default_factory=GradProbeConfig)
+    """Grad probe."""
+    anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
+    """Anomaly detection."""
+    dump: DumpConfig = field(default_factory=DumpConfig)
+    """Dump on anomaly."""
+    free_benchmark: FreeBenchmarkConfig = field(default_factory=FreeBenchmarkConfig)
+    """Free benchmark."""
+    dynamic: DynamicConfig = field(default_factory=DynamicConfig)
+    """Dynamic reconfiguration."""
+    print_struct: bool = False
+    """Write ``module_struct.json`` (module tree with input/output shapes of the first step)."""
+
+
+# --------------------------------------------------------------------------- validation rules
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "sinks": SINKS,
+    "activations.metrics": METRICS, "weight_grads.metrics": METRICS,
+    "optimizer_states.metrics": METRICS, "params.metrics": METRICS, "communication.metrics": METRICS,
+    "communication.ops": COMM_OPS,
+    "optimizer_states.states": OPTIMIZER_STATES,
+    "grad_probe.level": ("L0", "L1", "L2"),
+    "grad_probe.scalars": ("none", "global", "param"),
+    "anomaly.actions": ACTIONS,
+    "dump.mode": ("statistics", "tensor", "md5"),
+    "free_benchmark.pert_mode": ("improve_precision", "add_noise", "bit_noise", "change_value", "no_change", "to_cpu"),
+    "free_benchmark.handler": ("check", "fix"),
+}
+_MINIMUM: dict[str, float] = {
+    "start_step": 0, "step_interval": 1, "collect_times": 1, "eps": 0.0, "flush_seconds": 0.0,
+    "dump.depth": 0, "dump.max_bytes": 1, "dump.max_dumps": 1, "dynamic.poll_seconds": 0.0,
+    "grad_probe.sample_elements": 1, "anomaly.log_limit": 1, "ranks[]": 0,
+    "free_benchmark.interval": 1, "free_benchmark.max_per_step": 1,
+}
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it converted (dataclasses built)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(path, "must not be null")
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(value, inner, path)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            value = dataclasses.asdict(value)
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, f"must be a mapping with keys {sorted(f.name for f in dataclasses.fields(tp))}")
+        return _build(tp, value, path)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"must be a list, got {type(value).__name__}")
+        (inner,) = typing.get_args(tp)
+        return [_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(path, f"must be a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"must be a string, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported annotation {_type_name(tp)} at {path}")  # pragma: no cover
+
+
+def _check(path: str, value: Any) -> None:
+    rule_path = path.split("[")[0]
+    items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+
+    def where(i: int | None) -> str:
+        return path if i is None else f"{path}[{i}]"
+
+    if rule_path in _CHOICES:
+        allowed = _CHOICES[rule_path]
+        for i, item in items:
+            if item not in allowed:
+                raise ConfigError(where(i), f"{item!r} is not allowed; choose from {list(allowed)}")
+        if isinstance(value, list) and len(set(value)) != len(value):
+            raise ConfigError(path, f"has duplicates: {value}")
+    key = rule_path + "[]" if isinstance(value, list) else rule_path
+    if key in _MINIMUM and value is not None:
+        for i, item in items:
+            if item < _MINIMUM[key]:
+                raise ConfigError(where(i), f"must be >= {_MINIMUM[key]:g}, got {item}")
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            raise ConfigError(path, f"unknown key; valid keys here: {sorted(fields)}")
+        kwargs[key] = _convert(value, hints[key], path)
+        _check(path, kwargs[key])
+    obj = cls(**kwargs)
+    _cross_check(obj, prefix)
+    return obj
+
+
+def _cross_check(obj: Any, prefix: str) -> None:
+    if isinstance(obj, CommunicationConfig) and obj.call_site_filter is not None:
+        _check_pattern("re:" + obj.call_site_filter, f"{prefix}.call_site_filter")
+    if isinstance(obj, GradProbeConfig) and obj.bounds != sorted(set(obj.bounds)):
+        raise ConfigError(f"{prefix}.bounds", f"must be strictly increasing, got {obj.bounds}")
+    if isinstance(obj, TargetsConfig):
+        for kind in ("modules", "params"):
+            for i, pattern in enumerate(getattr(obj, kind)):
+                _check_pattern(pattern, f"{prefix}.{kind}[{i}]")
+    if isinstance(obj, AnomalyConfig):
+        from trainmon.anomaly.detectors import build_detectors  # validates type and fields
+
+        build_detectors(obj.detectors, path=f"{prefix}.detectors")
+    if isinstance(obj, FreeBenchmarkConfig) and obj.handler == "fix" and obj.pert_mode not in (
+            "improve_precision", "to_cpu"):
+        raise ConfigError(f"{prefix}.handler", f"fix needs pert_mode improve_precision or to_cpu, got {obj.pert_mode!r}")
+    if isinstance(obj, MonitorConfig):
+        for action, section in (("dump", obj.dump), ("free_benchmark", obj.free_benchmark)):
+            if action in obj.anomaly.actions and not section.enabled:
+                raise ConfigError("anomaly.actions", f"{action!r} needs {action}.enabled: true")
+    if isinstance(obj, MonitorConfig) and obj.run_name is not None:
+        if not obj.run_name or "/" in obj.run_name or obj.run_name in (".", ".."):
+            raise ConfigError("run_name", f"must be a plain directory name, got {obj.run_name!r}")
+
+
+def _check_pattern(pattern: str, path: str) -> None:
+    import re
+
+    if not pattern:
+        raise ConfigError(path, "must not be empty")
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as exc:
+            raise ConfigError(path, f"invalid regex {pattern[3:]!r}: {exc}") from None
+
+
+def load_config(source: MonitorConfig | Mapping[str, Any] | str | Path | None) -> MonitorConfig:
+    """Build a validated :class:`MonitorConfig`.
+
+    Args:
+        source: a config object, a dict, a path to a ``.yaml``/``.yml``/``.json`` file, or None
+            for the defaults.
+
+    Raises:
+        ConfigError: unreadable file, unknown key, wrong type or out-of-range value; the
+            message names the dotted key (or the file) and what is allowed.
+
+    Example:
+        >>> load_config({"step_interval": 10}).step_interval
+        10
+    """
+    if source is None:
+        return _build(MonitorConfig, {}, "")
+    if isinstance(source, MonitorConfig):
+        return _build(MonitorConfig, dataclasses.asdict(source), "")
+    if isinstance(source, (str, Path)):
+        return _build(MonitorConfig, read_config_file(Path(source)), "")
+    if isinstance(source, Mapping):
+        return _build(MonitorConfig, source, "")
+    raise TypeError(f"config must be a MonitorConfig, a dict or a path, got {type(source).__name__}")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict (no validation)."""
+    if path.suffix not in (".yaml", ".yml", ".json"):
+        raise ConfigError(str(path), "config file must end in .yaml, .yml or .json")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read config file: {exc.strerror or exc}") from None
+    import yaml
+
+    try:
+        data = (json.loads(text) if text.strip() else {}) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(str(path), f"cannot parse: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), f"top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def config_reference() -> str:
+    """Markdown reference of every section and field, generated from the docstrings."""
+    import ast
+    import inspect
+
+    lines = ["# Configuration reference", "", "Generated from `trainmon/config.py` "
+             "(`python -m trainmon.config > docs/config.md`). Every key is optional.", ""]
+    source = inspect.getsource(inspect.getmodule(MonitorConfig))
+    tree = ast.parse(source)
+    docs: dict[tuple[str, str], str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for i, item in enumerate(body):
+                if isinstance(item, ast.AnnAssign) and i + 1 < len(body):
+                    nxt = body[i + 1]
+                    if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                        docs[(node.name, item.target.id)] = str(nxt.value.value)  # type: ignore[union-attr]
+
+    def section(cls: type, prefix: str) -> None:
+        lines.append(f"## `{prefix or 'top level'}`")
+        lines.append("")
+        lines.append((cls.__doc__ or "").strip())
+        lines.append("")
+        lines.append("| key | type | default | meaning |")
+        lines.append("|---|---|---|---|")
+        nested = []
+        hints = typing.get_type_hints(cls)
+        default = cls()
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                nested.append((hints[f.name], f"{prefix}.{f.name}" if prefix else f.name))
+                continue
+            value = json.dumps(getattr(default, f.name))
+            tname = _type_name(hints[f.name])
+            lines.append(f"| `{f.name}` | `{tname}` | `{value}` | {docs.get((cls.__name__, f.name), '')} |")
+        lines.append("")
+        for sub, path in nested:
+            section(sub, path)
+
+    section(MonitorConfig, "")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(config_reference())

@@ -1,0 +1,29 @@
+"""Framework integrations; each is imported only when its objects are attached."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+def framework_of(model: Any) -> str:
+    """Which integration handles ``model``: torch, deepspeed, megatron or mindspore.
+
+    Detection looks at the type's module, so no framework is imported to decide.
+    """
+    first = model[0] if isinstance(model, (list, tuple)) and model else model
+    modules = [cls.__module__ for cls in type(first).__mro__]
+    for framework in ("deepspeed", "megatron", "mindspore"):
+        if any(m.split(".")[0] == framework for m in modules):
+            return framework
+    return "torch"
+
+
+def load(framework: str) -> Any:
+    """The integration module for ``framework`` (imported lazily)."""
+    name = {"torch": "torch", "deepspeed": "deepspeed", "megatron": "megatron", "mindspore": "mindspore"}[framework]
+    try:
+        return importlib.import_module(f"trainmon.integrations.{name}")
+    except ImportError as exc:
+        raise ImportError(f"the {framework} integration needs its framework: pip install 'trainmon[{framework}]' "
+                          f"({exc})") from exc

@@ -1,0 +1,302 @@
+"""DeepSpeed: ``monitor.attach(engine)`` for a ``DeepSpeedEngine`` under ZeRO 0/1/2/3.
+
+What is measured where (see ``docs/deepspeed.md``):
+
+- ``actv`` / ``actv_grad``: module hooks on ``engine.module`` (the generic activation collector).
+- ``grad_unreduced``: ``param.grad`` in its post-accumulate-grad hook, on every rank, before
+  DeepSpeed reduces it (the generic torch collector, without an optimizer).
+- ``grad_reduced`` and ``param``: the rank-local shards of the averaged gradient and of the fp32
+  master parameter at the start of ``engine.step()`` on an accumulation boundary (where
+  DeepSpeed documents its gradient accessors as valid); optimizer states, ``update`` and
+  ``ratio`` after it. Partial statistics of the shards are combined across the data-parallel
+  group with ONE all-gather per step for all parameters, and written by data-parallel rank 0.
+- scalars: ``grad_norm`` (``engine.get_global_grad_norm()``), ``loss_scale`` (fp16),
+  ``skipped_steps``, ``step_applied``, ``global_steps``, ``lr/group{i}``.
+
+There is no public hook at the end of ``engine.step()``, so the one engine instance is wrapped
+(an instance attribute ``step``, removed on close); the class is never patched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainmon.collect.activations import ActivationCollector
+from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.optimizer import TorchOptimizerCollector, adam_update, update_ratio
+from trainmon.collect.stats import combine_partials_torch, empty_partial
+from trainmon.integrations.base import AttachOptions, Attachment, dist_layout, select_modules, select_params
+from trainmon.integrations.deepspeed_shards import ShardLayout, layout_for
+
+if TYPE_CHECKING:
+    from trainmon.collect.context import Collector, StepContext
+    from trainmon.config import MonitorConfig
+
+StepHook = Callable[[Any, tuple, dict], None]
+_STATES = ("exp_avg", "exp_avg_sq")
+
+
+class _Handle:
+    def __init__(self, hooks: list[StepHook], hook: StepHook) -> None:
+        self._hooks, self._hook = hooks, hook
+
+    def remove(self) -> None:
+        if self._hook in self._hooks:
+            self._hooks.remove(self._hook)
+
+
+class EngineStepHooks:
+    """Step pre/post hooks of ONE engine instance, fired only on accumulation boundaries.
+
+    ``engine.step()`` is called after every micro-batch but updates only on a boundary; the
+    hooks run around the boundary calls. Installing sets the instance attribute
+    ``engine.step``; :meth:`uninstall` removes it (or, if someone wrapped it afterwards,
+    leaves an inert pass-through). It has ``register_step_post_hook`` so the monitor can
+    treat it like a torch optimizer whose step ends a monitor step.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.pre: list[StepHook] = []
+        self.post: list[StepHook] = []
+        self.active = False
+        self._previous: Any = None
+
+    def register_step_pre_hook(self, hook: StepHook) -> _Handle:
+        self.pre.append(hook)
+        return _Handle(self.pre, hook)
+
+    def register_step_post_hook(self, hook: StepHook) -> _Handle:
+        self.post.append(hook)
+        return _Handle(self.post, hook)
+
+    def install(self) -> None:
+        engine = self.engine
+        self._previous = engine.__dict__.get("step")
+        inner = engine.step  # the bound method, or a wrapper installed earlier
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return inner(*args, **kwargs)
+            boundary = engine.is_gradient_accumulation_boundary()
+            if boundary:
+                for hook in list(self.pre):
+                    hook(engine, args, kwargs)
+            result = inner(*args, **kwargs)
+            if boundary:
+                for hook in list(self.post):
+                    hook(engine, args, kwargs)
+            return result
+
+        step.__trainmon_hooks__ = self  # type: ignore[attr-defined]
+        engine.__dict__["step"] = step
+        self.active = True
+
+    def uninstall(self) -> None:
+        self.active = False
+        self.pre.clear()
+        self.post.clear()
+        namespace = self.engine.__dict__
+        current = namespace.get("step")
+        if getattr(current, "__trainmon_hooks__", None) is not self:
+            return  # wrapped again on top of us: stay as an inert pass-through
+        previous = self._previous
+        # Unwind earlier trainmon wrappers that are already inert (e.g. after a config reload).
+        while previous is not None and getattr(previous, "__trainmon_hooks__", None) is not None \
+                and not previous.__trainmon_hooks__.active:
+            previous = previous.__trainmon_hooks__._previous
+        if previous is None:
+            del namespace["step"]
+        else:
+            namespace["step"] = previous
+
+
+class DeepSpeedShardCollector:
+    """``grad_reduced``, ``param``, optimizer states, ``update``, ``ratio`` and the engine's scalars.
+
+    Hooks compute partial statistics of the local shards (no host sync) and keep them pending;
+    :meth:`before_transfer` stacks them into ``[N, 8]`` and runs THE collective of the step
+    (one ``all_gather`` over the data-parallel group), then combines on the device. Every rank
+    produces the same rows in the same order (an empty partial where it holds no element).
+
+    Args:
+        ctx: the monitor's step context.
+        engine: the ``DeepSpeedEngine``.
+        params: ``(name, parameter, vpp_stage)`` of the target parameters.
+        config: the monitor config.
+        hooks: the engine's boundary hooks.
+        dp_group: the data-parallel process group (None: the default group).
+    """
+
+    def __init__(self, ctx: StepContext, engine: Any, params: list[tuple[str, torch.nn.Parameter, int]],
+                 config: MonitorConfig, hooks: EngineStepHooks, dp_group: Any = None) -> None:
+        self.ctx = ctx
+        self.engine = engine
+        self.params = params
+        self.layout: ShardLayout = layout_for(engine, [p for _, p, _ in params] or engine.module.parameters())
+        self.states = [s for s in config.optimizer_states.states if s in ctx.specs and s != "momentum"]
+        self.dp_group = dp_group
+        rank, world = _group_layout(dp_group)
+        self.dp_rank, self.dp_world = rank, world
+        self.collective = not self.layout.replicated and world > 1
+        self._pending: list[tuple[str, str, int, torch.Tensor]] = []
+        self._handles = [hooks.register_step_pre_hook(self._pre_step), hooks.register_step_post_hook(self._post_step)]
+
+    def arm(self) -> None:
+        pass
+
+    def disarm(self) -> None:
+        self._pending.clear()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._pending.clear()
+
+    # ------------------------------------------------------------------------- hooks
+    def _measure(self, family: str, name: str, vpp_stage: int, tensor: torch.Tensor | None) -> None:
+        spec = self.ctx.specs[family]
+        from trainmon.collect.stats import partial_stats
+
+        device = self.engine.device if tensor is None else tensor.device
+        partial = empty_partial(torch.device(device)) if tensor is None else partial_stats(tensor, spec)
+        self._pending.append((family, name, vpp_stage, partial))
+
+    def _pre_step(self, engine: Any, args: tuple, kwargs: dict) -> None:
+        ctx, layout = self.ctx, self.layout
+        if not ctx.collecting:
+            return
+        for name, param, vpp_stage in self.params:
+            if "grad_reduced" in ctx.specs:
+                self._measure("grad_reduced", name, vpp_stage, layout.grad(param))
+            if "param" in ctx.specs:
+                self._measure("param", name, vpp_stage, layout.master(param))
+        if layout.replicated and getattr(engine.optimizer, "_global_grad_norm", None) is None:
+            # Plain torch optimizer under ZeRO-0: DeepSpeed computes no norm; every rank has all grads.
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            if grads:
+                ctx.buffer.add_scalar("grad_norm", torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+
+    def _post_step(self, engine: Any, args: tuple, kwargs: dict) -> None:
+        ctx, layout = self.ctx, self.layout
+        if not ctx.collecting:
+            return
+        buffer = ctx.buffer
+        norm = engine.get_global_grad_norm()
+        if norm is not None:
+            buffer.add_scalar("grad_norm", norm)  # a device tensor stays on the device until the transfer
+        if engine.fp16_enabled():
+            scale = getattr(engine.optimizer, "cur_scale", None)
+            scale = getattr(engine.optimizer, "loss_scale", None) if scale is None else scale
+            if scale is not None:
+                buffer.add_scalar("loss_scale", scale)
+        buffer.add_scalar("skipped_steps", engine.skipped_steps)
+        buffer.add_scalar("step_applied", int(engine.was_step_applied()))
+        buffer.add_scalar("global_steps", engine.global_steps)
+        for i, lr in enumerate(engine.get_lr()):
+            buffer.add_scalar(f"lr/group{i}", lr)
+        if not self.states:
+            return
+        context = layout.adam_context() if ("update" in self.states or "ratio" in self.states) else {}
+        for name, param, vpp_stage in self.params:
+            shards = {key: layout.state(param, key) for key in _STATES}
+            for key in _STATES:
+                if key in self.states:
+                    self._measure(key, name, vpp_stage, shards[key])
+            if "update" not in self.states and "ratio" not in self.states:
+                continue
+            update = None
+            if shards["exp_avg"] is not None and shards["exp_avg_sq"] is not None:
+                state, group = context.get(shards["exp_avg"].untyped_storage().data_ptr(), (None, None))
+                if state is not None:
+                    update = adam_update({"exp_avg": shards["exp_avg"], "exp_avg_sq": shards["exp_avg_sq"],
+                                          "step": state.get("step")}, group)
+            if "update" in self.states:
+                self._measure("update", name, vpp_stage, update)
+            if "ratio" in self.states:
+                master = layout.master(param) if update is not None else None
+                self._measure("ratio", name, vpp_stage, None if master is None else update_ratio(update, master))
+
+    # ------------------------------------------------------------------------- step end
+    def before_transfer(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        partials = torch.stack([p for *_, p in pending])
+        if self.collective:
+            partials = self._all_gather(partials)
+        if self.dp_rank != 0:
+            return  # replicated statistics are written once, by data-parallel rank 0
+        for i, (family, name, vpp_stage, _) in enumerate(pending):
+            self.ctx.add(family, name, partials[i], vpp_stage)
+
+    def _all_gather(self, partials: torch.Tensor) -> torch.Tensor:
+        """THE collective of the step: every rank's ``[N, 8]`` partials, combined on the device."""
+        import torch.distributed as dist
+
+        n = partials.shape[0]
+        gathered = partials.new_empty((self.dp_world * n, partials.shape[1]))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, partials.contiguous(), group=self.dp_group)
+        return combine_partials_torch(gathered.view(self.dp_world, n, -1))
+
+
+def _group_layout(group: Any) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
+           options: AttachOptions) -> Attachment:
+    """Build the collectors for a ``DeepSpeedEngine``.
+
+    Args:
+        ctx: the monitor's step context (its step follows ``engine.global_steps`` and its
+            accumulation steps ``engine.gradient_accumulation_steps()``).
+        config: the monitor config.
+        engine: the engine returned by ``deepspeed.initialize``.
+        optimizer: ignored (the engine owns its optimizer); must be None or the engine's.
+        options: ``dp_group`` overrides the engine's data-parallel group.
+
+    Raises:
+        TypeError: ``engine`` is not a DeepSpeedEngine, or has no optimizer.
+        TargetError: a target pattern matches no module or parameter.
+    """
+    from deepspeed import DeepSpeedEngine
+
+    if not isinstance(engine, DeepSpeedEngine):
+        raise TypeError(f"the deepspeed integration needs a DeepSpeedEngine, got {type(engine).__name__}")
+    if optimizer is not None and optimizer is not engine.optimizer:
+        raise TypeError("pass only the engine to attach(): DeepSpeed owns the optimizer")
+    module = engine.module
+    ctx.grad_acc_steps = engine.gradient_accumulation_steps()
+    if options.start_step == 0:
+        ctx.step = engine.global_steps
+    registry = HookRegistry()
+    named_modules = [(name, m, 0) for name, m in module.named_modules()]
+    params = [(name, p, 0) for name, p in module.named_parameters()]
+    collectors: list[Collector] = []
+    if config.activations.enabled:
+        collectors.append(ActivationCollector(ctx, select_modules(named_modules, config), config.activations, registry))
+    hooks = EngineStepHooks(engine)
+    hooks.install()
+    shard_collector = None
+    if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
+        chosen = select_params(params, config)
+        if "grad_unreduced" in ctx.specs:
+            collectors.append(TorchOptimizerCollector(ctx, chosen, None, config, registry))
+        dp_group = options.dp_group if options.dp_group is not None else getattr(engine, "data_parallel_group", None)
+        shard_collector = DeepSpeedShardCollector(ctx, engine, chosen, config, hooks, dp_group)
+        collectors.append(shard_collector)
+    rank, world_size = dist_layout()
+    return Attachment(collectors=collectors, roots=[(module, 0)], modules=named_modules, optimizer=hooks,
+                      registry=registry, rank=rank, world_size=world_size,
+                      collective=shard_collector is not None and shard_collector.collective,
+                      micro_steps_by_user=True, on_close=[hooks.uninstall])

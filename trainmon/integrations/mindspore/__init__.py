@@ -1,0 +1,108 @@
+"""MindSpore (PyNative mode): a ``mindspore.nn.Cell`` and an optional ``nn.Optimizer``.
+
+Imported only when a Cell is attached (``trainmon.integrations.load("mindspore")``), so
+``import trainmon`` never imports MindSpore. Statistics are computed with MindSpore ops on the
+tensors' device and moved to the host once per step by :class:`MindSporeStepBuffer`; the host side
+(records, anomaly detectors, sinks, CLI) is the one PyTorch uses.
+
+Example:
+    >>> monitor = TrainerMonitor(cfg).attach(network, optimizer)      # doctest: +SKIP
+    >>> grad_fn = ms.value_and_grad(forward_fn, None, optimizer.parameters)
+    >>> for x, y in data:                                             # doctest: +SKIP
+    ...     loss, grads = grad_fn(x, y)
+    ...     optimizer(grads)
+    ...     monitor.step(loss=loss)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import mindspore as ms
+from mindspore import nn
+
+from trainmon.collect.hooks import HookRegistry
+from trainmon.integrations.base import AttachOptions, Attachment, select_modules, select_params
+from trainmon.integrations.mindspore.buffer import MindSporeStepBuffer
+from trainmon.integrations.mindspore.cells import CellActivationCollector
+from trainmon.integrations.mindspore.context import buffer_of, new_buffer, record
+from trainmon.integrations.mindspore.optimizer import MindSporeOptimizerCollector
+from trainmon.integrations.mindspore.stats import partial_stats
+
+if TYPE_CHECKING:
+    from trainmon.collect.context import Collector, StepContext
+    from trainmon.config import MonitorConfig
+
+
+class OptimizerStepHooks:
+    """Gives a MindSpore optimizer cell the ``register_step_post_hook`` the monitor uses to notice
+    that a step happened: a forward hook on the optimizer cell (it runs when ``optimizer(grads)``
+    returns). The handle it returns is MindSpore's removable hook handle."""
+
+    def __init__(self, optimizer: nn.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
+        def forward_hook(cell: nn.Cell, args: tuple, output: Any) -> None:
+            hook(cell, args, {})
+
+        return self.optimizer.register_forward_hook(forward_hook)
+
+
+def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: nn.Optimizer | None,
+           options: AttachOptions) -> Attachment:
+    """Build the collectors for a MindSpore network in PyNative mode.
+
+    Args:
+        ctx: the monitor's step context (its buffer becomes a :class:`MindSporeStepBuffer`).
+        config: the monitor config.
+        model: the network whose forward is one micro-step (the cell called inside the function
+            given to ``mindspore.value_and_grad``).
+        optimizer: the ``nn.Optimizer`` cell the gradients are applied with, or None.
+        options: ``attach`` keyword arguments; the torch process groups do not apply.
+
+    Raises:
+        TypeError: ``model`` is not a Cell or ``optimizer`` not an ``nn.Optimizer``.
+        RuntimeError: MindSpore is not in PyNative mode (cell hooks do not run in graph mode).
+        TargetError: a target pattern matches no cell or parameter.
+    """
+    if not isinstance(model, nn.Cell):
+        raise TypeError(f"attach() needs a mindspore.nn.Cell, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, nn.Optimizer):
+        raise TypeError(f"optimizer must be a mindspore.nn.Optimizer, got {type(optimizer).__name__}")
+    if ms.get_context("mode") != ms.PYNATIVE_MODE:
+        raise RuntimeError("the MindSpore integration needs PyNative mode: "
+                           "mindspore.set_context(mode=mindspore.PYNATIVE_MODE)")
+    for name in ("tp_group", "pp_group"):
+        if getattr(options, name) is not None:
+            raise ValueError(f"{name} is not supported for MindSpore (data parallelism only)")
+    ctx.buffer_factory = new_buffer
+    ctx.buffer = new_buffer()
+    registry = HookRegistry()
+    named_cells = [(name, cell, 0) for name, cell in model.cells_and_names()]
+    collectors: list[Collector] = []
+    if config.activations.enabled:
+        cells = select_modules(named_cells, config)
+        collectors.append(CellActivationCollector(ctx, cells, config.activations, registry))
+    params = [(name, param, 0) for name, param in model.parameters_and_names()]
+    if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
+        chosen = select_params(params, config)
+        collectors.append(MindSporeOptimizerCollector(ctx, chosen, optimizer, config, registry))
+    rank, world_size = dist_layout()
+    return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_cells,
+                      optimizer=OptimizerStepHooks(optimizer) if optimizer is not None else None,
+                      registry=registry, rank=rank, world_size=world_size)
+
+
+def dist_layout() -> tuple[int, int]:
+    """``(rank, world_size)`` from ``mindspore.communication`` once ``init()`` ran, else ``(0, 1)``."""
+    from mindspore.communication import GlobalComm, get_group_size, get_rank
+
+    if GlobalComm.INITED:
+        return get_rank(), get_group_size()
+    return 0, 1
+
+
+__all__ = ["MindSporeStepBuffer", "OptimizerStepHooks", "attach", "buffer_of", "dist_layout", "new_buffer",
+           "partial_stats", "record"]

@@ -1,0 +1,176 @@
+"""TrainerMonitor: the lifecycle (construct, attach, step, close)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainmon.config import MonitorConfig, load_config
+from trainmon.errors import AnomalyError, ConfigError
+from trainmon.records import Row, StepRecord, finalize
+from trainmon.schedule import Schedule
+
+logger = logging.getLogger("trainmon")
+
+_FAMILY_SECTIONS = {"grad_unreduced": "weight_grads", "grad_reduced": "weight_grads", "param": "params",
+                    "actv": "activations", "actv_grad": "activations", "comm": "communication"}
+
+
+def family_metrics(config: MonitorConfig) -> dict[str, list[str]]:
+    """``family -> metrics`` for every family the config turns on."""
+    out: dict[str, list[str]] = {}
+    a, w = config.activations, config.weight_grads
+    if a.enabled and a.forward:
+        out["actv"] = a.metrics
+    if a.enabled and a.backward:
+        out["actv_grad"] = a.metrics
+    if w.enabled and w.unreduced:
+        out["grad_unreduced"] = w.metrics
+    if w.enabled and w.reduced:
+        out["grad_reduced"] = w.metrics
+    if config.optimizer_states.enabled:
+        for state in config.optimizer_states.states:
+            out[state] = config.optimizer_states.metrics
+    if config.params.enabled:
+        out["param"] = config.params.metrics
+    if config.communication.enabled:
+        out["comm"] = config.communication.metrics
+    return {family: list(metrics) for family, metrics in out.items()}
+
+
+class TrainerMonitor:
+    """A drop-in training monitor.
+
+    Args:
+        config: a path to a YAML/JSON file, a dict, a :class:`MonitorConfig`, or None for defaults.
+
+    Raises:
+        ConfigError: the config is invalid (the message names the dotted key).
+
+    Example:
+        >>> monitor = TrainerMonitor({"output_dir": "/tmp/out"})          # doctest: +SKIP
+        >>> monitor.attach(model, optimizer)                               # doctest: +SKIP
+        >>> for batch in loader:                                           # doctest: +SKIP
+        ...     loss = model(batch).mean(); loss.backward()
+        ...     optimizer.step(); optimizer.zero_grad()
+        ...     monitor.step(loss=loss)
+        >>> monitor.close()                                                # doctest: +SKIP
+    """
+
+    def __init__(self, config: MonitorConfig | dict[str, Any] | str | Path | None = None) -> None:
+        self.config_path = Path(config) if isinstance(config, (str, Path)) else None
+        self.config = load_config(config)
+        self._callbacks: list[Callable[[Any], None]] = []
+        self._session: Any = None
+        self._closed = False
+
+    @classmethod
+    def from_msprobe(cls, path: str | Path) -> TrainerMonitor:
+        """Build a monitor from a msprobe monitor JSON config, warning once per key it cannot honour."""
+        from trainmon.msprobe import translate_msprobe
+
+        return cls(translate_msprobe(Path(path)))
+
+    def on_anomaly(self, callback: Callable[[Any], None]) -> None:
+        """Register ``callback(event: AnomalyEvent)``; called when the ``callback`` action is configured."""
+        self._callbacks.append(callback)
+        if self._session is not None:
+            self._session.anomaly.on_anomaly(callback)
+
+    def attach(self, model: Any, optimizer: Any = None, *, grad_acc_steps: int = 1, tp_group: Any = None,
+               dp_group: Any = None, pp_group: Any = None, start_step: int = 0) -> TrainerMonitor:
+        """Hook into a model (and its optimizer); the framework is detected from the objects.
+
+        Args:
+            model: a ``torch.nn.Module``, a ``DeepSpeedEngine``, a list of Megatron model chunks
+                or a MindSpore ``Cell``.
+            optimizer: the optimizer whose ``step`` ends a monitor step (optional).
+            grad_acc_steps: micro-steps per optimizer step.
+            tp_group, dp_group, pp_group: process groups overriding the integration's defaults.
+            start_step: the step number of the first step (when resuming).
+
+        Raises:
+            TargetError: a target pattern matches no module or parameter (close names are listed).
+            RuntimeError: already attached or closed.
+        """
+        if self._closed:
+            raise RuntimeError("this TrainerMonitor is closed; create a new one")
+        if self._session is not None:
+            raise RuntimeError("already attached; close() first or create another TrainerMonitor")
+        if grad_acc_steps < 1 or start_step < 0:
+            raise ValueError(f"grad_acc_steps must be >= 1 and start_step >= 0, got {grad_acc_steps}, {start_step}")
+        from trainmon.session import Session
+
+        self._session = Session(self, model, optimizer, grad_acc_steps=grad_acc_steps, tp_group=tp_group,
+                                dp_group=dp_group, pp_group=pp_group, start_step=start_step)
+        return self
+
+    def step(self, loss: Any = None, **scalars: Any) -> StepRecord | None:
+        """End the current step (call it after ``optimizer.step()``).
+
+        Args:
+            loss: the step's loss (a tensor stays on the device until the step's one transfer).
+            **scalars: extra scalars written to ``scalars.csv``.
+
+        Returns:
+            The step's record when the step was collected, else None.
+
+        Raises:
+            AnomalyError: the ``raise`` action fired (after the step was fully recorded).
+        """
+        if self._session is None:
+            raise RuntimeError("attach() a model before calling step()")
+        return self._session.end_step(loss, scalars, by_user=True)
+
+    def dump(self, modules: list[str], steps: list[int] | None = None) -> list[str]:
+        """Dump ``modules`` (names, globs, ``re:``) on ``steps`` (default: the next step).
+
+        Raises:
+            ConfigError: ``dump.enabled`` is false.
+        """
+        if self._session is None:
+            raise RuntimeError("attach() a model before calling dump()")
+        action = self._session.actions.get("dump")
+        if action is None:
+            raise ConfigError("dump.enabled", "must be true to call monitor.dump()")
+        return action.request(modules, steps)
+
+    @property
+    def run_dir(self) -> Path | None:
+        """``{output_dir}/{run_name}`` once attached."""
+        return self._session.run_dir if self._session is not None else None
+
+    @property
+    def rank_dir(self) -> Path | None:
+        """``{run_dir}/rank{R}`` once attached."""
+        return self._session.rank_dir if self._session is not None else None
+
+    def close(self) -> None:
+        """Finish the pending step, remove every hook, flush and close the outputs. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
+
+    def __enter__(self) -> TrainerMonitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build_record(step: int, rank: int, pp_stage: int, keys: list, partials: Any,
+                 scalars: dict[str, float], metrics: dict[str, list[str]]) -> StepRecord:
+    """Finalise the host copy of a step into a :class:`StepRecord` (framework-free)."""
+    rows = []
+    for key, partial in zip(keys, partials):
+        values, nonfinite = finalize(partial, metrics[key.family])
+        rows.append(Row(key, step, values, nonfinite))
+    return StepRecord(step=step, rank=rank, rows=rows, scalars=scalars, pp_stage=pp_stage)
+
+
+__all__ = ["AnomalyError", "TrainerMonitor", "build_record", "family_metrics"]

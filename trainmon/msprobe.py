@@ -1,0 +1,110 @@
+"""Translate a msprobe monitor JSON config into a trainmon config dict (framework-free)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from trainmon.errors import ConfigError
+
+logger = logging.getLogger("trainmon")
+
+_OPS = {"norm": "norm", "min": "min", "max": "max", "mean": "mean", "zeros": "zeros", "nans": "nans"}
+_FORMATS = {"csv": "csv", "tensorboard": "tensorboard"}
+
+
+def translate_msprobe(path: Path) -> dict[str, Any]:
+    """Read a msprobe monitor config and map it to trainmon's schema.
+
+    Keys with a trainmon equivalent are mapped; a key that cannot be honoured (or an unknown
+    key) is warned about once and ignored, so switching from msprobe is one line.
+
+    Raises:
+        ConfigError: the file cannot be read or is not a JSON object.
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read msprobe config: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ConfigError(str(path), f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "a msprobe monitor config must be a JSON object")
+    out: dict[str, Any] = {}
+    ops = [_OPS[op] for op in data.get("ops", []) if op in _OPS]
+    for op in data.get("ops", []):
+        if op not in _OPS:
+            _cannot(f"ops: {op!r}", f"supported ops are {sorted(_OPS)} (plus infs)")
+    metrics = {"metrics": ops} if ops else {}
+
+    def section(name: str, **values: Any) -> None:
+        out.setdefault(name, {}).update(values, **metrics)
+
+    for key, value in data.items():
+        if key == "targets":
+            modules = [name for name in value] if isinstance(value, dict) else []
+            if modules:
+                out["targets"] = {"modules": modules}
+        elif key == "xy_distribution":
+            section("activations", enabled=bool(value))
+        elif key == "all_xy":
+            out.setdefault("activations", {})["inputs"] = bool(value)
+        elif key == "forward_only" and value:
+            out.setdefault("activations", {})["backward"] = False
+        elif key == "backward_only" and value:
+            out.setdefault("activations", {})["forward"] = False
+        elif key == "wg_distribution":
+            section("weight_grads", enabled=bool(value))
+        elif key == "mv_distribution":
+            section("optimizer_states", enabled=bool(value))
+        elif key == "param_distribution":
+            section("params", enabled=bool(value))
+        elif key == "mg_direction":
+            out["grad_probe"] = {"enabled": bool(value), "level": "L1"}
+        elif key == "cc_distribution":
+            enabled = bool(value.get("enable")) if isinstance(value, dict) else bool(value)
+            section("communication", enabled=enabled)
+        elif key == "alert":
+            out["anomaly"] = _alert(value)
+        elif key == "format":
+            if value in _FORMATS:
+                out["sinks"] = [_FORMATS[value]]
+            else:
+                _cannot(f"format: {value!r}", "trainmon writes csv and tensorboard")
+        elif key == "eps":
+            out["eps"] = value
+        elif key in ("start_step", "step_interval", "collect_times", "print_struct"):
+            out[key] = value
+        elif key == "module_ranks":
+            out["ranks"] = list(value) or None
+        elif key == "ops":
+            continue
+        elif key in ("ndigits", "step_count_per_record"):
+            _cannot(key, "trainmon writes full precision into one CSV per family")
+        elif key in ("forward_only", "backward_only"):
+            continue
+        else:
+            _cannot(key, "no trainmon equivalent")
+    return out
+
+
+def _alert(value: Any) -> dict[str, Any]:
+    detectors: list[dict[str, Any]] = [{"type": "nonfinite"}]
+    actions = ["log", "jsonl"]
+    if not isinstance(value, dict):
+        return {"detectors": detectors, "actions": actions}
+    for rule in value.get("rules", []):
+        if rule.get("rule_name") == "AnomalyTurbulence":
+            threshold = rule.get("args", {}).get("threshold", 0.5)
+            detectors.append({"type": "spike", "mode": "relative", "threshold": threshold})
+        else:
+            _cannot(f"alert.rules: {rule.get('rule_name')!r}", "only AnomalyTurbulence is translated")
+    if value.get("dump"):
+        actions.append("dump")
+    return {"detectors": detectors, "actions": actions}
+
+
+def _cannot(key: str, why: str) -> None:
+    logger.warning("trainmon: msprobe config key %s is not honoured (%s)", key, why)

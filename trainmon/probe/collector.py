@@ -1,0 +1,322 @@
+"""The grad probe collector: gradient summaries, packed directions and in-run similarity.
+
+At the optimizer's step pre-hook of a collected step (the gradient the step uses) it computes,
+per target parameter and on the gradient's device: max, min, norm (float32), and by level
+
+- L0: a content hash (from two on-device integer checksums, see :func:`content_hash`);
+- L1: packed sign bits (``x > 0``, 1 bit per element, optionally of a fixed sample) and the
+  in-run similarities ``sign_agree_prev`` (XOR + popcount of the packed bits of this and the
+  previous collected step), ``cos_prev`` (only with ``sample_elements``: cosine with the previous
+  step's sampled values), ``sign_agree_exp_avg`` and ``cos_exp_avg`` (against Adam's ``exp_avg``
+  as the step finds it, i.e. the momentum the new gradient is about to be folded into);
+- L2: L1 plus the fractions of elements in the right-closed intervals of ``bounds`` and the
+  fraction exactly 0.
+
+All statistics of a step go into one ``[params, W]`` float32 tensor; it and the packed bits are
+copied to the host with ``non_blocking`` copies (into pinned memory on CUDA) enqueued during the
+step. The step's single synchronising transfer (``StepBuffer.transfer``) completes them; the
+writer thread additionally waits on a device event before reading, so it never reads early and
+the training thread never waits. Files are written on that thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainmon.probe import device as dev
+from trainmon.probe.storage import (
+    AGREE_PREV, PROBE_DIR, SIMILARITIES, SummaryWriter, content_hash, direction_path, format_value,
+    summary_columns, vector_width, write_direction_file,
+)
+
+if TYPE_CHECKING:
+    from trainmon.collect.context import StepContext
+    from trainmon.collect.hooks import HookRegistry
+    from trainmon.config import MonitorConfig
+
+logger = logging.getLogger("trainmon")
+_GROUP = "grad_probe"
+_F32 = torch.float32
+
+
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """Enqueue a device-to-host copy (no sync); on CPU the tensor itself is the host copy."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def _record_event(device: torch.device) -> Any:
+    if device.type == "cpu":
+        return None
+    event = torch.cuda.Event() if device.type == "cuda" else torch.Event(device=device)
+    event.record()
+    return event
+
+
+class GradProbe:
+    """Collector of the ``grad_probe`` section (see the module docstring).
+
+    Args:
+        ctx: the monitor's step context (``step``, ``collecting``, ``buffer``).
+        params: ``(name, parameter, vpp_stage)`` of the target parameters.
+        config: the monitor config (``grad_probe`` and ``flush_seconds`` are read).
+        registry: where the optimizer hook handle lives.
+        optimizer: its step pre-hook triggers the measurement; without one (or without
+            ``register_step_pre_hook``) the integration calls :meth:`measure` itself, else
+            :meth:`before_transfer` measures whatever gradients are still there.
+        grad_of: ``parameter -> gradient tensor or None`` (default ``param.grad``).
+        exp_avg_of: ``parameter -> exp_avg tensor or None`` (default ``optimizer.state[p]["exp_avg"]``).
+        rank_dir: the rank's output directory; outputs go to ``{rank_dir}/grad_probe/``. Without
+            one (a rank that does not write) the probe measures nothing; see :meth:`bind_output`.
+    """
+
+    def __init__(self, ctx: StepContext, params: Sequence[tuple[str, torch.Tensor, int]], config: MonitorConfig,
+                 registry: HookRegistry, optimizer: Any = None, *,
+                 grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                 exp_avg_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+                 rank_dir: Path | None = None) -> None:
+        self.ctx = ctx
+        self.params = list(params)
+        self.settings = config.grad_probe
+        self.registry = registry
+        self.optimizer = optimizer
+        self.grad_of = grad_of or (lambda p: p.grad)
+        self.exp_avg_of = exp_avg_of or self._adam_exp_avg
+        self.level = self.settings.level
+        self.bounds = list(self.settings.bounds)
+        self.width = vector_width(self.level, self.bounds)
+        self._flush_seconds = config.flush_seconds
+        self._hookable = optimizer is not None and hasattr(optimizer, "register_step_pre_hook")
+        self._prev_bits: dict[int, torch.Tensor] = {}
+        self._prev_sample: dict[int, torch.Tensor] = {}
+        self._samples: dict[int, torch.Tensor] = {}
+        self._measured_step: int | None = None
+        self._probe_dir: Path | None = None
+        self._writer: Any = None
+        self._summary: SummaryWriter | None = None
+        self._closed = False
+        self.bind_output(rank_dir)
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def bind_output(self, rank_dir: Path | None) -> None:
+        """Set the rank directory (the monitor knows it only after ``attach``); None turns output off."""
+        if self._writer is not None or rank_dir is None or self._closed:
+            return
+        from trainmon.sinks.base import SinkWriter
+
+        self._probe_dir = Path(rank_dir) / PROBE_DIR
+        self._summary = SummaryWriter(self._probe_dir, summary_columns(self.level, self.bounds))
+        # Few pending steps: a queued step may hold every parameter's bits in host memory.
+        self._writer = SinkWriter([], self._flush_seconds, max_pending=4)
+
+    def arm(self) -> None:
+        if self._hookable and not self.registry.count(_GROUP):
+            self.registry.add(_GROUP, self.optimizer.register_step_pre_hook(self._pre_step))
+
+    def disarm(self) -> None:
+        self.registry.remove(_GROUP)
+
+    def before_transfer(self) -> None:
+        if not self._hookable:
+            self.measure()
+
+    def close(self) -> None:
+        """Remove the hook, write what is queued, close the files. Idempotent."""
+        self.disarm()
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._writer.close()
+        if self._summary is not None:
+            self._summary.close()
+        self._prev_bits.clear()
+        self._prev_sample.clear()
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.measure()
+
+    def _adam_exp_avg(self, param: torch.Tensor) -> torch.Tensor | None:
+        state = getattr(self.optimizer, "state", None)
+        entry = state.get(param) if state is not None else None
+        return entry.get("exp_avg") if entry else None
+
+    # ----------------------------------------------------------------------------- measuring
+    def measure(self) -> None:
+        """Measure the current gradients of the target parameters (once per collected step).
+
+        Enqueues device work and asynchronous copies only; never synchronises with the host.
+        """
+        ctx = self.ctx
+        if not ctx.collecting or self._writer is None or self._measured_step == ctx.step:
+            return
+        self._measured_step = ctx.step
+        vectors: list[torch.Tensor] = []
+        metas: list[dict[str, Any]] = []
+        bits: list[torch.Tensor] = []
+        checksums: list[torch.Tensor] = []
+        totals: dict[str, list[torch.Tensor]] = {}
+        for index, (name, param, vpp_stage) in enumerate(self.params):
+            grad = self.grad_of(param)
+            if grad is None or grad.numel() == 0:
+                continue
+            grad = grad.detach()
+            flat = (torch.view_as_real(grad) if grad.is_complex() else grad).reshape(-1)
+            meta = {"name": name, "vpp_stage": vpp_stage, "shape": list(grad.shape), "numel": flat.numel(),
+                    "dtype": str(grad.dtype).removeprefix("torch.")}
+            row = self._base_stats(flat)
+            if self.level == "L0":
+                packed = dev.pack_signs(flat > 0)
+                checksums.append(torch.stack([dev.raw_checksum(flat).to(torch.int64), dev.words_checksum(packed)]))
+                row += [self._nan(flat)] * (len(SIMILARITIES))
+            else:
+                packed, count, similarities = self._directions(index, param, flat, row[2], totals)
+                meta["count"] = count
+                meta["available"] = [s is not None for s in similarities]
+                bits.append(packed)
+                row += [self._nan(flat) if s is None else s for s in similarities]
+                if self.level == "L2":
+                    numel = flat.numel()
+                    row += [c / numel for c in dev.interval_counts(flat, self.bounds)]
+                    row.append((numel - torch.count_nonzero(flat)).to(_F32) / numel)
+            vectors.extend(row)
+            metas.append(meta)
+        if not metas:
+            return
+        stats = torch.stack([v.to(_F32) for v in vectors]).view(len(metas), self.width)
+        self._add_scalars(stats, metas, totals)
+        host_stats = _pinned_copy(stats)
+        host_checksums = _pinned_copy(torch.stack(checksums)) if checksums else None
+        host_bits = [_pinned_copy(b) for b in bits] if stats.device.type == "cpu" else (
+            self._split_host(torch.cat(bits), bits) if bits else [])
+        event = _record_event(stats.device)
+        step = ctx.step
+        self._writer.submit(lambda: self._write(step, metas, host_stats, host_checksums, host_bits, event))
+
+    def _base_stats(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        lo, hi = torch.aminmax(flat)
+        return [hi, lo, torch.linalg.vector_norm(flat, dtype=_F32)]
+
+    def _nan(self, like: torch.Tensor) -> torch.Tensor:
+        return self._const(float("nan"), like)
+
+    @staticmethod
+    def _const(value: float, like: torch.Tensor) -> torch.Tensor:
+        """A 0-d float32 constant on ``like``'s device, written by a fill kernel (no host copy)."""
+        return torch.full((), value, dtype=_F32, device=like.device)
+
+    def _directions(self, index: int, param: torch.Tensor, flat: torch.Tensor, norm: torch.Tensor,
+                    totals: dict[str, list[torch.Tensor]]) -> tuple[torch.Tensor, int, list[torch.Tensor | None]]:
+        """Packed signs (sampled or full), and the four similarities of one parameter (None: unavailable).
+
+        Each full-size tensor is read a minimal number of times: ``g > 0`` once (packed, then
+        compared as bits), ``m > 0`` once, one dot product and one norm of ``m``; the gradient's
+        norm is reused from the base statistics.
+        """
+        sample_size = self.settings.sample_elements
+        cos_prev: torch.Tensor | None = None
+        packed_full: torch.Tensor | None = None
+        if sample_size is not None and sample_size < flat.numel():
+            indices = self._samples.get(index)
+            if indices is None or indices.device != flat.device:
+                indices = self._samples[index] = dev.sample_indices(flat.numel(), sample_size, flat.device)
+            values = flat[indices].to(_F32)
+            packed = dev.pack_signs(values > 0)
+            count = values.numel()
+        else:
+            values = flat.to(_F32) if sample_size is not None else None
+            packed = packed_full = dev.pack_signs(flat > 0)
+            count = flat.numel()
+        if values is not None:
+            previous = self._prev_sample.get(index)
+            if previous is not None and previous.shape == values.shape:
+                dot, norm_v, norm_p = torch.dot(values, previous), torch.linalg.vector_norm(values), \
+                    torch.linalg.vector_norm(previous)
+                cos_prev = dot / (norm_v * norm_p)
+                totals.setdefault("cos_prev", []).append(torch.stack([dot, norm_v.square(), norm_p.square()]))
+            self._prev_sample[index] = values
+        agree_prev: torch.Tensor | None = None
+        previous_bits = self._prev_bits.get(index)
+        if previous_bits is not None and previous_bits.shape == packed.shape:
+            differing = dev.differing_bits(packed, previous_bits).to(_F32)
+            agree_prev = 1.0 - differing / count
+            totals.setdefault("sign_agree_prev", []).append(torch.stack([differing, self._const(count, flat)]))
+        self._prev_bits[index] = packed
+        agree_exp_avg: torch.Tensor | None = None
+        cos_exp_avg: torch.Tensor | None = None
+        exp_avg = self.exp_avg_of(param)
+        if exp_avg is not None and exp_avg.numel() == flat.numel():
+            momentum = exp_avg.detach().reshape(-1)
+            if packed_full is None:
+                packed_full = dev.pack_signs(flat > 0)
+            differing_m = dev.differing_bits(packed_full, dev.pack_signs(momentum > 0)).to(_F32)
+            agree_exp_avg = 1.0 - differing_m / flat.numel()
+            dot = torch.dot(flat.to(_F32), momentum.to(_F32))
+            norm_m = torch.linalg.vector_norm(momentum, dtype=_F32)
+            cos_exp_avg = dot / (norm * norm_m)
+            totals.setdefault("sign_agree_exp_avg", []).append(
+                torch.stack([differing_m, self._const(flat.numel(), flat)]))
+            totals.setdefault("cos_exp_avg", []).append(torch.stack([dot, norm.square(), norm_m.square()]))
+        return packed, count, [agree_prev, cos_prev, agree_exp_avg, cos_exp_avg]
+
+    def _add_scalars(self, stats: torch.Tensor, metas: list[dict[str, Any]],
+                     totals: dict[str, list[torch.Tensor]]) -> None:
+        """In-run similarities as step scalars (they ride on the step's one transfer)."""
+        mode = self.settings.scalars
+        if mode == "none" or self.level == "L0":
+            return
+        buffer = self.ctx.buffer
+        for metric, parts in totals.items():
+            summed = torch.stack(parts).sum(dim=0)
+            if metric.startswith("sign_agree"):
+                value = 1.0 - summed[0] / summed[1]
+            else:
+                value = summed[0] / (summed[1].sqrt() * summed[2].sqrt())
+            buffer.add_scalar(f"grad_probe/{metric}", value)
+        if mode == "param":
+            for j, meta in enumerate(metas):
+                for k, metric in enumerate(SIMILARITIES):
+                    if not meta["available"][k]:
+                        continue
+                    buffer.add_scalar(f"grad_probe/{meta['name']}/{metric}", stats[j, AGREE_PREV + k])
+
+    @staticmethod
+    def _split_host(joined: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        host = _pinned_copy(joined)
+        return list(torch.split(host, [p.numel() for p in parts]))
+
+    # ----------------------------------------------------------------------------- writer thread
+    def _write(self, step: int, metas: list[dict[str, Any]], host_stats: torch.Tensor,
+               host_checksums: torch.Tensor | None, host_bits: list[torch.Tensor], event: Any) -> None:
+        """Runs on the writer thread: wait for the copies, write the CSV rows and direction files."""
+        if event is not None:
+            event.synchronize()  # waits on this thread only; the step's transfer has usually completed it
+        assert self._probe_dir is not None and self._summary is not None
+        stats = host_stats.numpy()
+        checksums = host_checksums.numpy() if host_checksums is not None else None
+        rows = []
+        for j, meta in enumerate(metas):
+            values = stats[j]
+            row: list[object] = [meta["vpp_stage"], meta["name"], step, str(meta["shape"]), meta["numel"],
+                                 *map(format_value, values[:3])]
+            if checksums is not None:
+                row.append(content_hash(meta["dtype"], meta["shape"], values[:3], *checksums[j]))
+            else:
+                row += map(format_value, values[3:])
+                header = {"name": meta["name"], "vpp_stage": meta["vpp_stage"], "step": step,
+                          "shape": meta["shape"], "numel": meta["numel"], "count": meta["count"],
+                          "dtype": meta["dtype"], "sign": "x > 0", "bitorder": "little",
+                          "sample": None if meta["count"] == meta["numel"] else
+                          {"method": "stratified", "seed": dev.SAMPLE_SEED, "elements": meta["count"]}}
+                path = direction_path(self._probe_dir, step, meta["name"], meta["vpp_stage"])
+                write_direction_file(path, header, host_bits[j].numpy())
+            rows.append(row)
+        self._summary.write_rows(rows, step)

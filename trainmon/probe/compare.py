@@ -1,0 +1,230 @@
+"""``trainmon grad-compare RUN_A RUN_B -o OUT``: gradient-direction similarity of two runs (framework-free).
+
+Ranks, steps and parameters are matched by their numbers and names; the similarity of a
+parameter at a step is the fraction of its stored elements whose gradient signs (``x > 0``)
+are equal in both runs. Mismatches (a rank, step or parameter in one run only, different
+shapes or samples) are listed in ``OUT/problems.txt`` and on stderr, never fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainmon.probe.storage import PROBE_DIR, DirectionFile, DirectionFormatError, read_direction_header
+from trainmon.progress import progress
+
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
+SIMILARITY_COLUMNS = ("kind", "rank", "step", "vpp_stage", "name", "count", "similarity")
+"""``kind`` is ``param``, or ``element_weighted`` / ``param_averaged`` for a step's summary rows."""
+
+Tree = dict[int, dict[int, dict[tuple[int, str], DirectionFile]]]
+
+
+@dataclass
+class Comparison:
+    """What :func:`compare` found: similarity rows and human-readable problems."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``grad-compare`` on the ``trainmon`` command's subparsers."""
+    parser = sub.add_parser(
+        "grad-compare", help="compare the gradient directions of two runs",
+        description="Match ranks, steps and parameters of two runs' grad-probe direction files (level L1 or L2) "
+                    "and write OUT/similarities.csv (fraction of equal gradient signs per parameter per step, "
+                    "plus element-weighted and parameter-averaged rows per step) and PNG plots.")
+    parser.add_argument("run_a", help="first run directory (with rank*/grad_probe/)")
+    parser.add_argument("run_b", help="second run directory")
+    parser.add_argument("-o", "--output", required=True, help="output directory")
+    parser.add_argument("--no-plots", action="store_true", help="write only similarities.csv")
+    parser.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from trainmon.cli import UsageError
+
+    try:
+        tree_a, tree_b = scan_run(Path(args.run_a)), scan_run(Path(args.run_b))
+    except (FileNotFoundError, DirectionFormatError) as exc:
+        raise UsageError(str(exc)) from None
+    result = compare(tree_a, tree_b)
+    if not result.rows:
+        raise UsageError(f"nothing in common to compare: {result.problems[0] if result.problems else 'no data'}")
+    out = Path(args.output)
+    write_outputs(result, out, plots=not args.no_plots)
+    for line in result.problems[:10]:
+        print(f"warning: {line}", file=sys.stderr)
+    if len(result.problems) > 10:
+        print(f"warning: ... and {len(result.problems) - 10} more, see {out / 'problems.txt'}", file=sys.stderr)
+    params = sum(1 for row in result.rows if row["kind"] == "param")
+    print(f"compared {params} parameter-steps; wrote {out / 'similarities.csv'}")
+    return 0
+
+
+def scan_run(run_dir: Path) -> Tree:
+    """``rank -> step -> (vpp_stage, name) -> DirectionFile`` of a run (or of one rank directory).
+
+    Raises:
+        FileNotFoundError: no such directory, or no direction file in it.
+        DirectionFormatError: a ``.bits`` file is not a direction file.
+    """
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such directory")
+    if (run_dir / PROBE_DIR).is_dir():
+        rank_dirs = [(_rank_number(run_dir.name), run_dir)]
+    else:
+        rank_dirs = [(_rank_number(p.name), p) for p in run_dir.glob("rank*") if (p / PROBE_DIR).is_dir()]
+    tree: Tree = {}
+    for rank, rank_dir in rank_dirs:
+        for path in sorted((rank_dir / PROBE_DIR).glob("step*/*.bits")):
+            info = read_direction_header(path)
+            tree.setdefault(rank, {}).setdefault(int(info.header["step"]), {})[info.key] = info
+    if not tree:
+        raise FileNotFoundError(f"{run_dir}: no grad-probe direction files (rank*/{PROBE_DIR}/step*/*.bits; "
+                                "they are written at grad_probe level L1 or L2)")
+    return tree
+
+
+def _rank_number(name: str) -> int:
+    digits = name.removeprefix("rank")
+    return int(digits) if digits.isdigit() else 0
+
+
+def sign_similarity(bits_a: np.ndarray, bits_b: np.ndarray, count: int) -> float:
+    """Fraction of equal bits among the first ``count`` of two packed arrays (padding bits are 0)."""
+    differing = int(_POPCOUNT[np.bitwise_xor(bits_a, bits_b)].sum())
+    return (count - differing) / count if count else float("nan")
+
+
+def _layout(info: DirectionFile) -> tuple[Any, ...]:
+    h = info.header
+    return tuple(h["shape"]), int(h["count"]), json_key(h.get("sample"))
+
+
+def json_key(value: Any) -> Any:
+    return tuple(sorted(value.items())) if isinstance(value, dict) else value
+
+
+def compare(tree_a: Tree, tree_b: Tree, show_progress: bool | None = None) -> Comparison:
+    """Similarity rows for everything the two runs share; problems for everything they do not."""
+    result = Comparison()
+    for rank in sorted(set(tree_a) ^ set(tree_b)):
+        result.problems.append(f"rank {rank} only in run {'A' if rank in tree_a else 'B'}")
+    pairs = []
+    for rank in sorted(set(tree_a) & set(tree_b)):
+        steps_a, steps_b = tree_a[rank], tree_b[rank]
+        for step in sorted(set(steps_a) ^ set(steps_b)):
+            result.problems.append(f"rank {rank}: step {step} only in run {'A' if step in steps_a else 'B'}")
+        for step in sorted(set(steps_a) & set(steps_b)):
+            pairs.append((rank, step, steps_a[step], steps_b[step]))
+    for rank, step, params_a, params_b in progress(pairs, len(pairs), "grad-compare", show_progress):
+        for key in sorted(set(params_a) ^ set(params_b)):
+            result.problems.append(f"rank {rank} step {step}: parameter {_label(key)} only in run "
+                                   f"{'A' if key in params_a else 'B'}")
+        step_rows = []
+        for key in [k for k in params_a if k in params_b]:
+            a, b = params_a[key], params_b[key]
+            if _layout(a) != _layout(b):
+                result.problems.append(f"rank {rank} step {step}: parameter {_label(key)} differs in layout: "
+                                       f"shape {a.header['shape']} count {a.header['count']} vs shape "
+                                       f"{b.header['shape']} count {b.header['count']} (not compared)")
+                continue
+            count = int(a.header["count"])
+            step_rows.append({"kind": "param", "rank": rank, "step": step, "vpp_stage": key[0], "name": key[1],
+                              "count": count, "similarity": sign_similarity(a.bits(), b.bits(), count)})
+        result.rows.extend(step_rows)
+    result.rows.extend(_summaries([r for r in result.rows if r["kind"] == "param"]))
+    result.rows.sort(key=lambda r: (r["step"], r["kind"] != "param", str(r["rank"]), r["vpp_stage"], r["name"]))
+    return result
+
+
+def _label(key: tuple[int, str]) -> str:
+    return key[1] if key[0] == 0 else f"{key[1]} (vpp {key[0]})"
+
+
+def _summaries(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per step over every rank and parameter: element-weighted and parameter-averaged similarity."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_step.setdefault(row["step"], []).append(row)
+    out = []
+    for step, items in by_step.items():
+        counts = np.array([r["count"] for r in items], dtype=np.float64)
+        sims = np.array([r["similarity"] for r in items], dtype=np.float64)
+        total = int(counts.sum())
+        base = {"rank": "", "step": step, "vpp_stage": "", "name": "", "count": total}
+        out.append({**base, "kind": "element_weighted", "similarity": float((sims * counts).sum() / counts.sum())})
+        out.append({**base, "kind": "param_averaged", "similarity": float(sims.mean())})
+    return out
+
+
+def write_outputs(result: Comparison, out: Path, plots: bool = True) -> None:
+    """``similarities.csv``, ``problems.txt`` (when there are any) and, with ``plots``, PNG files."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "similarities.csv", "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=SIMILARITY_COLUMNS)
+        writer.writeheader()
+        for row in result.rows:
+            writer.writerow({**row, "similarity": repr(float(row["similarity"]))})
+    problems = out / "problems.txt"
+    if result.problems:
+        problems.write_text("\n".join(result.problems) + "\n", encoding="utf-8")
+    elif problems.exists():
+        problems.unlink()
+    if plots:
+        plot(result, out)
+
+
+def plot(result: Comparison, out: Path) -> list[Path]:
+    """Per rank: ``similarity_lines_rank{R}.png`` (one line per parameter over steps) and
+    ``similarity_heatmap_rank{R}.png`` (parameter x step). Returns the written paths."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    written = []
+    by_rank: dict[int, list[dict[str, Any]]] = {}
+    for row in result.rows:
+        if row["kind"] == "param":
+            by_rank.setdefault(row["rank"], []).append(row)
+    for rank, rows in sorted(by_rank.items()):
+        steps = sorted({r["step"] for r in rows})
+        names = sorted({(r["vpp_stage"], r["name"]) for r in rows})
+        grid = np.full((len(names), len(steps)), np.nan)
+        for r in rows:
+            grid[names.index((r["vpp_stage"], r["name"])), steps.index(r["step"])] = r["similarity"]
+        labels = [_label(k) for k in names]
+
+        fig = Figure(figsize=(8, 4.5))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        for i, label in enumerate(labels):
+            ax.plot(steps, grid[i], marker="o", markersize=3, label=label)
+        ax.set(xlabel="step", ylabel="fraction of equal gradient signs", title=f"rank {rank}", ylim=(-0.02, 1.02))
+        if len(labels) <= 12:
+            ax.legend(fontsize=7, loc="lower left")
+        path = out / f"similarity_lines_rank{rank}.png"
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        written.append(path)
+
+        fig = Figure(figsize=(max(6, 0.4 * len(steps) + 4), max(3, 0.25 * len(labels) + 1.5)))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        image = ax.imshow(grid, aspect="auto", vmin=0.0, vmax=1.0, cmap="viridis", interpolation="nearest")
+        ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7)
+        ax.set_yticks(range(len(labels)), labels, fontsize=7)
+        ax.set(xlabel="step", title=f"rank {rank}: fraction of equal gradient signs")
+        fig.colorbar(image, ax=ax)
+        path = out / f"similarity_heatmap_rank{rank}.png"
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        written.append(path)
+    return written

@@ -1,0 +1,183 @@
+"""Grad-probe files on the host (framework-free): ``grad_summary.csv`` and packed direction files.
+
+Layout under a rank directory::
+
+    grad_probe/grad_summary.csv                 one row per target parameter per collected step
+    grad_probe/step{S}/{name}.bits              packed gradient signs (L1, L2); vpp{v}.{name}.bits
+                                                for virtual-pipeline chunk v > 0
+
+A direction file is a 12-byte prefix (``b"TMGS"``, format version, 3 zero bytes, the header
+length as little-endian uint32), a UTF-8 JSON header, then ``ceil(count / 8)`` bytes of bits in
+``numpy.packbits(x > 0, bitorder="little")`` layout.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+MAGIC = b"TMGS"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<4sB3xI")
+SUMMARY_FILE = "grad_summary.csv"
+PROBE_DIR = "grad_probe"
+
+# Columns of the per-parameter statistics vector copied from the device (float32).
+MAX, MIN, NORM, AGREE_PREV, COS_PREV, AGREE_EXP_AVG, COS_EXP_AVG = range(7)
+BASE_WIDTH = 7
+SIMILARITIES: tuple[str, ...] = ("sign_agree_prev", "cos_prev", "sign_agree_exp_avg", "cos_exp_avg")
+"""In-run similarity columns (L1, L2), in vector order after max, min, norm."""
+
+
+def interval_labels(bounds: Sequence[float]) -> list[str]:
+    """Column names of the right-closed intervals, e.g. ``(-inf, -1]``, ``(-1, 0]``, ``(1, inf)``."""
+    edges = ["-inf", *(f"{b:g}" for b in bounds), "inf"]
+    return [f"({lo}, {hi}{')' if hi == 'inf' else ']'}" for lo, hi in zip(edges[:-1], edges[1:])]
+
+
+def summary_columns(level: str, bounds: Sequence[float]) -> list[str]:
+    """The header of ``grad_summary.csv`` for a level."""
+    columns = ["vpp_stage", "name", "step", "shape", "numel", "max", "min", "norm"]
+    if level == "L0":
+        return [*columns, "hash"]
+    columns += list(SIMILARITIES)
+    if level == "L2":
+        columns += [*interval_labels(bounds), "zero_fraction"]
+    return columns
+
+
+def vector_width(level: str, bounds: Sequence[float]) -> int:
+    """Length of the per-parameter device statistics vector for a level."""
+    return BASE_WIDTH + (len(bounds) + 2 if level == "L2" else 0)
+
+
+def content_hash(dtype: str, shape: Sequence[int], stats: Sequence[float], raw_sum: int, sign_sum: int) -> str:
+    """The L0 fingerprint of a gradient: 16 hex digits of BLAKE2b over its dtype, shape, float32
+    max/min/norm, the wrapping int32 sum of its raw bit patterns and the position-weighted sum
+    of its packed sign words. Equal gradients give equal hashes on every device; it is a
+    cheap change detector, not a cryptographic digest of every byte."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{dtype}|{list(shape)}|".encode())
+    h.update(np.asarray(stats[:3], dtype=np.float32).tobytes())
+    h.update(struct.pack("<qq", int(raw_sum), int(sign_sum)))
+    return h.hexdigest()
+
+
+def format_value(value: float) -> str:
+    """Shortest text that round-trips the float32 value; NaN and Inf as ``nan``, ``inf``, ``-inf``."""
+    return str(np.float32(value))
+
+
+def direction_path(probe_dir: Path, step: int, name: str, vpp_stage: int) -> Path:
+    """Where the direction file of a parameter at a step lives."""
+    stem = name if vpp_stage == 0 else f"vpp{vpp_stage}.{name}"
+    return probe_dir / f"step{step}" / f"{stem}.bits"
+
+
+def write_direction_file(path: Path, header: dict[str, Any], bits: np.ndarray) -> None:
+    """Write one packed direction file (prefix, JSON header, ``ceil(count / 8)`` bytes)."""
+    nbytes = (int(header["count"]) + 7) // 8
+    data = np.ascontiguousarray(bits, dtype=np.uint8)[:nbytes]
+    assert data.size == nbytes, (data.size, nbytes)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as handle:
+        handle.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob)))
+        handle.write(blob)
+        handle.write(data.tobytes())
+
+
+class DirectionFormatError(ValueError):
+    """A file is not a readable grad-probe direction file; the message names it."""
+
+
+@dataclass(frozen=True)
+class DirectionFile:
+    """A direction file's header (bits are read on demand by :meth:`bits`)."""
+
+    path: Path
+    header: dict[str, Any]
+    offset: int
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return int(self.header.get("vpp_stage", 0)), str(self.header["name"])
+
+    def bits(self) -> np.ndarray:
+        """The packed bits as a uint8 array of ``ceil(count / 8)`` bytes."""
+        nbytes = (int(self.header["count"]) + 7) // 8
+        data = np.fromfile(self.path, dtype=np.uint8, offset=self.offset)
+        if data.size != nbytes:
+            raise DirectionFormatError(f"{self.path}: {data.size} bytes of bits, header says {nbytes}")
+        return data
+
+
+def read_direction_header(path: Path) -> DirectionFile:
+    """Read the prefix and JSON header of a direction file.
+
+    Raises:
+        DirectionFormatError: wrong magic, unknown version or a broken header.
+    """
+    with open(path, "rb") as handle:
+        prefix = handle.read(_PREFIX.size)
+        if len(prefix) != _PREFIX.size:
+            raise DirectionFormatError(f"{path}: too short for a direction file")
+        magic, version, length = _PREFIX.unpack(prefix)
+        if magic != MAGIC or version != FORMAT_VERSION:
+            raise DirectionFormatError(f"{path}: not a grad-probe direction file (format {version})")
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError as exc:
+            raise DirectionFormatError(f"{path}: broken header ({exc})") from None
+    return DirectionFile(path, header, _PREFIX.size + length)
+
+
+class SummaryWriter:
+    """``grad_summary.csv`` with one open handle, opened on first write; flushed once per step.
+
+    An existing file with the same header is appended to (a re-attached probe goes on); one with
+    another header (the level or bounds changed) is left alone and rows go to
+    ``grad_summary_{step}.csv``.
+    """
+
+    def __init__(self, probe_dir: Path, columns: Sequence[str]) -> None:
+        self.probe_dir = probe_dir
+        self.columns = list(columns)
+        self.path: Path | None = None
+        self._handle: IO[str] | None = None
+        self._writer: Any = None
+
+    def _open(self, step: int) -> None:
+        self.probe_dir.mkdir(parents=True, exist_ok=True)
+        path = self.probe_dir / SUMMARY_FILE
+        fresh = not path.exists() or path.stat().st_size == 0
+        if not fresh:
+            with open(path, newline="", encoding="utf-8") as existing:
+                if next(csv.reader(existing), None) != self.columns:
+                    path = self.probe_dir / f"grad_summary_{step}.csv"
+                    fresh = True
+        self.path = path
+        self._handle = open(path, "w" if fresh else "a", newline="", encoding="utf-8")
+        self._writer = csv.writer(self._handle)
+        if fresh:
+            self._writer.writerow(self.columns)
+
+    def write_rows(self, rows: Sequence[Sequence[object]], step: int) -> None:
+        if self._handle is None:
+            self._open(step)
+        self._writer.writerows(rows)
+        assert self._handle is not None
+        self._handle.flush()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None

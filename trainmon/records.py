@@ -1,0 +1,157 @@
+"""Host-side records: what one collected step produced, as plain Python floats.
+
+Everything after the single device-to-host transfer of a step lives here and imports no
+framework. Collectors produce *partial statistics* per tensor: an 8-slot vector
+``[norm, sum, min, max, zeros, nans, infs, numel]`` that combines exactly across shards
+(see :func:`combine_partials`), and :func:`finalize` turns it into the user's metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+METRICS: tuple[str, ...] = ("norm", "min", "max", "mean", "zeros", "nans", "infs")
+"""Every metric a user may ask for, in canonical order."""
+
+# Slots of a partial-statistics vector. A slot not needed by the configured metrics holds 0.
+NORM, SUM, MIN, MAX, ZEROS, NANS, INFS, NUMEL = range(8)
+PARTIAL_SLOTS = 8
+
+FAMILIES: tuple[str, ...] = (
+    "actv", "actv_grad", "grad_unreduced", "grad_reduced",
+    "exp_avg", "exp_avg_sq", "update", "ratio", "momentum", "param", "comm",
+)
+"""Row families; each is written to ``rank{R}/{family}.csv``."""
+
+PHASE_OF_FAMILY: dict[str, str] = {
+    "actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward",
+    "grad_reduced": "optimizer", "exp_avg": "optimizer", "exp_avg_sq": "optimizer",
+    "update": "optimizer", "ratio": "optimizer", "momentum": "optimizer", "param": "optimizer",
+    "comm": "communication",
+}
+PHASES: tuple[str, ...] = ("forward", "backward", "communication", "optimizer", "loss")
+
+
+@dataclass(frozen=True, slots=True)
+class RowKey:
+    """Identity of one statistics row, known on the host when the tensor is measured.
+
+    Attributes:
+        family: one of :data:`FAMILIES`.
+        name: module/parameter name with its suffix, e.g. ``layers.0.mlp.output``.
+        micro_step: forward pass of the root module within the step (0 without accumulation).
+        vpp_stage: virtual-pipeline chunk index (0 outside Megatron VPP).
+        order: position of the observation in execution order on this rank within the step.
+    """
+
+    family: str
+    name: str
+    micro_step: int = 0
+    vpp_stage: int = 0
+    order: int = 0
+
+    @property
+    def phase(self) -> str:
+        return PHASE_OF_FAMILY[self.family]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One finalised statistics row: a :class:`RowKey` plus ``metric -> float``."""
+
+    key: RowKey
+    step: int
+    values: Mapping[str, float]
+    nonfinite: bool
+    """True when the tensor held a NaN or Inf, whatever metrics were configured."""
+
+    @property
+    def family(self) -> str:
+        return self.key.family
+
+    @property
+    def name(self) -> str:
+        return self.key.name
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """Everything one rank collected in one step, after the host transfer.
+
+    Attributes:
+        step: optimizer step (counted from ``start_step``).
+        rank: global rank that produced the record.
+        rows: statistics rows in execution order.
+        scalars: ``loss``, ``grad_norm``, ``lr/group{i}`` and integration extras.
+        pp_stage: pipeline stage of this rank (0 without pipeline parallelism).
+    """
+
+    step: int
+    rank: int
+    rows: list[Row] = field(default_factory=list)
+    scalars: dict[str, float] = field(default_factory=dict)
+    pp_stage: int = 0
+
+
+def combine_partials(partials: np.ndarray) -> np.ndarray:
+    """Combine partial statistics of shards of the same tensors.
+
+    Args:
+        partials: ``[shards, N, 8]`` array; a shard holding no element of a tensor has
+            ``numel == 0`` (its min/max are ignored).
+
+    Returns:
+        ``[N, 8]`` partial statistics of the whole tensors.
+
+    Example:
+        >>> a = np.array([[[3.0, 3.0, 3.0, 3.0, 0, 0, 0, 1]], [[4.0, 4.0, 4.0, 4.0, 0, 0, 0, 1]]])
+        >>> combine_partials(a)[0, NORM]
+        5.0
+    """
+    partials = np.asarray(partials, dtype=np.float64)
+    out = partials.sum(axis=0)
+    out[:, NORM] = np.sqrt(np.square(partials[:, :, NORM]).sum(axis=0))
+    has = partials[:, :, NUMEL] > 0
+    with np.errstate(invalid="ignore"):
+        out[:, MIN] = np.where(has, partials[:, :, MIN], np.inf).min(axis=0)
+        out[:, MAX] = np.where(has, partials[:, :, MAX], -np.inf).max(axis=0)
+        # A NaN min/max on any shard must survive the combination.
+        nan_any = (np.isnan(partials[:, :, MIN]) | np.isnan(partials[:, :, MAX])) & has
+        out[nan_any.any(axis=0), MIN] = np.nan
+        out[nan_any.any(axis=0), MAX] = np.nan
+    return out
+
+
+def finalize(partial: Sequence[float], metrics: Sequence[str]) -> tuple[dict[str, float], bool]:
+    """Turn one partial-statistics vector into ``metric -> value`` and a non-finite flag.
+
+    ``zeros`` is a fraction of the elements; ``nans`` and ``infs`` are counts.
+    An empty tensor gives NaN for every metric except the counts.
+    """
+    numel = float(partial[NUMEL])
+    values: dict[str, float] = {}
+    for metric in metrics:
+        if metric == "norm":
+            values[metric] = float(partial[NORM])
+        elif metric == "min":
+            values[metric] = float(partial[MIN]) if numel else math.nan
+        elif metric == "max":
+            values[metric] = float(partial[MAX]) if numel else math.nan
+        elif metric == "mean":
+            values[metric] = float(partial[SUM]) / numel if numel else math.nan
+        elif metric == "zeros":
+            values[metric] = float(partial[ZEROS]) / numel if numel else math.nan
+        elif metric == "nans":
+            values[metric] = float(partial[NANS])
+        elif metric == "infs":
+            values[metric] = float(partial[INFS])
+        else:  # pragma: no cover - metrics are validated by the config
+            raise AssertionError(f"unknown metric {metric!r}")
+    lo, hi = float(partial[MIN]), float(partial[MAX])
+    nonfinite = bool(numel) and not (math.isfinite(lo) and math.isfinite(hi))
+    nonfinite = nonfinite or bool(partial[NANS] > 0 or partial[INFS] > 0)
+    return values, bool(nonfinite)

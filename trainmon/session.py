@@ -1,0 +1,290 @@
+"""The attached state of a TrainerMonitor: hooks, step loop, outputs."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainmon import integrations
+from trainmon.collect.context import StepContext
+from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.stats import StatsSpec
+from trainmon.collect.struct import StructRecorder
+from trainmon.config import ConfigError, MonitorConfig
+from trainmon.errors import AnomalyError
+from trainmon.integrations.base import AttachOptions, Attachment
+from trainmon.records import StepRecord
+from trainmon.rundir import default_run_name, run_json, write_json
+from trainmon.schedule import Schedule
+from trainmon.sinks import SinkWriter, build_sinks
+
+if TYPE_CHECKING:
+    from trainmon.monitor import TrainerMonitor
+
+logger = logging.getLogger("trainmon")
+
+
+class Session:
+    """Everything that exists between ``attach()`` and ``close()``."""
+
+    def __init__(self, monitor: TrainerMonitor, model: Any, optimizer: Any, **options: Any) -> None:
+        from trainmon.monitor import family_metrics
+
+        self.monitor = monitor
+        self.model, self.optimizer = model, optimizer
+        self.options = AttachOptions(**options)
+        self.framework = integrations.framework_of(model)
+        self.integration = integrations.load(self.framework)
+        config = monitor.config
+        metrics = family_metrics(config)
+        self.ctx = StepContext(specs=_specs(metrics, config.eps), metrics=metrics, step=self.options.start_step,
+                               grad_acc_steps=self.options.grad_acc_steps)
+        self.attachment: Attachment = self._attach(config)
+        self.ctx.pp_stage = self.attachment.pp_stage
+        self.boundary = HookRegistry()
+        self._forwards: dict[int, int] = {}
+        self._optimizer_stepped = False
+        self._user_steps = False
+        self._hook_boundaries()
+        rank = self.attachment.rank
+        self.writes = config.ranks is None or rank in config.ranks
+        self.schedule = Schedule(config, rank_selected=self.writes or self.attachment.collective)
+        self.run_dir, self.rank_dir = self._make_dirs(config)
+        self._bind_outputs()
+        self.writer = SinkWriter(build_sinks(config.sinks, self.rank_dir) if self.rank_dir else [],
+                                 config.flush_seconds)
+        from trainmon.anomaly.engine import AnomalyEngine
+
+        self.anomaly = AnomalyEngine(config.anomaly, rank, self.rank_dir)
+        for callback in monitor._callbacks:
+            self.anomaly.on_anomaly(callback)
+        self.actions = self._build_actions(config)
+        self.struct = StructRecorder(self.attachment.modules, self.boundary) if config.print_struct else None
+        if self.struct is not None:
+            self.struct.arm()
+        from trainmon.dynamic import ConfigWatcher
+
+        self.watcher = (ConfigWatcher(monitor.config_path, config.dynamic.poll_seconds)
+                        if config.dynamic.watch and monitor.config_path else None)
+        self._arm(self.schedule.is_collected(self.ctx.step))
+
+    # ----------------------------------------------------------------------------- set-up
+    def _attach(self, config: MonitorConfig) -> Attachment:
+        attachment = self.integration.attach(self.ctx, config, self.model, self.optimizer, self.options)
+        if config.communication.enabled and self.framework != "mindspore":
+            from trainmon.collect.comm import CommCollector
+
+            # First in the list: once it has flushed, collectives run by the other collectors at the
+            # end of the step (their one cross-rank reduction) are not measured.
+            attachment.collectors.insert(0, CommCollector(self.ctx, config.communication))
+        return attachment
+
+    def _hook_boundaries(self) -> None:
+        for root, _ in self.attachment.roots:
+            self.boundary.add("roots", root.register_forward_pre_hook(self._on_root_forward))
+        optimizer = self.attachment.optimizer
+        if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
+            self.boundary.add("roots", optimizer.register_step_post_hook(self._on_optimizer_step))
+
+    def _build_actions(self, config: MonitorConfig) -> dict[str, Any]:
+        """The dump and free-benchmark actions (torch models), registered with the anomaly engine."""
+        actions: dict[str, Any] = {}
+        if self.rank_dir is None or self.framework == "mindspore":
+            return actions
+        root = getattr(self.model, "module", self.model)  # inside DDP / DeepSpeedEngine: the rows' names
+        if config.dump.enabled:
+            from trainmon.actions.dump import TargetedDump
+
+            actions["dump"] = TargetedDump(root, self.rank_dir, config.dump)
+        if config.free_benchmark.enabled:
+            from trainmon.actions.free_benchmark import FreeBenchmark
+
+            actions["free_benchmark"] = FreeBenchmark(root, self.rank_dir, config.free_benchmark,
+                                                      rank=self.attachment.rank)
+        for name, action in actions.items():
+            self.anomaly.register_action(name, action.on_anomaly)
+            action.begin_step(self.ctx.step)
+        return actions
+
+    def _bind_outputs(self) -> None:
+        """Tell collectors that write their own files (the grad probe) where this rank writes."""
+        for collector in self.attachment.collectors:
+            bind = getattr(collector, "bind_output", None)
+            if bind is not None:
+                bind(self.rank_dir)
+
+    def _make_dirs(self, config: MonitorConfig) -> tuple[Path | None, Path | None]:
+        run_name = config.run_name or _shared_run_name(self.attachment.world_size)
+        run_dir = Path(config.output_dir) / run_name
+        if not self.writes:
+            return run_dir, None
+        rank_dir = run_dir / f"rank{self.attachment.rank}"
+        try:
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            if self.attachment.rank == (config.ranks[0] if config.ranks else 0):
+                write_json(run_dir / "run.json", run_json(config, self.attachment.world_size, self.framework,
+                                                          _versions(self.framework)))
+        except OSError as exc:
+            logger.warning("trainmon: cannot write to %s (%s); outputs are disabled, training goes on",
+                           run_dir, exc.strerror or exc)
+            return run_dir, None
+        return run_dir, rank_dir
+
+    # ----------------------------------------------------------------------------- hooks
+    def _on_root_forward(self, module: Any, args: Any) -> None:
+        if self._optimizer_stepped and not self._user_steps:
+            self.end_step(None, {}, by_user=False)  # the user does not call monitor.step()
+        count = self._forwards.get(id(module), 0)
+        self._forwards[id(module)] = count + 1
+        self.ctx.micro_step = count
+
+    def _on_optimizer_step(self, *args: Any) -> None:
+        self._optimizer_stepped = True
+
+    # ----------------------------------------------------------------------------- step loop
+    def end_step(self, loss: Any, scalars: dict[str, Any], by_user: bool) -> StepRecord | None:
+        self._user_steps = self._user_steps or by_user
+        ctx = self.ctx
+        if by_user and self.attachment.micro_steps_by_user and not self._optimizer_stepped:
+            # DeepSpeed: engine.step() after every micro-batch; only a boundary ends a monitor step.
+            if loss is not None and ctx.collecting:
+                ctx.buffer.add_scalar(f"loss/micro{ctx.micro_step}", loss.detach().float().mean())
+            return None
+        for action in self.actions.values():
+            action.end_step()
+        record, error = None, None
+        if ctx.collecting:
+            buffer = ctx.buffer
+            if loss is not None:
+                buffer.add_scalar("loss", loss if not hasattr(loss, "detach") else loss.detach().float().mean())
+            for name, value in scalars.items():
+                buffer.add_scalar(name, value)
+            for collector in self.attachment.collectors:
+                collector.before_transfer()
+            host = buffer.transfer()  # sync: the one device-to-host transfer of this step
+            from trainmon.monitor import build_record
+
+            record = build_record(ctx.step, self.attachment.rank, ctx.pp_stage, host.keys, host.partials,
+                                  host.scalars, ctx.metrics)
+            self.schedule.collected += 1
+            if self.writes:
+                self.writer.submit(record)
+                try:
+                    self.anomaly.process(record)
+                except AnomalyError as exc:
+                    error = exc
+        if self.struct is not None and self.struct.seen and not self.struct.done:
+            self._write_struct()
+        ctx.step += 1
+        ctx.new_step()
+        self._forwards.clear()
+        self._optimizer_stepped = False
+        for action in self.actions.values():
+            action.begin_step(ctx.step)
+        if self.watcher is not None:
+            self._reload(self.watcher.poll())
+        self._arm(self.schedule.is_collected(ctx.step))
+        if error is not None:
+            raise error
+        return record
+
+    def _arm(self, collecting: bool) -> None:
+        if collecting == self.ctx.collecting and collecting:
+            return
+        self.ctx.collecting = collecting
+        for collector in self.attachment.collectors:
+            collector.arm() if collecting else collector.disarm()
+
+    def _write_struct(self) -> None:
+        assert self.struct is not None
+        self.struct.done = True
+        self.struct.disarm()
+        tree = self.struct.tree()
+        logger.info("trainmon: module structure of %s (%d modules)", type(self.model).__name__, len(self.struct.seen))
+        if self.rank_dir is not None:
+            path = self.rank_dir / "module_struct.json"
+            self.writer.submit(lambda: write_json(path, tree))
+
+    def _reload(self, config: MonitorConfig | None) -> None:
+        """Apply a changed config from the next step; keep the old one if the new one cannot apply."""
+        if config is None:
+            return
+        from trainmon.monitor import family_metrics
+
+        old = self.monitor.config
+        for key in ("output_dir", "run_name", "sinks", "ranks"):
+            if getattr(config, key) != getattr(old, key):
+                logger.warning("trainmon: config key %r cannot change while attached; keeping %r", key,
+                               getattr(old, key))
+                setattr(config, key, getattr(old, key))
+        old_specs, old_metrics = self.ctx.specs, self.ctx.metrics
+        self.ctx.metrics = family_metrics(config)
+        self.ctx.specs = _specs(self.ctx.metrics, config.eps)
+        try:
+            attachment = self._attach(config)
+        except (ConfigError, TypeError) as exc:
+            self.ctx.specs, self.ctx.metrics = old_specs, old_metrics
+            logger.warning("trainmon: the edited config cannot apply (%s); keeping the previous config", exc)
+            return
+        self.attachment.close()
+        self.attachment = attachment
+        self._bind_outputs()
+        self.boundary.remove("roots")
+        self._hook_boundaries()
+        self.ctx.collecting = False
+        self.monitor.config = self.schedule.config = config
+        if config.anomaly != old.anomaly:
+            from trainmon.anomaly.engine import AnomalyEngine
+
+            self.anomaly.close()
+            self.anomaly = AnomalyEngine(config.anomaly, self.attachment.rank, self.rank_dir)
+            for callback in self.monitor._callbacks:
+                self.anomaly.on_anomaly(callback)
+            for name, action in self.actions.items():
+                self.anomaly.register_action(name, action.on_anomaly)
+        logger.info("trainmon: config reloaded from %s; applies from step %d", self.monitor.config_path, self.ctx.step)
+
+    def close(self) -> None:
+        try:
+            if self.ctx.collecting and len(self.ctx.buffer) and (self._optimizer_stepped or self._forwards):
+                self.end_step(None, {}, by_user=False)  # the last step when the user never called step()
+        except AnomalyError:
+            pass
+        finally:
+            self.ctx.collecting = False
+            for action in self.actions.values():
+                action.close()
+            self.attachment.close()
+            self.boundary.remove_all()
+            self.anomaly.close()
+            self.writer.close()
+
+
+def _specs(metrics: dict[str, list[str]], eps: float) -> dict[str, StatsSpec]:
+    return {family: StatsSpec.from_metrics(names, eps) for family, names in metrics.items()}
+
+
+def _shared_run_name(world_size: int) -> str:
+    """Rank 0's timestamp, broadcast so every rank writes into the same run directory."""
+    name = default_run_name()
+    if world_size > 1:
+        import torch.distributed as dist
+
+        holder = [name]
+        dist.broadcast_object_list(holder, src=0)
+        name = holder[0]
+    return name
+
+
+def _versions(framework: str) -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for package in ("torch", "deepspeed", "megatron-core", "mindspore"):
+        try:
+            out[package] = md.version(package)
+        except md.PackageNotFoundError:
+            continue
+    return out
+

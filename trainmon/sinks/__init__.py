@@ -1,0 +1,27 @@
+"""Output sinks; each implements ``write``, ``flush`` and ``close``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainmon.sinks.base import Sink, SinkWriter
+
+
+def build_sinks(names: list[str], rank_dir: Path) -> list[Sink]:
+    """Instantiate the configured sinks for one rank directory."""
+    sinks: list[Sink] = []
+    for name in names:
+        if name == "csv":
+            from trainmon.sinks.csv import CsvSink
+
+            sinks.append(CsvSink(rank_dir))
+        elif name == "tensorboard":
+            from trainmon.sinks.tensorboard import TensorBoardSink
+
+            sinks.append(TensorBoardSink(rank_dir))
+        else:  # pragma: no cover - validated by the config
+            raise AssertionError(name)
+    return sinks
+
+
+__all__ = ["Sink", "SinkWriter", "build_sinks"]

@@ -1,0 +1,48 @@
+"""TensorBoard sink (tensorboardX): tags ``{family}/{name}/{metric}`` and ``scalars/{name}``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from trainmon.records import StepRecord
+
+
+class TensorBoardSink:
+    """One event-file directory per rank (the rank directory itself).
+
+    All values of a step go into one ``Summary`` event (tensorboardX's ``add_scalar`` would
+    write one event per value and log a warning for every NaN, which is exactly what a
+    monitor must report quietly).
+    """
+
+    name = "tensorboard"
+
+    def __init__(self, rank_dir: Path) -> None:
+        try:
+            from tensorboardX import FileWriter
+            from tensorboardX.proto.summary_pb2 import Summary
+        except ImportError as exc:  # pragma: no cover - tensorboardX is a dependency
+            raise ImportError("the tensorboard sink needs tensorboardX: pip install tensorboardX") from exc
+        self._writer_class = FileWriter
+        self._summary = Summary
+        self.rank_dir = rank_dir
+        self._writer: Any = None
+
+    def write(self, record: StepRecord) -> None:
+        if self._writer is None:
+            self._writer = self._writer_class(str(self.rank_dir), max_queue=1000, flush_secs=3600)
+        value = self._summary.Value
+        values = [value(tag=f"{row.family}/{row.name}/{metric}", simple_value=v)
+                  for row in record.rows for metric, v in row.values.items()]
+        values += [value(tag=f"scalars/{name}", simple_value=v) for name, v in record.scalars.items()]
+        self._writer.add_summary(self._summary(value=values), record.step)
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,45 @@
+"""Selecting modules and parameters by exact name, glob or ``re:`` regex (framework-free)."""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Iterable, Sequence
+
+from trainmon.errors import TargetError
+
+
+def _matcher(pattern: str) -> re.Pattern[str]:
+    if pattern.startswith("re:"):
+        return re.compile(pattern[3:])
+    return re.compile(fnmatch.translate(pattern))
+
+
+def select(names: Iterable[str], patterns: Sequence[str], key: str) -> list[str]:
+    """Names matching any pattern, in their original order.
+
+    A glob or exact name must match the whole name; a ``re:`` regex is searched
+    (``re.search``), so anchor it when needed.
+
+    Raises:
+        TargetError: a pattern matches nothing; the message lists close names.
+
+    Example:
+        >>> select(["layers.0.mlp", "layers.1.mlp", "head"], ["layers.*.mlp"], "targets.modules")
+        ['layers.0.mlp', 'layers.1.mlp']
+    """
+    names = list(names)
+    chosen: set[str] = set()
+    for i, pattern in enumerate(patterns):
+        matcher = _matcher(pattern)
+        if pattern.startswith("re:"):
+            hits = {n for n in names if matcher.search(n)}
+        else:
+            hits = {n for n in names if matcher.fullmatch(n)}
+        if not hits:
+            close = difflib.get_close_matches(pattern.removeprefix("re:"), names, n=5, cutoff=0.5)
+            hint = f"; close names: {close}" if close else f"; some names: {names[:5]}"
+            raise TargetError(f"{key}[{i}]", f"pattern {pattern!r} matches nothing{hint}")
+        chosen |= hits
+    return [n for n in names if n in chosen]
