@@ -270,8 +270,12 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _convert(value: Any, tp: Any, path: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; return it converted (dataclasses built)."""
+def convert_value(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it converted (dataclasses built).
+
+    Raises:
+        ConfigError: the value does not fit; the message names ``path``.
+    """
     origin = typing.get_origin(tp)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
@@ -280,7 +284,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return None
             raise ConfigError(path, "must not be null")
         (inner,) = [a for a in args if a is not type(None)]
-        return _convert(value, inner, path)
+        return convert_value(value, inner, path)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             value = dataclasses.asdict(value)
@@ -291,7 +295,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(path, f"must be a list, got {type(value).__name__}")
         (inner,) = typing.get_args(tp)
-        return [_convert(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [convert_value(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
@@ -346,7 +350,7 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
         path = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             raise ConfigError(path, f"unknown key; valid keys here: {sorted(fields)}")
-        kwargs[key] = _convert(value, hints[key], path)
+        kwargs[key] = convert_value(value, hints[key], path)
         _check(path, kwargs[key])
     obj = cls(**kwargs)
     _cross_check(obj, prefix)

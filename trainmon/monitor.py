@@ -10,7 +10,6 @@ from typing import Any
 from trainmon.config import MonitorConfig, load_config
 from trainmon.errors import AnomalyError, ConfigError
 from trainmon.records import Row, StepRecord, finalize
-from trainmon.schedule import Schedule
 
 logger = logging.getLogger("trainmon")
 

@@ -16,14 +16,15 @@ if TYPE_CHECKING:
 _GROUP = "activations"
 
 
-def named_tensors(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+def named_tensors(value: Any, prefix: str, tensor_type: type = torch.Tensor) -> Iterator[tuple[str, Any]]:
     """``(name, tensor)`` for every tensor in ``value``: a tensor keeps ``prefix``,
-    the i-th tensor of a tuple/list gets ``prefix.i``, a dict entry ``prefix.key``."""
-    if isinstance(value, torch.Tensor):
+    the i-th tensor of a tuple/list gets ``prefix.i``, a dict entry ``prefix.key``;
+    None entries (gradients that were not computed) are skipped."""
+    if isinstance(value, tensor_type):
         yield prefix, value
         return
-    found: list[tuple[str, torch.Tensor]] = []
-    _flatten(value, found)
+    found: list[tuple[str, Any]] = []
+    _flatten(value, found, tensor_type)
     if len(found) == 1 and isinstance(value, (tuple, list)):
         yield prefix, found[0][1]
         return
@@ -31,15 +32,15 @@ def named_tensors(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]
         yield f"{prefix}.{key or i}", tensor
 
 
-def _flatten(value: Any, out: list[tuple[str, torch.Tensor]], key: str = "") -> None:
-    if isinstance(value, torch.Tensor):
+def _flatten(value: Any, out: list[tuple[str, Any]], tensor_type: type, key: str = "") -> None:
+    if isinstance(value, tensor_type):
         out.append((key, value))
     elif isinstance(value, (tuple, list)):
         for item in value:
-            _flatten(item, out, key)
+            _flatten(item, out, tensor_type, key)
     elif isinstance(value, dict):
         for name, item in value.items():
-            _flatten(item, out, f"{key}.{name}" if key else str(name))
+            _flatten(item, out, tensor_type, f"{key}.{name}" if key else str(name))
 
 
 class ActivationCollector:
@@ -51,17 +52,23 @@ class ActivationCollector:
 
     Args:
         ctx: the monitor's step context.
-        modules: ``(name, module, vpp_stage)`` of the target modules.
+        modules: ``(name, module, vpp_stage)`` of the target modules (or MindSpore cells).
         config: the ``activations`` section.
         registry: where the hook handles live.
+        tensor_type: the framework's tensor class.
+        backward_hook: the module method that registers a backward hook
+            ``(module, grad_input, grad_output)`` and returns a removable handle.
     """
 
-    def __init__(self, ctx: StepContext, modules: Sequence[tuple[str, torch.nn.Module, int]],
-                 config: ActivationsConfig, registry: HookRegistry) -> None:
+    def __init__(self, ctx: StepContext, modules: Sequence[tuple[str, Any, int]], config: ActivationsConfig,
+                 registry: HookRegistry, *, tensor_type: type = torch.Tensor,
+                 backward_hook: str = "register_full_backward_hook") -> None:
         self.ctx = ctx
         self.modules = list(modules)
         self.config = config
         self.registry = registry
+        self.tensor_type = tensor_type
+        self.backward_hook = backward_hook
 
     def arm(self) -> None:
         if self.registry.count(_GROUP):
@@ -71,7 +78,7 @@ class ActivationCollector:
                 handle = module.register_forward_hook(self._forward_hook(name, vpp_stage), with_kwargs=True)
                 self.registry.add(_GROUP, handle)
             if self.config.backward and "actv_grad" in self.ctx.specs:
-                handle = module.register_full_backward_hook(self._backward_hook(name, vpp_stage))
+                handle = getattr(module, self.backward_hook)(self._backward_hook(name, vpp_stage))
                 self.registry.add(_GROUP, handle)
 
     def disarm(self) -> None:
@@ -84,27 +91,27 @@ class ActivationCollector:
         self.disarm()
 
     def _forward_hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
             if not self.ctx.collecting:
                 return
             if self.config.inputs:
-                for row, tensor in named_tensors(args, f"{name}.input"):
+                for row, tensor in named_tensors(args, f"{name}.input", self.tensor_type):
                     self.ctx.record("actv", row, tensor, vpp_stage)
-                for row, tensor in named_tensors(kwargs, f"{name}.input"):
+                for row, tensor in named_tensors(kwargs, f"{name}.input", self.tensor_type):
                     self.ctx.record("actv", row, tensor, vpp_stage)
-            for row, tensor in named_tensors(output, f"{name}.output"):
+            for row, tensor in named_tensors(output, f"{name}.output", self.tensor_type):
                 self.ctx.record("actv", row, tensor, vpp_stage)
 
         return hook
 
     def _backward_hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
-        def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+        def hook(module: Any, grad_input: tuple, grad_output: tuple) -> None:
             if not self.ctx.collecting:
                 return
-            for row, tensor in named_tensors(grad_output, f"{name}.output_grad"):
+            for row, tensor in named_tensors(grad_output, f"{name}.output_grad", self.tensor_type):
                 self.ctx.record("actv_grad", row, tensor, vpp_stage)
             if self.config.inputs:
-                for row, tensor in named_tensors(grad_input, f"{name}.input_grad"):
+                for row, tensor in named_tensors(grad_input, f"{name}.input_grad", self.tensor_type):
                     self.ctx.record("actv_grad", row, tensor, vpp_stage)
 
         return hook

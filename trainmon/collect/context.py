@@ -5,7 +5,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -58,6 +58,8 @@ class StepContext:
     pp_stage: int = 0
     buffer_factory: Callable[[], StepBuffer] = StepBuffer
     """Makes each step's buffer; an integration with its own tensors (MindSpore) sets its own."""
+    stats_fn: Callable[[Any, StatsSpec], Any] = partial_stats
+    """Partial statistics of one tensor; MindSpore sets its own."""
     _measured: dict[int, tuple[weakref.ref, int, StatsSpec, torch.Tensor]] = field(default_factory=dict)
 
     def wants(self, family: str) -> bool:
@@ -75,12 +77,14 @@ class StepContext:
         # The same tensor object at the same version was already measured this step (an output
         # that is the next module's input, a gradient unchanged between accumulation and the
         # optimizer step): reuse its statistics instead of reading the tensor again.
-        seen = self._measured.get(id(tensor))
-        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version and seen[2] == spec:
+        version = getattr(tensor, "_version", None)  # torch tensors; others are always measured
+        seen = self._measured.get(id(tensor)) if version is not None else None
+        if seen is not None and seen[0]() is tensor and seen[1] == version and seen[2] == spec:
             partial = seen[3]
         else:
-            partial = partial_stats(tensor, spec)
-            self._measured[id(tensor)] = (weakref.ref(tensor), tensor._version, spec, partial)
+            partial = self.stats_fn(tensor, spec)
+            if version is not None:
+                self._measured[id(tensor)] = (weakref.ref(tensor), version, spec, partial)
         self.add(family, name, partial, vpp_stage, micro_step)
         return partial
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from trainmon.anomaly.events import AnomalyEvent
+from trainmon.config import convert_value
 from trainmon.errors import ConfigError
 from trainmon.records import Row, StepRecord
 
@@ -48,40 +48,6 @@ class Detector(ABC):
 
 
 # --------------------------------------------------------------------------- spec parsing
-def _check_value(value: Any, tp: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ConfigError(path, "must not be null")
-        (inner,) = [a for a in args if a is not type(None)]
-        return _check_value(value, inner, path)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"must be a list, got {value!r}")
-        (inner,) = typing.get_args(tp)
-        return [_check_value(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(path, f"must be a finite number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(path, f"must be a string, got {value!r}")
-        return value
-    raise AssertionError(f"unsupported annotation {tp!r} at {path}")  # pragma: no cover
-
-
 def parse_spec(detector: type[Detector], spec: Mapping[str, Any], path: str) -> Any:
     """Build ``detector.config_class`` from a spec dict (without ``type``).
 
@@ -99,7 +65,7 @@ def parse_spec(detector: type[Detector], spec: Mapping[str, Any], path: str) -> 
         if key not in hints:
             raise ConfigError(f"{path}.{key}", f"unknown key for detector {detector.type_name!r}; "
                                                f"allowed: {['type', *names]}")
-        value = _check_value(value, hints[key], f"{path}.{key}")
+        value = convert_value(value, hints[key], f"{path}.{key}")
         allowed = detector.choices.get(key)
         if allowed is not None:
             for item in value if isinstance(value, list) else [value]:

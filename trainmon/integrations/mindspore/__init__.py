@@ -25,8 +25,8 @@ from mindspore import nn
 from trainmon.collect.hooks import HookRegistry
 from trainmon.integrations.base import AttachOptions, Attachment, select_modules, select_params
 from trainmon.integrations.mindspore.buffer import MindSporeStepBuffer
-from trainmon.integrations.mindspore.cells import CellActivationCollector
-from trainmon.integrations.mindspore.context import buffer_of, new_buffer, record
+from trainmon.collect.activations import ActivationCollector
+from trainmon.integrations.mindspore.context import buffer_of, new_buffer
 from trainmon.integrations.mindspore.optimizer import MindSporeOptimizerCollector
 from trainmon.integrations.mindspore.stats import partial_stats
 
@@ -78,13 +78,15 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
         if getattr(options, name) is not None:
             raise ValueError(f"{name} is not supported for MindSpore (data parallelism only)")
     ctx.buffer_factory = new_buffer
+    ctx.stats_fn = partial_stats
     ctx.buffer = new_buffer()
     registry = HookRegistry()
     named_cells = [(name, cell, 0) for name, cell in model.cells_and_names()]
     collectors: list[Collector] = []
     if config.activations.enabled:
         cells = select_modules(named_cells, config)
-        collectors.append(CellActivationCollector(ctx, cells, config.activations, registry))
+        collectors.append(ActivationCollector(ctx, cells, config.activations, registry, tensor_type=ms.Tensor,
+                                              backward_hook="register_backward_hook"))
     params = [(name, param, 0) for name, param in model.parameters_and_names()]
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         chosen = select_params(params, config)
@@ -105,4 +107,4 @@ def dist_layout() -> tuple[int, int]:
 
 
 __all__ = ["MindSporeStepBuffer", "OptimizerStepHooks", "attach", "buffer_of", "dist_layout", "new_buffer",
-           "partial_stats", "record"]
+           "partial_stats"]

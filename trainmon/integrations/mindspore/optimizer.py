@@ -20,7 +20,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, mint, ops
 
 from trainmon.collect.hooks import HookRegistry
-from trainmon.integrations.mindspore.context import buffer_of, record
+from trainmon.integrations.mindspore.context import buffer_of
 from trainmon.integrations.mindspore.stats import sum_of_squares
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class MindSporeOptimizerCollector:
         def hook(grad: Tensor) -> None:
             ctx = self.ctx
             if ctx.collecting and (per_micro_step or ctx.micro_step >= ctx.grad_acc_steps - 1):
-                record(ctx, "grad_unreduced", name, grad, vpp_stage)
+                ctx.record("grad_unreduced", name, grad, vpp_stage)
 
         return hook
 
@@ -140,8 +140,8 @@ class MindSporeOptimizerCollector:
             grads = args[0] if args and isinstance(args[0], (tuple, list)) else None
             for name, param, vpp_stage, i in self._stepped:
                 if grads is not None and grads[i] is not None:
-                    record(ctx, "grad_reduced", name, grads[i], vpp_stage)
-                record(ctx, "param", name, param, vpp_stage)
+                    ctx.record("grad_reduced", name, grads[i], vpp_stage)
+                ctx.record("param", name, param, vpp_stage)
             buffer = buffer_of(ctx)
             if grads:
                 buffer.add_scalar("grad_norm", mint.sqrt(sum_of_squares([g for g in grads if g is not None])))
@@ -159,14 +159,14 @@ class MindSporeOptimizerCollector:
             for name, param, vpp_stage, i in self._stepped:
                 for family, states in tuples.items():
                     if family in self._states and states is not None:
-                        record(ctx, family, name, states[i], vpp_stage)
+                        ctx.record(family, name, states[i], vpp_stage)
                 if "update" in self._states or "ratio" in self._states:
                     update = adam_update(optimizer, i)
                     if update is None:
                         continue
-                    record(ctx, "update", name, update, vpp_stage)
+                    ctx.record("update", name, update, vpp_stage)
                     if "ratio" in self._states:
-                        record(ctx, "ratio", name, update_ratio(update, param), vpp_stage)
+                        ctx.record("ratio", name, update_ratio(update, param), vpp_stage)
 
         return hook
 
