@@ -346,7 +346,7 @@ class TargetedDump:
         for desc, (hi, lo, mean, norm) in zip(capture.stat_targets, values):
             desc.update(Max=hi, Min=lo, Mean=mean, Norm=norm)
         for desc, host in capture.hashes:
-            desc["md5"] = hashlib.md5(host.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            desc["md5"] = hashlib.md5(host.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()  # host copy, writer thread: no sync
         tensor_dir = directory / "dump_tensor_data"
         if capture.files:
             tensor_dir.mkdir(parents=True, exist_ok=True)

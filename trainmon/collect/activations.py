@@ -13,9 +13,6 @@ if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
     from trainmon.config import ActivationsConfig
 
-_GROUP = "activations"
-
-
 def named_tensors(value: Any, prefix: str, tensor_type: type = torch.Tensor) -> Iterator[tuple[str, Any]]:
     """``(name, tensor)`` for every tensor in ``value``: a tensor keeps ``prefix``,
     the i-th tensor of a tuple/list gets ``prefix.i``, a dict entry ``prefix.key``;
@@ -58,7 +55,11 @@ class ActivationCollector:
         tensor_type: the framework's tensor class.
         backward_hook: the module method that registers a backward hook
             ``(module, grad_input, grad_output)`` and returns a removable handle.
+
+    Subclasses (the Megatron collector) reuse :meth:`forward_hook` and the ``HOOK_GROUP`` of handles.
     """
+
+    HOOK_GROUP = "activations"
 
     def __init__(self, ctx: StepContext, modules: Sequence[tuple[str, Any, int]], config: ActivationsConfig,
                  registry: HookRegistry, *, tensor_type: type = torch.Tensor,
@@ -71,18 +72,18 @@ class ActivationCollector:
         self.backward_hook = backward_hook
 
     def arm(self) -> None:
-        if self.registry.count(_GROUP):
+        if self.registry.count(self.HOOK_GROUP):
             return
         for name, module, vpp_stage in self.modules:
             if self.config.forward and "actv" in self.ctx.specs:
-                handle = module.register_forward_hook(self._forward_hook(name, vpp_stage), with_kwargs=True)
-                self.registry.add(_GROUP, handle)
+                handle = module.register_forward_hook(self.forward_hook(name, vpp_stage), with_kwargs=True)
+                self.registry.add(self.HOOK_GROUP, handle)
             if self.config.backward and "actv_grad" in self.ctx.specs:
                 handle = getattr(module, self.backward_hook)(self._backward_hook(name, vpp_stage))
-                self.registry.add(_GROUP, handle)
+                self.registry.add(self.HOOK_GROUP, handle)
 
     def disarm(self) -> None:
-        self.registry.remove(_GROUP)
+        self.registry.remove(self.HOOK_GROUP)
 
     def before_transfer(self) -> None:
         pass
@@ -90,7 +91,8 @@ class ActivationCollector:
     def close(self) -> None:
         self.disarm()
 
-    def _forward_hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+    def forward_hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+        """The hook ``(module, args, kwargs, output)`` that records the ``actv`` rows of module ``name``."""
         def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
             if not self.ctx.collecting:
                 return

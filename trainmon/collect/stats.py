@@ -93,12 +93,12 @@ def _partial_cpu(x: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
     numpy's SIMD loops on this kind of machine); no data is copied or moved.
     """
     out = torch.zeros(PARTIAL_SLOTS, dtype=_F32)
-    view = out.numpy()  # CPU memory shared with `out`: no transfer
+    view = out.numpy()  # CPU memory shared with `out`: no transfer, no sync
     if spec.norm:
         torch.linalg.vector_norm(x, dtype=_F32, out=out[0])
     if spec.sum:
         out[1] = x.sum(dtype=_F32)
-    values = x.numpy()  # a view of CPU memory, not a transfer
+    values = x.numpy()  # a view of CPU memory: no transfer, no sync
     view[2], view[3] = values.min(), values.max()
     if spec.zeros:
         view[4] = np.count_nonzero(values == 0) if spec.eps == 0 else np.count_nonzero(

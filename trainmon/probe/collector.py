@@ -300,7 +300,7 @@ class GradProbe:
         if event is not None:
             event.synchronize()  # waits on this thread only; the step's transfer has usually completed it
         assert self._probe_dir is not None and self._summary is not None
-        stats = host_stats.numpy()
+        stats = host_stats.numpy()  # host copies on the writer thread: no sync
         checksums = host_checksums.numpy() if host_checksums is not None else None
         rows = []
         for j, meta in enumerate(metas):

@@ -1,0 +1,242 @@
+"""Megatron-Core integration, for real on CPU: 2 processes with gloo, one torchrun for every case.
+
+The script (scripts/mcore_monitor_run.py) trains a tiny GPTModel under TrainerMonitor in six
+layouts and writes, next to the monitor's CSVs, independent float64 numpy references computed
+from the full tensors (TP shards concatenated, DP reduction redone in numpy, Adam recomputed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("megatron.core")
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).parent / "scripts" / "mcore_monitor_run.py"
+CASES = ("tp1", "tp1_distopt", "tp1_distopt_overlap", "tp1_bf16", "tp2", "pp2", "vpp2")
+# With overlap_grad_reduce the buckets are reduced during backward, so the script's snapshot in
+# finalize_model_grads is no longer unreduced: that case is checked against "tp1" instead.
+REFERENCED = tuple(case for case in CASES if case != "tp1_distopt_overlap")
+METRICS = ("norm", "min", "max", "mean", "zeros", "nans", "infs")
+PARAM_FAMILIES = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "update", "ratio")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("megatron")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(SCRIPT), str(out), *CASES]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, _worker_errors(proc)
+    return out
+
+
+def _worker_errors(proc: subprocess.CompletedProcess) -> str:
+    """The workers' own tracebacks (torchrun's summary at the end of stderr does not show them)."""
+    lines = (proc.stdout + proc.stderr).splitlines()
+    errors = [line for line in lines if line.startswith("[rank") or "Error" in line]
+    return "\n".join(errors[-80:]) or "\n".join(lines[-80:])
+
+
+def _read(runs: Path, case: str, rank: int, family: str) -> pd.DataFrame:
+    return pd.read_csv(runs / case / f"rank{rank}" / f"{family}.csv", keep_default_na=False, na_values=["nan"])
+
+
+def _refs(runs: Path, case: str, rank: int) -> dict:
+    return json.loads((runs / case / f"refs_rank{rank}.json").read_text())
+
+
+def _close(got: float, want: float, rtol: float, scale: float, metric: str) -> bool:
+    if math.isnan(want):
+        return math.isnan(got)
+    if metric == "mean":  # a mean near 0 is a cancelling fp32 sum: compare on the scale of the elements
+        return abs(got - want) <= rtol * max(abs(want), scale) + 1e-7 * scale
+    return abs(got - want) <= rtol * abs(want) + 1e-12
+
+
+def _assert_row(row: pd.Series, ref: dict[str, float], rtol: float, label: str, skip: tuple[str, ...] = ()) -> None:
+    scale = max(abs(ref["min"]), abs(ref["max"])) if not math.isnan(ref["min"]) else 1.0
+    for metric in METRICS:
+        if metric in skip:
+            continue
+        assert _close(float(row[metric]), ref[metric], rtol, scale, metric), (
+            f"{label} {metric}: got {row[metric]!r}, want {ref[metric]!r}")
+
+
+def _row(df: pd.DataFrame, step: int, vpp: int, name: str, micro: int | None = None) -> pd.Series:
+    sel = (df.step == step) & (df.vpp_stage == vpp) & (df.name == name)
+    if micro is not None:
+        sel &= df.micro_step == micro
+    rows = df[sel]
+    assert len(rows) == 1, f"{len(rows)} rows for step {step} vpp {vpp} {name} micro {micro}"
+    return rows.iloc[0]
+
+
+@pytest.mark.parametrize("case", REFERENCED)
+def test_rows_match_numpy_float64_reference(runs: Path, case: str) -> None:
+    """Every parameter row of every rank equals float64 numpy on the full tensors (1e-5 relative)."""
+    for rank in (0, 1):
+        refs = _refs(runs, case, rank)
+        families = [f for f in PARAM_FAMILIES if not (case == "tp1_bf16" and f == "ratio")] + ["actv"]
+        for family in families:
+            if family == "actv" and case in ("tp1", "tp1_distopt", "tp2"):
+                continue
+            df = _read(runs, case, rank, family)
+            checked = 0
+            for step, step_refs in refs["steps"].items():
+                for key, ref in step_refs[family].items():
+                    vpp, name, *micro = key.split("|")
+                    if family == "actv" and int(micro[0]) >= 2:
+                        continue  # the script's probe also saw the recompute re-run (vpp2)
+                    row = _row(df, int(step), int(vpp), name, int(micro[0]) if micro else None)
+                    # Adam's update is elementwise fp32 arithmetic in torch: a looser tolerance, and its
+                    # `zeros` (|x| < 1e-8) count flips for elements at the threshold.
+                    adam = family in ("update", "ratio")
+                    _assert_row(row, ref, 1e-4 if adam else 1e-5, f"{case} rank{rank} step{step} {family} {key}",
+                                skip=("zeros",) if adam else ())
+                    checked += 1
+            assert checked, f"{case} rank{rank} {family}: nothing checked"
+
+
+def _by_name(runs: Path, case: str, rank: int, family: str, step: int = 0) -> pd.DataFrame:
+    df = _read(runs, case, rank, family)
+    return df[df.step == step].set_index("name")[list(METRICS)]
+
+
+@pytest.mark.parametrize("family", ["grad_reduced", "exp_avg", "exp_avg_sq", "update"])
+def test_tp2_equals_tp1(runs: Path, family: str) -> None:
+    """TP=2 (partitioned and replicated parameters) gives the statistics of the TP=1 run."""
+    for step in (0, 1):
+        tp1 = _by_name(runs, "tp1", 0, family, step)
+        for rank in (0, 1):
+            tp2 = _by_name(runs, "tp2", rank, family, step)
+            assert sorted(tp2.index) == sorted(tp1.index)
+            for name in tp1.index:
+                want = tp1.loc[name]
+                scale = max(abs(want["min"]), abs(want["max"]))
+                for metric in METRICS:
+                    if family == "update" and metric == "zeros":
+                        continue  # threshold count on elementwise fp32 Adam arithmetic (see above)
+                    rtol = 1e-4 if family == "update" else 1e-5
+                    assert _close(tp2.loc[name, metric], want[metric], rtol, scale, metric), (family, name, metric)
+    # TP=2 runs with DP=1: its unreduced gradient is the full-batch gradient, i.e. TP=1's reduced one.
+    unreduced = _by_name(runs, "tp2", 1, "grad_unreduced")
+    reduced = _by_name(runs, "tp1", 0, "grad_reduced")
+    np.testing.assert_allclose(unreduced["norm"], reduced.loc[unreduced.index, "norm"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["tp1_distopt", "tp1_distopt_overlap"])
+def test_distributed_optimizer_equals_plain_ddp(runs: Path, case: str) -> None:
+    """DP=2 with the distributed optimizer (also with overlap_grad_reduce): shards combine to the
+    non-distributed statistics, and unreduced gradients are read before the overlapped reduction."""
+    for rank in (0, 1):
+        for family in PARAM_FAMILIES:
+            for step in (0, 1):
+                sharded = _by_name(runs, case, rank, family, step)
+                plain = _by_name(runs, "tp1", rank, family, step)
+                assert sorted(sharded.index) == sorted(plain.index)
+                for name in plain.index:
+                    scale = max(abs(plain.loc[name, "min"]), abs(plain.loc[name, "max"]))
+                    for metric in METRICS:
+                        assert _close(sharded.loc[name, metric], plain.loc[name, metric], 1e-5, scale, metric), (
+                            family, rank, name, metric)
+    # Combined rows are identical on both DP ranks; unreduced ones differ (different data).
+    pd.testing.assert_frame_equal(_by_name(runs, case, 0, "exp_avg"), _by_name(runs, case, 1, "exp_avg"))
+    assert not np.allclose(_by_name(runs, "tp1", 0, "grad_unreduced")["norm"],
+                           _by_name(runs, "tp1", 1, "grad_unreduced")["norm"])
+
+
+def test_bf16_matches_fp32_reference(runs: Path) -> None:
+    """bf16 with Float16Module: fp32 statistics within bf16 tolerance of the fp32 run."""
+    for family in ("grad_unreduced", "grad_reduced", "exp_avg_sq"):
+        bf16, fp32 = _by_name(runs, "tp1_bf16", 0, family), _by_name(runs, "tp1", 0, family)
+        np.testing.assert_allclose(bf16["norm"], fp32.loc[bf16.index, "norm"], rtol=0.1, err_msg=family)
+        assert (bf16["nans"] == 0).all()
+    scalars = pd.read_csv(runs / "tp1_bf16" / "rank0" / "scalars.csv")
+    assert {"grad_norm", "loss_scale", "skipped_iter", "loss"} <= set(scalars.name)
+
+
+def test_scalars(runs: Path) -> None:
+    """grad_norm is Megatron's (and the root of the sum of squared per-parameter norms)."""
+    scalars = pd.read_csv(runs / "tp1" / "rank0" / "scalars.csv")
+    refs = _refs(runs, "tp1", 0)["steps"]
+    for step in (0, 1):
+        values = scalars[scalars.step == step].set_index("name")["value"]
+        assert values["grad_norm"] == pytest.approx(refs[str(step)]["grad_norm"], rel=1e-6)
+        norms = _by_name(runs, "tp1", 0, "grad_reduced", step)["norm"]
+        assert values["grad_norm"] == pytest.approx(float(np.sqrt((norms ** 2).sum())), rel=1e-5)
+        assert values["loss_scale"] == 1.0 and values["skipped_iter"] == 0.0
+    assert "loss" not in set(pd.read_csv(runs / "pp2" / "rank0" / "scalars.csv").name)  # not the last stage
+    assert "loss" in set(pd.read_csv(runs / "pp2" / "rank1" / "scalars.csv").name)
+
+
+def test_pipeline_micro_steps_and_anomaly_order(runs: Path) -> None:
+    """PP=2, 2 micro-batches: rows for both micro-steps per stage; stage 1's forward NaN comes first."""
+    for rank in (0, 1):
+        for family in ("actv", "actv_grad"):
+            df = _read(runs, "pp2", rank, family)
+            assert set(zip(df.step, df.micro_step)) == {(0, 0), (0, 1), (1, 0), (1, 1)}, (rank, family)
+            assert df.groupby(["step", "micro_step", "name"]).size().max() == 1
+        lines = (runs / "pp2" / f"rank{rank}" / "anomalies.jsonl").read_text().splitlines()
+        events = [json.loads(line) for line in lines]
+        assert events and all(e["pp_stage"] == rank for e in events)
+    from trainmon.cli import main
+
+    assert main(["analyse", str(runs / "pp2")]) == 0
+    analysis = json.loads((runs / "pp2" / "anomaly_analyse.json").read_text())
+    first = analysis["first_origin"]
+    assert (first["pp_stage"], first["phase"], first["step"], first["micro_step"]) == (1, "forward", 1, 0)
+    ordered = [(e["pp_stage"], e["phase"]) for e in analysis["top"]]
+    assert ordered.index((1, "forward")) < ordered.index((0, "backward"))
+
+
+def test_virtual_pipeline_and_recompute(runs: Path) -> None:
+    """VPP=2: each chunk's rows carry its vpp_stage; recompute re-runs are not measured twice."""
+    for rank in (0, 1):
+        actv = _read(runs, "vpp2", rank, "actv")
+        assert set(actv.vpp_stage) == {0, 1}
+        assert set(actv.micro_step) == {0, 1}  # the re-run during backward would have made 2 and 3
+        assert actv.groupby(["vpp_stage", "step", "micro_step", "name"]).size().max() == 1
+        refs = _refs(runs, "vpp2", rank)["steps"]["0"]["actv"]
+        assert any(key.endswith("|3") for key in refs), "the recompute re-run did not happen"
+        grads = _read(runs, "vpp2", rank, "actv_grad")
+        assert set(grads.micro_step) == {0, 1} and set(grads.vpp_stage) == {0, 1}
+        reduced = _read(runs, "vpp2", rank, "grad_reduced")
+        assert set(reduced.vpp_stage) == {0, 1}
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in set(reduced[reduced.vpp_stage == 1].name)
+
+
+def test_example_trains_with_the_monitor(tmp_path: Path) -> None:
+    """examples/megatron_gpt.py: TP=2 on CPU (torchrun, 2 processes) writes the monitor's outputs."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(ROOT / "examples" / "megatron_gpt.py"), "--tp", "2", "--steps", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, _worker_errors(proc)
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    for rank in (0, 1):
+        grads = pd.read_csv(run_dir / f"rank{rank}" / "grad_reduced.csv")
+        assert set(grads.step) == {0, 1} and np.isfinite(grads["norm"]).all()
+        assert set(pd.read_csv(run_dir / f"rank{rank}" / "actv.csv").micro_step) == {0, 1}
+

@@ -1,0 +1,202 @@
+"""Megatron-Core: a list of model chunks (virtual pipeline) and a Megatron optimizer.
+
+``monitor.attach(model_chunks, optimizer)`` where ``model_chunks`` is what Megatron's
+``get_model`` returns (each chunk usually ``DistributedDataParallel(Float16Module(GPTModel))``)
+and ``optimizer`` what ``get_megatron_optimizer`` returns (``FP32Optimizer``,
+``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer`` or a ``ChainedOptimizer`` of them).
+Process groups come from ``megatron.core.parallel_state`` when it is initialised; explicit
+``tp_group``/``dp_group``/``pp_group`` override them. See docs/megatron.md.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from trainmon.collect.hooks import HookRegistry
+from trainmon.integrations.base import AttachOptions, Attachment, dist_layout, select_modules, select_params
+from trainmon.integrations.megatron_collect import (
+    GroupLayout,
+    MainParam,
+    MegatronActivationCollector,
+    MegatronParamCollector,
+)
+
+if TYPE_CHECKING:
+    from trainmon.collect.context import Collector, StepContext
+    from trainmon.config import MonitorConfig
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model inside Megatron's ``DistributedDataParallel`` / ``Float16Module`` wrappers (and torch DDP)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.transformer.module import Float16Module
+
+    wrappers = (DistributedDataParallel, Float16Module, torch.nn.parallel.DistributedDataParallel)
+    while isinstance(chunk, wrappers):
+        chunk = chunk.module
+    return chunk
+
+
+def leaf_optimizers(optimizer: Any) -> list[Any]:
+    """The non-chained Megatron optimizers inside ``optimizer`` (itself when not chained)."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is None:
+        return [optimizer]
+    return [leaf for child in chained for leaf in leaf_optimizers(child)]
+
+
+def main_params(optimizer: Any) -> dict[int, MainParam]:
+    """Model parameter id -> where its fp32 main parameter and optimizer state live.
+
+    Handles ``FP32Optimizer`` (the parameter itself), ``Float16OptimizerWithFloat16Params``
+    (an fp32 copy for 16-bit parameters) and ``DistributedOptimizer`` (this rank's flat shard,
+    an empty tensor for a parameter this rank holds no element of), each possibly chained.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    out: dict[int, MainParam] = {}
+    for leaf in leaf_optimizers(optimizer):
+        inner = getattr(leaf, "optimizer", None)
+        if inner is None or getattr(leaf, "is_stub_optimizer", False):
+            continue
+        if isinstance(leaf, DistributedOptimizer):
+            empty = torch.empty(0)
+            group = leaf.data_parallel_group
+            for buffer in leaf.buffers:
+                for param in buffer.params:
+                    out[id(param)] = MainParam(inner, empty, sharded=True, dp_group=group)
+            pairs = list(zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups)) + list(
+                zip(leaf.model_fp32_groups, leaf.shard_fp32_groups))
+            for models, shards in pairs:
+                for param, shard in zip(models, shards):
+                    out[id(param)] = MainParam(inner, shard, sharded=True, dp_group=group)
+        elif isinstance(leaf, Float16OptimizerWithFloat16Params):
+            for models, mains in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
+                for param, main in zip(models, mains):
+                    out[id(param)] = MainParam(inner, main)
+            for group in leaf.fp32_from_fp32_groups:
+                for param in group:
+                    out[id(param)] = MainParam(inner, param)
+        elif isinstance(leaf, FP32Optimizer):
+            for group in inner.param_groups:
+                for param in group["params"]:
+                    out[id(param)] = MainParam(inner, param)
+        else:
+            raise TypeError(f"unsupported Megatron optimizer {type(leaf).__name__}; supported: FP32Optimizer, "
+                            "Float16OptimizerWithFloat16Params, DistributedOptimizer, ChainedOptimizer")
+    return out
+
+
+def process_groups(options: AttachOptions) -> tuple[Any, Any, Any]:
+    """``(tp_group, dp_group, pp_group)``: explicit ones first, else ``parallel_state``'s, else None."""
+    from megatron.core import parallel_state as ps
+
+    tp, dp, pp = options.tp_group, options.dp_group, options.pp_group
+    if ps.model_parallel_is_initialized():
+        tp = tp if tp is not None else ps.get_tensor_model_parallel_group()
+        dp = dp if dp is not None else ps.get_data_parallel_group()
+        pp = pp if pp is not None else ps.get_pipeline_model_parallel_group()
+    return tp, dp, pp
+
+
+def _rank_size(group: Any) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class MegatronStepHooks:
+    """Step post-hooks for a Megatron optimizer, which has none of its own.
+
+    Wraps the ``step`` of the one optimizer instance it is given (an instance attribute that
+    shadows the class's method; no class is patched) and undoes it in :meth:`close`. After
+    each step it records ``grad_norm``, ``loss_scale``, ``skipped_iter`` (1 when the step was
+    skipped for non-finite gradients) and ``num_zeros`` when Megatron computed them, then
+    runs the registered hooks (the monitor's end-of-step marker).
+    """
+
+    def __init__(self, ctx: StepContext, optimizer: Any) -> None:
+        self.ctx = ctx
+        self.optimizer = optimizer
+        self._hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()  # weak-referenceable
+        self._original = optimizer.step
+        optimizer.step = self._step
+
+    def register_step_post_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._original(*args, **kwargs)
+        ctx = self.ctx
+        if ctx.collecting and isinstance(result, tuple) and len(result) == 3:
+            ok, grad_norm, num_zeros = result
+            buffer = ctx.buffer
+            buffer.add_scalar("skipped_iter", 0.0 if ok else 1.0)
+            if grad_norm is not None:
+                buffer.add_scalar("grad_norm", grad_norm)
+            if num_zeros is not None:
+                buffer.add_scalar("num_zeros", num_zeros)
+            scale = self.optimizer.get_loss_scale()
+            if scale is not None:
+                buffer.add_scalar("loss_scale", scale)
+            for i, group in enumerate(self.optimizer.param_groups):
+                buffer.add_scalar(f"lr/group{i}", group["lr"])
+        for hook in list(self._hooks.values()):
+            hook(self.optimizer, args, kwargs)
+        return result
+
+    def close(self) -> None:
+        if self.optimizer.__dict__.get("step") == self._step:
+            del self.optimizer.step
+        self._hooks.clear()
+
+
+def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
+           options: AttachOptions) -> Attachment:
+    """Build the collectors for Megatron-Core model chunks and their optimizer.
+
+    Args:
+        ctx: the monitor's step context.
+        config: the monitor config.
+        model: a model chunk or the list of chunks (one per virtual pipeline stage).
+        optimizer: the Megatron optimizer, or None.
+        options: ``grad_acc_steps`` (set it to the number of micro-batches) and process groups.
+
+    Raises:
+        TargetError: a target pattern matches no module or parameter.
+        TypeError: the optimizer is not a supported Megatron optimizer.
+    """
+    chunks: Sequence[torch.nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]
+    roots = [unwrap(chunk) for chunk in chunks]
+    tp_group, _, pp_group = process_groups(options)
+    tp_rank, tp_size = _rank_size(tp_group)
+    pp_stage, _ = _rank_size(pp_group)
+    registry = HookRegistry()
+    named_modules = [(name, module, vpp) for vpp, root in enumerate(roots) for name, module in root.named_modules()]
+    collectors: list[Collector] = []
+    if config.activations.enabled:
+        collectors.append(MegatronActivationCollector(ctx, select_modules(named_modules, config),
+                                                      config.activations, registry))
+    step_hooks = MegatronStepHooks(ctx, optimizer) if optimizer is not None else None
+    params = [(name, p, vpp) for vpp, root in enumerate(roots) for name, p in root.named_parameters()]
+    if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
+        mains = main_params(optimizer) if optimizer is not None else {}
+        collectors.append(MegatronParamCollector(ctx, select_params(params, config), mains,
+                                                 GroupLayout(tp_group, tp_size, tp_rank), config, registry))
+    rank, world_size = dist_layout()
+    attachment = Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
+                            modules=named_modules, optimizer=step_hooks, registry=registry, rank=rank,
+                            world_size=world_size, pp_stage=pp_stage, collective=world_size > 1)
+    if step_hooks is not None:
+        attachment.on_close.append(step_hooks.close)
+    return attachment
