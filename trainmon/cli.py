@@ -7,10 +7,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-
-class UsageError(Exception):
-    """Bad usage: reported as one line, exit code 2."""
-
+from trainmon.errors import UsageError
 
 _SUBCOMMANDS = ("trainmon.csv2tb", "trainmon.anomaly.analyse", "trainmon.probe.compare")
 

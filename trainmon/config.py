@@ -475,8 +475,8 @@ def config_reference() -> str:
                 nested.append((hints[f.name], f"{prefix}.{f.name}" if prefix else f.name))
                 continue
             value = json.dumps(getattr(default, f.name))
-            tname = _type_name(hints[f.name])
-            lines.append(f"| `{f.name}` | `{tname}` | `{value}` | {docs.get((cls.__name__, f.name), '')} |")
+            cells = [f"`{f.name}`", f"`{_type_name(hints[f.name])}`", f"`{value}`", docs.get((cls.__name__, f.name), "")]
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")  # GFM table cells
         lines.append("")
         for sub, path in nested:
             section(sub, path)

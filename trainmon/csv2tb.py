@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from trainmon.errors import UsageError
 from trainmon.progress import progress
 from trainmon.records import FAMILIES
 
@@ -30,7 +31,6 @@ def add_parser(sub: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from trainmon.cli import UsageError
 
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")

@@ -18,3 +18,7 @@ class TargetError(ConfigError):
 
 class AnomalyError(RuntimeError):
     """Raised at the end of a step by the ``raise`` anomaly action."""
+
+
+class UsageError(Exception):
+    """Bad command-line usage: the ``trainmon`` command reports it as one line and exits with code 2."""

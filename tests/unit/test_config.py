@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,9 @@ def test_reference_covers_every_field():
     text = config_reference()
     for key in ("step_interval", "per_micro_step", "poll_seconds", "sample_elements", "max_dumps"):
         assert f"`{key}`" in text
+
+
+def test_docs_config_md_is_current():
+    """docs/config.md is generated; regenerate it with ``python -m trainmon.config > docs/config.md``."""
+    path = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert path.read_text() == config_reference() + "\n"

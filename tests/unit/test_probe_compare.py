@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -74,3 +76,13 @@ def test_bad_usage_exits_2_with_one_line(tmp_path, capsys):
         assert cli_main(["grad-compare", *case, "-o", str(tmp_path / "out")]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("trainmon grad-compare: error:") and "\n" not in err, err
+
+
+def test_python_dash_m_reports_usage_errors_in_one_line(tmp_path):
+    """``python -m trainmon`` and ``python -m trainmon.cli`` run the same command (one UsageError class)."""
+    for module in ("trainmon", "trainmon.cli"):
+        proc = subprocess.run([sys.executable, "-m", module, "grad-compare", str(tmp_path / "missing"),
+                               str(tmp_path), "-o", str(tmp_path / "out")], capture_output=True, text=True)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().startswith("trainmon grad-compare: error:"), proc.stderr
+        assert "Traceback" not in proc.stderr

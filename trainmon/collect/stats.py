@@ -90,23 +90,30 @@ def _partial_cpu(x: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
     """CPU tensors: min/max and the counts run on a zero-copy numpy view of the tensor.
 
     torch's CPU kernels for isnan/isinf/comparisons are unvectorised (10-16x slower than
-    numpy's SIMD loops on this kind of machine); no data is copied or moved.
+    numpy's SIMD loops on this kind of machine); no data is copied or moved. The NaN and Inf counts
+    are only computed when min or max is not finite (they are exactly 0 otherwise).
     """
     out = torch.zeros(PARTIAL_SLOTS, dtype=_F32)
     view = out.numpy()  # CPU memory shared with `out`: no transfer, no sync
+    values = x.numpy()  # a view of CPU memory: no transfer, no sync
     if spec.norm:
-        torch.linalg.vector_norm(x, dtype=_F32, out=out[0])
+        if x.dtype != torch.float16 and x.is_contiguous():
+            flat = values.reshape(-1)  # contiguous: a view
+            view[0] = np.sqrt(np.dot(flat, flat))  # BLAS dot: 2x faster than vector_norm on cache-sized tensors
+        else:
+            torch.linalg.vector_norm(x, dtype=_F32, out=out[0])
     if spec.sum:
         out[1] = x.sum(dtype=_F32)
-    values = x.numpy()  # a view of CPU memory: no transfer, no sync
-    view[2], view[3] = values.min(), values.max()
+    lo, hi = values.min(), values.max()
+    view[2], view[3] = lo, hi
     if spec.zeros:
         view[4] = np.count_nonzero(values == 0) if spec.eps == 0 else np.count_nonzero(
             (values > -spec.eps) & (values < spec.eps))
-    if spec.nans:
-        view[5] = np.count_nonzero(np.isnan(values))
-    if spec.infs:
-        view[6] = np.count_nonzero(np.isinf(values))
+    if not (np.isfinite(lo) and np.isfinite(hi)):  # finite min and max: no NaN or Inf anywhere
+        if spec.nans:
+            view[5] = np.count_nonzero(np.isnan(values))
+        if spec.infs:
+            view[6] = np.count_nonzero(np.isinf(values))
     view[7] = x.numel()
     return out
 

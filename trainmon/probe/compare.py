@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from trainmon.errors import UsageError
 from trainmon.probe.storage import PROBE_DIR, DirectionFile, DirectionFormatError, read_direction_header
 from trainmon.progress import progress
 
@@ -51,7 +52,6 @@ def add_parser(sub: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from trainmon.cli import UsageError
 
     try:
         tree_a, tree_b = scan_run(Path(args.run_a)), scan_run(Path(args.run_b))
