@@ -1,8 +1,8 @@
 """Overhead of trainmon on a small GPT: step time and peak memory against no monitor.
 
-    python benchmarks/overhead.py [--steps 8] [--rounds 3] [--device cpu|cuda] [--quick]
+    python benchmarks/overhead.py [--steps 8] [--rounds 3] [--device cpu|cuda] [--sinks csv tensorboard]
 
-Cases (alternating rounds, same seed and data):
+Cases (alternating rounds, same seed and data; per case, the median step of its best round):
   none          no monitor
   weights       weight grads + optimizer states, 6 metrics, every step
   activations   the above + every module's activations and activation grads, every step
@@ -51,7 +51,8 @@ BATCH = 8
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
-def _train(case: str, steps: int, device: str, out: str, clock: str = "wall") -> list[float]:
+def _train(case: str, steps: int, device: str, out: str, clock: str = "wall",
+           sinks: tuple[str, ...] = ("csv",)) -> list[float]:
     from trainmon import TrainerMonitor
 
     torch.manual_seed(0)
@@ -60,7 +61,7 @@ def _train(case: str, steps: int, device: str, out: str, clock: str = "wall") ->
     config = CASES[case]
     monitor = None
     if config is not None:
-        monitor = TrainerMonitor({"output_dir": out, "sinks": ["csv"], "anomaly": {"detectors": []}, **config})
+        monitor = TrainerMonitor({"output_dir": out, "sinks": list(sinks), "anomaly": {"detectors": []}, **config})
         monitor.attach(model, optimizer)
     times = []
     for step in range(steps + 2):  # 2 warm-up steps
@@ -108,6 +109,8 @@ def main() -> int:
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: this process's CPU time (all threads), for shared machines")
     parser.add_argument("--skip-memory", action="store_true", help="do not measure peak memory")
+    parser.add_argument("--sinks", nargs="+", default=["csv"], choices=["csv", "tensorboard"],
+                        help="the monitor's outputs (default csv; tensorboard adds its writer thread)")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,18 +119,23 @@ def main() -> int:
         _memory_child(args.memory_child, args.device, out)
         return 0
     torch.set_num_threads(1)
-    times: dict[str, list[float]] = {case: [] for case in args.cases}
-    for _ in range(args.rounds):  # alternate cases so drift hits all of them alike
+    # Per case: the median step of each round, then the best round. Rounds alternate the cases so
+    # drift hits all alike; the best round filters out a noisy neighbour on a shared machine.
+    rounds: dict[str, list[float]] = {case: [] for case in args.cases}
+    for _ in range(args.rounds):
         for case in args.cases:
-            times[case].extend(_train(case, args.steps, args.device, out, args.clock))
+            rounds[case].append(statistics.median(_train(case, args.steps, args.device, out, args.clock,
+                                                         tuple(args.sinks))))
+    times = {case: [min(values)] for case, values in rounds.items()}
     memory = {}
     for case in [] if args.skip_memory else args.cases:
         result = subprocess.run([sys.executable, __file__, "--memory-child", case, "--device", args.device,
                                  "--out", out], capture_output=True, text=True, check=True)
         memory[case] = json.loads(result.stdout.strip().splitlines()[-1])["peak_mb"]
     base_time = statistics.median(times["none"]) if "none" in times else None
-    print(f"device {args.device}, model {SHAPE}, batch {BATCH}, threads {torch.get_num_threads()}, clock {args.clock}")
-    print(f"{'case':<12} {'median step ms':>15} {'time ratio':>11} {'peak MB':>9} {'memory ratio':>13}")
+    print(f"device {args.device}, model {SHAPE}, batch {BATCH}, threads {torch.get_num_threads()}, clock {args.clock}, "
+          f"sinks {'+'.join(args.sinks)}, {args.rounds} rounds x {args.steps} steps (best round's median)")
+    print(f"{'case':<12} {'step ms':>15} {'time ratio':>11} {'peak MB':>9} {'memory ratio':>13}")
     for case in args.cases:
         median = statistics.median(times[case])
         ratio = median / base_time if base_time else float("nan")

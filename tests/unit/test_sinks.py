@@ -1,0 +1,44 @@
+"""Sinks on a hand-made StepRecord: the files they write, read back with pandas and tensorboard."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from trainmon.records import Row, RowKey, StepRecord
+from trainmon.sinks.csv import CsvSink
+from trainmon.sinks.tensorboard import TensorBoardSink
+
+
+def _record(step: int) -> StepRecord:
+    rows = [Row(RowKey("grad_reduced", "fc.weight", 0, 0, 0), step, {"norm": 1.5 * step, "nans": 0.0}, False),
+            Row(RowKey("actv", "fc.output", 0, 0, 1), step, {"norm": math.nan, "nans": 3.0}, True)]
+    return StepRecord(step=step, rank=0, rows=rows, scalars={"loss": 2.0 / (step + 1)}, pp_stage=0)
+
+
+def test_csv_and_tensorboard_round_trip_with_nan(tmp_path):
+    sinks = [CsvSink(tmp_path), TensorBoardSink(tmp_path)]
+    for step in (0, 1):
+        for sink in sinks:
+            sink.write(_record(step))
+    for sink in sinks:
+        sink.close()
+    grads = pd.read_csv(tmp_path / "grad_reduced.csv")
+    assert list(grads.columns) == ["vpp_stage", "name", "step", "micro_step", "norm", "nans"]
+    assert grads.norm.tolist() == [0.0, 1.5]
+    assert pd.read_csv(tmp_path / "actv.csv").norm.isna().all()
+    events = EventAccumulator(str(tmp_path)).Reload()
+    assert [e.value for e in events.Scalars("grad_reduced/fc.weight/norm")] == [0.0, 1.5]
+    assert math.isnan(events.Scalars("actv/fc.output/norm")[0].value)
+    assert [round(e.value, 6) for e in events.Scalars("scalars/loss")] == [2.0, 1.0]
+
+
+def test_tensorboard_sink_warns_without_native_crc32c(tmp_path, monkeypatch):
+    from tensorboardX import crc32c
+
+    monkeypatch.setattr(crc32c, "_crc32c_native", None)
+    with pytest.warns(UserWarning, match="crc32c"):
+        TensorBoardSink(tmp_path).close()
