@@ -1,4 +1,4 @@
-"""The ``trainmon`` command: ``csv2tb``, ``analyse``, ``grad-compare``, ``struct``."""
+"""The ``trainmon`` command: ``csv2tb``, ``analyse``, ``grad-compare``."""
 
 from __future__ import annotations
 

@@ -39,6 +39,8 @@ def _main(args: argparse.Namespace) -> int:
         written = convert(run_dir, Path(args.output) if args.output else None, args.families, args.workers)
     except (FileNotFoundError, CsvFormatError) as exc:
         raise UsageError(str(exc)) from None
+    except OSError as exc:  # e.g. an unwritable --output
+        raise UsageError(f"{exc.filename or args.output}: {exc.strerror or exc}") from None
     print(f"wrote {written} scalars to {Path(args.output) if args.output else run_dir / 'tensorboard'}")
     return 0
 
@@ -62,22 +64,32 @@ def convert(run_dir: Path, output: Path | None = None, families: list[str] | Non
         FileNotFoundError: ``run_dir`` has no rank directories or CSV files.
         CsvFormatError: a malformed CSV (file and line in the message).
     """
-    from tensorboardX import SummaryWriter
+    from tensorboardX import FileWriter
+    from tensorboardX.proto.summary_pb2 import Summary
 
     ranks = rank_dirs(run_dir)
     output = output or run_dir / "tensorboard"
 
     def one(rank_dir: Path) -> int:
         files = sorted(rank_dir.glob("*.csv"))
-        wanted = [f for f in files if families is None or f.stem.split("_")[0] in families
-                  or f.stem.rsplit("_", 1)[0] in families]
-        writer = SummaryWriter(logdir=str(output / rank_dir.name), flush_secs=3600)
+        wanted = [f for f in files if families is None or family_of(f) in families]
+        # One Summary per (file, step), as the TensorBoard sink writes them: no per-value event, and
+        # no warning per NaN (tensorboardX's add_scalar logs one; a monitor reports NaN quietly).
+        writer = FileWriter(str(output / rank_dir.name), flush_secs=3600)
         count = 0
         try:
             for path in wanted:
+                values: list[Any] = []
+                current = None
                 for tag, value, step in read_scalars(path):
-                    writer.add_scalar(tag, value, step)
+                    if step != current and values:
+                        writer.add_summary(Summary(value=values), current)
+                        values = []
+                    current = step
+                    values.append(Summary.Value(tag=tag, simple_value=value))
                     count += 1
+                if values:
+                    writer.add_summary(Summary(value=values), current)
         finally:
             writer.close()
         return count
@@ -86,9 +98,27 @@ def convert(run_dir: Path, output: Path | None = None, families: list[str] | Non
         return sum(progress(pool.map(one, ranks), len(ranks), "csv2tb"))
 
 
+def family_of(path: Path) -> str:
+    """``grad_reduced.csv`` and ``grad_reduced_120.csv`` (metrics changed at step 120) -> ``grad_reduced``."""
+    head, _, tail = path.stem.rpartition("_")
+    return head if head and tail.isdigit() else path.stem
+
+
 def read_scalars(path: Path) -> Any:
-    """Yield ``(tag, value, step)`` from one trainmon CSV file."""
-    family = path.stem.rsplit("_", 1)[0] if path.stem.rsplit("_", 1)[-1].isdigit() else path.stem
+    """Yield ``(tag, value, step)`` from one trainmon CSV file.
+
+    Raises:
+        CsvFormatError: a malformed or undecodable file (file and line in the message).
+    """
+    try:
+        yield from _read_scalars(path, family_of(path))
+    except UnicodeDecodeError as exc:
+        raise CsvFormatError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except csv.Error as exc:
+        raise CsvFormatError(f"{path}: {exc}") from None
+
+
+def _read_scalars(path: Path, family: str) -> Any:
     with open(path, newline="", encoding="utf-8") as handle:
         reader = csv.reader(handle)
         header = next(reader, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ logger = logging.getLogger("trainmon")
 
 _OPS = {"norm": "norm", "min": "min", "max": "max", "mean": "mean", "zeros": "zeros", "nans": "nans"}
 _FORMATS = {"csv": "csv", "tensorboard": "tensorboard"}
+_NORM_SERIES = (("activations", "actv"), ("weight_grads", "grad_unreduced"), ("optimizer_states", "exp_avg"))
 
 
 def translate_msprobe(path: Path) -> dict[str, Any]:
@@ -32,7 +34,13 @@ def translate_msprobe(path: Path) -> dict[str, Any]:
         raise ConfigError(str(path), f"not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(str(path), "a msprobe monitor config must be a JSON object")
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {
+        # msprobe collects a family only when its switch is set; trainmon's defaults differ.
+        "activations": {"enabled": False},
+        "weight_grads": {"enabled": False},
+        "optimizer_states": {"enabled": False},
+        "params": {"enabled": False},
+    }
     ops = [_OPS[op] for op in data.get("ops", []) if op in _OPS]
     for op in data.get("ops", []):
         if op not in _OPS:
@@ -50,11 +58,11 @@ def translate_msprobe(path: Path) -> dict[str, Any]:
         elif key == "xy_distribution":
             section("activations", enabled=bool(value))
         elif key == "all_xy":
-            out.setdefault("activations", {})["inputs"] = bool(value)
+            out["activations"]["inputs"] = bool(value)
         elif key == "forward_only" and value:
-            out.setdefault("activations", {})["backward"] = False
+            out["activations"]["backward"] = False
         elif key == "backward_only" and value:
-            out.setdefault("activations", {})["forward"] = False
+            out["activations"]["forward"] = False
         elif key == "wg_distribution":
             section("weight_grads", enabled=bool(value))
         elif key == "mv_distribution":
@@ -64,10 +72,9 @@ def translate_msprobe(path: Path) -> dict[str, Any]:
         elif key == "mg_direction":
             out["grad_probe"] = {"enabled": bool(value), "level": "L1"}
         elif key == "cc_distribution":
-            enabled = bool(value.get("enable")) if isinstance(value, dict) else bool(value)
-            section("communication", enabled=enabled)
+            section("communication", **_communication(value))
         elif key == "alert":
-            out["anomaly"] = _alert(value)
+            continue  # after the loop: its series depend on which families are on
         elif key == "format":
             if value in _FORMATS:
                 out["sinks"] = [_FORMATS[value]]
@@ -87,10 +94,38 @@ def translate_msprobe(path: Path) -> dict[str, Any]:
             continue
         else:
             _cannot(key, "no trainmon equivalent")
+    if "alert" in data:
+        out["anomaly"] = _alert(data["alert"], out)
     return out
 
 
-def _alert(value: Any) -> dict[str, Any]:
+def _communication(value: Any) -> dict[str, Any]:
+    """``cc_distribution``: ``enable``, ``cc_codeline`` (call-site filter); the rest is warned about."""
+    if not isinstance(value, dict):
+        return {"enabled": bool(value)}
+    section: dict[str, Any] = {"enabled": bool(value.get("enable"))}
+    for key, item in value.items():
+        if key == "enable":
+            continue
+        if key == "cc_codeline":
+            if item:  # msprobe's "path/file.py[line]" -> a regex on trainmon's "path/file.py:line in function"
+                section["call_sites"] = True
+                section["call_site_filter"] = "|".join(_codeline_regex(str(line)) for line in item)
+        elif key == "cc_pre_hook":
+            continue  # trainmon always measures both the inputs (pre) and the outputs (post)
+        else:
+            _cannot(f"cc_distribution.{key}", "no trainmon equivalent")
+    return section
+
+
+def _codeline_regex(codeline: str) -> str:
+    match = re.fullmatch(r"(.*)\[(\d+)\]", codeline.strip())
+    if match is None:
+        return re.escape(codeline)
+    return f"{re.escape(match.group(1))}:{match.group(2)} "
+
+
+def _alert(value: Any, out: dict[str, Any]) -> dict[str, Any]:
     detectors: list[dict[str, Any]] = [{"type": "nonfinite"}]
     actions = ["log", "jsonl"]
     if not isinstance(value, dict):
@@ -98,11 +133,15 @@ def _alert(value: Any) -> dict[str, Any]:
     for rule in value.get("rules", []):
         if rule.get("rule_name") == "AnomalyTurbulence":
             threshold = rule.get("args", {}).get("threshold", 0.5)
-            detectors.append({"type": "spike", "mode": "relative", "threshold": threshold})
+            # msprobe applies the rule to the statistics of every monitored tensor: here, their norms.
+            series = ["loss", "grad_norm"] + [f"{family}/*/norm" for section, family in _NORM_SERIES
+                                              if out.get(section, {}).get("enabled")]
+            detectors.append({"type": "spike", "method": "relative", "threshold": threshold, "series": series})
         else:
             _cannot(f"alert.rules: {rule.get('rule_name')!r}", "only AnomalyTurbulence is translated")
     if value.get("dump"):
         actions.append("dump")
+        out["dump"] = {"enabled": True}
     return {"detectors": detectors, "actions": actions}
 
 

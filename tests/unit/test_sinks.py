@@ -42,3 +42,35 @@ def test_tensorboard_sink_warns_without_native_crc32c(tmp_path, monkeypatch):
     monkeypatch.setattr(crc32c, "_crc32c_native", None)
     with pytest.warns(UserWarning, match="crc32c"):
         TensorBoardSink(tmp_path).close()
+
+
+def test_slow_output_drops_records_instead_of_blocking_training(caplog):
+    import threading
+    import time
+
+    from trainmon.sinks.base import SinkWriter
+
+    release, written = threading.Event(), []
+
+    class StuckDisk:
+        name = "stuck"
+
+        def write(self, record: StepRecord) -> None:
+            release.wait(10)
+            written.append(record.step)
+
+        def flush(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    writer = SinkWriter([StuckDisk()], max_pending=2)
+    start = time.perf_counter()
+    for step in range(10):
+        writer.submit(_record(step))
+    assert time.perf_counter() - start < 0.5  # never waits for the disk
+    release.set()
+    writer.close()
+    assert written[0] == 0 and 2 <= len(written) <= 3  # the one being written + the queued ones
+    assert sum("slower than training" in r.getMessage() for r in caplog.records) == 1

@@ -284,6 +284,14 @@ def _all_gather(table: torch.Tensor, group: Any, dist: Any) -> torch.Tensor:
     return out.view((size,) + tuple(table.shape))
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread: a forward hook that fires then is a
+    recompute re-run (``recompute_modules`` / ``CheckpointWithoutOutput`` set no Megatron flag).
+    One C call, no stack walk; False where torch lacks the function."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
 class MegatronActivationCollector(ActivationCollector):
     """The generic activation collector, adapted to Megatron modules.
 
@@ -335,7 +343,7 @@ class MegatronActivationCollector(ActivationCollector):
             if not self.ctx.collecting:
                 return
             grad_enabled = torch.is_grad_enabled()
-            if forward and not (grad_enabled and is_checkpointing()):
+            if forward and not (grad_enabled and is_checkpointing()) and not _in_backward():
                 measure_forward(module, args, kwargs, output)
             if backward and grad_enabled:
                 self._hook_grads(output, f"{name}.output_grad", vpp_stage)

@@ -49,11 +49,11 @@ class SinkWriter:
         self._closed = False
 
     def submit(self, item: StepRecord | Callable[[], None]) -> None:
-        """Queue a record (or a one-off write job). Never blocks training for long."""
+        """Queue a record (or a one-off write job). Never blocks training."""
         if self._closed:
             return
         try:
-            self._queue.put(item, timeout=1.0)
+            self._queue.put_nowait(item)  # a full queue means a slow disk: drop, never wait
         except queue.Full:
             self._dropped += 1
             if self._dropped == 1:

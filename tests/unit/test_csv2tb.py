@@ -1,0 +1,91 @@
+"""``trainmon csv2tb``: CSV written by the CSV sink back to TensorBoard, read with tensorboard's reader."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from trainmon.cli import main
+from trainmon.records import Row, RowKey, StepRecord
+from trainmon.sinks.csv import CsvSink
+
+FAMILIES = ("grad_reduced", "grad_unreduced", "exp_avg", "exp_avg_sq", "actv", "actv_grad")
+
+
+def _run(tmp_path: Path, ranks: int = 2) -> Path:
+    run_dir = tmp_path / "run"
+    for rank in range(ranks):
+        sink = CsvSink(run_dir / f"rank{rank}")
+        for step in range(3):
+            rows = [Row(RowKey(family, "fc.weight", 0, 0, i), step, {"norm": rank + step + i / 10, "nans": 0.0}, False)
+                    for i, family in enumerate(FAMILIES)]
+            rows.append(Row(RowKey("actv", "fc.output", 0, 0, 9), step, {"norm": math.nan, "nans": 2.0}, True))
+            sink.write(StepRecord(step=step, rank=rank, rows=rows, scalars={"loss": 1.0 / (step + 1)}, pp_stage=0))
+        sink.close()
+    return run_dir
+
+
+def _tags(directory: Path) -> dict[str, list[float]]:
+    events = EventAccumulator(str(directory)).Reload()
+    return {tag: [e.value for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_round_trip_every_family_and_nan(tmp_path, capsys):
+    run_dir = _run(tmp_path)
+    assert main(["csv2tb", str(run_dir)]) == 0
+    assert "wrote 90 scalars" in capsys.readouterr().out  # 2 ranks x 3 steps x (7 rows x 2 metrics + loss)
+    tags = _tags(run_dir / "tensorboard" / "rank1")
+    assert tags["grad_reduced/fc.weight/norm"] == [1.0, 2.0, 3.0]
+    assert tags["exp_avg_sq/fc.weight/norm"] == pytest.approx([1.3, 2.3, 3.3])
+    assert all(math.isnan(v) for v in tags["actv/fc.output/norm"]) and tags["actv/fc.output/nans"] == [2.0] * 3
+    assert tags["scalars/loss"] == pytest.approx([1.0, 0.5, 1 / 3])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_families_filter_takes_exactly_that_family(tmp_path, family):
+    """``grad_reduced`` must not take ``grad_unreduced``; ``actv`` must not take ``actv_grad``."""
+    run_dir = _run(tmp_path, ranks=1)
+    out = tmp_path / "tb"
+    assert main(["csv2tb", str(run_dir), "-o", str(out), "--families", family]) == 0
+    assert {tag.split("/")[0] for tag in _tags(out / "rank0")} == {family}
+
+
+def test_metrics_changed_mid_run_file_keeps_its_family(tmp_path):
+    run_dir = _run(tmp_path, ranks=1)
+    (run_dir / "rank0" / "exp_avg_120.csv").write_text("vpp_stage,name,step,micro_step,max\n0,w,120,0,4.5\n")
+    out = tmp_path / "tb"
+    assert main(["csv2tb", str(run_dir), "-o", str(out), "--families", "exp_avg"]) == 0
+    assert _tags(out / "rank0")["exp_avg/w/max"] == [4.5]
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("trainmon csv2tb: error:") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_bad_input_is_one_line_with_exit_2(tmp_path, capsys):
+    assert main(["csv2tb", str(tmp_path / "missing")]) == 2
+    assert "no such directory" in _one_line_error(capsys)
+    run_dir = _run(tmp_path, ranks=1)
+    bad = run_dir / "rank0" / "grad_reduced.csv"
+    bad.write_text(bad.read_text() + "0,fc.weight,3\n")
+    assert main(["csv2tb", str(run_dir)]) == 2
+    assert "grad_reduced.csv:5: expected 6 fields, got 3" in _one_line_error(capsys)
+    bad.write_bytes(b"vpp_stage,name,step,micro_step,norm\n0,\xff\xfe,1,0,2.0\n")
+    assert main(["csv2tb", str(run_dir)]) == 2
+    assert "not UTF-8" in _one_line_error(capsys)
+    bad.write_text("vpp_stage,name,step,micro_step,norm\n0,fc,one,0,2.0\n")
+    assert main(["csv2tb", str(run_dir)]) == 2
+    assert "grad_reduced.csv:2" in _one_line_error(capsys)
+
+
+def test_unwritable_output_is_one_line(tmp_path, capsys):
+    """An output path under a regular file cannot be created (what an unwritable -o looks like as root)."""
+    run_dir = _run(tmp_path, ranks=1)
+    (tmp_path / "afile").write_text("x")
+    assert main(["csv2tb", str(run_dir), "-o", str(tmp_path / "afile" / "tb")]) == 2
+    _one_line_error(capsys)
