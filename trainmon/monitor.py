@@ -136,6 +136,61 @@ class TrainerMonitor:
             raise ConfigError("dump.enabled", "must be true to call monitor.dump()")
         return action.request(modules, steps)
 
+    def free_benchmark(self, modules: list[str], steps: list[int] | None = None) -> list[str]:
+        """Re-check the forward of ``modules`` (names, globs, ``re:``) on ``steps`` (default: the next step).
+
+        Returns:
+            The module names that will be checked.
+
+        Raises:
+            ConfigError: ``free_benchmark.enabled`` is false.
+            TargetError: a pattern matches no module.
+
+        Example:
+            >>> monitor.free_benchmark(["layers.2.mlp"], steps=[120])   # doctest: +SKIP
+        """
+        if self._session is None:
+            raise RuntimeError("attach() a model before calling free_benchmark()")
+        action = self._session.actions.get("free_benchmark")
+        if action is None:
+            raise ConfigError("free_benchmark.enabled", "must be true to call monitor.free_benchmark()")
+        return action.request(modules, steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The monitor's resumable state, JSON-compatible, to save with a training checkpoint.
+
+        ``{"anomaly": <anomaly engine state: every detector's history and warm-up>, "step": <the number
+        of the next step>}``. Restore it with :meth:`load_state_dict` after attaching a new monitor
+        with ``attach(..., start_step=state["step"])``, so detectors need no new warm-up.
+
+        Raises:
+            RuntimeError: not attached (or closed).
+
+        Example:
+            >>> checkpoint["trainmon"] = monitor.state_dict()                     # doctest: +SKIP
+            >>> monitor = TrainerMonitor(config).attach(model, optimizer,         # doctest: +SKIP
+            ...                                         start_step=checkpoint["trainmon"]["step"])
+            >>> monitor.load_state_dict(checkpoint["trainmon"])                   # doctest: +SKIP
+        """
+        if self._session is None:
+            raise RuntimeError("attach() a model before calling state_dict()")
+        return {"anomaly": self._session.anomaly.state_dict(), "step": int(self._session.ctx.step)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output into the attached monitor.
+
+        Only the anomaly state is applied; the step counter is set by ``attach(start_step=...)``.
+
+        Raises:
+            RuntimeError: not attached (or closed).
+            ValueError: the state does not match the configured detectors.
+        """
+        if self._session is None:
+            raise RuntimeError("attach() a model before calling load_state_dict()")
+        if not isinstance(state, dict) or "anomaly" not in state:
+            raise ValueError("not a TrainerMonitor state (missing 'anomaly')")
+        self._session.anomaly.load_state_dict(state["anomaly"])
+
     @property
     def run_dir(self) -> Path | None:
         """``{output_dir}/{run_name}`` once attached."""

@@ -261,3 +261,93 @@ def test_event_names_map_to_modules() -> None:
     assert neighbourhood("layer.mlp", parents, 0) == ["layer.mlp"]
     events = [Event("loss", "scalars"), Event("layer.mlp.1.output", "actv"), Event("layer.output.weight", "param")]
     assert modules_for_events(events, parents, 0) == ["layer.mlp.1"]
+
+
+class Residual(nn.Module):
+    """``out = fc(x); out += x``: the in-place add modifies the dumped module's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x)
+        out += x
+        return out
+
+
+def _train_inplace(model: nn.Module, x: torch.Tensor, y: torch.Tensor, dump: TargetedDump | None,
+                   steps: int = 3) -> list[dict[str, torch.Tensor]]:
+    """Train ``steps`` SGD steps; return the weights each step started with."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    started = []
+    for step in range(steps):
+        if dump is not None:
+            dump.begin_step(step)
+        started.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if dump is not None:
+            dump.end_step()
+    return started
+
+
+def test_dump_of_modules_modified_in_place_only_observes(tmp_path: Path) -> None:
+    def build() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 1))
+
+    x, y = torch.randn(5, 4), torch.randn(5, 1)
+    plain = build()
+    _train_inplace(plain, x, y, None)
+    model = build()
+    dump = TargetedDump(model, tmp_path, DumpConfig(enabled=True, mode="tensor", depth=0))
+    dump.request(["0", "1"], steps=[1])
+    started = _train_inplace(model, x, y, dump)  # register_full_backward_hook raised here
+    dump.close()
+    assert_no_hooks(model)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key]), key  # the dump only observed
+
+    # Independent reference: autograd on an out-of-place copy of step 1's forward.
+    w = {k: v.clone().requires_grad_(True) for k, v in started[1].items()}
+    z = x @ w["0.weight"].T + w["0.bias"]
+    a = torch.relu(z)
+    loss = nn.functional.mse_loss(a @ w["2.weight"].T + w["2.bias"], y)
+    d_z, d_a, d_w0 = torch.autograd.grad(loss, [z, a, w["0.weight"]])
+    out = tmp_path / "dump" / "step1"
+    data = json.loads((out / "dump.json").read_text())["data"]
+
+    def load(desc: dict) -> torch.Tensor:
+        return torch.load(out / "dump_tensor_data" / desc["data_name"], weights_only=True)
+
+    linear, relu = data["Module.0.Linear.backward.0"], data["Module.1.ReLU.backward.0"]
+    torch.testing.assert_close(load(linear["input"][0]), d_z)     # gradient w.r.t. the Linear's output
+    assert linear["output"] == []                                  # its input x is a leaf: no hook, no entry
+    torch.testing.assert_close(load(relu["input"][0]), d_a)       # w.r.t. the ReLU's output
+    torch.testing.assert_close(load(relu["output"][0]), d_z)      # w.r.t. its input, before the in-place op
+    assert_stats(relu["output"][0], d_z.double().numpy())
+    torch.testing.assert_close(load(data["Module.0.Linear.parameters_grad"]["weight"]), d_w0)
+    construct = json.loads((out / "construct.json").read_text())
+    assert construct["Module.0.Linear.backward.0"] is None
+
+
+def test_dump_of_a_residual_with_an_in_place_add(tmp_path: Path) -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(Residual(), nn.Tanh())
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    dump = TargetedDump(model, tmp_path, DumpConfig(enabled=True, mode="statistics"))
+    dump.request(["0", "0.fc"], steps=[0])
+    started = _train_inplace(model, x, y, dump, steps=2)
+    dump.close()
+    assert_no_hooks(model)
+    w = {k: v.clone().requires_grad_(True) for k, v in started[0].items()}
+    fc = x @ w["0.fc.weight"].T + w["0.fc.bias"]
+    summed = fc + x
+    loss = nn.functional.mse_loss(torch.tanh(summed), y)
+    d_fc, d_summed = torch.autograd.grad(loss, [fc, summed])
+    data = json.loads((tmp_path / "dump" / "step0" / "dump.json").read_text())["data"]
+    assert_stats(data["Module.0.fc.Linear.backward.0"]["input"][0], d_fc.double().numpy())
+    assert_stats(data["Module.0.Residual.backward.0"]["input"][0], d_summed.double().numpy())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -183,3 +184,67 @@ def test_nonfinite_outputs_and_budget(tmp_path: Path) -> None:
     assert flipped[2] == 0 and ((flipped.view(torch.int16) ^ t.view(torch.int16)) == torch.tensor([1, 1, 0, 1])).all()
     assert perturb_tensor(t.float(), "add_noise").tolist() == (t.double() + torch.tensor([1e-8, 1e-8, 0, 1e-8],
                                                               dtype=torch.float64)).float().tolist()
+
+
+class PlainTensorAttribute(nn.Module):
+    """Holds a bf16 projection as a plain attribute (not a buffer): ``improve_precision`` converts the
+    copy's parameters and inputs to float32 but not this tensor, so the re-run's matmul raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.projection = torch.randn(8, 4).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) @ self.projection
+
+
+def test_a_failing_check_warns_once_and_training_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    def run(bench_dir: Path | None) -> tuple[dict, FreeBenchmark | None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(PlainTensorAttribute()).to(torch.bfloat16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(6, 8).to(torch.bfloat16), torch.randn(6, 4).to(torch.bfloat16)
+        bench = None
+        if bench_dir is not None:
+            bench = FreeBenchmark(model, bench_dir, FreeBenchmarkConfig(
+                enabled=True, pert_mode="improve_precision", targets=["0"]))
+        for step in range(3):
+            if bench is not None:
+                bench.begin_step(step)
+            loss = (model(x).float() - y.float()).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if bench is not None:
+                bench.end_step()
+        if bench is not None:
+            bench.close()
+        assert_no_hooks(model)
+        return model.state_dict(), bench
+
+    plain, _ = run(None)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        observed, bench = run(tmp_path)
+    assert bench is not None and bench.results == []
+    for key, value in plain.items():
+        assert torch.equal(value, observed[key]), key
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "checking 0 failed" in warnings[0].getMessage(), warnings
+    assert not (tmp_path / "free_benchmark.csv").exists()
+
+
+def test_requests_for_later_steps(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    bench = FreeBenchmark(model, tmp_path, FreeBenchmarkConfig(enabled=True, pert_mode="no_change"))
+    assert bench.request(["0"], steps=[2, 4]) == ["0"]
+    assert bench.request(["1"]) == ["1"]  # the next step
+    x = torch.randn(3, 4)
+    for step in range(6):
+        bench.begin_step(step)
+        model(x).sum().backward()
+        bench.end_step()
+    bench.close()
+    assert [(r.step, r.name) for r in bench.results] == [(0, "1"), (2, "0"), (4, "0")]
+    assert all(r.passed for r in bench.results)

@@ -80,3 +80,32 @@ def test_summary_numbers_and_cross_run_comparison(tmp_path, capsys):
     summary_rows = sims[sims["kind"] == "element_weighted"]
     assert len(summary_rows) == 4 and (summary_rows["similarity"] < 1.0).all()
     capsys.readouterr()
+
+
+def test_unsafe_parameter_names_give_files_in_the_step_directory(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("w/x", nn.Linear(4, 3))  # torch allows "/" in module names
+    model.add_module("plain", nn.Linear(3, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"output_dir": str(tmp_path), "run_name": "run", "sinks": [], "weight_grads": {"enabled": False},
+              "optimizer_states": {"enabled": False}, "grad_probe": {"enabled": True, "level": "L1"}}
+    x = torch.randn(5, 4)
+    with TrainerMonitor(config).attach(model, optimizer) as monitor:
+        for _ in range(2):
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step()
+    probe_dir = tmp_path / "run" / "rank0" / "grad_probe"
+    files = sorted(p.relative_to(probe_dir) for p in probe_dir.rglob("*.bits"))
+    assert len(files) == 2 * 4 and all(len(p.parts) == 2 for p in files), files  # step{S}/{file}: no subfolder
+    assert {p.name for p in files if p.name.startswith("plain")} == {"plain.weight.bits", "plain.bias.bits"}
+    assert not list(probe_dir.rglob("*.partial"))  # atomic writes leave no temporary file
+    out = tmp_path / "cmp"
+    assert cli_main(["grad-compare", str(tmp_path / "run"), str(tmp_path / "run"), "-o", str(out), "--no-plots"]) == 0
+    table = pd.read_csv(out / "similarities.csv")
+    params = table[table["kind"] == "param"]
+    assert sorted(set(params["name"])) == ["plain.bias", "plain.weight", "w/x.bias", "w/x.weight"]
+    assert (params["similarity"] == 1.0).all() and len(params) == 8
+    assert not (out / "problems.txt").exists()

@@ -86,3 +86,61 @@ def test_python_dash_m_reports_usage_errors_in_one_line(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.strip().startswith("trainmon grad-compare: error:"), proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_truncated_and_corrupt_files_are_reported_and_skipped(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    signs = {}
+    for step in (0, 1):
+        for name in ("w", "v"):
+            signs[(step, name)] = rng.standard_normal(40), rng.standard_normal(40)
+            _write(a_dir, 0, step, name, signs[(step, name)][0])
+            _write(b_dir, 0, step, name, signs[(step, name)][1])
+    truncated = direction_path(a_dir / "rank0/grad_probe", 1, "v", 0)
+    truncated.write_bytes(truncated.read_bytes()[:-2])           # bits cut short: fails when compared
+    corrupt = direction_path(b_dir / "rank0/grad_probe", 0, "w", 0)
+    blob = bytearray(corrupt.read_bytes())
+    blob[14:20] = b"\xff\x00{{{{"                                 # header no longer JSON: fails when scanned
+    corrupt.write_bytes(bytes(blob))
+
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert cli_main(["grad-compare", str(a_dir), str(b_dir), "-o", str(out), "--no-plots"]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and str(corrupt) in err and str(truncated) in err
+    params = pd.read_csv(out / "similarities.csv")
+    params = params[params["kind"] == "param"]
+    assert sorted(zip(params["step"], params["name"])) == [(0, "v"), (1, "w")]
+    for _, row in params.iterrows():
+        ga, gb = signs[(row["step"], row["name"])]
+        assert row["similarity"] == np.mean((ga > 0) == (gb > 0))
+    problems = (out / "problems.txt").read_text()
+    assert f"unreadable direction file, skipped: {corrupt}: broken header" in problems
+    assert f"rank 0 step 1: parameter v not compared: {truncated}: 3 bytes of bits, header says 5" in problems
+    assert "rank 0 step 0: parameter w only in run A" in problems
+
+    # Nothing readable at all: exit 2 with one line, still no traceback.
+    only_bad = tmp_path / "bad"
+    _write(only_bad, 0, 0, "w", np.ones(3))
+    direction_path(only_bad / "rank0/grad_probe", 0, "w", 0).write_bytes(b"TMGS\x01")
+    assert cli_main(["grad-compare", str(a_dir), str(only_bad), "-o", str(tmp_path / "out2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("trainmon grad-compare: error:") and "\n" not in err and "unreadable" in err
+
+
+def test_unsafe_parameter_names_stay_in_the_step_directory(tmp_path):
+    run = tmp_path / "run"
+    names = ["../../esc", "w/x", "w_x", "plain.weight"]
+    for name in names:
+        _write(run, 0, 3, name, np.arange(-3.0, 5.0))
+    step_dir = run / "rank0" / "grad_probe" / "step3"
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert all(p.parent == step_dir and p.suffix == ".bits" for p in files), files  # no escape, no subfolder, no tmp
+    assert len(files) == len(names)
+    assert sorted(read_direction_header(p).header["name"] for p in files) == sorted(names)
+    assert direction_path(step_dir.parent, 3, "plain.weight", 0).name == "plain.weight.bits"  # safe names unchanged
+    result = compare(scan_run(run), scan_run(run))
+    params = [r for r in result.rows if r["kind"] == "param"]
+    assert sorted(r["name"] for r in params) == sorted(names) and not result.problems
+    assert all(r["similarity"] == 1.0 for r in params)

@@ -8,6 +8,9 @@ runs with no hook of ours. The layout and the ``dump.json`` schema follow msprob
 Statistics are computed on the device in the hooks and copied to the host once at the end of
 the dump step; files are written by a background thread. ``tensor`` and ``md5`` modes copy
 tensors to the host in the hooks (that is the point of a dump; it only happens on dump steps).
+Backward gradients are recorded with tensor hooks, which only observe (a module backward hook
+breaks training when a dumped output is later modified in place). No hook body can raise into
+training: a failure is logged once and the dump goes on without that entry.
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ class TargetedDump:
         """Dump directories written so far (complete once :meth:`flush` returns)."""
         self._calls: dict[str, int] = {}
         self._open: list[tuple[str, str]] = []
-        self._backward_calls: dict[str, list[int]] = {}
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ requests
     def request(self, modules: Iterable[str], steps: Iterable[int] | None = None) -> list[str]:
@@ -227,12 +230,11 @@ class TargetedDump:
             self._refused = True
             return
         self._capture = _Capture(step, self.config.mode, self.config.max_bytes)
-        self._calls, self._open, self._backward_calls = {}, [], {}
+        self._calls, self._open = {}, []
         for name in (n for n in self._modules if n in names):
             module = self._modules[name]
             self._registry.add(_GROUP, module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
             self._registry.add(_GROUP, module.register_forward_hook(self._forward_hook(name), with_kwargs=True))
-            self._registry.add(_GROUP, module.register_full_backward_hook(self._backward_hook(name)))
             for param_name, param in module.named_parameters(recurse=False):
                 if param.requires_grad:
                     hook = self._grad_hook(name, param_name)
@@ -284,21 +286,29 @@ class TargetedDump:
             capture = self._capture
             if capture is None:
                 return
-            call = self._calls.get(name, 0)
-            self._calls[name] = call + 1
-            node = f"{self._prefix(name)}.forward.{call}"
-            capture.data[node] = {
-                "input_args": capture.describe(list(args), f"{node}.input"),
-                "input_kwargs": capture.describe(dict(kwargs), f"{node}.input"),
-                "parameters": {pn: capture.describe(p, f"{node}.parameters.{pn}")
-                               for pn, p in module.named_parameters(recurse=False)},
-            }
-            capture.construct[node] = self._open[-1][1] if self._open else None
-            if self.config.stack:
-                frames = traceback.extract_stack()[:-1]
-                capture.stack[node] = [f"File {f.filename}, line {f.lineno}, in {f.name}, \n {f.line}"
-                                       for f in frames if not any(s in f.filename for s in _SKIP_FRAMES)]
-            self._open.append((name, node))
+            try:
+                call = self._calls.get(name, 0)
+                self._calls[name] = call + 1
+                node = f"{self._prefix(name)}.forward.{call}"
+                capture.data[node] = {
+                    "input_args": capture.describe(list(args), f"{node}.input"),
+                    "input_kwargs": capture.describe(dict(kwargs), f"{node}.input"),
+                    "parameters": {pn: capture.describe(p, f"{node}.parameters.{pn}")
+                                   for pn, p in module.named_parameters(recurse=False)},
+                }
+                capture.construct[node] = self._open[-1][1] if self._open else None
+                if self.config.stack:
+                    frames = traceback.extract_stack()[:-1]
+                    capture.stack[node] = [f"File {f.filename}, line {f.lineno}, in {f.name}, \n {f.line}"
+                                           for f in frames if not any(s in f.filename for s in _SKIP_FRAMES)]
+                self._open.append((name, node))
+                # Registered now, before the forward runs: a module that modifies its input in
+                # place (ReLU(inplace=True)) leaves the hook on the old version, whose gradient it sees.
+                inputs = _tensors(args, kwargs)
+                self._watch_gradients(capture, node, "output", inputs)
+            except Exception as exc:  # noqa: BLE001 - a dump must never stop training
+                self._warn_once("hook", "trainmon dump: the forward pre-hook of %s failed (%r); the dump of step "
+                                "%d may be incomplete", name, exc, capture.step)
 
         return hook
 
@@ -307,27 +317,52 @@ class TargetedDump:
             capture = self._capture
             if capture is None or not self._open or self._open[-1][0] != name:
                 return
-            _, node = self._open.pop()
-            outputs = list(output) if isinstance(output, (list, tuple)) else [output]
-            capture.data[node]["output"] = capture.describe(outputs, f"{node}.output")
-            if torch.is_grad_enabled():
-                self._backward_calls.setdefault(name, []).append(int(node.rsplit(".", 1)[1]))
+            try:
+                _, node = self._open.pop()
+                outputs = list(output) if isinstance(output, (list, tuple)) else [output]
+                capture.data[node]["output"] = capture.describe(outputs, f"{node}.output")
+                # msprobe convention: a backward's input is the gradient w.r.t. the forward output.
+                self._watch_gradients(capture, node, "input", _tensors(outputs, {}))
+            except Exception as exc:  # noqa: BLE001 - a dump must never stop training
+                self._warn_once("hook", "trainmon dump: the forward hook of %s failed (%r); the dump of step %d "
+                                "may be incomplete", name, exc, capture.step)
 
         return hook
 
-    def _backward_hook(self, name: str):  # noqa: ANN202 - hook closure
-        def hook(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
-            capture = self._capture
-            if capture is None:
+    def _watch_gradients(self, capture: _Capture, forward_node: str, side: str,
+                         tensors: list[torch.Tensor | None]) -> None:
+        """Record the gradients of ``tensors`` under ``backward.{call}[side][i]`` with tensor hooks.
+
+        Tensor hooks only observe (unlike ``register_full_backward_hook``, whose view outputs break
+        a later in-place modification). Only non-leaf tensors that are part of the graph get a hook:
+        parameters and user inputs are leaves and keep no hook of ours.
+        """
+        if not torch.is_grad_enabled():
+            return
+        node = _as_backward(forward_node)
+        for index, tensor in enumerate(tensors):
+            if tensor is None or tensor.grad_fn is None:
+                continue
+            hook = self._gradient_hook(capture, node, forward_node, side, index, len(tensors))
+            self._registry.add(_GROUP, tensor.register_hook(hook))
+
+    def _gradient_hook(self, capture: _Capture, node: str, forward_node: str, side: str, index: int,
+                       count: int):  # noqa: ANN202 - hook closure
+        def hook(grad: torch.Tensor) -> None:
+            if self._capture is not capture:  # a backward after the dump step ended
                 return
-            pending = self._backward_calls.get(name)
-            call = pending.pop() if pending else 0
-            node = f"{self._prefix(name)}.backward.{call}"
-            # msprobe convention: a backward's input is the gradient w.r.t. the forward output.
-            capture.data[node] = {"input": capture.describe(list(grad_output), f"{node}.input"),
-                                  "output": capture.describe(list(grad_input), f"{node}.output")}
-            parent = capture.construct.get(f"{self._prefix(name)}.forward.{call}")
-            capture.construct[node] = _as_backward(parent) if parent else None
+            try:
+                entry = capture.data.get(node)
+                if entry is None:
+                    entry = capture.data[node] = {"input": [], "output": []}
+                    parent = capture.construct.get(forward_node)
+                    capture.construct[node] = _as_backward(parent) if parent else None
+                slots = entry[side]
+                slots.extend([None] * (count - len(slots)))
+                slots[index] = capture.describe(grad, f"{node}.{side}.{index}")
+            except Exception as exc:  # noqa: BLE001 - a dump must never stop training
+                self._warn_once("hook", "trainmon dump: a gradient hook of %s failed (%r); the dump of step %d "
+                                "may be incomplete", node, exc, capture.step)
 
         return hook
 
@@ -336,10 +371,20 @@ class TargetedDump:
             capture = self._capture
             if capture is None or param.grad is None:
                 return
-            node = f"{self._prefix(name)}.parameters_grad"
-            capture.data.setdefault(node, {})[param_name] = capture.describe(param.grad, f"{node}.{param_name}")
+            try:
+                node = f"{self._prefix(name)}.parameters_grad"
+                capture.data.setdefault(node, {})[param_name] = capture.describe(param.grad,
+                                                                                 f"{node}.{param_name}")
+            except Exception as exc:  # noqa: BLE001 - a dump must never stop training
+                self._warn_once("hook", "trainmon dump: the gradient hook of %s.%s failed (%r); the dump of step "
+                                "%d may be incomplete", name, param_name, exc, capture.step)
 
         return hook
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)
 
     # ------------------------------------------------------------------ writer thread
     def _write(self, capture: _Capture, values: list[list[float]], directory: Path) -> Path:
@@ -365,6 +410,14 @@ class TargetedDump:
         write_json(directory / "stack.json", capture.stack)
         write_json(directory / "construct.json", capture.construct)
         return directory
+
+
+def _tensors(args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor | None]:
+    """The top-level positional arguments (or outputs) and keyword arguments that are tensors, in order;
+    None for every other positional argument so indices match ``input_args``."""
+    out: list[torch.Tensor | None] = [a if isinstance(a, torch.Tensor) else None for a in args]
+    out += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    return out
 
 
 def _as_backward(node: str) -> str:

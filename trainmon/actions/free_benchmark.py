@@ -95,6 +95,7 @@ class FreeBenchmark:
         self._targets = select(list(self._modules), config.targets, "free_benchmark.targets") if config.targets else []
         self._registry = HookRegistry()
         self._next: list[str] = []
+        self._requests: dict[int, list[str]] = {}
         self._fixed: list[str] = []
         self._step: int | None = None
         self._done: set[str] = set()
@@ -106,15 +107,30 @@ class FreeBenchmark:
         """Every comparison made so far (passes included), in order."""
 
     # ------------------------------------------------------------------ requests
-    def request(self, modules: Iterable[str]) -> list[str]:
-        """Check ``modules`` (exact names, globs or ``re:``) on the next step; returns their names."""
+    def request(self, modules: Iterable[str], steps: Iterable[int] | None = None) -> list[str]:
+        """Check ``modules`` (exact names, globs or ``re:``) on ``steps`` (default: the next step).
+
+        Under ``handler: fix`` a requested module stays fixed from its first requested step on.
+
+        Returns:
+            The module names that will be checked (none when ``free_benchmark.enabled`` is false).
+
+        Raises:
+            TargetError: a pattern matches no module.
+        """
         names = select(list(self._modules), list(modules), "free_benchmark.modules")
         if not self.config.enabled:
             self._warn_once("disabled", "free_benchmark.enabled is false; the request for %s is ignored", names)
             return []
-        self._next.extend(n for n in names if n not in self._next)
-        if self.config.handler == "fix":
-            self._fixed.extend(n for n in names if n not in self._fixed)
+        if steps is None:
+            self._next.extend(n for n in names if n not in self._next)
+            return names
+        for step in steps:
+            if self._step is not None and step <= self._step:
+                logger.warning("trainmon free_benchmark: step %d has already begun; not checked", step)
+                continue
+            due = self._requests.setdefault(int(step), [])
+            due.extend(n for n in names if n not in due)
         return names
 
     def on_anomaly(self, events: Iterable[Any]) -> list[str]:
@@ -130,8 +146,11 @@ class FreeBenchmark:
         if self._registry.count():
             self.end_step()
         self._step = step
-        due = list(self._next) + self._fixed
+        requested = list(self._next) + self._requests.pop(step, [])
         self._next = []
+        if self.config.handler == "fix":
+            self._fixed.extend(n for n in requested if n not in self._fixed)
+        due = requested + self._fixed
         if self._targets and step % self.config.interval == 0:
             due += self._targets
         if not due or not self.config.enabled:
@@ -186,13 +205,17 @@ class FreeBenchmark:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if name in self._done and self.config.handler == "check":
                 return
-            tensors = list(chain_tensors(args, kwargs))
-            # Inputs are copied because the forward may modify them in place; RNG states are
-            # taken before the forward so a re-run draws the same dropout masks.
-            saved_args = replace_tensors(args, iter([t.detach().clone() for t in flat_tensors(args)]))
-            saved_kwargs = replace_tensors(kwargs, iter([t.detach().clone() for t in flat_tensors(kwargs)]))
-            self._saved.setdefault(name, []).append(
-                (torch.get_rng_state(), device_rng_states(iter(tensors)), saved_args, saved_kwargs))
+            try:
+                tensors = list(chain_tensors(args, kwargs))
+                # Inputs are copied because the forward may modify them in place; RNG states are
+                # taken before the forward so a re-run draws the same dropout masks.
+                saved_args = replace_tensors(args, iter([t.detach().clone() for t in flat_tensors(args)]))
+                saved_kwargs = replace_tensors(kwargs, iter([t.detach().clone() for t in flat_tensors(kwargs)]))
+                self._saved.setdefault(name, []).append(
+                    (torch.get_rng_state(), device_rng_states(iter(tensors)), saved_args, saved_kwargs))
+            except Exception as exc:  # noqa: BLE001 - a check must never stop training
+                self._warn_once(f"check:{name}", "free_benchmark: cannot save the inputs of %s (%r); not checked",
+                                name, exc)
 
         return hook
 
@@ -203,37 +226,49 @@ class FreeBenchmark:
                 return None
             cpu_state, device_state, saved_args, saved_kwargs = saved.pop()
             self._done.add(name)
-            mode = self.config.pert_mode
             try:
-                shadow = shadow_module(module, mode)
-            except Exception as exc:  # noqa: BLE001 - an uncopyable module is skipped, never fatal
-                self._warn_once(f"copy:{name}", "free_benchmark: cannot copy module %s (%s); not checked", name, exc)
+                return self._check(name, module, output, cpu_state, device_state, saved_args, saved_kwargs)
+            except Exception as exc:  # noqa: BLE001 - a check must never stop training
+                self._warn_once(f"check:{name}", "free_benchmark: checking %s failed (%r); not checked", name, exc)
                 return None
-            autocast = _no_autocast(output) if converts_precision(mode) else nullcontext()
-
-            def rerun() -> Any:
-                with torch.no_grad(), autocast:
-                    return shadow(*perturb_value(saved_args, mode), **perturb_value(saved_kwargs, mode))
-
-            perturbed = run_with_rng(rerun, cpu_state, device_state)
-            originals = list(flat_tensors(output))
-            others = list(flat_tensors(perturbed))
-            if len(others) != len(originals):
-                self._warn_once(f"struct:{name}", "free_benchmark: %s returned a different output structure "
-                                "when perturbed; not compared", name)
-                return None
-            for index, (orig, pert) in enumerate(zip(originals, others)):
-                limit = RATIO_LIMIT.get(orig.dtype)
-                if limit is None:
-                    continue
-                self._pending.append((self._step or 0, name, index, mode, max_ratio(orig, pert), limit,
-                                      str(orig.dtype), tuple(orig.shape)))
-            if self.config.handler != "fix":
-                return None
-            fixed = [straight_through(o, p) if o.is_floating_point() else o for o, p in zip(originals, others)]
-            return replace_tensors(output, iter(fixed))
 
         return hook
+
+    def _check(self, name: str, module: torch.nn.Module, output: Any, cpu_state: torch.Tensor,
+               device_state: Any, saved_args: Any, saved_kwargs: Any) -> Any:
+        """Re-run ``module`` on perturbed inputs and queue the comparison; the output to use or None."""
+        mode = self.config.pert_mode
+        try:
+            shadow = shadow_module(module, mode)
+        except Exception as exc:  # noqa: BLE001 - an uncopyable module is skipped, never fatal
+            self._warn_once(f"copy:{name}", "free_benchmark: cannot copy module %s (%s); not checked", name, exc)
+            return None
+        autocast = _no_autocast(output) if converts_precision(mode) else nullcontext()
+
+        def rerun() -> Any:
+            with torch.no_grad(), autocast:
+                return shadow(*perturb_value(saved_args, mode), **perturb_value(saved_kwargs, mode))
+
+        perturbed = run_with_rng(rerun, cpu_state, device_state)
+        originals = list(flat_tensors(output))
+        others = list(flat_tensors(perturbed))
+        if len(others) != len(originals):
+            self._warn_once(f"struct:{name}", "free_benchmark: %s returned a different output structure "
+                            "when perturbed; not compared", name)
+            return None
+        pending = []
+        for index, (orig, pert) in enumerate(zip(originals, others)):
+            limit = RATIO_LIMIT.get(orig.dtype)
+            if limit is None:
+                continue
+            pending.append((self._step or 0, name, index, mode, max_ratio(orig, pert), limit,
+                            str(orig.dtype), tuple(orig.shape)))
+        fixed = None
+        if self.config.handler == "fix":
+            fixed = replace_tensors(output, iter([straight_through(o, p) if o.is_floating_point() else o
+                                                  for o, p in zip(originals, others)]))
+        self._pending.extend(pending)  # only once everything above succeeded
+        return fixed
 
     # ------------------------------------------------------------------ helpers
     def _open_csv(self) -> TextIO:

@@ -3,7 +3,8 @@
 Ranks, steps and parameters are matched by their numbers and names; the similarity of a
 parameter at a step is the fraction of its stored elements whose gradient signs (``x > 0``)
 are equal in both runs. Mismatches (a rank, step or parameter in one run only, different
-shapes or samples) are listed in ``OUT/problems.txt`` and on stderr, never fatal.
+shapes or samples, unreadable direction files) are listed in ``OUT/problems.txt`` and on stderr,
+never fatal; only runs with nothing at all to compare end with exit code 2.
 """
 
 from __future__ import annotations
@@ -53,11 +54,14 @@ def add_parser(sub: Any) -> None:
 
 def _main(args: argparse.Namespace) -> int:
 
+    unreadable: list[str] = []
     try:
-        tree_a, tree_b = scan_run(Path(args.run_a)), scan_run(Path(args.run_b))
-    except (FileNotFoundError, DirectionFormatError) as exc:
-        raise UsageError(str(exc)) from None
+        tree_a, tree_b = scan_run(Path(args.run_a), unreadable), scan_run(Path(args.run_b), unreadable)
+    except FileNotFoundError as exc:
+        reason = f"{exc}; {len(unreadable)} unreadable: {unreadable[0]}" if unreadable else str(exc)
+        raise UsageError(reason) from None
     result = compare(tree_a, tree_b)
+    result.problems[:0] = unreadable
     if not result.rows:
         raise UsageError(f"nothing in common to compare: {result.problems[0] if result.problems else 'no data'}")
     out = Path(args.output)
@@ -71,12 +75,17 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def scan_run(run_dir: Path) -> Tree:
+def scan_run(run_dir: Path, problems: list[str] | None = None) -> Tree:
     """``rank -> step -> (vpp_stage, name) -> DirectionFile`` of a run (or of one rank directory).
 
+    Args:
+        run_dir: the run (``rank*/grad_probe/``) or one rank directory.
+        problems: when given, a ``.bits`` file whose header cannot be read is described here and
+            skipped; when None, it raises.
+
     Raises:
-        FileNotFoundError: no such directory, or no direction file in it.
-        DirectionFormatError: a ``.bits`` file is not a direction file.
+        FileNotFoundError: no such directory, or no readable direction file in it.
+        DirectionFormatError: a ``.bits`` file is not a direction file (only when ``problems`` is None).
     """
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such directory")
@@ -87,7 +96,13 @@ def scan_run(run_dir: Path) -> Tree:
     tree: Tree = {}
     for rank, rank_dir in rank_dirs:
         for path in sorted((rank_dir / PROBE_DIR).glob("step*/*.bits")):
-            info = read_direction_header(path)
+            try:
+                info = read_direction_header(path)
+            except (DirectionFormatError, OSError) as exc:
+                if problems is None:
+                    raise
+                problems.append(f"unreadable direction file, skipped: {exc}")
+                continue
             tree.setdefault(rank, {}).setdefault(int(info.header["step"]), {})[info.key] = info
     if not tree:
         raise FileNotFoundError(f"{run_dir}: no grad-probe direction files (rank*/{PROBE_DIR}/step*/*.bits; "
@@ -140,8 +155,13 @@ def compare(tree_a: Tree, tree_b: Tree, show_progress: bool | None = None) -> Co
                                        f"{b.header['shape']} count {b.header['count']} (not compared)")
                 continue
             count = int(a.header["count"])
+            try:
+                similarity = sign_similarity(a.bits(), b.bits(), count)
+            except DirectionFormatError as exc:
+                result.problems.append(f"rank {rank} step {step}: parameter {_label(key)} not compared: {exc}")
+                continue
             step_rows.append({"kind": "param", "rank": rank, "step": step, "vpp_stage": key[0], "name": key[1],
-                              "count": count, "similarity": sign_similarity(a.bits(), b.bits(), count)})
+                              "count": count, "similarity": similarity})
         result.rows.extend(step_rows)
     result.rows.extend(_summaries([r for r in result.rows if r["kind"] == "param"]))
     result.rows.sort(key=lambda r: (r["step"], r["kind"] != "param", str(r["rank"]), r["vpp_stage"], r["name"]))

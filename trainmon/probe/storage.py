@@ -4,7 +4,8 @@ Layout under a rank directory::
 
     grad_probe/grad_summary.csv                 one row per target parameter per collected step
     grad_probe/step{S}/{name}.bits              packed gradient signs (L1, L2); vpp{v}.{name}.bits
-                                                for virtual-pipeline chunk v > 0
+                                                for virtual-pipeline chunk v > 0; the file name is made
+                                                safe (``safe_file_name``), the header keeps the real name
 
 A direction file is a 12-byte prefix (``b"TMGS"``, format version, 3 zero bytes, the header
 length as little-endian uint32), a UTF-8 JSON header, then ``ceil(count / 8)`` bytes of bits in
@@ -16,13 +17,17 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 import struct
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+
+from trainmon.actions.naming import safe_file_name
 
 MAGIC = b"TMGS"
 FORMAT_VERSION = 1
@@ -77,9 +82,13 @@ def format_value(value: float) -> str:
 
 
 def direction_path(probe_dir: Path, step: int, name: str, vpp_stage: int) -> Path:
-    """Where the direction file of a parameter at a step lives."""
+    """Where the direction file of a parameter at a step lives.
+
+    The name is made safe with :func:`~trainmon.actions.naming.safe_file_name`: a parameter named
+    ``../../x`` or ``w/x`` still gives a file directly in ``step{S}/`` (the header keeps the real name).
+    """
     stem = name if vpp_stage == 0 else f"vpp{vpp_stage}.{name}"
-    return probe_dir / f"step{step}" / f"{stem}.bits"
+    return probe_dir / f"step{step}" / safe_file_name(stem, ".bits")
 
 
 def write_direction_file(path: Path, header: dict[str, Any], bits: np.ndarray) -> None:
@@ -89,10 +98,22 @@ def write_direction_file(path: Path, header: dict[str, Any], bits: np.ndarray) -
     assert data.size == nbytes, (data.size, nbytes)
     blob = json.dumps(header, separators=(",", ":")).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as handle:
-        handle.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob)))
-        handle.write(blob)
-        handle.write(data.tobytes())
+    # Written to a temporary file in the same directory and renamed: a crash or a full disk leaves
+    # either the complete file or none, never a truncated one (the temporary name does not end in .bits).
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob)))
+            handle.write(blob)
+            handle.write(data.tobytes())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+_REQUIRED = ("name", "step", "shape", "count")
+"""Header keys every direction file has."""
 
 
 class DirectionFormatError(ValueError):
@@ -112,9 +133,16 @@ class DirectionFile:
         return int(self.header.get("vpp_stage", 0)), str(self.header["name"])
 
     def bits(self) -> np.ndarray:
-        """The packed bits as a uint8 array of ``ceil(count / 8)`` bytes."""
+        """The packed bits as a uint8 array of ``ceil(count / 8)`` bytes.
+
+        Raises:
+            DirectionFormatError: the file is truncated (or longer than its header says) or unreadable.
+        """
         nbytes = (int(self.header["count"]) + 7) // 8
-        data = np.fromfile(self.path, dtype=np.uint8, offset=self.offset)
+        try:
+            data = np.fromfile(self.path, dtype=np.uint8, offset=self.offset)
+        except (OSError, ValueError) as exc:
+            raise DirectionFormatError(f"{self.path}: cannot read the bits ({exc})") from None
         if data.size != nbytes:
             raise DirectionFormatError(f"{self.path}: {data.size} bytes of bits, header says {nbytes}")
         return data
@@ -137,6 +165,13 @@ def read_direction_header(path: Path) -> DirectionFile:
             header = json.loads(handle.read(length))
         except ValueError as exc:
             raise DirectionFormatError(f"{path}: broken header ({exc})") from None
+    missing = [key for key in _REQUIRED if not isinstance(header, dict) or key not in header]
+    if missing:
+        raise DirectionFormatError(f"{path}: broken header (no {', '.join(missing)})")
+    try:
+        int(header["step"]), int(header["count"]), int(header.get("vpp_stage", 0))
+    except (TypeError, ValueError) as exc:
+        raise DirectionFormatError(f"{path}: broken header ({exc})") from None
     return DirectionFile(path, header, _PREFIX.size + length)
 
 
