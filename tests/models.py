@@ -43,3 +43,41 @@ def batch(seed: int, n: int = 4, seq: int = 8, vocab: int = 32) -> tuple[torch.T
 def loss_fn(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = model(tokens)
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class InPlaceMLP(nn.Module):
+    """Linear -> ReLU(inplace=True) -> Linear: in-place ops on a target's output."""
+
+    def __init__(self, d_in: int = 8, hidden: int = 16, d_out: int = 4, inplace: bool = True) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.act = nn.ReLU(inplace=inplace)
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class TwoOutputs(nn.Module):
+    """Returns ``(a, b)``; a loss on ``b`` only leaves ``a`` without a gradient."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.fc_a = nn.Linear(d, d)
+        self.fc_b = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fc_a(x), self.fc_b(x)
+
+
+class TwoOutputsNet(nn.Module):
+    """A projection, then :class:`TwoOutputs`; the loss uses ``b``."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.pair = TwoOutputs(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, b = self.pair(self.proj(x))
+        return b

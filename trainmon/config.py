@@ -58,9 +58,11 @@ class ActivationsConfig:
     forward: bool = True
     """Measure forward inputs and outputs (msprobe ``backward_only: true`` turns this off)."""
     backward: bool = True
-    """Measure gradients w.r.t. module inputs and outputs (full backward hooks)."""
+    """Measure gradients w.r.t. module inputs and outputs (how: ``grad_hooks``)."""
     inputs: bool = True
     """Measure module inputs as well as outputs (msprobe ``all_xy``)."""
+    grad_hooks: str = "module"
+    """How gradients are hooked: ``module`` (full backward hooks; ``input_grad`` is the gradient w.r.t. the module's inputs through this module only) or ``tensor`` (hooks on the output and input tensors; ``input_grad`` is the gradient of the input tensor summed over all its consumers, none for leaf tensors). Use ``tensor`` when a target's output or input is modified in place (``nn.ReLU(inplace=True)`` after a target, ``out += x``): torch rejects that under full backward hooks. ``module`` switches to ``tensor`` by itself, with a warning, when a target module has ``inplace=True``. MindSpore always uses cell backward hooks."""
 
 
 @dataclass
@@ -247,7 +249,7 @@ class MonitorConfig:
 # --------------------------------------------------------------------------- validation rules
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "sinks": SINKS,
-    "activations.metrics": METRICS, "weight_grads.metrics": METRICS,
+    "activations.metrics": METRICS, "activations.grad_hooks": ("module", "tensor"), "weight_grads.metrics": METRICS,
     "optimizer_states.metrics": METRICS, "params.metrics": METRICS, "communication.metrics": METRICS,
     "communication.ops": COMM_OPS,
     "optimizer_states.states": OPTIMIZER_STATES,

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import logging
+
 import numpy as np
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.models import TinyNet, batch, loss_fn
+from tests.models import InPlaceMLP, TinyNet, TwoOutputsNet, batch, loss_fn
 from tests.reference import METRICS, adam_update_np, assert_close, np_stats, read_family
 from trainmon import TrainerMonitor
 
@@ -165,3 +169,98 @@ def test_bf16_statistics_accumulate_in_float32(tmp_path):
     row = read_family(tmp_path / "bf16" / "rank0", "actv").query("name == '0.output'").iloc[0]
     expected = np_stats(out.detach().float().numpy())
     assert_close(row, expected, ["norm", "mean", "min", "max"], rtol=1e-4)
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _grad_rows(tmp_path, run: str) -> dict[tuple[str, int], object]:
+    frame = read_family(tmp_path / run / "rank0", "actv_grad")
+    assert (frame["micro_step"] == 0).all()
+    return {(row["name"], row["step"]): row for _, row in frame.iterrows()}
+
+
+@pytest.mark.parametrize(("grad_hooks", "targets"), [("tensor", ["fc1", "fc2"]), ("module", ["*"])])
+def test_in_place_relu_trains_and_output_grads_match_float64(tmp_path, caplog, grad_hooks, targets):
+    """ReLU(inplace=True) after a target: ``tensor`` hooks work; ``module`` falls back when the ReLU is a target."""
+    torch.manual_seed(0)
+    model = InPlaceMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"output_dir": str(tmp_path), "run_name": "inplace", "sinks": ["csv"], "targets": {"modules": targets},
+              "activations": {**ALL, "grad_hooks": grad_hooks}, "optimizer_states": {"enabled": False}}
+    ref: dict[tuple[str, int], np.ndarray] = {}
+    with caplog.at_level(logging.WARNING, logger="trainmon"), TrainerMonitor(config) as monitor:
+        monitor.attach(model, optimizer)
+        for step in range(3):
+            x, target = torch.randn(32, 8), torch.randn(32, 4)
+            # Independent reference: a float64 copy without in-place ops, gradients by retain_grad.
+            weights = {name: p.detach().double().requires_grad_() for name, p in model.named_parameters()}
+            z = torch.nn.functional.linear(x.double(), weights["fc1.weight"], weights["fc1.bias"])
+            h = torch.relu(z)
+            out = torch.nn.functional.linear(h, weights["fc2.weight"], weights["fc2.bias"])
+            for tensor in (z, h, out):
+                tensor.retain_grad()
+            _mse(out, target.double()).backward()
+            for name, tensor in [("fc1.output_grad", z), ("act.input_grad", z), ("act.output_grad", h),
+                                 ("fc2.input_grad", h), ("fc2.output_grad", out)]:
+                ref[(name, step)] = tensor.grad.numpy().copy()
+            _mse(model(x), target).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step()
+    assert ("using grad_hooks: tensor" in caplog.text) == (grad_hooks == "module")
+    rows = _grad_rows(tmp_path, "inplace")
+    expected = {"fc1.output_grad", "fc2.input_grad", "fc2.output_grad"}
+    if grad_hooks == "module":
+        expected |= {"act.input_grad", "act.output_grad"}
+    assert expected <= {name for name, _ in rows}
+    assert "fc1.input_grad" not in {name for name, _ in rows}  # the input is a leaf without gradient
+    for (name, step), row in rows.items():
+        if name in expected:
+            assert_close(row, np_stats(ref[(name, step)]), METRICS, rtol=1e-5, atol=1e-7, label=f"{name} {step}")
+
+
+@pytest.mark.parametrize("grad_hooks", ["module", "tensor"])
+def test_gradient_rows_are_named_by_tuple_position(tmp_path, grad_hooks):
+    """Output ``(a, b)``, gradient for ``b`` only: row ``.output_grad.1``, like ``b``'s forward row ``.output.1``."""
+    torch.manual_seed(0)
+    model = TwoOutputsNet()
+    config = {"output_dir": str(tmp_path), "run_name": "pair", "sinks": ["csv"], "targets": {"modules": ["pair"]},
+              "activations": {**ALL, "grad_hooks": grad_hooks}, "weight_grads": {"enabled": False},
+              "optimizer_states": {"enabled": False}}
+    x, target = torch.randn(16, 8), torch.randn(16, 8)
+    ref_model = copy.deepcopy(model).double()
+    projected = ref_model.proj(x.double())
+    a, b = ref_model.pair(projected)
+    projected.retain_grad()
+    b.retain_grad()
+    _mse(b, target.double()).backward()
+    with TrainerMonitor(config) as monitor:
+        monitor.attach(model)
+        _mse(model(x), target).backward()
+        monitor.step()
+    forward_names = set(read_family(tmp_path / "pair" / "rank0", "actv")["name"])
+    assert forward_names == {"pair.input", "pair.output.0", "pair.output.1"}
+    rows = _grad_rows(tmp_path, "pair")
+    assert set(rows) == {("pair.output_grad.1", 0), ("pair.input_grad", 0)}
+    assert_close(rows[("pair.output_grad.1", 0)], np_stats(b.grad.numpy()), METRICS, label="output_grad.1")
+    assert_close(rows[("pair.input_grad", 0)], np_stats(projected.grad.numpy()), METRICS, label="input_grad")
+
+
+def test_bf16_global_grad_norm_accumulates_in_float32(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64)).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    config = {"output_dir": str(tmp_path), "run_name": "bf16norm", "sinks": ["csv"],
+              "weight_grads": {"metrics": ["norm"]}, "optimizer_states": {"enabled": False}}
+    with TrainerMonitor(config) as monitor:
+        monitor.attach(model, optimizer)
+        model(torch.randn(64, 256).to(torch.bfloat16)).float().square().mean().backward()
+        grads = [p.grad.double().numpy() for p in model.parameters()]
+        optimizer.step()
+        monitor.step()
+    scalars = read_family(tmp_path / "bf16norm" / "rank0", "scalars")
+    got = scalars[scalars["name"] == "grad_norm"]["value"].item()
+    want = np.sqrt(sum(np.sum(g * g) for g in grads))
+    assert np.isclose(got, want, rtol=1e-5), (got, want)  # bf16 accumulation is off by ~1e-3

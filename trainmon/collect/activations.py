@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -9,35 +10,55 @@ import torch
 
 from trainmon.collect.hooks import HookRegistry
 
+logger = logging.getLogger("trainmon")
+
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
     from trainmon.config import ActivationsConfig
 
-def named_tensors(value: Any, prefix: str, tensor_type: type = torch.Tensor) -> Iterator[tuple[str, Any]]:
-    """``(name, tensor)`` for every tensor in ``value``: a tensor keeps ``prefix``,
-    the i-th tensor of a tuple/list gets ``prefix.i``, a dict entry ``prefix.key``;
-    None entries (gradients that were not computed) are skipped."""
+
+def named_tensors(value: Any, prefix: str, tensor_type: type = torch.Tensor, *,
+                  none_holds_position: bool = False) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` for every tensor in ``value``.
+
+    A tensor keeps ``prefix``, the i-th tensor of a tuple/list gets ``prefix.i`` (no suffix when
+    it holds exactly one), a dict entry ``prefix.key``. Non-tensor entries are skipped.
+
+    Args:
+        value: a tensor, or a (nested) tuple, list or dict of them.
+        prefix: the row name of the value.
+        tensor_type: the framework's tensor class.
+        none_holds_position: for gradient tuples (one entry per output/input tensor): a None
+            entry (a gradient that was not computed) is not yielded but keeps its index, so the
+            gradient of the second output of ``(a, b)`` is ``prefix.1`` even when ``a`` has none.
+
+    Example:
+        >>> list(named_tensors((None, torch.ones(1)), "fc.output_grad", none_holds_position=True))
+        [('fc.output_grad.1', tensor([1.]))]
+    """
     if isinstance(value, tensor_type):
         yield prefix, value
         return
     found: list[tuple[str, Any]] = []
-    _flatten(value, found, tensor_type)
+    _flatten(value, found, tensor_type, none_holds_position)
     if len(found) == 1 and isinstance(value, (tuple, list)):
-        yield prefix, found[0][1]
+        if found[0][1] is not None:
+            yield prefix, found[0][1]
         return
     for i, (key, tensor) in enumerate(found):
-        yield f"{prefix}.{key or i}", tensor
+        if tensor is not None:
+            yield f"{prefix}.{key or i}", tensor
 
 
-def _flatten(value: Any, out: list[tuple[str, Any]], tensor_type: type, key: str = "") -> None:
-    if isinstance(value, tensor_type):
+def _flatten(value: Any, out: list[tuple[str, Any]], tensor_type: type, keep_none: bool, key: str = "") -> None:
+    if isinstance(value, tensor_type) or (keep_none and value is None):
         out.append((key, value))
     elif isinstance(value, (tuple, list)):
         for item in value:
-            _flatten(item, out, tensor_type, key)
+            _flatten(item, out, tensor_type, keep_none, key)
     elif isinstance(value, dict):
         for name, item in value.items():
-            _flatten(item, out, tensor_type, f"{key}.{name}" if key else str(name))
+            _flatten(item, out, tensor_type, keep_none, f"{key}.{name}" if key else str(name))
 
 
 class ActivationCollector:
@@ -46,6 +67,12 @@ class ActivationCollector:
     Hooks are registered by :meth:`arm` for collected steps only and removed by :meth:`disarm`,
     so an uncollected step runs the model without any hook of ours. A tensor that is both
     one module's output and the next module's input is measured once (see StepContext.record).
+
+    Gradients come from full module backward hooks (``grad_hooks: module``) or from hooks on
+    the module's tensors (``grad_hooks: tensor``): a forward pre-hook hooks the input tensors
+    (before the module may modify them in place), the forward hook the output tensors. Those
+    tensor hooks go on non-leaf tensors only, so they die with the autograd graph; their
+    handles are also removed at the end of the step and on :meth:`disarm`.
 
     Args:
         ctx: the monitor's step context.
@@ -60,6 +87,7 @@ class ActivationCollector:
     """
 
     HOOK_GROUP = "activations"
+    TENSOR_HOOK_GROUP = "activation_tensors"
 
     def __init__(self, ctx: StepContext, modules: Sequence[tuple[str, Any, int]], config: ActivationsConfig,
                  registry: HookRegistry, *, tensor_type: type = torch.Tensor,
@@ -70,23 +98,51 @@ class ActivationCollector:
         self.registry = registry
         self.tensor_type = tensor_type
         self.backward_hook = backward_hook
+        self.grad_hooks = config.grad_hooks if tensor_type is torch.Tensor else "module"
 
     def arm(self) -> None:
         if self.registry.count(self.HOOK_GROUP):
             return
+        forward = self.config.forward and "actv" in self.ctx.specs
+        backward = self.config.backward and "actv_grad" in self.ctx.specs
+        if backward and self.grad_hooks == "module" and self.tensor_type is torch.Tensor:
+            self._avoid_in_place_targets()
         for name, module, vpp_stage in self.modules:
-            if self.config.forward and "actv" in self.ctx.specs:
+            if forward:
                 handle = module.register_forward_hook(self.forward_hook(name, vpp_stage), with_kwargs=True)
                 self.registry.add(self.HOOK_GROUP, handle)
-            if self.config.backward and "actv_grad" in self.ctx.specs:
+            if backward and self.grad_hooks == "tensor":
+                if self.config.inputs:
+                    handle = module.register_forward_pre_hook(self._input_grad_hooks(name, vpp_stage),
+                                                              with_kwargs=True)
+                    self.registry.add(self.HOOK_GROUP, handle)
+                handle = module.register_forward_hook(self._output_grad_hooks(name, vpp_stage), with_kwargs=True)
+                self.registry.add(self.HOOK_GROUP, handle)
+            elif backward:
                 handle = getattr(module, self.backward_hook)(self._backward_hook(name, vpp_stage))
                 self.registry.add(self.HOOK_GROUP, handle)
 
+    def _avoid_in_place_targets(self) -> None:
+        """Switches to tensor hooks (with a warning) when a target module works in place.
+
+        A full backward hook wraps the module's input in a view that torch forbids modifying in
+        place, so ``nn.ReLU(inplace=True)`` as a target would raise in the user's forward. Only
+        modules with an ``inplace`` attribute are detected here, not ``out += x`` in a forward.
+        """
+        in_place = [name for name, module, _ in self.modules if getattr(module, "inplace", False) is True]
+        if in_place:
+            logger.warning("trainmon: activations.grad_hooks: module cannot hook the in-place module(s) %s; "
+                           "using grad_hooks: tensor (input_grad is then the gradient summed over all consumers)",
+                           ", ".join(in_place[:3]) + (", ..." if len(in_place) > 3 else ""))
+            self.grad_hooks = "tensor"
+
     def disarm(self) -> None:
         self.registry.remove(self.HOOK_GROUP)
+        self.registry.remove(self.TENSOR_HOOK_GROUP)
 
     def before_transfer(self) -> None:
-        pass
+        # The step's backward passes are over: drop the handles of its tensor hooks.
+        self.registry.remove(self.TENSOR_HOOK_GROUP)
 
     def close(self) -> None:
         self.disarm()
@@ -110,10 +166,49 @@ class ActivationCollector:
         def hook(module: Any, grad_input: tuple, grad_output: tuple) -> None:
             if not self.ctx.collecting:
                 return
-            for row, tensor in named_tensors(grad_output, f"{name}.output_grad", self.tensor_type):
+            # One entry per output/input tensor, None where no gradient flowed: keep the positions
+            # so that rows are named like the forward rows of the same tensors.
+            for row, tensor in named_tensors(grad_output, f"{name}.output_grad", self.tensor_type,
+                                             none_holds_position=True):
                 self.ctx.record("actv_grad", row, tensor, vpp_stage)
             if self.config.inputs:
-                for row, tensor in named_tensors(grad_input, f"{name}.input_grad", self.tensor_type):
+                for row, tensor in named_tensors(grad_input, f"{name}.input_grad", self.tensor_type,
+                                                 none_holds_position=True):
                     self.ctx.record("actv_grad", row, tensor, vpp_stage)
+
+        return hook
+
+    def _input_grad_hooks(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+        """Forward pre-hook ``(module, args, kwargs)``: before the module may modify its inputs in place."""
+        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+            if self.ctx.collecting and torch.is_grad_enabled():
+                self._hook_tensors(args, f"{name}.input_grad", vpp_stage)
+                self._hook_tensors(kwargs, f"{name}.input_grad", vpp_stage)
+
+        return hook
+
+    def _output_grad_hooks(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+            if self.ctx.collecting and torch.is_grad_enabled():
+                self._hook_tensors(output, f"{name}.output_grad", vpp_stage)
+
+        return hook
+
+    def _hook_tensors(self, value: Any, prefix: str, vpp_stage: int) -> None:
+        """Puts a gradient hook on every tensor of ``value`` that is part of the autograd graph.
+
+        Rows are named like the forward rows of the same tensors (a tensor without gradient
+        keeps its index). Leaves (parameters, user inputs) are skipped: a hook on them would
+        outlive the step's graph.
+        """
+        for row, tensor in named_tensors(value, prefix, self.tensor_type):
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                handle = tensor.register_hook(self._tensor_grad_hook(row, vpp_stage))
+                self.registry.add(self.TENSOR_HOOK_GROUP, handle)
+
+    def _tensor_grad_hook(self, row: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+        def hook(grad: torch.Tensor) -> None:
+            if self.ctx.collecting:
+                self.ctx.record("actv_grad", row, grad, vpp_stage)
 
         return hook

@@ -61,6 +61,32 @@ def _adam_update_cpu(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: Any,
     return update
 
 
+def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm over all of ``grads``, as a float32 0-d tensor on the first gradient's device.
+
+    Per-tensor norms accumulate in float32 (``get_total_norm`` would keep a bf16 gradient's
+    norm in bf16, 3 significant digits), one fused ``_foreach_norm`` per device and dtype;
+    float32/float64 gradients in their own dtype. Never synchronises with the host.
+
+    Example:
+        >>> float(global_grad_norm([torch.full((4,), 1.5, dtype=torch.bfloat16), torch.ones(1)]))
+        3.1622776985168457
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    device = grads[0].device
+    norms: list[torch.Tensor] = []
+    for (_, dtype), group in groups.items():
+        if dtype in (torch.float16, torch.bfloat16):
+            per_tensor = torch._foreach_norm(group, 2, dtype=torch.float32)
+        else:  # float32, float64: in their own precision (dtype=float32 would reject float64)
+            per_tensor = torch._foreach_norm(group, 2)
+        # a device-to-device copy where gradients span devices (as get_total_norm does): no host sync
+        norms.extend(norm.to(device=device, dtype=torch.float32) for norm in per_tensor)
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
 def update_ratio(update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """Elementwise ``update / param``; elements where the parameter is exactly 0 give 0
     (a zero-initialised bias would otherwise report a false Inf)."""
@@ -147,7 +173,7 @@ class TorchOptimizerCollector:
             ctx.record("param", name, param, vpp_stage)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
-            ctx.buffer.add_scalar("grad_norm", torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+            ctx.buffer.add_scalar("grad_norm", global_grad_norm(grads))
         for i, group in enumerate(optimizer.param_groups):
             ctx.buffer.add_scalar(f"lr/group{i}", group["lr"])
 

@@ -10,6 +10,8 @@ Low-precision tensors accumulate in float32.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +22,8 @@ from trainmon.records import PARTIAL_SLOTS
 
 _F32 = torch.float32
 _NUMPY_VIEWABLE = (torch.float32, torch.float64, torch.float16)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ def partial_stats(tensor: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
         x = x.to(_F32)  # integer tensors are rare (indices); measure them in float32
     lo, hi = torch.aminmax(x)
     slots = [
-        torch.linalg.vector_norm(x, dtype=_F32) if spec.norm else zero,
+        _norm(x) if spec.norm else zero,
         x.sum(dtype=_F32) if spec.sum else zero,
         lo.to(_F32),
         hi.to(_F32),
@@ -101,14 +105,15 @@ def _partial_cpu(x: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
             flat = values.reshape(-1)  # contiguous: a view
             view[0] = np.sqrt(np.dot(flat, flat))  # BLAS dot: 2x faster than vector_norm on cache-sized tensors
         else:
-            torch.linalg.vector_norm(x, dtype=_F32, out=out[0])
+            out[0] = _norm(x)  # a CPU copy into `out`: no sync
     if spec.sum:
         out[1] = x.sum(dtype=_F32)
     lo, hi = values.min(), values.max()
     view[2], view[3] = lo, hi
     if spec.zeros:
-        view[4] = np.count_nonzero(values == 0) if spec.eps == 0 else np.count_nonzero(
-            (values > -spec.eps) & (values < spec.eps))
+        threshold = zero_threshold(spec.eps, x.dtype)
+        view[4] = np.count_nonzero(values == 0) if threshold == 0 else np.count_nonzero(
+            (values > -threshold) & (values < threshold))
     if not (np.isfinite(lo) and np.isfinite(hi)):  # finite min and max: no NaN or Inf anywhere
         if spec.nans:
             view[5] = np.count_nonzero(np.isnan(values))
@@ -118,10 +123,53 @@ def _partial_cpu(x: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
     return out
 
 
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    """L2 norm as a float32 0-d tensor; fp16/bf16 accumulate in float32, float64 in float64.
+
+    ``vector_norm(dtype=float32)`` rejects float64 input (a narrowing cast), so only
+    low-precision tensors get the accumulation dtype.
+    """
+    if x.dtype in _LOW_PRECISION:
+        return torch.linalg.vector_norm(x, dtype=_F32)
+    return torch.linalg.vector_norm(x).to(_F32)
+
+
+@functools.lru_cache(maxsize=64)
+def zero_threshold(eps: float, dtype: torch.dtype) -> float:
+    """The smallest value of ``dtype`` that is >= ``eps``, so ``|x| < eps`` is exact in ``dtype``.
+
+    Comparing an fp16 tensor with ``eps`` directly rounds ``eps`` to fp16 first: the default
+    1e-8 becomes 0 and nothing would count as a zero. For ``eps`` at or below the smallest
+    subnormal the threshold is that subnormal, i.e. exactly the zeros are counted. Plain host
+    arithmetic (no tensor), cached per ``(eps, dtype)``.
+
+    Example:
+        >>> zero_threshold(1e-8, torch.float16)  # the smallest fp16 subnormal, 2**-24
+        5.960464477539063e-08
+    """
+    if eps == 0.0 or not math.isfinite(eps):
+        return eps
+    if dtype == torch.bfloat16:
+        # bfloat16 is the upper half of a float32: round the float32 bits up to a multiple of 2**16
+        bits = int(np.array(_round_up(np.float32, eps)).view(np.uint32))
+        bits = (bits + 0xFFFF) & ~0xFFFF
+        return float(np.array(bits, dtype=np.uint32).view(np.float32))
+    np_type = _NUMPY_FLOATS.get(dtype)
+    return eps if np_type is None else float(_round_up(np_type, eps))
+
+
+def _round_up(np_type: type, value: float) -> np.floating:
+    rounded = np_type(value)
+    if float(rounded) < value:  # rounded down: step up to the next representable value
+        rounded = np.nextafter(rounded, np_type(np.inf))
+    return rounded
+
+
 def _count_small(x: torch.Tensor, eps: float) -> torch.Tensor:
-    if eps == 0.0:
+    threshold = zero_threshold(eps, x.dtype)
+    if threshold == 0.0:
         return numel_minus(x, torch.count_nonzero(x))
-    return torch.count_nonzero(x.abs() < eps).to(_F32)
+    return torch.count_nonzero(x.abs() < threshold).to(_F32)
 
 
 def numel_minus(x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
