@@ -1,7 +1,8 @@
 """Benchmark ``trainmon analyse``: 1,024 ranks x 1,000 events each must merge in under 10 s.
 
 Usage: ``python benchmarks/analyse_scale.py [--ranks 1024] [--events 1000] [--dir DIR]``.
-Writes a synthetic run (with one corrupt line), times :func:`analyse_run` and checks the first
+Writes a synthetic run (messages of about 300 characters, as the detectors write them; one corrupt
+line), times :func:`analyse_run` and checks the first
 origin it finds. Prints ``analyse: N events from R files in T s``.
 """
 
@@ -22,6 +23,14 @@ PHASES = ("forward", "backward", "optimizer")
 FAMILY = {"forward": "actv", "backward": "actv_grad", "optimizer": "grad_reduced"}
 
 
+def _message(step: int, rank: int, phase: str, family: str, name: str, value: float) -> str:
+    """A message as long as the detectors write (about 300 characters)."""
+    return (f"spike: {phase} output of {name} (norm) at step {step}, micro-step 0, rank {rank} is "
+            f"{value:.4g}, baseline 1 (z={value * 3.7:.4g}, threshold 6); {family}/{name} norm={value:.4g}; "
+            f"{int(value) % 17} more values out of band later in this step (actv {int(value) % 5}, "
+            f"actv_grad {int(value) % 7}, grad_reduced {int(value) % 11}, exp_avg 0, update 0, ratio 0)")
+
+
 def write_run(root: Path, ranks: int, events: int, seed: int = 0) -> None:
     """Synthetic run: every rank has ``events`` events; rank ranks//2 has the first origin at step 0."""
     rng = random.Random(seed)
@@ -32,9 +41,11 @@ def write_run(root: Path, ranks: int, events: int, seed: int = 0) -> None:
         for i in range(events):
             step = 1 + i // 4
             phase = PHASES[i % 3]
+            name = f"layers.{i % 24}.mlp.output"
+            value = rng.random() * 100
             event = AnomalyEvent(step=step, micro_step=0, rank=rank, phase=phase, family=FAMILY[phase],
-                                 name=f"layers.{i % 24}.mlp.output", metric="norm", value=rng.random() * 100,
-                                 baseline=1.0, detector="spike", message="spike", order=i % 97,
+                                 name=name, metric="norm", value=value, baseline=1.0, detector="spike",
+                                 message=_message(step, rank, phase, FAMILY[phase], name, value), order=i % 97,
                                  pp_stage=rank % 4, vpp_stage=0, time="2026-01-01T00:00:00.000Z")
             lines.append(event.to_json())
         if rank == ranks // 2:

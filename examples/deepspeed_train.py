@@ -70,6 +70,8 @@ def main() -> None:
             loss = gpt_loss(engine, tokens, targets)
             engine.backward(loss)
             engine.step()  # updates on the accumulation boundary; trainmon follows engine.global_steps
+            if monitor is not None:
+                monitor.step(loss=loss)  # optional: records loss/micro{i}, and `loss` on the boundary
     elapsed = (time.perf_counter() - start) / args.steps
     run_dir = monitor.run_dir if monitor is not None else None
     if monitor is not None:

@@ -46,6 +46,9 @@ class RowKey:
         micro_step: forward pass of the root module within the step (0 without accumulation).
         vpp_stage: virtual-pipeline chunk index (0 outside Megatron VPP).
         order: position of the observation in execution order on this rank within the step.
+        run_phase: the phase the observation was really made in, when it differs from the
+            family's (a ``comm`` row of a collective inside the forward pass is ``forward``);
+            empty means the family's phase. Not written to the CSV files.
     """
 
     family: str
@@ -53,10 +56,12 @@ class RowKey:
     micro_step: int = 0
     vpp_stage: int = 0
     order: int = 0
+    run_phase: str = ""
 
     @property
     def phase(self) -> str:
-        return PHASE_OF_FAMILY[self.family]
+        """``run_phase`` when set, else the family's phase (:data:`PHASE_OF_FAMILY`)."""
+        return self.run_phase or PHASE_OF_FAMILY[self.family]
 
 
 @dataclass(frozen=True, slots=True)

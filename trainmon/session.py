@@ -40,34 +40,55 @@ class Session:
         metrics = family_metrics(config)
         self.ctx = StepContext(specs=_specs(metrics, config.eps), metrics=metrics, step=self.options.start_step,
                                grad_acc_steps=self.options.grad_acc_steps)
-        self.attachment: Attachment = self._attach(config)
-        self.ctx.pp_stage = self.attachment.pp_stage
+        self.actions: dict[str, Any] = {}
         self.boundary = HookRegistry()
-        self._forwards: dict[int, int] = {}
-        self._optimizer_stepped = False
-        self._user_steps = False
-        self._hook_boundaries()
-        rank = self.attachment.rank
-        self.writes = config.ranks is None or rank in config.ranks
-        self.schedule = Schedule(config, rank_selected=self.writes or self.attachment.collective)
-        self.run_dir, self.rank_dir = self._make_dirs(config)
-        self._bind_outputs()
-        self.writer = SinkWriter(build_sinks(config.sinks, self.rank_dir) if self.rank_dir else [],
-                                 config.flush_seconds)
-        from trainmon.anomaly.engine import AnomalyEngine
+        self.writer: SinkWriter | None = None
+        self.anomaly: Any = None
+        self.attachment: Attachment = self._attach(config)
+        try:
+            _warn_unsupported(config, self.framework)
+            self.ctx.pp_stage = self.attachment.pp_stage
+            self._forwards: dict[int, int] = {}
+            self._optimizer_stepped = False
+            self._user_steps = False
+            self._hook_boundaries()
+            rank = self.attachment.rank
+            self.writes = config.ranks is None or rank in config.ranks
+            self.schedule = Schedule(config, rank_selected=self.writes or self.attachment.collective)
+            self.run_dir, self.rank_dir = self._make_dirs(config)
+            self._bind_outputs()
+            self.writer = SinkWriter(build_sinks(config.sinks, self.rank_dir) if self.rank_dir else [],
+                                     config.flush_seconds)
+            from trainmon.anomaly.engine import AnomalyEngine
 
-        self.anomaly = AnomalyEngine(config.anomaly, rank, self.rank_dir)
-        for callback in monitor._callbacks:
-            self.anomaly.on_anomaly(callback)
-        self.actions = self._build_actions(config)
-        self.struct = StructRecorder(self.attachment.modules, self.boundary) if config.print_struct else None
-        if self.struct is not None:
-            self.struct.arm()
-        from trainmon.dynamic import ConfigWatcher
+            self.anomaly = AnomalyEngine(config.anomaly, rank, self.rank_dir)
+            for callback in monitor._callbacks:
+                self.anomaly.on_anomaly(callback)
+            self.actions = self._build_actions(config)
+            self.struct = StructRecorder(self.attachment.modules, self.boundary) if config.print_struct else None
+            if self.struct is not None:
+                self.struct.arm()
+            from trainmon.dynamic import ConfigWatcher
 
-        self.watcher = (ConfigWatcher(monitor.config_path, config.dynamic.poll_seconds)
-                        if config.dynamic.watch and monitor.config_path else None)
-        self._arm(self.schedule.is_collected(self.ctx.step))
+            self.watcher = (ConfigWatcher(monitor.config_path, config.dynamic.poll_seconds)
+                            if config.dynamic.watch and monitor.config_path else None)
+            if config.dynamic.watch and not monitor.config_path:
+                logger.warning("trainmon: dynamic.watch needs a config file (TrainerMonitor(path)); "
+                               "this monitor was built from a dict and is not watched")
+            self._arm(self.schedule.is_collected(self.ctx.step))
+        except BaseException:
+            self._abort()  # a failed attach leaves no hook, thread or file handle behind
+            raise
+
+    def _abort(self) -> None:
+        for action in self.actions.values():
+            action.close()
+        self.attachment.close()
+        self.boundary.remove_all()
+        if self.anomaly is not None:
+            self.anomaly.close()
+        if self.writer is not None:
+            self.writer.close()
 
     # ----------------------------------------------------------------------------- set-up
     def _attach(self, config: MonitorConfig) -> Attachment:
@@ -76,8 +97,11 @@ class Session:
             from trainmon.collect.comm import CommCollector
 
             # First in the list: once it has flushed, collectives run by the other collectors at the
-            # end of the step (their one cross-rank reduction) are not measured.
-            attachment.collectors.insert(0, CommCollector(self.ctx, config.communication))
+            # end of the step (their one cross-rank reduction) are not measured. The roots and the
+            # optimizer tell it which phase (forward, optimizer, ...) a collective runs in.
+            collector = CommCollector(self.ctx, config.communication, roots=[root for root, _ in attachment.roots],
+                                      optimizer=attachment.optimizer)
+            attachment.collectors.insert(0, collector)
         return attachment
 
     def _hook_boundaries(self) -> None:
@@ -89,8 +113,8 @@ class Session:
 
     def _build_actions(self, config: MonitorConfig) -> dict[str, Any]:
         """The dump and free-benchmark actions (torch models), registered with the anomaly engine."""
-        actions: dict[str, Any] = {}
-        if self.rank_dir is None or self.framework == "mindspore":
+        actions = self.actions  # filled as it goes, so a failure part-way is cleaned up by _abort
+        if self.rank_dir is None or self.framework in ("megatron", "mindspore"):
             return actions
         root = getattr(self.model, "module", self.model)  # inside DDP / DeepSpeedEngine: the rows' names
         if config.dump.enabled:
@@ -259,6 +283,22 @@ class Session:
             self.boundary.remove_all()
             self.anomaly.close()
             self.writer.close()
+
+
+# Features an integration does not provide yet: enabling them warns once at attach instead of
+# doing nothing silently.
+_UNSUPPORTED = {
+    "grad_probe": ("deepspeed", "megatron", "mindspore"),
+    "communication": ("mindspore",),
+    "dump": ("megatron", "mindspore"),
+    "free_benchmark": ("megatron", "mindspore"),
+}
+
+
+def _warn_unsupported(config: MonitorConfig, framework: str) -> None:
+    for section, frameworks in _UNSUPPORTED.items():
+        if framework in frameworks and getattr(config, section).enabled:
+            logger.warning("trainmon: %s is not supported with %s yet and is off for this run", section, framework)
 
 
 def _specs(metrics: dict[str, list[str]], eps: float) -> dict[str, StatsSpec]:

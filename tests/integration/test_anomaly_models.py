@@ -162,6 +162,43 @@ def test_layer_gradient_spike_warns_before_the_loss(tmp_path):
     assert loss_steps and min(loss_steps) > 40
 
 
+def _loss_spike_run(tmp_path, seed: int, noisy: bool, jump_at: int | None = None) -> list[tuple[int, str]]:
+    """200 Adam steps of Net on fresh batches of 64; the target is tanh(sum x), plus N(0, 0.3) noise
+    when ``noisy``; at ``jump_at`` the loss is multiplied by 4. Events come back through on_anomaly."""
+    torch.manual_seed(seed)
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": f"s{seed}{noisy}{jump_at}", "sinks": [],
+                              "weight_grads": {"enabled": False}, "optimizer_states": {"enabled": False},
+                              "anomaly": {"detectors": [{"type": "loss_spike"}], "actions": ["callback"]}})
+    events = []
+    monitor.on_anomaly(events.append)
+    generator = torch.Generator().manual_seed(100 + seed)
+    with monitor.attach(model, optimizer):
+        for step in range(200):
+            x = torch.randn(64, 8, generator=generator)
+            target = x.sum(1, keepdim=True).tanh()
+            if noisy:
+                target = target + 0.3 * torch.randn(64, 1, generator=generator)
+            loss = nn.functional.mse_loss(model(x), target)
+            if step == jump_at:
+                loss = loss * 4
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step(loss=loss)
+    return [(e.step, e.detector) for e in events]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_loss_spike_on_a_real_model_fires_on_4x_jump_and_not_on_healthy_runs(tmp_path, seed):
+    # The noisy run's loss still falls fast at step 30 (a 50-step median is above the jumped value);
+    # the fixed-target run ends near 1e-3 with step-to-step changes of 2-3x.
+    assert _loss_spike_run(tmp_path, seed, noisy=True, jump_at=30) == [(30, "loss_spike")]
+    assert _loss_spike_run(tmp_path, seed, noisy=True) == []
+    assert _loss_spike_run(tmp_path, seed, noisy=False) == []
+
+
 # ----------------------------------------------------------------------------- 2 ranks
 def _worker(out_dir: str) -> None:
     """One rank of the 2-rank run: DDP over gloo; only rank 1's layer 2 divides by zero at step 3."""
@@ -192,7 +229,7 @@ def _worker(out_dir: str) -> None:
 
 
 @pytest.mark.slow
-def test_two_ranks_analyse_names_the_bad_rank_step_and_module(tmp_path):
+def test_two_ranks_analyse_names_the_bad_rank_step_and_module(tmp_path, capsys):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -211,6 +248,19 @@ def test_two_ranks_analyse_names_the_bad_rank_step_and_module(tmp_path):
     # rank 0 saw the NaN only after the gradient all-reduce, so it is listed after rank 1's origin
     assert [(e["step"], e["rank"]) for e in result["first_by_step"]] == [(3, 1)]
     assert result["counts"]["by_rank"] == {"0": 1, "1": 1}
+
+    from trainmon.cli import main
+
+    out = tmp_path / "analysed.json"
+    code = main(["analyse", str(tmp_path / "run"), "--top", "2", "-o", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert ("first origin: first non-finite value at step 3, micro-step 0, rank 1: forward output of "
+            "layers.2") in printed
+    table = printed.splitlines()[2:4]  # after the summary line and the table header
+    assert table[0].split()[:4] == ["1", "3", "0", "forward"] and table[0].split()[4].endswith("layers.2.output")
+    assert table[1].split()[:2] == ["0", "3"]  # rank 0 later in the same step
+    assert json.loads(out.read_text())["first_origin"] == first
 
 
 if __name__ == "__main__":

@@ -110,3 +110,18 @@ def test_same_config_gives_same_headers_and_rows_as_torch(tmp_path: Path) -> Non
         if name == "scalars.csv":  # scalars: same names; their order within a step is not part of the contract
             rows_t, rows_m = sorted(rows_t), sorted(rows_m)
         assert rows_t == rows_m, name  # same rows, in the same execution order
+
+
+def test_features_mindspore_lacks_warn_once_and_training_goes_on(tmp_path: Path, caplog) -> None:
+    net = Mlp()
+    opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-2)
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "grad_probe": {"enabled": True},
+                              "communication": {"enabled": True}, "dump": {"enabled": True}})
+    monitor.attach(net, opt)
+    grad_fn = ms.value_and_grad(lambda x, y: nn.MSELoss()(net(x), y), None, opt.parameters)
+    loss, grads = grad_fn(*(Tensor(a) for a in _data(0)))
+    opt(grads)
+    assert monitor.step(loss=loss) is not None
+    monitor.close()
+    warned = [r.getMessage() for r in caplog.records if "not supported with mindspore" in r.getMessage()]
+    assert sorted(m.split()[1] for m in warned) == ["communication", "dump", "grad_probe"]

@@ -240,8 +240,49 @@ def test_from_msprobe(tmp_path, caplog):
     monitor.close()
 
 
+def test_from_msprobe_alert_dump_and_communication(tmp_path, caplog):
+    path = tmp_path / "msprobe.json"
+    path.write_text(json.dumps({
+        "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.3}}], "dump": True},
+        "xy_distribution": True, "output_dir": "x",
+        "cc_distribution": {"enable": True, "cc_codeline": ["train.py[12]"], "cc_log_only": True}}))
+    monitor = TrainerMonitor.from_msprobe(path)
+    config = monitor.config
+    spike = [d for d in config.anomaly.detectors if d["type"] == "spike"][0]
+    assert spike["method"] == "relative" and spike["threshold"] == 0.3 and "actv/*/norm" in spike["series"]
+    assert "dump" in config.anomaly.actions and config.dump.enabled
+    # msprobe collects only what is switched on: weight grads and optimizer states stay off here.
+    assert config.activations.enabled and not config.weight_grads.enabled and not config.optimizer_states.enabled
+    assert config.communication.enabled and config.communication.call_site_filter == r"train\.py:12 "
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "cc_log_only" in messages and "output_dir" in messages
+    monitor.close()
+
+
 def test_import_trainmon_pulls_in_no_framework():
     code = ("import sys, trainmon; bad = [m for m in ('torch', 'deepspeed', 'megatron', 'mindspore') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_failed_attach_leaves_no_hook_or_writer_thread(tmp_path):
+    """A bad target found late in attach (the free benchmark's) must not leak what was set up before it."""
+    model = TinyNet()
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = {t.ident for t in threading.enumerate() if t.name == "trainmon-writer"}
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "activations": {"enabled": True},
+                              "free_benchmark": {"enabled": True, "targets": ["no_such_layer"]}})
+    with pytest.raises(TargetError, match="no_such_layer"):
+        monitor.attach(model, optimizer)
+    writers = [t for t in threading.enumerate() if t.name == "trainmon-writer" and t.ident not in before]
+    assert not writers  # the hooks are checked by the no_leftovers fixture
+    loss_fn(model, *batch(0)).backward()  # the model trains as if never attached
+    optimizer.step()
+
+
+def test_dynamic_watch_without_a_file_warns(tmp_path, caplog):
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "dynamic": {"watch": True}})
+    monitor.attach(TinyNet())
+    monitor.close()
+    assert any("dynamic.watch needs a config file" in r.getMessage() for r in caplog.records)

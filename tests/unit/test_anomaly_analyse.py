@@ -82,3 +82,21 @@ def test_cli(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["analyse", str(tmp_path / "run"), "--steps", "4-1"])
     assert info.value.code == 2
+
+
+def test_garbled_middle_of_a_line_is_corrupt_not_counted(tmp_path):
+    """The fast path must check the whole line, not only its start and closing brace."""
+    events = [AnomalyEvent(step, 0, 0, "forward", "actv", f"layers.{step}.output", "norm", 2.0, 1.0, "spike",
+                           "spike: forward output of layers.1 (norm) at step 4 is 2, baseline 1", step, 0, 0,
+                           "2026-11-21T10:00:00.000Z") for step in range(8)]
+    lines = [e.to_json() for e in events]
+    middle = len(lines[5]) // 2
+    lines[5] = lines[5][:middle] + '@#"}{' + lines[5][middle + 5:]  # bytes overwritten mid-line
+    lines[6] = lines[6].replace('"value":2.0', '"value":"2.0x"')  # still JSON, wrong type
+    lines[7] = lines[7].replace("baseline 1", "baseline\x01 1")  # a control character inside a string
+    (tmp_path / "rank0").mkdir()
+    (tmp_path / "rank0" / "anomalies.jsonl").write_text("\n".join(lines) + "\n")
+    result = analyse_run(tmp_path, top=2)  # the garbled lines are not among the reported ones
+    assert [c["line"] for c in result["corrupt"]] == [6, 7, 8] and result["corrupt_total"] == 3
+    assert result["events"] == 5 and result["counts"]["by_step"] == {str(s): 1 for s in range(5)}
+    assert [e["step"] for e in result["top"]] == [0, 1]

@@ -151,6 +151,47 @@ def test_loss_spike_fires_on_4x_jump_only_and_not_on_healthy_noise():
         assert [(e.step, e.detector, e.name) for e in events] == [(30, "loss_spike", "loss")]
 
 
+@pytest.mark.parametrize("method", ["ema", "mad", "relative"])
+def test_spike_direction_up_down_and_both(method):
+    rng = np.random.default_rng(3)
+    values = 1 + 0.05 * rng.standard_normal(120)
+    values[30] = 3.0  # a rise
+    values[100] = 0.2  # a drop (late enough for the EMA to forget the rise when it was not clipped)
+
+    def fired(direction):
+        detectors = build_detectors([{"type": "spike", "series": ["grad_norm"], "method": method,
+                                      "direction": direction}])
+        return run(detectors, [record(s, grad_norm=float(v)) for s, v in enumerate(values)])
+
+    assert [e.step for e in fired("up")] == [30]
+    (drop,) = fired("down")
+    assert drop.step == 100 and drop.value == pytest.approx(0.2) and drop.baseline > 0.8
+    assert [e.step for e in fired("both")] == [30, 100]
+
+
+@pytest.mark.parametrize("direction, expected", [("up", [30]), ("down", [45]), ("both", [30, 45])])
+def test_loss_spike_direction(direction, expected):
+    rng = np.random.default_rng(4)
+    losses = 2.0 * np.exp(-np.arange(60) / 40) * np.exp(0.05 * rng.standard_normal(60))
+    losses[30] *= 4
+    losses[45] /= 4
+    detectors = build_detectors([{"type": "loss_spike", "direction": direction}])
+    assert [e.step for e in run(detectors, [record(s, loss=float(v)) for s, v in enumerate(losses)])] == expected
+
+
+def test_loss_spike_is_scale_free_and_skips_nonpositive_losses():
+    rng = np.random.default_rng(5)
+    base = np.exp(0.1 * rng.standard_normal(80))
+    base[50] *= 4
+    for scale in (1e3, 1.0, 1e-4):  # the same run at any loss scale: the same single event
+        detectors = build_detectors([{"type": "loss_spike"}])
+        events = run(detectors, [record(s, loss=float(v * scale)) for s, v in enumerate(base)])
+        assert [e.step for e in events] == [50] and events[0].value / events[0].baseline > 3
+    detector = build_detectors([{"type": "loss_spike"}])[0]
+    assert run([detector], [record(s, loss=v) for s, v in enumerate([1.0, 0.0, -2.0, NAN, INF, 1.1])]) == []
+    assert detector.state_dict()["count"] == 2
+
+
 def test_layer_gradient_spike_fires_before_the_loss():
     rng = np.random.default_rng(1)
     detectors = build_detectors([{"type": "spike", "series": ["grad_reduced/*/norm"], "method": "mad"},

@@ -78,12 +78,20 @@ def find_files(run_dir: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
-# A line as AnomalyEvent.to_json writes it starts with the sort-key fields (events.WRITE_ORDER):
-# reading them with one regex per file is several times faster than json.loads per line. Lines
-# that do not match (other writers, corruption) take the slow path; the events that are reported
-# (top K, first per step) are always fully parsed and validated.
-_FAST = re.compile(r'^\{"step":(\d+),"micro_step":(\d+),"rank":(\d+),"phase":"([a-z]+)","pp_stage":(\d+),'
-                   r'"vpp_stage":(\d+),"order":(\d+),"detector":"(\w+)",.*\}$', re.M)
+# A line as AnomalyEvent.to_json writes it (events.WRITE_ORDER, compact separators, ASCII): the
+# sort-key fields first, then every other field in order, each checked for its JSON type. One regex
+# per file reads a whole file several times faster than json.loads per line. A line that does not
+# match it entirely (another writer's key order or spacing, corruption anywhere in the line) takes
+# the slow path: json.loads and a full check, else it is reported as corrupt. The events that are
+# reported (top K, first per step) are always fully parsed and validated.
+_INT = r"(0|[1-9]\d*)"
+_STRING = r'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"'
+_FLOAT = r'(?:-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?|"nan"|"inf"|"-inf")'
+_FAST = re.compile(
+    rf'^\{{"step":{_INT},"micro_step":{_INT},"rank":{_INT},"phase":"([a-z]+)","pp_stage":{_INT},'
+    rf'"vpp_stage":{_INT},"order":{_INT},"detector":"(\w+)","family":{_STRING},"name":{_STRING},'
+    rf'"metric":{_STRING},"value":{_FLOAT},"baseline":{_FLOAT},"message":{_STRING},"time":{_STRING}\}}$',
+    re.M)
 _Fields = tuple  # (step, micro_step, rank, phase, pp_stage, vpp_stage, order, detector) as strings
 
 

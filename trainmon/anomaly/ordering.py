@@ -5,8 +5,10 @@ the forward pass, descending in the backward pass, where gradients flow from the
 the first), then ``order`` (execution order on the rank), then rank as a final tie-break.
 
 Phases are ranked ``forward < loss < backward < communication < optimizer``: the loss is computed
-at the end of the forward pass and before its backward pass; collectives run during the backward
-pass (gradient reduction) and before the optimizer reads the gradients.
+at the end of the forward pass and before its backward pass; collectives outside the forward and
+backward passes (gradient reduction after ``backward()``) run before the optimizer reads the
+gradients. A collective *inside* the forward or backward pass has that phase (``comm`` rows carry
+the phase they ran in), so it is ordered by its ``order`` among the rows of that pass.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def describe(family: str, name: str, phase: str) -> str:
     if family == "param":
         return f"parameter {name}"
     if family == "comm":
-        return f"communication {name}"
+        return f"communication {name}" if phase in ("communication", "") else f"{phase} communication {name}"
     if family == "scalars":
         return {"loss": "loss", "grad_norm": "global grad norm"}.get(name, name)
     return f"{family} {name}"

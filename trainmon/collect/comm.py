@@ -10,8 +10,15 @@ and call count. Calls of a step with the same row name are combined exactly on t
 end of the step (norm = sqrt(sum of norm^2), min of mins, max of maxes, counts and sums added).
 
 Row names are ``{op}.{site}.{pre|post}.{i}``: ``site`` is the process group named by its global
-ranks (``g0-7``), followed by ``@{file}:{function}:{line}`` with ``call_sites: true``; ``i`` is the
-tensor's index in the call (the source rank's slot for ``all_gather`` outputs).
+ranks (``g0-7``) followed by the call's index among the calls of that op on that group in the
+micro-step (``g0-7.call2``), or by ``@{file}:{function}:{line}`` with ``call_sites: true`` (then the
+calls made from one call site are combined into one row); ``i`` is the tensor's index in the call
+(the source rank's slot for ``all_gather`` outputs).
+
+Each row carries the phase it really ran in (``RowKey.run_phase``): ``backward`` inside autograd's
+backward pass, ``forward`` inside the forward of a root module, ``optimizer`` inside the optimizer's
+step, else ``communication``. So a NaN entering at a collective in the forward pass is ordered
+among the forward rows, where it happened.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import CodeType, FrameType, ModuleType
@@ -55,6 +62,7 @@ _PLUMBING = (os.path.dirname(dist.__file__) + os.sep, f"{os.sep}deepspeed{os.sep
 class _Row:
     order: int
     micro_step: int
+    phase: str
     partials: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -76,6 +84,9 @@ class CommCollector:
         ctx: the monitor's step context; rows are measured with ``ctx.specs["comm"]`` and only
             while ``ctx.wants("comm")``.
         config: the ``communication`` section.
+        roots: root modules; a forward pre-hook and a forward hook on each tell collectives inside
+            the forward pass (phase ``forward``) from the others. Removed by :meth:`close`.
+        optimizer: the optimizer whose step marks phase ``optimizer`` (step pre/post hooks), or None.
 
     Example:
         >>> collector = CommCollector(ctx, config.communication)   # wrappers installed
@@ -83,7 +94,8 @@ class CommCollector:
         >>> collector.before_transfer(); collector.close()          # originals restored
     """
 
-    def __init__(self, ctx: StepContext, config: CommunicationConfig) -> None:
+    def __init__(self, ctx: StepContext, config: CommunicationConfig, roots: Sequence[torch.nn.Module] = (),
+                 optimizer: Any = None) -> None:
         self.ctx = ctx
         self.config = config
         self._site_filter = re.compile(config.call_site_filter) if config.call_site_filter is not None else None
@@ -91,6 +103,10 @@ class CommCollector:
         self._local = threading.local()  # depth of our wrappers on this thread (nested calls pass through)
         self._rows: dict[tuple[str, int], _Row] = {}
         self._traffic: dict[str, list[int]] = {}  # "{op}.{site}" -> [calls, bytes]
+        self._calls: dict[tuple[str, int], int] = {}  # ("{op}.{group}", micro_step) -> calls so far
+        self._forward_depth = 0  # root forwards running (nested calls of a root count too)
+        self._in_optimizer = False
+        self._handles: list[Any] = []
         self._step_buffer: StepBuffer | None = None
         self._flushed: StepBuffer | None = None
         self._groups: dict[Any, str] = {}
@@ -99,6 +115,7 @@ class CommCollector:
         self._binders: dict[str, ArgumentBinder] = {}
         self._wraps: list[_Wrap] = []
         self._active = True
+        self._hook_phases(roots, optimizer)
         self._install(config.ops or list(COMM_OPS))
 
     # ------------------------------------------------------------------ lifecycle
@@ -134,6 +151,9 @@ class CommCollector:
                     log.info("%s.%s was wrapped again after trainmon; trainmon's wrapper stays under it and "
                              "only calls through", module.__name__, wrap.name)
         self._wraps.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
         self._reset(None)
         self._groups.clear()
 
@@ -145,6 +165,37 @@ class CommCollector:
             yield
         finally:
             self._local.depth -= 1
+
+    # ------------------------------------------------------------------ phases
+    def _hook_phases(self, roots: Sequence[torch.nn.Module], optimizer: Any) -> None:
+        """One-line hooks that track whether a root forward or the optimizer step is running."""
+        for root in roots:
+            self._handles.append(root.register_forward_pre_hook(self._enter_forward))
+            self._handles.append(root.register_forward_hook(self._leave_forward, always_call=True))
+        if hasattr(optimizer, "register_step_pre_hook") and hasattr(optimizer, "register_step_post_hook"):
+            self._handles.append(optimizer.register_step_pre_hook(self._enter_optimizer))
+            self._handles.append(optimizer.register_step_post_hook(self._leave_optimizer))
+
+    def _enter_forward(self, *args: Any) -> None:
+        self._forward_depth += 1
+
+    def _leave_forward(self, *args: Any) -> None:
+        self._forward_depth = max(self._forward_depth - 1, 0)
+
+    def _enter_optimizer(self, *args: Any) -> None:
+        self._in_optimizer = True
+
+    def _leave_optimizer(self, *args: Any) -> None:
+        self._in_optimizer = False
+
+    def _phase(self) -> str:
+        """The phase a collective runs in now (checked in this order: a forward recomputed inside the
+        backward pass, as activation checkpointing does, is backward)."""
+        if _graph_task_id() != -1:  # -1 outside autograd's backward pass
+            return "backward"
+        if self._forward_depth:
+            return "forward"
+        return "optimizer" if self._in_optimizer else "communication"
 
     # ------------------------------------------------------------------ wrapping
     def _install(self, names: list[str]) -> None:
@@ -190,6 +241,11 @@ class CommCollector:
         traffic = self._traffic.setdefault(prefix, [0, 0])
         traffic[0] += 1
         traffic[1] += payload_bytes(plan)
+        if not self.config.call_sites:  # one row per call: its index among the op's calls on the group
+            counter = (prefix, self.ctx.micro_step)
+            index = self._calls.get(counter, 0)
+            self._calls[counter] = index + 1
+            prefix = f"{prefix}.call{index}"
         self._measure(prefix, "pre", plan.pre)
         result = original(*args, **kwargs)
         if not plan.post or in_coalescing(plan.group):
@@ -261,16 +317,18 @@ class CommCollector:
     def _reset(self, buffer: StepBuffer | None) -> None:
         self._rows.clear()
         self._traffic.clear()
+        self._calls.clear()
         self._step_buffer = buffer
 
     def _measure(self, prefix: str, when: str, tensors: list[tuple[int, torch.Tensor]]) -> None:
         spec = self.ctx.specs[FAMILY]
         micro_step = self.ctx.micro_step
+        phase = self._phase() if tensors else ""
         for i, tensor in tensors:
             key = (f"{prefix}.{when}.{i}", micro_step)
             row = self._rows.get(key)
-            if row is None:
-                row = self._rows[key] = _Row(self.ctx.buffer.next_order(), micro_step)
+            if row is None:  # a row combining several calls keeps the phase and order of its first
+                row = self._rows[key] = _Row(self.ctx.buffer.next_order(), micro_step, phase)
             row.partials.append(partial_stats(tensor, spec))
 
     def _measure_on_completion(self, result: Any, prefix: str, plan: CallPlan, buffer: StepBuffer) -> Any:
@@ -304,10 +362,16 @@ class CommCollector:
             out = combine_partials_torch(stacked)
             combined.update((i, out[k]) for k, i in enumerate(indices))
         for index, ((name, micro_step), row) in enumerate(items):
-            buffer.add(RowKey(FAMILY, name, micro_step, 0, row.order), combined[index])
+            run_phase = "" if row.phase == "communication" else row.phase
+            buffer.add(RowKey(FAMILY, name, micro_step, 0, row.order, run_phase), combined[index])
         for prefix, (calls, nbytes) in self._traffic.items():
             buffer.add_scalar(f"comm/{prefix}/calls", calls)
             buffer.add_scalar(f"comm/{prefix}/bytes", nbytes)
+
+
+def _graph_task_id() -> int:
+    """Id of the autograd graph task running on this thread; -1 outside a backward pass."""
+    return torch._C._current_graph_task_id()
 
 
 def _splice(top: Any, wrap: _Wrap) -> bool:

@@ -9,7 +9,8 @@ What is measured where (see ``docs/deepspeed.md``):
   master parameter at the start of ``engine.step()`` on an accumulation boundary (where
   DeepSpeed documents its gradient accessors as valid); optimizer states, ``update`` and
   ``ratio`` after it. Partial statistics of the shards are combined across the data-parallel
-  group with ONE all-gather per step for all parameters, and written by data-parallel rank 0.
+  group with ONE all-gather per step for all parameters, and written by the lowest rank of the
+  data-parallel group that ``ranks`` selects (data-parallel rank 0 when ``ranks`` is null).
 - scalars: ``grad_norm`` (``engine.get_global_grad_norm()``), ``loss_scale`` (fp16),
   ``skipped_steps``, ``step_applied``, ``global_steps``, ``lr/group{i}``.
 
@@ -129,6 +130,10 @@ class DeepSpeedShardCollector:
         config: the monitor config.
         hooks: the engine's boundary hooks.
         dp_group: the data-parallel process group (None: the default group).
+
+    The combined rows are identical on every rank of the group, so they are written once, by
+    the lowest *selected* (``config.ranks``) global rank of the group; every rank still joins
+    the collective.
     """
 
     def __init__(self, ctx: StepContext, engine: Any, params: list[tuple[str, torch.nn.Parameter, int]],
@@ -141,6 +146,7 @@ class DeepSpeedShardCollector:
         self.dp_group = dp_group
         rank, world = _group_layout(dp_group)
         self.dp_rank, self.dp_world = rank, world
+        self.writes_rows = _is_lowest_selected(dp_group, config.ranks)
         self.collective = not self.layout.replicated and world > 1
         self._pending: list[tuple[str, str, int, torch.Tensor]] = []
         self._handles = [hooks.register_step_pre_hook(self._pre_step), hooks.register_step_post_hook(self._post_step)]
@@ -229,8 +235,8 @@ class DeepSpeedShardCollector:
         partials = torch.stack([p for *_, p in pending])
         if self.collective:
             partials = self._all_gather(partials)
-        if self.dp_rank != 0:
-            return  # replicated statistics are written once, by data-parallel rank 0
+        if not self.writes_rows:
+            return  # replicated statistics are written once, by the group's lowest selected rank
         for i, (family, name, vpp_stage, _) in enumerate(pending):
             self.ctx.add(family, name, partials[i], vpp_stage)
 
@@ -251,6 +257,21 @@ def _group_layout(group: Any) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def _is_lowest_selected(group: Any, ranks: list[int] | None) -> bool:
+    """Whether this process is the lowest global rank of ``group`` that ``ranks`` selects.
+
+    ``ranks`` None selects every rank (the group's first member, data-parallel rank 0, writes).
+    When ``ranks`` selects no member of the group, no rank of it writes the combined rows.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ranks is None or 0 in ranks
+    members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    selected = [member for member in members if ranks is None or member in ranks]
+    return bool(selected) and min(selected) == dist.get_rank()
 
 
 def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,

@@ -2,7 +2,10 @@
 
 Run as ``RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python comm_ranks.py OUT_DIR``;
 writes ``OUT_DIR/rank{r}.json`` with the finalised rows and scalars of every step. The inputs come
-from :func:`inputs` so the test can rebuild them in numpy.
+from :func:`inputs` so the test can rebuild them in numpy. Then :func:`monitor_run` trains a small
+model under a ``TrainerMonitor`` into ``OUT_DIR/run``: its middle layer all-reduces inside its
+forward (and its gradient inside the backward pass), and rank 1 puts a NaN into that all-reduce at
+step 3.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from torch import nn
+
+from trainmon import TrainerMonitor
 from trainmon.collect.buffer import StepBuffer
 from trainmon.collect.comm import CommCollector
 from trainmon.collect.context import StepContext
@@ -67,7 +73,7 @@ def main(out_dir: str) -> None:
 
     # step 0: synchronous collectives
     ctx.collecting, ctx.step = True, 0
-    for tensor in (t(rank, 1), t(rank, 2)):  # one call site, two calls: one aggregated row
+    for tensor in (t(rank, 1), t(rank, 2, 2 * N)):  # two calls: one row each (call0, call1)
         dist.all_reduce(tensor)
     dist.reduce_scatter_tensor(torch.empty(N // 2), t(rank, 3))
     dist.reduce_scatter(torch.empty(N // 2), list(t(rank, 4).chunk(2)))
@@ -124,6 +130,7 @@ def main(out_dir: str) -> None:
                                                    call_site_filter=r" in reduce_"))
     ctx.step = 4
     reduce_here(t(rank, 13))
+    reduce_here(t(rank, 16, 3 * N))  # same call site, 3x the elements: one row, mean weighted by size
     skipped_reduce(t(rank, 14))
     out["steps"]["4"] = end_step(ctx, collector=sites)
     sites.close()
@@ -149,10 +156,75 @@ def main(out_dir: str) -> None:
     out["steps"]["5"] = end_step(ctx, collector=third)
     dist.all_reduce = originals[("torch.distributed", "all_reduce")]  # the foreign code's own clean-up
 
+    monitor_run(out_dir, rank, out, originals[("torch.distributed", "all_reduce")])
+    out["checks"]["monitor_restored"] = all(getattr(sys.modules[m], n) is f for (m, n), f in originals.items())
+
     dist.barrier()
     dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(out, f)
+
+
+class ReducingLayer(nn.Module):
+    """Linear + tanh whose output is all-reduced inside its forward (as tensor parallelism does) and
+    whose gradient is all-reduced inside the backward pass; ``poison`` puts a NaN into the forward one."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.poison = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        shared = h.detach().clone()
+        if self.poison:
+            shared[0, 0] = float("nan")
+        dist.all_reduce(shared)
+        if h.requires_grad:
+            h.register_hook(_reduce_gradient)
+        return h + shared / dist.get_world_size()
+
+
+def _reduce_gradient(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad)  # runs inside autograd's backward pass
+    return grad / dist.get_world_size()
+
+
+def monitor_run(out_dir: str, rank: int, out: dict, original_all_reduce) -> None:
+    """4 steps of a 3-layer model under TrainerMonitor with communication monitoring; gradients
+    all-reduced by hand after backward(); rank 1's forward all-reduce gets a NaN at step 3."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), ReducingLayer(8), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = TrainerMonitor({"output_dir": out_dir, "run_name": "run", "sinks": ["csv"],
+                              "activations": {"enabled": True, "metrics": ["norm", "nans"]},
+                              "communication": {"enabled": True, "metrics": list(METRICS)},
+                              "anomaly": {"actions": ["jsonl", "callback"]}})
+    events: list = []
+    monitor.on_anomaly(events.append)
+    monitor.attach(model, optimizer)
+    out["checks"]["monitor_wrapped"] = dist.all_reduce is not original_all_reduce
+    generator = torch.Generator().manual_seed(rank)
+    phases: dict = {}
+    try:
+        for step in range(4):
+            model[1].poison = (rank, step) == (1, 3)
+            x = torch.randn(4, 8, generator=generator)
+            loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            loss.backward()
+            for parameter in model.parameters():
+                dist.all_reduce(parameter.grad)
+            optimizer.step()
+            optimizer.zero_grad()
+            record = monitor.step(loss=loss)
+            if step == 0:
+                phases = {row.key.name: [row.key.phase, row.key.order] for row in record.rows
+                          if row.key.family == "comm"}
+    finally:
+        monitor.close()
+    out["monitor"] = {"phases": phases, "events": [e.to_dict() for e in events]}
+    out["run_dir"] = os.path.join(out_dir, "run")
 
 
 if __name__ == "__main__":

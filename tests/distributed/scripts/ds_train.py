@@ -1,9 +1,14 @@
 """Train TinyNet with DeepSpeed under several configs in ONE process group, monitored by trainmon.
 
 Run by tests/distributed/test_deepspeed.py as ``torchrun --nproc_per_node 2 ds_train.py OUT CASES``
-where CASES is a JSON list of ``{"name", "stage", "dtype", "gas", "params", "nan_step"}``.
+where CASES is a JSON list of ``{"name", "stage", "dtype" (fp32, bf16, fp16), "gas", "params",
+"nan_step", "nan_param", "activations", "ref", "ranks", "interval", "scale_power"}``.
 Each case writes ``OUT/<name>/rank{R}/...``; ZeRO-0 fp32 cases also save numpy references of the
-full reduced gradients and optimizer states (``OUT/<name>/ref_rank{R}.npz``).
+full reduced gradients and optimizer states (``OUT/<name>/ref_rank{R}.npz``). Every case also
+writes ``OUT/<name>/extra_rank{R}.json``: the micro-step losses, and per step the collectives
+trainmon issued (counted by wrapping ``torch.distributed``'s collectives for the whole run).
+DeepSpeed's full-gather accessors (``safe_get_full_grad`` ...) raise for the whole run: trainmon
+must never call them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,62 @@ from tests.models import TinyNet, batch, loss_fn  # noqa: E402
 from trainmon import TrainerMonitor  # noqa: E402
 
 STEPS = 3
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+               "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+               "gather_object", "broadcast", "broadcast_object_list", "reduce", "gather", "scatter",
+               "all_to_all", "all_to_all_single", "all_reduce_coalesced", "barrier", "send", "recv", "isend",
+               "irecv", "_all_gather_base", "_reduce_scatter_base")
+FULL_GATHERS = ("safe_get_full_grad", "safe_get_full_optimizer_state", "safe_get_full_fp32_param")
+_TRAINMON = os.sep + "trainmon" + os.sep
+_ENGINE_WRAPPER = os.path.join("trainmon", "integrations", "deepspeed.py")
+
+
+class CollectiveCounter:
+    """Counts the torch.distributed collectives that trainmon causes, and those inside monitor.step().
+
+    A collective is trainmon's when a trainmon frame is on its stack other than the engine-step
+    wrapper itself (which only calls DeepSpeed's own step): trainmon's hooks, the monitor's end of
+    step, or a DeepSpeed accessor that trainmon called.
+    """
+
+    def __init__(self) -> None:
+        self.by_trainmon = 0
+        self.in_monitor_step = 0
+        self.inside_step = False
+        for name in COLLECTIVES:
+            original = getattr(torch.distributed, name, None)
+            if original is not None:
+                setattr(torch.distributed, name, self._wrap(original))
+
+    def _wrap(self, original):
+        def counted(*args, **kwargs):
+            self.in_monitor_step += self.inside_step
+            frame = sys._getframe(1)
+            while frame is not None:
+                path = frame.f_code.co_filename
+                if _TRAINMON in path and not (path.endswith(_ENGINE_WRAPPER) and frame.f_code.co_name == "step"):
+                    self.by_trainmon += 1
+                    break
+                frame = frame.f_back
+            return original(*args, **kwargs)
+        return counted
+
+    def take(self) -> tuple[int, int]:
+        counts = (self.by_trainmon, self.in_monitor_step)
+        self.by_trainmon = self.in_monitor_step = 0
+        return counts
+
+
+def _forbid_full_gathers() -> None:
+    """Make DeepSpeed's per-parameter full gathers raise: trainmon must combine shard partials instead."""
+    import deepspeed.utils
+    import deepspeed.utils.tensor_fragment as fragment
+
+    for name in FULL_GATHERS:
+        def forbidden(*args, _name=name, **kwargs):
+            raise AssertionError(f"trainmon called deepspeed.utils.{_name} (a full gather)")
+        for namespace in (deepspeed.utils, fragment):
+            setattr(namespace, name, forbidden)
 
 
 def _hook_counts(engine) -> list[int]:
@@ -34,7 +95,7 @@ def _hook_counts(engine) -> list[int]:
     return counts + [len(engine.optimizer.__dict__.get("_optimizer_step_pre_hooks", {}))]
 
 
-def run_case(out: str, case: dict) -> None:
+def run_case(out: str, case: dict, counter: CollectiveCounter) -> None:
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     model = TinyNet()
@@ -44,17 +105,24 @@ def run_case(out: str, case: dict) -> None:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.0}}}
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    elif dtype == "fp16":  # hysteresis 1: the first overflow halves the scale at once
+        config["fp16"] = {"enabled": True, "initial_scale_power": case.get("scale_power", 16), "hysteresis": 1}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     monitor = TrainerMonitor({"output_dir": out, "run_name": case["name"], "sinks": ["csv"],
                               "targets": {"params": case.get("params", ["*"])},
                               "activations": {"enabled": case.get("activations", False)},
-                              "anomaly": {"actions": ["jsonl"]}, "params": {"enabled": True}})
+                              "anomaly": {"actions": ["jsonl"]}, "params": {"enabled": True},
+                              "ranks": case.get("ranks"), "step_interval": case.get("interval", 1)})
     before = _hook_counts(engine)
     monitor.attach(engine)
     names = [n for n, _ in engine.module.named_parameters()]
     refs: dict[str, np.ndarray] = {}
     handles = []
+    losses: list[list[float]] = []
+    collectives: list[list[int]] = []  # per step: [by trainmon anywhere, inside monitor.step()]
+    counter.take()
     for step in range(STEPS):
+        losses.append([])
         for micro in range(case.get("gas", 1)):
             if case.get("nan_step") == step and rank == 1 and micro == 0:
                 target = dict(engine.module.named_parameters())[case["nan_param"]]
@@ -70,6 +138,11 @@ def run_case(out: str, case: dict) -> None:
                     refs[f"{step}/grad_reduced/{name}"] = p.grad.double().numpy().copy()
                     refs[f"{step}/param/{name}"] = p.detach().double().numpy().copy()
             engine.step()
+            counter.inside_step = True
+            monitor.step(loss=loss)  # after every engine.step(): a micro-step loss, or the step's end
+            counter.inside_step = False
+            losses[-1].append(float(loss))
+        collectives.append(list(counter.take()))
         if case.get("ref"):
             for name, p in engine.module.named_parameters():
                 state = engine.optimizer.state[p]
@@ -81,6 +154,9 @@ def run_case(out: str, case: dict) -> None:
     monitor.close()  # idempotent
     assert "step" not in engine.__dict__, "the engine wrapper was not removed"
     assert _hook_counts(engine) == before, "hooks were left behind"  # DeepSpeed has hooks of its own
+    os.makedirs(os.path.join(out, case["name"]), exist_ok=True)
+    with open(os.path.join(out, case["name"], f"extra_rank{rank}.json"), "w") as handle:
+        json.dump({"losses": losses, "collectives": collectives}, handle)
     if refs:
         np.savez(os.path.join(out, case["name"], f"ref_rank{rank}.npz"), names=np.array(names), **refs)
     torch.distributed.barrier()
@@ -89,9 +165,11 @@ def run_case(out: str, case: dict) -> None:
 def main() -> None:
     out, cases = sys.argv[1], json.loads(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
+    _forbid_full_gathers()
+    counter = CollectiveCounter()
     try:
         for case in cases:
-            run_case(out, case)
+            run_case(out, case, counter)
     finally:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
