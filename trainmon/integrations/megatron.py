@@ -5,11 +5,14 @@
 and ``optimizer`` what ``get_megatron_optimizer`` returns (``FP32Optimizer``,
 ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer`` or a ``ChainedOptimizer`` of them).
 Process groups come from ``megatron.core.parallel_state`` when it is initialised; explicit
-``tp_group``/``dp_group``/``pp_group`` override them. See docs/megatron.md.
+``tp_group``/``pp_group`` override them. Shards of the distributed optimizer are always combined
+over the optimizer's own ``data_parallel_group`` (an explicit ``dp_group`` with other ranks gets
+one warning). See docs/megatron.md.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext
     from trainmon.config import MonitorConfig
 
+logger = logging.getLogger("trainmon")
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     """The model inside Megatron's ``DistributedDataParallel`` / ``Float16Module`` wrappers (and torch DDP)."""
@@ -93,16 +97,52 @@ def main_params(optimizer: Any) -> dict[int, MainParam]:
     return out
 
 
-def process_groups(options: AttachOptions) -> tuple[Any, Any, Any]:
-    """``(tp_group, dp_group, pp_group)``: explicit ones first, else ``parallel_state``'s, else None."""
+def process_groups(options: AttachOptions) -> tuple[Any, Any]:
+    """``(tp_group, pp_group)``: explicit ones first, else ``parallel_state``'s, else None.
+
+    No data-parallel group is returned: nothing is combined over a DP group except the shards of
+    the distributed optimizer, and those over the optimizer's own group (see :func:`check_dp_group`).
+    """
     from megatron.core import parallel_state as ps
 
-    tp, dp, pp = options.tp_group, options.dp_group, options.pp_group
+    tp, pp = options.tp_group, options.pp_group
     if ps.model_parallel_is_initialized():
         tp = tp if tp is not None else ps.get_tensor_model_parallel_group()
-        dp = dp if dp is not None else ps.get_data_parallel_group()
         pp = pp if pp is not None else ps.get_pipeline_model_parallel_group()
-    return tp, dp, pp
+    return tp, pp
+
+
+def _group_ranks(group: Any) -> list[int]:
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def check_dp_group(dp_group: Any, mains: dict[int, MainParam]) -> bool:
+    """Warn once when an explicit ``dp_group`` holds other ranks than the distributed optimizer's group.
+
+    The shards of a ``DistributedOptimizer`` live on the ranks of its ``data_parallel_group``, so
+    that is the group their statistics are combined over, whatever ``dp_group`` says. Without a
+    distributed optimizer nothing is combined over a data-parallel group (reduced gradients and
+    optimizer states are replicated; ``grad_unreduced`` is this rank's own), so ``dp_group`` is unused.
+
+    Returns:
+        True when the warning was logged.
+    """
+    import torch.distributed as dist
+
+    if dp_group is None or not dist.is_initialized():
+        return False
+    wanted = _group_ranks(dp_group)
+    groups = {id(main.dp_group): main.dp_group for main in mains.values() if main.sharded}
+    for group in groups.values():
+        used = _group_ranks(group)
+        if used != wanted:
+            logger.warning("trainmon: dp_group passed to attach (ranks %s) differs from the distributed "
+                           "optimizer's data_parallel_group (ranks %s); its shards are combined over the "
+                           "optimizer's group", wanted, used)
+            return True
+    return False
 
 
 def _rank_size(group: Any) -> tuple[int, int]:
@@ -170,7 +210,8 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
         config: the monitor config.
         model: a model chunk or the list of chunks (one per virtual pipeline stage).
         optimizer: the Megatron optimizer, or None.
-        options: ``grad_acc_steps`` (set it to the number of micro-batches) and process groups.
+        options: ``grad_acc_steps`` (set it to the number of micro-batches) and process groups
+            (``dp_group`` is only checked against the distributed optimizer's, see :func:`check_dp_group`).
 
     Raises:
         TargetError: a target pattern matches no module or parameter.
@@ -178,7 +219,7 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
     """
     chunks: Sequence[torch.nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]
     roots = [unwrap(chunk) for chunk in chunks]
-    tp_group, _, pp_group = process_groups(options)
+    tp_group, pp_group = process_groups(options)
     tp_rank, tp_size = _rank_size(tp_group)
     pp_stage, _ = _rank_size(pp_group)
     registry = HookRegistry()
@@ -191,6 +232,7 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
     params = [(name, p, vpp) for vpp, root in enumerate(roots) for name, p in root.named_parameters()]
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         mains = main_params(optimizer) if optimizer is not None else {}
+        check_dp_group(options.dp_group, mains)
         collectors.append(MegatronParamCollector(ctx, select_params(params, config), mains,
                                                  GroupLayout(tp_group, tp_size, tp_rank), config, registry))
     rank, world_size = dist_layout()

@@ -13,6 +13,7 @@ the script's own hooks.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -30,22 +31,38 @@ from megatron.core.distributed import DistributedDataParallelConfig, finalize_mo
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups  # noqa: E402
+from megatron.core.optimizer import _get_param_groups_and_buffers  # noqa: E402
+from megatron.core.optimizer.optimizer import ChainedOptimizer  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from trainmon import TrainerMonitor  # noqa: E402
+from trainmon.integrations.megatron_collect import MegatronParamCollector  # noqa: E402
 
 CASES = {
     "tp1": dict(tp=1, pp=1),
     "tp1_distopt": dict(tp=1, pp=1, distopt=True),
     "tp1_distopt_overlap": dict(tp=1, pp=1, distopt=True, overlap=True),
     "tp1_bf16": dict(tp=1, pp=1, bf16=True, activations=True),
-    "tp2": dict(tp=2, pp=1, distopt=True),
-    "pp2": dict(tp=1, pp=2, activations=True, inject=True),
+    # bf16 with the distributed optimizer (shard_fp32_from_float16_groups); attach gets a dp_group
+    # with other ranks than the optimizer's: one warning, the optimizer's group is used.
+    "tp1_distopt_bf16": dict(tp=1, pp=1, distopt=True, bf16=True, wrong_dp_group=True),
+    # Megatron's bf16 default: main_grad (and its DP all-reduce) in bf16.
+    "tp1_bf16_grad16": dict(tp=1, pp=1, bf16=True, grad_fp32=False),
+    # tp_group / pp_group / dp_group passed to attach explicitly (fresh tp/pp group objects).
+    "tp2": dict(tp=2, pp=1, distopt=True, explicit_groups=True),
+    # Constant loss scale 1: Megatron skips a step with non-finite gradients, so the faults of
+    # step 1 (stage 1 forward) do not poison the weights of step 2 (stage 0 backward).
+    "pp2": dict(tp=1, pp=2, distopt=True, loss_scale=1.0, activations=True, inject=True, steps=3,
+                explicit_groups=True),
     "vpp2": dict(tp=1, pp=2, vpp=2, activations=True, recompute=True),
+    # A ChainedOptimizer of two FP32Optimizers (weight-decayed parameters, the others), as tp1 otherwise.
+    "tp1_chained": dict(tp=1, pp=1, chained=True),
 }
 B, S, V, M, STEPS = 2, 16, 128, 2, 2          # micro-batch, sequence, vocab, micro-batches, steps
+INJECT_FORWARD_STEP, INJECT_BACKWARD_STEP = 1, 2   # pp2: NaN in stage 1's forward, in stage 0's backward
 BETAS, EPS = (0.9, 0.999), 1e-8
 
 
@@ -66,6 +83,29 @@ def full(tensor: torch.Tensor, param: torch.nn.Parameter) -> np.ndarray:
     return t.numpy().astype(np.float64)
 
 
+def fresh_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new group object with the ranks of ``group`` (every rank creates every such group, in order)."""
+    mine = dist.get_process_group_ranks(group)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    result = None
+    for ranks in sorted({tuple(r) for r in everyone}):
+        new = dist.new_group(list(ranks))
+        if list(ranks) == mine:
+            result = new
+    return result
+
+
+def chained_optimizer(config: OptimizerConfig, chunks: list) -> ChainedOptimizer:
+    """Megatron's own parameter groups, one FP32Optimizer per group, chained (get_megatron_optimizer
+    makes one optimizer per group of model chunks / expert parameters; these are its building blocks)."""
+    groups, _ = _get_param_groups_and_buffers(chunks, model_chunk_offset=0, config=config, config_overrides=None,
+                                              filter_fn=lambda g: True, buffer_name="buffers")
+    assert len(groups) == 2, [len(g["params"]) for g in groups]
+    return ChainedOptimizer([_get_megatron_optimizer_based_on_param_groups(
+        config, chunks, [group], model_parallel_group=ps.get_model_parallel_group()) for group in groups])
+
+
 def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This DP rank's micro-batches: the global micro-batch of 2*B samples is split over DP ranks."""
     g = torch.Generator().manual_seed(1000 + step)
@@ -81,7 +121,8 @@ def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, distopt: bool = False,
              bf16: bool = False, activations: bool = False, inject: bool = False, recompute: bool = False,
-             overlap: bool = False) -> None:
+             overlap: bool = False, grad_fp32: bool = True, loss_scale: float | None = None, steps: int = STEPS,
+             explicit_groups: bool = False, wrong_dp_group: bool = False, chained: bool = False) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vpp)
     seed_all()
@@ -102,11 +143,14 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
         inner = Float16Module(cfg, gpt) if bf16 else gpt
         gpts.append(gpt)
         chunks.append(DDP(config=cfg, ddp_config=DistributedDataParallelConfig(
-            use_distributed_optimizer=distopt, grad_reduce_in_fp32=True, overlap_grad_reduce=overlap), module=inner,
+            use_distributed_optimizer=distopt, grad_reduce_in_fp32=grad_fp32, overlap_grad_reduce=overlap), module=inner,
             disable_bucketing=stage > 0))
     gpt = gpts[0]
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, clip_grad=1e6,
-                                                 use_distributed_optimizer=distopt, adam_eps=EPS), chunks)
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, clip_grad=1e6,
+                                 use_distributed_optimizer=distopt, adam_eps=EPS, loss_scale=loss_scale)
+    opt = get_megatron_optimizer(opt_config, chunks) if not chained else chained_optimizer(opt_config, chunks)
+    if distopt and bf16:  # the fp32 shards of bf16 parameters are what trainmon must find
+        assert any(group for leaf in opt.chained_optimizers for group in leaf.shard_fp32_from_float16_groups)
     params = {f"{stage}|{pname}": p for stage, g in enumerate(gpts) for pname, p in g.named_parameters()}
     snapshot: dict[str, torch.Tensor] = {}
 
@@ -125,19 +169,34 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
         "params": {"enabled": True},
         "anomaly": {"detectors": [{"type": "nonfinite"}], "actions": ["jsonl"]},
     })
-    monitor.attach(chunks, opt, grad_acc_steps=M)
+    groups: dict = {}
+    if explicit_groups:  # fresh group objects with parallel_state's ranks: identity shows which one is used
+        groups = dict(tp_group=fresh_group(ps.get_tensor_model_parallel_group()),
+                      pp_group=fresh_group(ps.get_pipeline_model_parallel_group()),
+                      dp_group=ps.get_data_parallel_group())
+    elif wrong_dp_group:  # this rank alone, not the optimizer's 2-rank group
+        groups = dict(dp_group=ps.get_tensor_model_parallel_group())
+    warnings: list[str] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("trainmon").addHandler(catch)
+    try:
+        monitor.attach(chunks, opt, grad_acc_steps=M, **groups)
+    finally:
+        logging.getLogger("trainmon").removeHandler(catch)
+    (collector,) = [c for c in monitor._session.attachment.collectors if isinstance(c, MegatronParamCollector)]
+    used_tp_group = collector.layout.tp_group is groups["tp_group"] if explicit_groups else None
     state = {"step": 0, "forwards": 0}
 
     def injector(module, args, output):  # noqa: ANN001, ANN202
-        """Step 1: NaN in stage 1's forward at micro-step 0, in stage 0's backward at micro-step 1."""
+        """NaN in stage 1's forward (micro-step 0) at one step, in stage 0's backward (micro-step 1) at the next."""
         micro, state["forwards"] = state["forwards"], state["forwards"] + 1
-        if state["step"] != 1:
-            return None
-        if ps.get_pipeline_model_parallel_rank() == 1 and micro == 0:
+        stage = ps.get_pipeline_model_parallel_rank()
+        if stage == 1 and micro == 0 and state["step"] == INJECT_FORWARD_STEP:
             out0 = output[0].clone()
             out0.view(-1)[0] = float("nan")
             return (out0,) + tuple(output[1:])
-        if ps.get_pipeline_model_parallel_rank() == 0 and micro == 1:
+        if stage == 0 and micro == 1 and state["step"] == INJECT_BACKWARD_STEP:
             output[0].register_hook(lambda grad: grad.clone().fill_(float("nan")))
         return None
 
@@ -150,13 +209,14 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
                 t = output[0] if isinstance(output, tuple) else output
                 captured.setdefault(f"0|{row}", []).append(t.detach().float().numpy().astype(np.float64))
             handles.append(gpt.get_submodule(mname).register_forward_hook(probe))
-    if inject:
+    if inject:  # prepended: the monitor's hooks see the injected NaN (and hook the NaN gradient after it)
         handles.append(gpt.get_submodule("decoder.layers.0.mlp" if ps.get_pipeline_model_parallel_rank() == 1
-                                         else "decoder.layers.0").register_forward_hook(injector))
+                                         else "decoder.layers.0").register_forward_hook(injector, prepend=True))
     refs: dict[str, dict] = {}
     m = {n: 0.0 for n in params}
     v = {n: 0.0 for n in params}
-    for step in range(STEPS):
+    skipped = []
+    for step in range(steps):
         state["step"], state["forwards"] = step, 0
         captured.clear()
         data = [iter(batches(step)) for _ in chunks] if vpp else iter(batches(step))
@@ -181,8 +241,13 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
         step_refs: dict[str, dict] = {f: {} for f in ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq",
                                                       "update", "ratio", "actv")}
         dp_group, dp = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
+        if not ok:  # skipped for non-finite gradients: no optimizer hook ran, Adam's state is unchanged
+            skipped.append(step)
         for pname, p in params.items():
             unreduced = full(snapshot[pname], p)
+            step_refs["grad_unreduced"][pname] = np_stats(unreduced)
+            if not ok:
+                continue
             summed = torch.from_numpy(unreduced.copy())
             dist.all_reduce(summed, group=dp_group)
             reduced = summed.numpy() / dp
@@ -191,7 +256,6 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
             update = (m[pname] / (1 - BETAS[0] ** (step + 1))) / (
                 np.sqrt(v[pname] / (1 - BETAS[1] ** (step + 1))) + EPS)
             after = full(p, p)
-            step_refs["grad_unreduced"][pname] = np_stats(unreduced)
             step_refs["grad_reduced"][pname] = np_stats(reduced)
             step_refs["exp_avg"][pname] = np_stats(m[pname])
             step_refs["exp_avg_sq"][pname] = np_stats(v[pname])
@@ -216,7 +280,8 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
         assert not (leaf.optimizer._optimizer_step_pre_hooks or leaf.optimizer._optimizer_step_post_hooks)
     with open(run_dir / f"refs_rank{dist.get_rank()}.json", "w") as f:
         json.dump({"pp_stage": ps.get_pipeline_model_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
-                   "dp_rank": ps.get_data_parallel_rank(), "steps": refs}, f)
+                   "dp_rank": ps.get_data_parallel_rank(), "steps": refs, "skipped": skipped,
+                   "warnings": warnings, "used_tp_group": used_tp_group}, f)
     ps.destroy_model_parallel()
 
 
