@@ -3,29 +3,37 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from trainmon.probe import device as dev
 
 
-def test_pack_signs_matches_numpy_packbits():
+# The CPU fast paths (numpy) and the device kernels (used on GPU/NPU, run here on CPU tensors).
+PACKERS = {"pack_signs": lambda x: dev.pack_signs(x > 0), "pack_positive": dev.pack_positive,
+           "device_kernels": lambda x: dev._pack_torch(x > 0)}
+
+
+@pytest.mark.parametrize("pack", PACKERS.values(), ids=PACKERS.keys())
+def test_pack_signs_matches_numpy_packbits(pack):
     for n in (1, 7, 8, 9, 63, 64, 65, 1000):
         x = torch.randn(n, generator=torch.Generator().manual_seed(n))
         x[::5] = 0.0  # exact zeros count as "not positive"
-        packed = dev.pack_signs(x > 0)
+        packed = pack(x)
         want = np.packbits(x.numpy() > 0, bitorder="little")
         assert packed.numel() == 8 * dev.packed_words(n)
         np.testing.assert_array_equal(packed.numpy()[: (n + 7) // 8], want, err_msg=f"n={n}")
         assert not packed.numpy()[(n + 7) // 8:].any()  # zero padding
 
 
-def test_differing_bits_counts_sign_changes():
+@pytest.mark.parametrize("differing", [dev.differing_bits, dev._differing_torch], ids=["cpu", "device_kernels"])
+def test_differing_bits_counts_sign_changes(differing):
     g = torch.Generator().manual_seed(1)
     for n in (5, 64, 777):
         a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
         b[: n // 3] = a[: n // 3]  # some agreement
         a[-1], b[-1] = -1.0, 1.0  # a top-bit difference (negative int64 word paths)
-        got = int(dev.differing_bits(dev.pack_signs(a > 0), dev.pack_signs(b > 0)))
+        got = int(differing(dev.pack_signs(a > 0), dev.pack_signs(b > 0)))
         assert got == int(np.sum((a.numpy() > 0) != (b.numpy() > 0))), n
 
 

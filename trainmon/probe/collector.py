@@ -174,7 +174,7 @@ class GradProbe:
                     "dtype": str(grad.dtype).removeprefix("torch.")}
             row = self._base_stats(flat)
             if self.level == "L0":
-                packed = dev.pack_signs(flat > 0)
+                packed = dev.pack_positive(flat)
                 checksums.append(torch.stack([dev.raw_checksum(flat).to(torch.int64), dev.words_checksum(packed)]))
                 row += [self._nan(flat)] * (len(SIMILARITIES))
             else:
@@ -229,11 +229,11 @@ class GradProbe:
             if indices is None or indices.device != flat.device:
                 indices = self._samples[index] = dev.sample_indices(flat.numel(), sample_size, flat.device)
             values = flat[indices].to(_F32)
-            packed = dev.pack_signs(values > 0)
+            packed = dev.pack_positive(values)
             count = values.numel()
         else:
             values = flat.to(_F32) if sample_size is not None else None
-            packed = packed_full = dev.pack_signs(flat > 0)
+            packed = packed_full = dev.pack_positive(flat)
             count = flat.numel()
         if values is not None:
             previous = self._prev_sample.get(index)
@@ -256,8 +256,8 @@ class GradProbe:
         if exp_avg is not None and exp_avg.numel() == flat.numel():
             momentum = exp_avg.detach().reshape(-1)
             if packed_full is None:
-                packed_full = dev.pack_signs(flat > 0)
-            differing_m = dev.differing_bits(packed_full, dev.pack_signs(momentum > 0)).to(_F32)
+                packed_full = dev.pack_positive(flat)
+            differing_m = dev.differing_bits(packed_full, dev.pack_positive(momentum)).to(_F32)
             agree_exp_avg = 1.0 - differing_m / flat.numel()
             dot = torch.dot(flat.to(_F32), momentum.to(_F32))
             norm_m = torch.linalg.vector_norm(momentum, dtype=_F32)

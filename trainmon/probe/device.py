@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 _F32 = torch.float32
@@ -25,6 +26,25 @@ def packed_words(count: int) -> int:
     return (count + 63) // 64
 
 
+_NUMPY_VIEWABLE = (torch.float32, torch.float64, torch.float16)
+
+
+def pack_positive(x: torch.Tensor) -> torch.Tensor:
+    """``pack_signs(x > 0)``; on CPU through numpy (torch's CPU comparison and the packing kernels
+    are about 10x slower than numpy's SIMD ``>`` and ``packbits`` on a zero-copy view)."""
+    if x.device.type == "cpu" and x.dtype in _NUMPY_VIEWABLE:
+        return _pack_numpy(x.detach().reshape(-1).numpy() > 0)  # CPU view: no copy, no sync
+    return pack_signs(x > 0)
+
+
+def _pack_numpy(positive: np.ndarray) -> torch.Tensor:
+    n = positive.size
+    out = torch.zeros(8 * packed_words(n), dtype=torch.uint8)
+    bits = np.packbits(positive, bitorder="little")
+    out.numpy()[: bits.size] = bits
+    return out
+
+
 def pack_signs(positive: torch.Tensor) -> torch.Tensor:
     """Pack a flat bool tensor (``x > 0``) into bytes, 8 elements per byte, on its device.
 
@@ -33,6 +53,13 @@ def pack_signs(positive: torch.Tensor) -> torch.Tensor:
         the packed bits, the rest (up to 7 bytes) are zero padding, so that two packed
         tensors can be compared as int64 words (:func:`differing_bits`).
     """
+    if positive.device.type == "cpu":
+        return _pack_numpy(positive.reshape(-1).numpy())
+    return _pack_torch(positive)
+
+
+def _pack_torch(positive: torch.Tensor) -> torch.Tensor:
+    """The device kernels of :func:`pack_signs` (any device; used off CPU)."""
     n = positive.numel()
     flat = positive.reshape(-1)
     n8 = n - n % 8
@@ -58,6 +85,13 @@ def differing_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     and a byte sum. Arithmetic right shifts of negative words only bring sign bits into
     positions the masks clear.
     """
+    if a.device.type == "cpu":  # numpy's unpackbits + count_nonzero: 2x the SWAR kernels on CPU
+        return torch.tensor(np.count_nonzero(np.unpackbits(np.bitwise_xor(a.numpy(), b.numpy()))))
+    return _differing_torch(a, b)
+
+
+def _differing_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The device kernels of :func:`differing_bits` (any device; used off CPU)."""
     x = a.view(torch.int64) ^ b.view(torch.int64)
     x = x - ((x >> 1) & _M1)
     x = (x & _M2) + ((x >> 2) & _M2)
