@@ -264,3 +264,67 @@ def test_bf16_global_grad_norm_accumulates_in_float32(tmp_path):
     got = scalars[scalars["name"] == "grad_norm"]["value"].item()
     want = np.sqrt(sum(np.sum(g * g) for g in grads))
     assert np.isclose(got, want, rtol=1e-5), (got, want)  # bf16 accumulation is off by ~1e-3
+
+
+class _Mixer(torch.nn.Module):
+    """Takes a tensor, a list of tensors and a kwargs tensor; returns a tuple with a dict inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.seen: dict[str, np.ndarray] = {}
+
+    def forward(self, x, pair, *, scale):
+        a, b = pair
+        y = self.proj(x) * scale + a
+        z = torch.tanh(b) * 2.0
+        for key, value in {"x": x, "a": a, "b": b, "scale": scale, "y": y, "z": z}.items():
+            self.seen[key] = value.detach().double().numpy().copy()
+        return y, {"aux": z}
+
+
+class _MixerNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 4)
+        self.mixer = _Mixer()
+
+    def forward(self, x):
+        h = self.inp(x)
+        y, extra = self.mixer(h, [h * 0.5, h - 1.0], scale=h.sigmoid())
+        return (y.square().sum() + extra["aux"].sum()) / y.numel()
+
+
+@pytest.mark.parametrize("grad_hooks", ["module", "tensor"])
+def test_tuple_list_and_kwargs_tensors_are_each_measured(tmp_path, grad_hooks):
+    """Issue 2: inputs and outputs in tuples, lists and kwargs each get their own row, equal to numpy.
+
+    Gradients: torch's full backward hooks (``module``) only see top-level tensors of the positional
+    inputs and of the output tuple; ``tensor`` hooks see every tensor (documented in the README).
+    """
+    torch.manual_seed(0)
+    model = _MixerNet()
+    config = {"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"], "targets": {"modules": ["mixer"]},
+              "activations": {**ALL, "inputs": True, "backward": True, "grad_hooks": grad_hooks}}
+    monitor = TrainerMonitor(config).attach(model)
+    model(torch.randn(3, 4)).backward()
+    monitor.step()
+    monitor.close()
+    rows = read_family(tmp_path / "run" / "rank0", "actv").set_index("name")
+    seen = model.mixer.seen
+    expected = {"mixer.input.0": seen["x"], "mixer.input.1": seen["a"], "mixer.input.2": seen["b"],
+                "mixer.input.scale": seen["scale"], "mixer.output.0": seen["y"], "mixer.output.aux": seen["z"]}
+    assert set(rows.index) == set(expected), sorted(rows.index)
+    for name, array in expected.items():
+        assert_close(rows.loc[name], np_stats(array), METRICS, label=name)
+    grads = read_family(tmp_path / "run" / "rank0", "actv_grad").set_index("name")
+    # loss = (sum y^2 + sum z) / 12: d/dy = 2y/12, d/dz = 1/12, d/da = d/dy, d/db = 2 (1 - tanh(b)^2) / 12
+    want = {"mixer.output_grad.0": 2 * seen["y"] / 12}
+    if grad_hooks == "tensor":
+        want.update({"mixer.output_grad.aux": np.full_like(seen["z"], 1 / 12), "mixer.input_grad.1": 2 * seen["y"] / 12,
+                     "mixer.input_grad.2": 2 * (1 - np.tanh(seen["b"]) ** 2) / 12})
+        assert {"mixer.input_grad.0", "mixer.input_grad.scale"} <= set(grads.index)
+    else:
+        assert set(grads.index) == {"mixer.output_grad.0", "mixer.input_grad.0"}
+    for name, array in want.items():
+        assert_close(grads.loc[name], np_stats(array), METRICS, label=name)
