@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -74,3 +75,19 @@ def test_slow_output_drops_records_instead_of_blocking_training(caplog):
     writer.close()
     assert written[0] == 0 and 2 <= len(written) <= 3  # the one being written + the queued ones
     assert sum("slower than training" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux) to play a full disk")
+def test_tensorboard_on_a_full_disk_warns_once_and_prints_no_traceback(tmp_path, caplog, capfd):
+    from trainmon.sinks.base import SinkWriter
+
+    sink = TensorBoardSink(tmp_path)
+    writer = SinkWriter([sink], flush_seconds=0)
+    writer.submit(_record(0))
+    writer.submit(lambda: setattr(sink._writer._py_recordio_writer, "_writer", open("/dev/full", "wb")))
+    for step in range(1, 4):
+        writer.submit(_record(step))  # ENOSPC when the writer thread flushes
+    writer.close()
+    disabled = [r.getMessage() for r in caplog.records if "sink tensorboard failed and is disabled" in r.getMessage()]
+    assert len(disabled) == 1 and "OSError" in disabled[0]
+    assert "Traceback" not in capfd.readouterr().err
