@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.actions.naming import is_within, module_parents, modules_for_events, safe_file_name
+from trainmon.actions.capture import Capture, to_host
+from trainmon.actions.naming import is_within, module_parents, modules_for_events
 from trainmon.collect.hooks import HookRegistry
 from trainmon.rundir import write_json
 from trainmon.targets import select
@@ -37,103 +38,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("trainmon")
 _GROUP = "dump"
 _SKIP_FRAMES = (os.sep + "torch" + os.sep, os.sep + "trainmon" + os.sep)
-
-
-def tensor_statistics(tensor: torch.Tensor) -> torch.Tensor | None:
-    """``[Max, Min, Mean, Norm]`` of a tensor on its device (no host sync); None when empty.
-
-    Low-precision and integer tensors are measured in float32, float64 tensors in float64.
-    """
-    x = tensor.detach()
-    if x.numel() == 0:
-        return None
-    if x.is_complex():
-        x = torch.view_as_real(x)
-    if not x.is_floating_point():
-        x = x.to(torch.float32)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    lo, hi = torch.aminmax(x)
-    return torch.stack([hi.to(acc), lo.to(acc), x.mean(dtype=acc), torch.linalg.vector_norm(x, dtype=acc)])
-
-
-class _Capture:
-    """What one dump step captured; filled by hooks on the training thread."""
-
-    def __init__(self, step: int, mode: str, max_bytes: int) -> None:
-        self.step = step
-        self.mode = mode
-        self.max_bytes = max_bytes
-        self.data: dict[str, dict[str, Any]] = {}
-        self.stack: dict[str, list[str]] = {}
-        self.construct: dict[str, str | None] = {}
-        self.stats: list[torch.Tensor] = []
-        self.stat_targets: list[dict[str, Any]] = []
-        self.files: dict[str, torch.Tensor] = {}
-        self.hashes: list[tuple[dict[str, Any], torch.Tensor]] = []
-        self.bytes = 0
-        self.budget_hit = False
-
-    def describe(self, value: Any, stem: str) -> Any:
-        """msprobe's description of an argument; tensors get statistics (filled in later)."""
-        if isinstance(value, torch.Tensor):
-            return self._tensor(value, stem)
-        if isinstance(value, (list, tuple)):
-            return [self.describe(item, f"{stem}.{i}") for i, item in enumerate(value)]
-        if isinstance(value, dict):
-            return {str(k): self.describe(v, f"{stem}.{k}") for k, v in value.items()}
-        if value is None:
-            return None
-        if isinstance(value, (bool, int, float, str)):
-            return {"type": type(value).__name__, "value": value}
-        if isinstance(value, (torch.dtype, torch.device, torch.Size, slice)):
-            return {"type": type(value).__name__, "value": str(value)}
-        return {"type": type(value).__name__}
-
-    def _tensor(self, tensor: torch.Tensor, stem: str) -> dict[str, Any]:
-        desc: dict[str, Any] = {"type": "torch.Tensor", "dtype": str(tensor.dtype), "shape": list(tensor.shape),
-                                "Max": None, "Min": None, "Mean": None, "Norm": None,
-                                "requires_grad": bool(tensor.requires_grad)}
-        stats = tensor_statistics(tensor)
-        if stats is not None:
-            self.stats.append(stats)
-            self.stat_targets.append(desc)
-        if self.mode == "statistics":
-            return desc
-        file_name = safe_file_name(stem, ".pt")
-        previous = self.files.pop(file_name, None)  # a parameter grad re-captured at a later micro-step
-        if previous is not None:
-            self.bytes -= previous.numel() * previous.element_size()
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.bytes + nbytes > self.max_bytes:
-            if not self.budget_hit:
-                logger.warning("trainmon dump: step %d reached dump.max_bytes=%d; later tensors keep their "
-                               "statistics but are not %s", self.step, self.max_bytes,
-                               "saved" if self.mode == "tensor" else "hashed")
-            self.budget_hit = True
-            return desc
-        self.bytes += nbytes
-        host = tensor.detach().to("cpu", copy=True)  # sync: the dump's host copy (dump steps only)
-        if self.mode == "tensor":
-            self.files[file_name] = host
-            desc["data_name"] = file_name
-        else:
-            self.hashes.append((desc, host))
-        return desc
-
-
-def _to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
-    """Copy ``[4]`` statistics tensors to the host with one transfer per device."""
-    out: list[list[float]] = [[] for _ in tensors]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, tensor in enumerate(tensors):
-        by_device.setdefault(tensor.device, []).append(i)
-    for device, indices in by_device.items():
-        dtype = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
-        stacked = torch.stack([tensors[i].to(dtype) for i in indices])
-        values = stacked.cpu().tolist()  # sync: the one statistics transfer of a dump step
-        for i, row in zip(indices, values):
-            out[i] = row
-    return out
 
 
 class TargetedDump:
@@ -164,7 +68,7 @@ class TargetedDump:
         self._requests: dict[int, set[str]] = {}
         self._next: set[str] = set()
         self._step: int | None = None
-        self._capture: _Capture | None = None
+        self._capture: Capture | None = None
         self._dumps = 0
         self._refused = False
         self._writer: ThreadPoolExecutor | None = None
@@ -229,7 +133,7 @@ class TargetedDump:
                                self.config.max_dumps)
             self._refused = True
             return
-        self._capture = _Capture(step, self.config.mode, self.config.max_bytes)
+        self._capture = Capture(step, self.config.mode, self.config.max_bytes)
         self._calls, self._open = {}, []
         for name in (n for n in self._modules if n in names):
             module = self._modules[name]
@@ -251,7 +155,7 @@ class TargetedDump:
         if capture is None:
             return None
         self._dumps += 1
-        values = _to_host(capture.stats)
+        values = to_host(capture.stats)
         directory = self.rank_dir / "dump" / f"step{capture.step}"
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainmon-dump")
@@ -329,7 +233,7 @@ class TargetedDump:
 
         return hook
 
-    def _watch_gradients(self, capture: _Capture, forward_node: str, side: str,
+    def _watch_gradients(self, capture: Capture, forward_node: str, side: str,
                          tensors: list[torch.Tensor | None]) -> None:
         """Record the gradients of ``tensors`` under ``backward.{call}[side][i]`` with tensor hooks.
 
@@ -346,7 +250,7 @@ class TargetedDump:
             hook = self._gradient_hook(capture, node, forward_node, side, index, len(tensors))
             self._registry.add(_GROUP, tensor.register_hook(hook))
 
-    def _gradient_hook(self, capture: _Capture, node: str, forward_node: str, side: str, index: int,
+    def _gradient_hook(self, capture: Capture, node: str, forward_node: str, side: str, index: int,
                        count: int):  # noqa: ANN202 - hook closure
         def hook(grad: torch.Tensor) -> None:
             if self._capture is not capture:  # a backward after the dump step ended
@@ -387,7 +291,7 @@ class TargetedDump:
             logger.warning(message, *args)
 
     # ------------------------------------------------------------------ writer thread
-    def _write(self, capture: _Capture, values: list[list[float]], directory: Path) -> Path:
+    def _write(self, capture: Capture, values: list[list[float]], directory: Path) -> Path:
         for desc, (hi, lo, mean, norm) in zip(capture.stat_targets, values):
             desc.update(Max=hi, Min=lo, Mean=mean, Norm=norm)
         for desc, host in capture.hashes:

@@ -1,0 +1,110 @@
+"""What a dump step captures: msprobe-style descriptions of module arguments, device statistics
+(copied to the host once per dump step) and, in ``tensor``/``md5`` modes, host copies within a byte budget."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from trainmon.actions.naming import safe_file_name
+
+logger = logging.getLogger("trainmon")
+
+
+def tensor_statistics(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``[Max, Min, Mean, Norm]`` of a tensor on its device (no host sync); None when empty.
+
+    Low-precision and integer tensors are measured in float32, float64 tensors in float64.
+    """
+    x = tensor.detach()
+    if x.numel() == 0:
+        return None
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if not x.is_floating_point():
+        x = x.to(torch.float32)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    lo, hi = torch.aminmax(x)
+    return torch.stack([hi.to(acc), lo.to(acc), x.mean(dtype=acc), torch.linalg.vector_norm(x, dtype=acc)])
+
+
+class Capture:
+    """What one dump step captured; filled by hooks on the training thread."""
+
+    def __init__(self, step: int, mode: str, max_bytes: int) -> None:
+        self.step = step
+        self.mode = mode
+        self.max_bytes = max_bytes
+        self.data: dict[str, dict[str, Any]] = {}
+        self.stack: dict[str, list[str]] = {}
+        self.construct: dict[str, str | None] = {}
+        self.stats: list[torch.Tensor] = []
+        self.stat_targets: list[dict[str, Any]] = []
+        self.files: dict[str, torch.Tensor] = {}
+        self.hashes: list[tuple[dict[str, Any], torch.Tensor]] = []
+        self.bytes = 0
+        self.budget_hit = False
+
+    def describe(self, value: Any, stem: str) -> Any:
+        """msprobe's description of an argument; tensors get statistics (filled in later)."""
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, stem)
+        if isinstance(value, (list, tuple)):
+            return [self.describe(item, f"{stem}.{i}") for i, item in enumerate(value)]
+        if isinstance(value, dict):
+            return {str(k): self.describe(v, f"{stem}.{k}") for k, v in value.items()}
+        if value is None:
+            return None
+        if isinstance(value, (bool, int, float, str)):
+            return {"type": type(value).__name__, "value": value}
+        if isinstance(value, (torch.dtype, torch.device, torch.Size, slice)):
+            return {"type": type(value).__name__, "value": str(value)}
+        return {"type": type(value).__name__}
+
+    def _tensor(self, tensor: torch.Tensor, stem: str) -> dict[str, Any]:
+        desc: dict[str, Any] = {"type": "torch.Tensor", "dtype": str(tensor.dtype), "shape": list(tensor.shape),
+                                "Max": None, "Min": None, "Mean": None, "Norm": None,
+                                "requires_grad": bool(tensor.requires_grad)}
+        stats = tensor_statistics(tensor)
+        if stats is not None:
+            self.stats.append(stats)
+            self.stat_targets.append(desc)
+        if self.mode == "statistics":
+            return desc
+        file_name = safe_file_name(stem, ".pt")
+        previous = self.files.pop(file_name, None)  # a parameter grad re-captured at a later micro-step
+        if previous is not None:
+            self.bytes -= previous.numel() * previous.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.bytes + nbytes > self.max_bytes:
+            if not self.budget_hit:
+                logger.warning("trainmon dump: step %d reached dump.max_bytes=%d; later tensors keep their "
+                               "statistics but are not %s", self.step, self.max_bytes,
+                               "saved" if self.mode == "tensor" else "hashed")
+            self.budget_hit = True
+            return desc
+        self.bytes += nbytes
+        host = tensor.detach().to("cpu", copy=True)  # sync: the dump's host copy (dump steps only)
+        if self.mode == "tensor":
+            self.files[file_name] = host
+            desc["data_name"] = file_name
+        else:
+            self.hashes.append((desc, host))
+        return desc
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """Copy ``[4]`` statistics tensors to the host with one transfer per device."""
+    out: list[list[float]] = [[] for _ in tensors]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(i)
+    for device, indices in by_device.items():
+        dtype = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+        stacked = torch.stack([tensors[i].to(dtype) for i in indices])
+        values = stacked.cpu().tolist()  # sync: the one statistics transfer of a dump step
+        for i, row in zip(indices, values):
+            out[i] = row
+    return out
