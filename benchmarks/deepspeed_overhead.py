@@ -15,25 +15,19 @@ need no collective: the figure is the cost of the hooks, the shard reads and the
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-if "RANK" not in os.environ:  # one process without a launcher (else DeepSpeed looks for MPI)
-    with socket.socket() as _sock:
-        _sock.bind(("127.0.0.1", 0))
-        _port = str(_sock.getsockname()[1])
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=_port)
-
-import torch  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
+from launch_env import single_process_env  # noqa: E402
+
+single_process_env()
+
+import torch  # noqa: E402
 from benchmarks.overhead import BATCH, CASES, CLOCKS, SHAPE  # noqa: E402
 from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
 

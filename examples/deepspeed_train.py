@@ -11,23 +11,17 @@ Options: --stage 0..3, --bf16, --gas N (gradient accumulation), --steps N, --out
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-if "RANK" not in os.environ:  # one process without a launcher (else DeepSpeed looks for MPI)
-    with socket.socket() as _sock:
-        _sock.bind(("127.0.0.1", 0))
-        _port = str(_sock.getsockname()[1])
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=_port)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launch_env import single_process_env  # noqa: E402
+
+single_process_env()
 
 import torch  # noqa: E402
 import deepspeed  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
 
 from trainmon import TrainerMonitor  # noqa: E402

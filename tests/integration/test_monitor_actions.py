@@ -11,40 +11,14 @@ import pytest
 import torch
 from torch import nn
 
+from tests.integration.test_dump import Net  # layer 2 can be poisoned with a NaN
 from trainmon import TrainerMonitor
 from trainmon.errors import ConfigError
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(6, 6)
-        self.act = nn.Tanh()
-        self.poison = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.act(self.fc(x))
-        if self.poison:
-            y = y.clone()
-            y[0, 0] = float("nan")
-        return y
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList([Block() for _ in range(3)])
-        self.head = nn.Linear(6, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
 def train(monitor: TrainerMonitor | None, steps: int = 8) -> dict[str, torch.Tensor]:
     """Adam on a fixed batch; layer 2's output gets a NaN at step 5 (that step's update is skipped)."""
+    torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), torch.ones(4, 1)
