@@ -94,3 +94,37 @@ def test_global_grad_norm_of_bf16_grads_accumulates_in_float32():
     assert got.dtype == torch.float32
     want = np.sqrt(sum(np.sum(g.double().numpy() ** 2) for g in grads))
     assert float(got) == pytest.approx(want, rel=2e-6)
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_chunked_adam_partials_equal_the_materialised_update_and_ratio(poison):
+    """The CPU fused path (several chunks, a partial last one) against update/ratio computed whole."""
+    from trainmon.collect.optimizer import _CHUNK, adam_partials_cpu, adam_update, update_ratio
+    from tests.reference import np_stats
+
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(3 * _CHUNK + 123))
+    with torch.no_grad():
+        param[:50] = 0.0  # a zero parameter gives ratio 0, never Inf
+    optimizer = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.0)
+    for _ in range(3):
+        param.grad = torch.randn_like(param)
+        optimizer.step()
+    state, group = optimizer.state[param], optimizer.param_groups[0]
+    if poison:
+        state["exp_avg"][7 * _CHUNK // 3] = float("nan")
+    spec = StatsSpec.from_metrics(["norm", "min", "max", "mean", "zeros", "nans", "infs"], 1e-8)
+    fused_update, fused_ratio = adam_partials_cpu(state, group, param, spec, spec)
+    update = adam_update(state, group)
+    for fused, tensor in ((fused_update, update), (fused_ratio, update_ratio(update, param))):
+        want = np_stats(tensor.double().numpy())
+        got = fused.double().numpy()
+        numel = got[7]
+        assert numel == tensor.numel()
+        values = {"norm": got[0], "min": got[2], "max": got[3], "mean": got[1] / numel, "zeros": got[4] / numel,
+                  "nans": got[5], "infs": got[6]}
+        for metric, value in values.items():
+            if np.isnan(want[metric]):
+                assert np.isnan(value), metric
+            else:
+                assert np.isclose(value, want[metric], rtol=1e-5, atol=1e-9), (metric, value, want[metric])

@@ -24,6 +24,7 @@ _F32 = torch.float32
 _NUMPY_VIEWABLE = (torch.float32, torch.float64, torch.float16)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+_TORCH_FLOATS = {numpy_type: torch_type for torch_type, numpy_type in _NUMPY_FLOATS.items()}
 
 
 @dataclass(frozen=True)
@@ -91,35 +92,44 @@ def partial_stats(tensor: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
 
 
 def _partial_cpu(x: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
-    """CPU tensors: min/max and the counts run on a zero-copy numpy view of the tensor.
+    """CPU tensors: statistics on a zero-copy numpy view of the tensor.
 
     torch's CPU kernels for isnan/isinf/comparisons are unvectorised (10-16x slower than
-    numpy's SIMD loops on this kind of machine); no data is copied or moved. The NaN and Inf counts
-    are only computed when min or max is not finite (they are exactly 0 otherwise).
+    numpy's SIMD loops on this kind of machine); no data is copied or moved.
     """
     out = torch.zeros(PARTIAL_SLOTS, dtype=_F32)
-    view = out.numpy()  # CPU memory shared with `out`: no transfer, no sync
-    values = x.numpy()  # a view of CPU memory: no transfer, no sync
+    partial_numpy(x.numpy(), spec, out.numpy())  # CPU views of `x` and `out`: no transfer, no sync
+    return out
+
+
+def partial_numpy(values: np.ndarray, spec: StatsSpec, out: np.ndarray) -> np.ndarray:
+    """Fill the 8-slot partial ``out`` from a float16/32/64 numpy array (no copy of ``values``).
+
+    The norm of a contiguous float32/float64 array is a BLAS dot (2x ``vector_norm`` on
+    cache-sized arrays); the NaN and Inf counts are only computed when min or max is not finite
+    (they are exactly 0 otherwise). Also the building block of chunked statistics
+    (:func:`trainmon.collect.optimizer.adam_partials_cpu`).
+    """
     if spec.norm:
-        if x.dtype != torch.float16 and x.is_contiguous():
+        if values.dtype != np.float16 and values.flags.c_contiguous:
             flat = values.reshape(-1)  # contiguous: a view
-            view[0] = np.sqrt(np.dot(flat, flat))  # BLAS dot: 2x faster than vector_norm on cache-sized tensors
+            out[0] = np.sqrt(np.dot(flat, flat))
         else:
-            out[0] = _norm(x)  # a CPU copy into `out`: no sync
+            out[0] = _norm(torch.from_numpy(values)).numpy()  # from_numpy and .numpy(): CPU views
     if spec.sum:
-        out[1] = x.sum(dtype=_F32)
+        out[1] = torch.from_numpy(values).sum(dtype=_F32).numpy()  # torch's CPU sum (4x numpy's); a view
     lo, hi = values.min(), values.max()
-    view[2], view[3] = lo, hi
+    out[2], out[3] = lo, hi
     if spec.zeros:
-        threshold = zero_threshold(spec.eps, x.dtype)
-        view[4] = np.count_nonzero(values == 0) if threshold == 0 else np.count_nonzero(
+        threshold = zero_threshold(spec.eps, _TORCH_FLOATS[values.dtype.type])
+        out[4] = np.count_nonzero(values == 0) if threshold == 0 else np.count_nonzero(
             (values > -threshold) & (values < threshold))
     if not (np.isfinite(lo) and np.isfinite(hi)):  # finite min and max: no NaN or Inf anywhere
         if spec.nans:
-            view[5] = np.count_nonzero(np.isnan(values))
+            out[5] = np.count_nonzero(np.isnan(values))
         if spec.infs:
-            view[6] = np.count_nonzero(np.isinf(values))
-    view[7] = x.numel()
+            out[6] = np.count_nonzero(np.isinf(values))
+    out[7] = values.size
     return out
 
 
