@@ -286,3 +286,33 @@ def test_dynamic_watch_without_a_file_warns(tmp_path, caplog):
     monitor.attach(TinyNet())
     monitor.close()
     assert any("dynamic.watch needs a config file" in r.getMessage() for r in caplog.records)
+
+
+def test_a_tensor_that_cannot_be_measured_is_skipped_with_one_warning(tmp_path, caplog):
+    """A module returning a sparse tensor must not break the user's forward."""
+
+    class WithSparse(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return y, y.detach().to_sparse()
+
+    model = torch.nn.Sequential()
+    model.add_module("sp", WithSparse())
+    optimizer = torch.optim.Adam(model.parameters())
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"],
+                              # torch's own full backward hooks cannot wrap a sparse output: forward rows only
+                              "activations": {"enabled": True, "backward": False}}).attach(model, optimizer)
+    for _ in range(3):
+        model(torch.randn(2, 4))[0].sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step()
+    monitor.close()
+    warned = [r.getMessage() for r in caplog.records if "cannot measure" in r.getMessage()]
+    assert len(warned) == 1 and "actv/sp.output.1" in warned[0] and "sparse" in warned[0]
+    rows = read_family(tmp_path / "run" / "rank0", "actv")
+    assert "sp.output.0" in set(rows.name) and "sp.output.1" not in set(rows.name)

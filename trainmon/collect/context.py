@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ import torch
 from trainmon.collect.buffer import StepBuffer
 from trainmon.collect.stats import StatsSpec, partial_stats
 from trainmon.records import RowKey
+
+logger = logging.getLogger("trainmon")
 
 
 class Collector(Protocol):
@@ -61,6 +64,7 @@ class StepContext:
     stats_fn: Callable[[Any, StatsSpec], Any] = partial_stats
     """Partial statistics of one tensor; MindSpore sets its own."""
     _measured: dict[int, tuple[weakref.ref, int, StatsSpec, torch.Tensor]] = field(default_factory=dict)
+    _unmeasurable: set[tuple[str, str]] = field(default_factory=set)
 
     def wants(self, family: str) -> bool:
         return self.collecting and family in self.specs
@@ -69,7 +73,8 @@ class StepContext:
                micro_step: int | None = None) -> torch.Tensor | None:
         """Measure ``tensor`` into the buffer as a row of ``family`` (no host sync).
 
-        Returns the device partial vector (so a caller can reuse it), or None when the family is off.
+        Returns the device partial vector (so a caller can reuse it), or None when the family is off
+        or the tensor cannot be measured (a sparse tensor, say: warned once per row, then skipped).
         """
         spec = self.specs.get(family)
         if spec is None:
@@ -82,11 +87,21 @@ class StepContext:
         if seen is not None and seen[0]() is tensor and seen[1] == version and seen[2] == spec:
             partial = seen[3]
         else:
-            partial = self.stats_fn(tensor, spec)
+            try:
+                partial = self.stats_fn(tensor, spec)
+            except Exception as exc:  # a tensor we cannot measure must not break the user's step
+                self._cannot_measure(family, name, exc)
+                return None
             if version is not None:
                 self._measured[id(tensor)] = (weakref.ref(tensor), version, spec, partial)
         self.add(family, name, partial, vpp_stage, micro_step)
         return partial
+
+    def _cannot_measure(self, family: str, name: str, exc: Exception) -> None:
+        if (family, name) not in self._unmeasurable:
+            self._unmeasurable.add((family, name))
+            logger.warning("trainmon: cannot measure %s/%s (%s: %s); that row is skipped",
+                           family, name, type(exc).__name__, exc)
 
     def new_step(self) -> None:
         """Reset the per-step state after the step's transfer."""

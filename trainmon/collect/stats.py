@@ -66,6 +66,8 @@ def partial_stats(tensor: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
     Never synchronises with the host. ``numel`` is written with a device fill, not a copy.
     """
     x = tensor.detach()
+    if x.layout != torch.strided:
+        raise TypeError(f"{x.layout} tensors are not measured")
     device = x.device
     numel = x.numel()
     if numel == 0:
