@@ -168,6 +168,8 @@ class Session:
 
     # ----------------------------------------------------------------------------- step loop
     def end_step(self, loss: Any, scalars: dict[str, Any], by_user: bool) -> StepRecord | None:
+        for name, value in (("loss", loss), *scalars.items()):
+            _check_scalar(name, value)
         self._user_steps = self._user_steps or by_user
         ctx = self.ctx
         if by_user and self.attachment.micro_steps_by_user and not self._optimizer_stepped:
@@ -299,6 +301,16 @@ def _warn_unsupported(config: MonitorConfig, framework: str) -> None:
     for section, frameworks in _UNSUPPORTED.items():
         if framework in frameworks and getattr(config, section).enabled:
             logger.warning("trainmon: %s is not supported with %s yet and is off for this run", section, framework)
+
+
+def _check_scalar(name: str, value: Any) -> None:
+    """A scalar given to ``step()`` is None, a tensor (any framework) or a number."""
+    if value is None or hasattr(value, "detach") or hasattr(value, "asnumpy"):
+        return
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"step(): {name} must be a number or a tensor, got {type(value).__name__} {value!r}") from None
 
 
 def _specs(metrics: dict[str, list[str]], eps: float) -> dict[str, StatsSpec]:

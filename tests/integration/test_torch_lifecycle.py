@@ -316,3 +316,16 @@ def test_a_tensor_that_cannot_be_measured_is_skipped_with_one_warning(tmp_path, 
     assert len(warned) == 1 and "actv/sp.output.1" in warned[0] and "sparse" in warned[0]
     rows = read_family(tmp_path / "run" / "rank0", "actv")
     assert "sp.output.0" in set(rows.name) and "sp.output.1" not in set(rows.name)
+
+
+def test_step_scalars_accept_numbers_and_tensors_and_reject_others(tmp_path):
+    model, optimizer, monitor = _setup(tmp_path)
+    monitor.attach(model, optimizer)
+    for loss in (1.5, torch.tensor(2.0), torch.tensor(3.0, dtype=torch.bfloat16)):
+        loss_fn(model, *batch(0)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert float(monitor.step(loss=loss, tokens=7).scalars["loss"]) == float(loss)
+    with pytest.raises(TypeError, match="step\\(\\): loss must be a number or a tensor, got str 'abc'"):
+        monitor.step(loss="abc")
+    monitor.close()
