@@ -38,6 +38,7 @@ CASES = [
     {"name": "z2", "stage": 2},
     {"name": "z3", "stage": 3},
     {"name": "z0_gas", "stage": 0, "gas": 2},
+    {"name": "z1_gas_subset", "stage": 1, "gas": 2, "params": SUBSET},
     {"name": "z2_gas_subset", "stage": 2, "gas": 2, "params": SUBSET},
     {"name": "z3_gas_subset", "stage": 3, "gas": 2, "params": SUBSET},
     {"name": "z3_nan", "stage": 3, "nan_step": 1, "nan_param": NAN_PARAM},
@@ -119,7 +120,7 @@ def test_sharded_stages_equal_zero0(runs, run):
 
 
 def test_subset_with_accumulation_equals_zero0(runs):
-    for run in ("z2_gas_subset", "z3_gas_subset"):
+    for run in ("z1_gas_subset", "z2_gas_subset", "z3_gas_subset"):
         for family in FAMILIES:
             got = _table(runs / run, family)
             names = sorted({name for name, _ in got.index})
