@@ -268,7 +268,8 @@ _MINIMUM: dict[str, float] = {
 }
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """A readable name for a type annotation (error messages, docs/config.md)."""
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -320,7 +321,7 @@ def convert_value(value: Any, tp: Any, path: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(path, f"must be a string, got {value!r}")
         return value
-    raise AssertionError(f"unsupported annotation {_type_name(tp)} at {path}")  # pragma: no cover
+    raise AssertionError(f"unsupported annotation {type_name(tp)} at {path}")  # pragma: no cover
 
 
 def _check(path: str, value: Any) -> None:
@@ -443,49 +444,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def config_reference() -> str:
-    """Markdown reference of every section and field, generated from the docstrings."""
-    import ast
-    import inspect
-
-    lines = ["# Configuration reference", "", "Generated from `trainmon/config.py` "
-             "(`python -m trainmon.config > docs/config.md`). Every key is optional.", ""]
-    source = inspect.getsource(inspect.getmodule(MonitorConfig))
-    tree = ast.parse(source)
-    docs: dict[tuple[str, str], str] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef):
-            body = node.body
-            for i, item in enumerate(body):
-                if isinstance(item, ast.AnnAssign) and i + 1 < len(body):
-                    nxt = body[i + 1]
-                    if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
-                        docs[(node.name, item.target.id)] = str(nxt.value.value)  # type: ignore[union-attr]
-
-    def section(cls: type, prefix: str) -> None:
-        lines.append(f"## `{prefix or 'top level'}`")
-        lines.append("")
-        lines.append((cls.__doc__ or "").strip())
-        lines.append("")
-        lines.append("| key | type | default | meaning |")
-        lines.append("|---|---|---|---|")
-        nested = []
-        hints = typing.get_type_hints(cls)
-        default = cls()
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                nested.append((hints[f.name], f"{prefix}.{f.name}" if prefix else f.name))
-                continue
-            value = json.dumps(getattr(default, f.name))
-            cells = [f"`{f.name}`", f"`{_type_name(hints[f.name])}`", f"`{value}`", docs.get((cls.__name__, f.name), "")]
-            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")  # GFM table cells
-        lines.append("")
-        for sub, path in nested:
-            section(sub, path)
-
-    section(MonitorConfig, "")
-    return "\n".join(lines)
-
-
 if __name__ == "__main__":  # pragma: no cover
+    from trainmon.config_doc import config_reference
+
     print(config_reference())

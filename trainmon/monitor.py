@@ -121,6 +121,8 @@ class TrainerMonitor:
         """
         if self._session is None:
             raise RuntimeError("attach() a model before calling step()")
+        for name, value in (("loss", loss), *scalars.items()):
+            _check_scalar(name, value)
         return self._session.end_step(loss, scalars, by_user=True)
 
     def dump(self, modules: list[str], steps: list[int] | None = None) -> list[str]:
@@ -129,12 +131,7 @@ class TrainerMonitor:
         Raises:
             ConfigError: ``dump.enabled`` is false.
         """
-        if self._session is None:
-            raise RuntimeError("attach() a model before calling dump()")
-        action = self._session.actions.get("dump")
-        if action is None:
-            raise ConfigError("dump.enabled", "must be true to call monitor.dump()")
-        return action.request(modules, steps)
+        return self._action("dump").request(modules, steps)
 
     def free_benchmark(self, modules: list[str], steps: list[int] | None = None) -> list[str]:
         """Re-check the forward of ``modules`` (names, globs, ``re:``) on ``steps`` (default: the next step).
@@ -149,12 +146,16 @@ class TrainerMonitor:
         Example:
             >>> monitor.free_benchmark(["layers.2.mlp"], steps=[120])   # doctest: +SKIP
         """
+        return self._action("free_benchmark").request(modules, steps)
+
+    def _action(self, section: str) -> Any:
+        """The attached session's ``section`` action (dump, free_benchmark), for a request by hand."""
         if self._session is None:
-            raise RuntimeError("attach() a model before calling free_benchmark()")
-        action = self._session.actions.get("free_benchmark")
+            raise RuntimeError(f"attach() a model before calling {section}()")
+        action = self._session.actions.get(section)
         if action is None:
-            raise ConfigError("free_benchmark.enabled", "must be true to call monitor.free_benchmark()")
-        return action.request(modules, steps)
+            raise ConfigError(f"{section}.enabled", f"must be true to call monitor.{section}()")
+        return action
 
     def state_dict(self) -> dict[str, Any]:
         """The monitor's resumable state, JSON-compatible, to save with a training checkpoint.
@@ -215,6 +216,16 @@ class TrainerMonitor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_scalar(name: str, value: Any) -> None:
+    """A scalar given to ``step()`` is None, a tensor (any framework) or a number."""
+    if value is None or hasattr(value, "detach") or hasattr(value, "asnumpy"):
+        return
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"step(): {name} must be a number or a tensor, got {type(value).__name__} {value!r}") from None
 
 
 def build_record(step: int, rank: int, pp_stage: int, keys: list, partials: Any,

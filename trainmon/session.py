@@ -77,10 +77,11 @@ class Session:
                                "this monitor was built from a dict and is not watched")
             self._arm(self.schedule.is_collected(self.ctx.step))
         except BaseException:
-            self._abort()  # a failed attach leaves no hook, thread or file handle behind
+            self._release()  # a failed attach leaves no hook, thread or file handle behind
             raise
 
-    def _abort(self) -> None:
+    def _release(self) -> None:
+        """Remove every hook and close the actions, the anomaly engine and the writer (what exists)."""
         for action in self.actions.values():
             action.close()
         self.attachment.close()
@@ -93,7 +94,7 @@ class Session:
     # ----------------------------------------------------------------------------- set-up
     def _attach(self, config: MonitorConfig) -> Attachment:
         attachment = self.integration.attach(self.ctx, config, self.model, self.optimizer, self.options)
-        if config.communication.enabled and self.framework != "mindspore":
+        if config.communication.enabled and _supports(self.framework, "communication"):
             from trainmon.collect.comm import CommCollector
 
             # First in the list: once it has flushed, collectives run by the other collectors at the
@@ -113,15 +114,15 @@ class Session:
 
     def _build_actions(self, config: MonitorConfig) -> dict[str, Any]:
         """The dump and free-benchmark actions (torch models), registered with the anomaly engine."""
-        actions = self.actions  # filled as it goes, so a failure part-way is cleaned up by _abort
-        if self.rank_dir is None or self.framework in ("megatron", "mindspore"):
+        actions = self.actions  # filled as it goes, so a failure part-way is released by _release
+        if self.rank_dir is None:
             return actions
         root = getattr(self.model, "module", self.model)  # inside DDP / DeepSpeedEngine: the rows' names
-        if config.dump.enabled:
+        if config.dump.enabled and _supports(self.framework, "dump"):
             from trainmon.actions.dump import TargetedDump
 
             actions["dump"] = TargetedDump(root, self.rank_dir, config.dump)
-        if config.free_benchmark.enabled:
+        if config.free_benchmark.enabled and _supports(self.framework, "free_benchmark"):
             from trainmon.actions.free_benchmark import FreeBenchmark
 
             actions["free_benchmark"] = FreeBenchmark(root, self.rank_dir, config.free_benchmark,
@@ -168,8 +169,6 @@ class Session:
 
     # ----------------------------------------------------------------------------- step loop
     def end_step(self, loss: Any, scalars: dict[str, Any], by_user: bool) -> StepRecord | None:
-        for name, value in (("loss", loss), *scalars.items()):
-            _check_scalar(name, value)
         self._user_steps = self._user_steps or by_user
         ctx = self.ctx
         if by_user and self.attachment.micro_steps_by_user and not self._optimizer_stepped:
@@ -279,12 +278,7 @@ class Session:
             pass
         finally:
             self.ctx.collecting = False
-            for action in self.actions.values():
-                action.close()
-            self.attachment.close()
-            self.boundary.remove_all()
-            self.anomaly.close()
-            self.writer.close()
+            self._release()
 
 
 # Features an integration does not provide yet: enabling them warns once at attach instead of
@@ -297,20 +291,14 @@ _UNSUPPORTED = {
 }
 
 
+def _supports(framework: str, section: str) -> bool:
+    return framework not in _UNSUPPORTED.get(section, ())
+
+
 def _warn_unsupported(config: MonitorConfig, framework: str) -> None:
-    for section, frameworks in _UNSUPPORTED.items():
-        if framework in frameworks and getattr(config, section).enabled:
+    for section in _UNSUPPORTED:
+        if not _supports(framework, section) and getattr(config, section).enabled:
             logger.warning("trainmon: %s is not supported with %s yet and is off for this run", section, framework)
-
-
-def _check_scalar(name: str, value: Any) -> None:
-    """A scalar given to ``step()`` is None, a tensor (any framework) or a number."""
-    if value is None or hasattr(value, "detach") or hasattr(value, "asnumpy"):
-        return
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"step(): {name} must be a number or a tensor, got {type(value).__name__} {value!r}") from None
 
 
 def _specs(metrics: dict[str, list[str]], eps: float) -> dict[str, StatsSpec]:

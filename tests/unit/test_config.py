@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainmon import MonitorConfig, TrainerMonitor, load_config
-from trainmon.config import config_reference
+from trainmon.config_doc import config_reference
 from trainmon.errors import ConfigError
 
 BAD = [

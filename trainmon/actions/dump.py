@@ -28,6 +28,7 @@ import torch
 
 from trainmon.actions.capture import Capture, to_host
 from trainmon.actions.naming import is_within, module_parents, modules_for_events
+from trainmon.actions.schedule import StepRequests
 from trainmon.collect.hooks import HookRegistry
 from trainmon.rundir import write_json
 from trainmon.targets import select
@@ -65,8 +66,7 @@ class TargetedDump:
         self.parents = module_parents(model)
         self._modules = {name: module for name, module in model.named_modules() if name}
         self._registry = HookRegistry()
-        self._requests: dict[int, set[str]] = {}
-        self._next: set[str] = set()
+        self._requests = StepRequests("dump")
         self._step: int | None = None
         self._capture: Capture | None = None
         self._dumps = 0
@@ -93,14 +93,7 @@ class TargetedDump:
         if not self.config.enabled:
             logger.warning("trainmon dump: dump.enabled is false; the request for %s is ignored", names)
             return []
-        if steps is None:
-            self._next.update(names)
-            return names
-        for step in steps:
-            if self._step is not None and step <= self._step:
-                logger.warning("trainmon dump: step %d has already begun; not dumped", step)
-                continue
-            self._requests.setdefault(int(step), set()).update(names)
+        self._requests.add(names, steps, self._step)
         return names
 
     def on_anomaly(self, events: Iterable[Any]) -> list[str]:
@@ -114,7 +107,7 @@ class TargetedDump:
         """
         names = modules_for_events(events, self.parents, self.config.depth)
         if names and self.config.enabled:
-            self._next.update(names)
+            self._requests.add(names)
         return names
 
     # ------------------------------------------------------------------ step lifecycle
@@ -123,8 +116,7 @@ class TargetedDump:
         if self._capture is not None:
             self.end_step()
         self._step = step
-        names = self._requests.pop(step, set()) | self._next
-        self._next = set()
+        names = self._requests.pop(step)
         if not names or not self.config.enabled:
             return
         if self._dumps >= self.config.max_dumps:

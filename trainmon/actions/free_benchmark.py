@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 
 from trainmon.actions.naming import module_parents, modules_for_events
+from trainmon.actions.schedule import StepRequests
 from trainmon.actions.perturb import (
     RATIO_LIMIT, chain_tensors, converts_precision, device_rng_states, flat_tensors, max_ratio, perturb_value,
     replace_tensors, run_with_rng, shadow_module, straight_through,
@@ -94,8 +95,7 @@ class FreeBenchmark:
         self._modules = {name: module for name, module in model.named_modules() if name}
         self._targets = select(list(self._modules), config.targets, "free_benchmark.targets") if config.targets else []
         self._registry = HookRegistry()
-        self._next: list[str] = []
-        self._requests: dict[int, list[str]] = {}
+        self._requests = StepRequests("free_benchmark")
         self._fixed: list[str] = []
         self._step: int | None = None
         self._done: set[str] = set()
@@ -122,15 +122,7 @@ class FreeBenchmark:
         if not self.config.enabled:
             self._warn_once("disabled", "free_benchmark.enabled is false; the request for %s is ignored", names)
             return []
-        if steps is None:
-            self._next.extend(n for n in names if n not in self._next)
-            return names
-        for step in steps:
-            if self._step is not None and step <= self._step:
-                logger.warning("trainmon free_benchmark: step %d has already begun; not checked", step)
-                continue
-            due = self._requests.setdefault(int(step), [])
-            due.extend(n for n in names if n not in due)
+        self._requests.add(names, steps, self._step)
         return names
 
     def on_anomaly(self, events: Iterable[Any]) -> list[str]:
@@ -146,8 +138,7 @@ class FreeBenchmark:
         if self._registry.count():
             self.end_step()
         self._step = step
-        requested = list(self._next) + self._requests.pop(step, [])
-        self._next = []
+        requested = self._requests.pop(step)
         if self.config.handler == "fix":
             self._fixed.extend(n for n in requested if n not in self._fixed)
         due = requested + self._fixed

@@ -41,6 +41,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from trainmon.collect.comm_ops import PLANNERS, ArgumentBinder, CallPlan, MeasuredWork, group_label, in_coalescing, \
     payload_bytes
+from trainmon.collect.context import in_backward
 from trainmon.collect.stats import combine_partials_torch, partial_stats
 from trainmon.config import COMM_OPS
 from trainmon.records import RowKey
@@ -191,7 +192,7 @@ class CommCollector:
     def _phase(self) -> str:
         """The phase a collective runs in now (checked in this order: a forward recomputed inside the
         backward pass, as activation checkpointing does, is backward)."""
-        if _graph_task_id() != -1:  # -1 outside autograd's backward pass
+        if in_backward():
             return "backward"
         if self._forward_depth:
             return "forward"
@@ -367,11 +368,6 @@ class CommCollector:
         for prefix, (calls, nbytes) in self._traffic.items():
             buffer.add_scalar(f"comm/{prefix}/calls", calls)
             buffer.add_scalar(f"comm/{prefix}/bytes", nbytes)
-
-
-def _graph_task_id() -> int:
-    """Id of the autograd graph task running on this thread; -1 outside a backward pass."""
-    return torch._C._current_graph_task_id()
 
 
 def _splice(top: Any, wrap: _Wrap) -> bool:

@@ -15,6 +15,16 @@ from trainmon.collect.stats import StatsSpec, partial_stats
 from trainmon.records import RowKey
 
 logger = logging.getLogger("trainmon")
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread (one C call, no stack walk).
+
+    A forward that runs then is a recompute re-run (activation checkpointing); a collective then
+    belongs to the backward pass. False where torch lacks the function.
+    """
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 class Collector(Protocol):

@@ -10,7 +10,7 @@ import torch
 
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.stats import StatsSpec, partial_numpy
-from trainmon.records import MAX, MIN, NORM, PARTIAL_SLOTS
+from trainmon.records import PARTIAL_SLOTS, combine_partials
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
@@ -48,19 +48,33 @@ def adam_update(state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor | 
 
 def _adam_update_cpu(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: Any, beta1: float, beta2: float,
                      eps: float) -> torch.Tensor:
-    """CPU float32: numpy's SIMD loops on views (3-4x faster than torch's CPU kernels), one allocation.
-
-    Four passes: m̂/(√v̂+eps) = m·(√b2/b1) / (√v + eps·√b2), with b1, b2 the bias corrections.
-    """
-    count = float(step.numpy()) if isinstance(step, torch.Tensor) else float(step)  # CPU view: no sync
-    root_bias2 = np.sqrt(1 - beta2 ** count)
+    """CPU float32: numpy's SIMD loops on views (3-4x faster than torch's CPU kernels), one allocation."""
     update = torch.empty_like(exp_avg)
-    out = update.numpy()  # CPU views: no sync
-    np.sqrt(exp_avg_sq.numpy(), out=out)
-    out += eps * root_bias2
-    np.divide(exp_avg.numpy(), out, out=out)
-    out *= root_bias2 / (1 - beta1 ** count)
+    constants = _adam_constants(step, beta1, beta2, eps)
+    _update_into(exp_avg.numpy(), exp_avg_sq.numpy(), update.numpy(), *constants)  # CPU views: no sync
     return update
+
+
+def _adam_constants(step: Any, beta1: float, beta2: float, eps: float) -> tuple[float, float]:
+    """``(scale, eps')`` with m̂/(√v̂+eps) = m·scale / (√v + eps'): scale = √b2/b1, eps' = eps·√b2."""
+    count = float(step.numpy()) if isinstance(step, torch.Tensor) else float(step)  # CPU view: no sync
+    root_bias2 = float(np.sqrt(1 - beta2 ** count))
+    return root_bias2 / (1 - beta1 ** count), eps * root_bias2
+
+
+def _update_into(m: np.ndarray, v: np.ndarray, out: np.ndarray, scale: float, eps: float) -> None:
+    """The Adam update in four passes over ``out``."""
+    np.sqrt(v, out=out)
+    out += eps
+    np.divide(m, out, out=out)
+    out *= scale
+
+
+def _ratio_into(update: np.ndarray, param: np.ndarray, out: np.ndarray) -> None:
+    """``update / param``, 0 where the parameter is exactly 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.divide(update, param, out=out)
+    np.copyto(out, 0.0, where=param == 0)
 
 
 _CHUNK = 65536
@@ -86,11 +100,7 @@ def adam_partials_cpu(state: dict[str, Any], group: dict[str, Any], param: torch
         return None
     if isinstance(step, torch.Tensor) and step.device.type != "cpu":
         return None
-    beta1, beta2 = group.get("betas", (0.9, 0.999))
-    count = float(step.numpy()) if isinstance(step, torch.Tensor) else float(step)  # CPU view: no sync
-    root_bias2 = np.sqrt(1 - beta2 ** count)
-    scale = root_bias2 / (1 - beta1 ** count)
-    eps = group.get("eps", 1e-8) * root_bias2
+    scale, eps = _adam_constants(step, *group.get("betas", (0.9, 0.999)), group.get("eps", 1e-8))
     m, v, p = (t.detach().reshape(-1).numpy() for t in tensors)  # CPU views: no copy, no sync
     n = m.size
     chunks = (n + _CHUNK - 1) // _CHUNK
@@ -100,27 +110,20 @@ def adam_partials_cpu(state: dict[str, Any], group: dict[str, Any], param: torch
     for i, start in enumerate(range(0, n, _CHUNK)):
         end = min(n, start + _CHUNK)
         u, r = buffer_u[: end - start], buffer_r[: end - start]
-        np.sqrt(v[start:end], out=u)  # m̂/(√v̂+eps) = m·(√b2/b1) / (√v + eps·√b2), as adam_update
-        u += eps
-        np.divide(m[start:end], u, out=u)
-        u *= scale
+        _update_into(m[start:end], v[start:end], u, scale, eps)
         if parts_u is not None:
             partial_numpy(u, update_spec, parts_u[i])
         if parts_r is not None:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                np.divide(u, p[start:end], out=r)
-            np.copyto(r, 0.0, where=p[start:end] == 0)  # as update_ratio: a zero parameter gives 0
+            _ratio_into(u, p[start:end], r)
             partial_numpy(r, ratio_spec, parts_r[i])
-    return (None if parts_u is None else torch.from_numpy(combine_chunks(parts_u)),
-            None if parts_r is None else torch.from_numpy(combine_chunks(parts_r)))
+    return _combined(parts_u), _combined(parts_r)
 
 
-def combine_chunks(parts: np.ndarray) -> np.ndarray:
+def _combined(parts: np.ndarray | None) -> torch.Tensor | None:
     """``[C, 8]`` partials of the chunks of one tensor -> the tensor's float32 ``[8]`` partial."""
-    out = parts.sum(axis=0)
-    out[NORM] = np.sqrt(np.square(parts[:, NORM]).sum())
-    out[MIN], out[MAX] = parts[:, MIN].min(), parts[:, MAX].max()  # NaN propagates, as in one pass
-    return out.astype(np.float32)
+    if parts is None:
+        return None
+    return torch.from_numpy(combine_partials(parts[:, None, :])[0].astype(np.float32))
 
 
 def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -155,10 +158,7 @@ def update_ratio(update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     param = param.detach()
     if param.device.type == "cpu" and update.dtype == param.dtype == torch.float32:
         ratio = torch.empty_like(update)
-        out, values = ratio.numpy(), param.numpy()  # CPU views: no sync
-        with np.errstate(divide="ignore", invalid="ignore"):
-            np.divide(update.numpy(), values, out=out)
-        np.copyto(out, 0.0, where=values == 0)
+        _ratio_into(update.numpy(), param.numpy(), ratio.numpy())  # CPU views: no sync
         return ratio
     return torch.where(param != 0, update / param, 0.0)
 

@@ -72,7 +72,7 @@ def partial_stats(tensor: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
     numel = x.numel()
     if numel == 0:
         return empty_partial(device)
-    if device.type == "cpu" and x.dtype in _NUMPY_VIEWABLE:
+    if numpy_viewable(x):
         return _partial_cpu(x, spec)
     zero = _zero(device)
     if x.is_complex():
@@ -91,6 +91,11 @@ def partial_stats(tensor: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
         torch.full((), numel, dtype=_F32, device=device),
     ]
     return torch.stack(slots)
+
+
+def numpy_viewable(x: torch.Tensor) -> bool:
+    """Whether ``x.numpy()`` is a zero-copy view numpy can compute on: the CPU fast paths."""
+    return x.device.type == "cpu" and x.dtype in _NUMPY_VIEWABLE
 
 
 def _partial_cpu(x: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
@@ -119,7 +124,7 @@ def partial_numpy(values: np.ndarray, spec: StatsSpec, out: np.ndarray) -> np.nd
         else:
             out[0] = _norm(torch.from_numpy(values)).numpy()  # from_numpy and .numpy(): CPU views
     if spec.sum:
-        out[1] = torch.from_numpy(values).sum(dtype=_F32).numpy()  # torch's CPU sum (4x numpy's); a view
+        out[1] = torch.from_numpy(values).sum(dtype=_F32).numpy()  # torch's CPU sum (4x numpy's); CPU view: no sync
     lo, hi = values.min(), values.max()
     out[2], out[3] = lo, hi
     if spec.zeros:

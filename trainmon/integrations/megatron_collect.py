@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.collect.activations import ActivationCollector, named_tensors
+from trainmon.collect.activations import ActivationCollector
+from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.optimizer import adam_update, update_ratio
 from trainmon.collect.stats import combine_partials_torch, empty_partial, partial_stats
@@ -284,23 +285,18 @@ def _all_gather(table: torch.Tensor, group: Any, dist: Any) -> torch.Tensor:
     return out.view((size,) + tuple(table.shape))
 
 
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass on this thread: a forward hook that fires then is a
-    recompute re-run (``recompute_modules`` / ``CheckpointWithoutOutput`` set no Megatron flag).
-    One C call, no stack walk; False where torch lacks the function."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
-
-
 class MegatronActivationCollector(ActivationCollector):
     """The generic activation collector, adapted to Megatron modules.
 
     - Forward rows come from the generic forward hook (tuple outputs, kwargs inputs). The
       recompute re-run of a checkpointed region is skipped without a stack walk: Megatron runs
       the first forward of such a region under ``no_grad`` and the re-run, during backward,
-      with grad enabled, both inside ``tensor_parallel.random.is_checkpointing()``.
+      with grad enabled, both inside ``tensor_parallel.random.is_checkpointing()``; the re-runs of
+      ``recompute_modules`` set no such flag and are told by autograd running a backward pass
+      (:func:`trainmon.collect.context.in_backward`).
     - Gradient rows come from tensor hooks that the forward hook puts on the module's output
-      (and input) tensors, not from full module backward hooks: those wrap a module's inputs in
+      (and input) tensors (the base class's ``grad_hooks: tensor`` machinery), not from full
+      module backward hooks: those wrap a module's inputs in
       a view that Megatron's in-place ops (``masked_fill_`` of the attention scores) reject.
       ``{module}.output_grad`` is the gradient w.r.t. the output; ``{module}.input_grad`` is
       the gradient of the input tensor (summed over all of its consumers, e.g. including the
@@ -343,22 +339,17 @@ class MegatronActivationCollector(ActivationCollector):
             if not self.ctx.collecting:
                 return
             grad_enabled = torch.is_grad_enabled()
-            if forward and not (grad_enabled and is_checkpointing()) and not _in_backward():
+            if forward and not (grad_enabled and is_checkpointing()) and not in_backward():
                 measure_forward(module, args, kwargs, output)
             if backward and grad_enabled:
-                self._hook_grads(output, f"{name}.output_grad", vpp_stage)
+                self._hook_tensors(output, f"{name}.output_grad", vpp_stage)
                 if self.config.inputs:
-                    self._hook_grads((args, kwargs), f"{name}.input_grad", vpp_stage)
+                    self._hook_tensors((args, kwargs), f"{name}.input_grad", vpp_stage)
 
         return hook
 
-    def _hook_grads(self, value: Any, prefix: str, vpp_stage: int) -> None:
-        for row, tensor in named_tensors(value, prefix):
-            # Not on leaves: a hook on a parameter (a bias returned by skip_bias_add) would outlive the step.
-            if tensor.requires_grad and tensor.grad_fn is not None:
-                tensor.register_hook(self._grad_hook(row, vpp_stage))
-
-    def _grad_hook(self, row: str, vpp_stage: int) -> Callable[[torch.Tensor], None]:
+    def _tensor_grad_hook(self, row: str, vpp_stage: int) -> Callable[[torch.Tensor], None]:
+        """As the base class's, with the micro-step counted per row (the 1F1B order of backwards)."""
         key = (vpp_stage, row)  # chunks of a virtual pipeline have the same module names
         def hook(grad: torch.Tensor) -> None:
             ctx = self.ctx

@@ -301,7 +301,7 @@ class GradProbe:
             event.synchronize()  # waits on this thread only; the step's transfer has usually completed it
         assert self._probe_dir is not None and self._summary is not None
         stats = host_stats.numpy()  # host copies on the writer thread: no sync
-        checksums = host_checksums.numpy() if host_checksums is not None else None
+        checksums = host_checksums.numpy() if host_checksums is not None else None  # host copy: no sync
         rows = []
         for j, meta in enumerate(metas):
             values = stats[j]
@@ -317,6 +317,6 @@ class GradProbe:
                           "sample": None if meta["count"] == meta["numel"] else
                           {"method": "stratified", "seed": dev.SAMPLE_SEED, "elements": meta["count"]}}
                 path = direction_path(self._probe_dir, step, meta["name"], meta["vpp_stage"])
-                write_direction_file(path, header, host_bits[j].numpy())
+                write_direction_file(path, header, host_bits[j].numpy())  # host copy, writer thread: no sync
             rows.append(row)
         self._summary.write_rows(rows, step)

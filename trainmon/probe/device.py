@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from trainmon.collect.stats import numpy_viewable
+
 _F32 = torch.float32
 # Multiplying eight 0/1 bytes (one little-endian int64) by this constant gathers byte j's bit
 # into bit 56 + j: every partial product lands on a distinct bit, so nothing carries.
@@ -26,13 +28,10 @@ def packed_words(count: int) -> int:
     return (count + 63) // 64
 
 
-_NUMPY_VIEWABLE = (torch.float32, torch.float64, torch.float16)
-
-
 def pack_positive(x: torch.Tensor) -> torch.Tensor:
     """``pack_signs(x > 0)``; on CPU through numpy (torch's CPU comparison and the packing kernels
     are about 10x slower than numpy's SIMD ``>`` and ``packbits`` on a zero-copy view)."""
-    if x.device.type == "cpu" and x.dtype in _NUMPY_VIEWABLE:
+    if numpy_viewable(x):
         return _pack_numpy(x.detach().reshape(-1).numpy() > 0)  # CPU view: no copy, no sync
     return pack_signs(x > 0)
 
@@ -41,7 +40,7 @@ def _pack_numpy(positive: np.ndarray) -> torch.Tensor:
     n = positive.size
     out = torch.zeros(8 * packed_words(n), dtype=torch.uint8)
     bits = np.packbits(positive, bitorder="little")
-    out.numpy()[: bits.size] = bits
+    out.numpy()[: bits.size] = bits  # CPU view: no sync
     return out
 
 
@@ -54,7 +53,7 @@ def pack_signs(positive: torch.Tensor) -> torch.Tensor:
         tensors can be compared as int64 words (:func:`differing_bits`).
     """
     if positive.device.type == "cpu":
-        return _pack_numpy(positive.reshape(-1).numpy())
+        return _pack_numpy(positive.reshape(-1).numpy())  # CPU view: no sync
     return _pack_torch(positive)
 
 
@@ -86,6 +85,7 @@ def differing_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     positions the masks clear.
     """
     if a.device.type == "cpu":  # numpy's unpackbits + count_nonzero: 2x the SWAR kernels on CPU
+        # CPU views, CPU result: no sync
         return torch.tensor(np.count_nonzero(np.unpackbits(np.bitwise_xor(a.numpy(), b.numpy()))))
     return _differing_torch(a, b)
 
