@@ -31,6 +31,7 @@ BAD = [
     ({"activations": {"metrics": ["norm", "l1"]}}, "activations.metrics[1]"),
     ({"activations": {"metric": ["norm"]}}, "activations.metric"),
     ({"activations": []}, "activations"),
+    ({"activations": {"grad_hooks": "tensors"}}, "activations.grad_hooks"),
     ({"weight_grads": {"metrics": ["nan"]}}, "weight_grads.metrics[0]"),
     ({"optimizer_states": {"states": ["exp_avg", "m"]}}, "optimizer_states.states[1]"),
     ({"params": {"enabled": 1}}, "params.enabled"),
