@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
 import types
 import typing
 from collections.abc import Mapping
@@ -219,7 +220,7 @@ class MonitorConfig:
     eps: float = 1e-8
     """``zeros`` counts elements with ``|x| < eps``."""
     flush_seconds: float = 2.0
-    """Sinks flush at most this often (and always on close)."""
+    """Outputs flush as soon as their writer is idle, and at least this often while it is busy (and on close)."""
     targets: TargetsConfig = field(default_factory=TargetsConfig)
     """Module and parameter selection."""
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
@@ -261,7 +262,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "free_benchmark.handler": ("check", "fix"),
 }
 _MINIMUM: dict[str, float] = {
-    "start_step": 0, "step_interval": 1, "collect_times": 1, "eps": 0.0, "flush_seconds": 0.0,
+    "start_step": 0, "step_interval": 1, "collect_times": 1, "eps": 0.0,
     "dump.depth": 0, "dump.max_bytes": 1, "dump.max_dumps": 1, "dynamic.poll_seconds": 0.0,
     "grad_probe.sample_elements": 1, "anomaly.log_limit": 1, "ranks[]": 0,
     "free_benchmark.interval": 1, "free_benchmark.max_per_step": 1,
@@ -380,6 +381,9 @@ def _cross_check(obj: Any, prefix: str) -> None:
         for action, section in (("dump", obj.dump), ("free_benchmark", obj.free_benchmark)):
             if action in obj.anomaly.actions and not section.enabled:
                 raise ConfigError("anomaly.actions", f"{action!r} needs {action}.enabled: true")
+    if isinstance(obj, MonitorConfig) and not 0 < obj.flush_seconds <= threading.TIMEOUT_MAX:
+        raise ConfigError("flush_seconds", f"must be > 0 and <= {threading.TIMEOUT_MAX:g} (seconds), "
+                                           f"got {obj.flush_seconds:g}")
     if isinstance(obj, MonitorConfig) and obj.run_name is not None:
         if not obj.run_name or "/" in obj.run_name or obj.run_name in (".", ".."):
             raise ConfigError("run_name", f"must be a plain directory name, got {obj.run_name!r}")
