@@ -1,10 +1,15 @@
-"""Fixtures for every test: no monitor may leave a hook or a process group behind."""
+"""Fixtures for every test: no monitor may leave a hook, a process group, a trainmon thread or an open
+output file behind."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
+import time
 import weakref
+from pathlib import Path
 
 import pytest
 
@@ -47,9 +52,9 @@ def no_leftovers(monkeypatch):
 
     original = session_module.Session.__init__
 
-    def recording_init(self, monitor, model, optimizer, **options):
+    def recording_init(self, model, optimizer, *args, **options):
         snapshots.extend((weakref.ref(obj), attrs, _keys(obj, attrs)) for obj, attrs in _hook_objects(model, optimizer))
-        original(self, monitor, model, optimizer, **options)
+        original(self, model, optimizer, *args, **options)
 
     monkeypatch.setattr(session_module.Session, "__init__", recording_init)
     torch_loaded = "torch" in sys.modules
@@ -86,3 +91,43 @@ def _global_hook_keys() -> dict[str, set]:
 def _trainmon_logs(caplog):
     caplog.set_level(logging.INFO, logger="trainmon")
     yield
+
+
+def _trainmon_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("trainmon") and t.is_alive()}
+
+
+def _open_files(roots: tuple[str, ...]) -> dict[str, str]:
+    """``{fd: path}`` of this process's descriptors open on a file under one of ``roots`` (or any
+    ``trainmon_output`` directory, the default output_dir)."""
+    out = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:  # not Linux: nothing to compare
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed while listing (the listing's own descriptor)
+            continue
+        if target.startswith(roots) or f"{os.sep}trainmon_output{os.sep}" in target:
+            out[fd] = target
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_trainmon_threads_or_open_files(tmp_path_factory):
+    """Fails a test that leaves a ``trainmon*`` thread alive or a file open under the tests' temporary
+    directories (every output a test's monitor writes lives there): each ``close()`` must end its
+    threads and close its files. Threads get a short grace period to finish after their close returned.
+    """
+    roots = (str(tmp_path_factory.getbasetemp().resolve()) + os.sep,)
+    threads_before, files_before = _trainmon_threads(), _open_files(roots)
+    yield
+    deadline = time.monotonic() + 1.0
+    while (_trainmon_threads() - threads_before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    threads = sorted(t.name for t in _trainmon_threads() - threads_before)
+    files = sorted(path for fd, path in _open_files(roots).items() if files_before.get(fd) != path)
+    assert not threads, f"trainmon threads left alive: {threads}"
+    assert not files, f"files left open: {files}"

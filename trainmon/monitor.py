@@ -9,35 +9,9 @@ from typing import Any
 
 from trainmon.config import MonitorConfig, load_config
 from trainmon.errors import AnomalyError, ConfigError
-from trainmon.records import Row, StepRecord, finalize
+from trainmon.records import StepRecord, build_record, family_metrics
 
 logger = logging.getLogger("trainmon")
-
-_FAMILY_SECTIONS = {"grad_unreduced": "weight_grads", "grad_reduced": "weight_grads", "param": "params",
-                    "actv": "activations", "actv_grad": "activations", "comm": "communication"}
-
-
-def family_metrics(config: MonitorConfig) -> dict[str, list[str]]:
-    """``family -> metrics`` for every family the config turns on."""
-    out: dict[str, list[str]] = {}
-    a, w = config.activations, config.weight_grads
-    if a.enabled and a.forward:
-        out["actv"] = a.metrics
-    if a.enabled and a.backward:
-        out["actv_grad"] = a.metrics
-    if w.enabled and w.unreduced:
-        out["grad_unreduced"] = w.metrics
-    if w.enabled and w.reduced:
-        out["grad_reduced"] = w.metrics
-    if config.optimizer_states.enabled:
-        for state in config.optimizer_states.states:
-            out[state] = config.optimizer_states.metrics
-    if config.params.enabled:
-        out["param"] = config.params.metrics
-    if config.communication.enabled:
-        out["comm"] = config.communication.metrics
-    return {family: list(metrics) for family, metrics in out.items()}
-
 
 class TrainerMonitor:
     """A drop-in training monitor.
@@ -60,7 +34,7 @@ class TrainerMonitor:
 
     def __init__(self, config: MonitorConfig | dict[str, Any] | str | Path | None = None) -> None:
         self.config_path = Path(config) if isinstance(config, (str, Path)) else None
-        self.config = load_config(config)
+        self._config = load_config(config)
         self._callbacks: list[Callable[[Any], None]] = []
         self._session: Any = None
         self._closed = False
@@ -78,8 +52,13 @@ class TrainerMonitor:
         if self._session is not None:
             self._session.anomaly.on_anomaly(callback)
 
+    @property
+    def config(self) -> MonitorConfig:
+        """The config in force (after a dynamic reload, the reloaded one)."""
+        return self._session.config if self._session is not None else self._config
+
     def attach(self, model: Any, optimizer: Any = None, *, grad_acc_steps: int = 1, tp_group: Any = None,
-               dp_group: Any = None, pp_group: Any = None, start_step: int = 0) -> TrainerMonitor:
+               dp_group: Any = None, pp_group: Any = None, start_step: int = 0, scaler: Any = None) -> TrainerMonitor:
         """Hook into a model (and its optimizer); the framework is detected from the objects.
 
         Args:
@@ -89,6 +68,10 @@ class TrainerMonitor:
             grad_acc_steps: micro-steps per optimizer step.
             tp_group, dp_group, pp_group: process groups overriding the integration's defaults.
             start_step: the step number of the first step (when resuming).
+            scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: gradients are then
+                reported unscaled (as the optimizer uses them), with ``loss_scale`` and
+                ``step_skipped`` scalars, and a step the scaler skips still ends a step.
+                Found automatically behind accelerate's optimizer.
 
         Raises:
             TargetError: a target pattern matches no module or parameter (close names are listed).
@@ -102,8 +85,9 @@ class TrainerMonitor:
             raise ValueError(f"grad_acc_steps must be >= 1 and start_step >= 0, got {grad_acc_steps}, {start_step}")
         from trainmon.session import Session
 
-        self._session = Session(self, model, optimizer, grad_acc_steps=grad_acc_steps, tp_group=tp_group,
-                                dp_group=dp_group, pp_group=pp_group, start_step=start_step)
+        self._session = Session(model, optimizer, self._config, self.config_path, self._callbacks,
+                                grad_acc_steps=grad_acc_steps, tp_group=tp_group, dp_group=dp_group,
+                                pp_group=pp_group, start_step=start_step, scaler=scaler)
         return self
 
     def step(self, loss: Any = None, **scalars: Any) -> StepRecord | None:
@@ -209,6 +193,7 @@ class TrainerMonitor:
         self._closed = True
         session, self._session = self._session, None
         if session is not None:
+            self._config = session.config
             session.close()
 
     def __enter__(self) -> TrainerMonitor:
@@ -226,16 +211,6 @@ def _check_scalar(name: str, value: Any) -> None:
         float(value)
     except (TypeError, ValueError):
         raise TypeError(f"step(): {name} must be a number or a tensor, got {type(value).__name__} {value!r}") from None
-
-
-def build_record(step: int, rank: int, pp_stage: int, keys: list, partials: Any,
-                 scalars: dict[str, float], metrics: dict[str, list[str]]) -> StepRecord:
-    """Finalise the host copy of a step into a :class:`StepRecord` (framework-free)."""
-    rows = []
-    for key, partial in zip(keys, partials):
-        values, nonfinite = finalize(partial, metrics[key.family])
-        rows.append(Row(key, step, values, nonfinite))
-    return StepRecord(step=step, rank=rank, rows=rows, scalars=scalars, pp_stage=pp_stage)
 
 
 __all__ = ["AnomalyError", "TrainerMonitor", "build_record", "family_metrics"]

@@ -11,8 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from trainmon.config import MonitorConfig
 
 METRICS: tuple[str, ...] = ("norm", "min", "max", "mean", "zeros", "nans", "infs")
 """Every metric a user may ask for, in canonical order."""
@@ -160,3 +164,35 @@ def finalize(partial: Sequence[float], metrics: Sequence[str]) -> tuple[dict[str
     nonfinite = bool(numel) and not (math.isfinite(lo) and math.isfinite(hi))
     nonfinite = nonfinite or bool(partial[NANS] > 0 or partial[INFS] > 0)
     return values, bool(nonfinite)
+
+
+def family_metrics(config: MonitorConfig) -> dict[str, list[str]]:
+    """``family -> metrics`` for every family the config turns on."""
+    out: dict[str, list[str]] = {}
+    a, w = config.activations, config.weight_grads
+    if a.enabled and a.forward:
+        out["actv"] = a.metrics
+    if a.enabled and a.backward:
+        out["actv_grad"] = a.metrics
+    if w.enabled and w.unreduced:
+        out["grad_unreduced"] = w.metrics
+    if w.enabled and w.reduced:
+        out["grad_reduced"] = w.metrics
+    if config.optimizer_states.enabled:
+        for state in config.optimizer_states.states:
+            out[state] = config.optimizer_states.metrics
+    if config.params.enabled:
+        out["param"] = config.params.metrics
+    if config.communication.enabled:
+        out["comm"] = config.communication.metrics
+    return {family: list(metrics) for family, metrics in out.items()}
+
+
+def build_record(step: int, rank: int, pp_stage: int, keys: Sequence[RowKey], partials: Any,
+                 scalars: dict[str, float], metrics: dict[str, list[str]]) -> StepRecord:
+    """Finalise the host copy of a step into a :class:`StepRecord` (framework-free)."""
+    rows = []
+    for key, partial in zip(keys, partials):
+        values, nonfinite = finalize(partial, metrics[key.family])
+        rows.append(Row(key, step, values, nonfinite))
+    return StepRecord(step=step, rank=rank, rows=rows, scalars=scalars, pp_stage=pp_stage)

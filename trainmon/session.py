@@ -14,13 +14,14 @@ from trainmon.collect.struct import StructRecorder
 from trainmon.config import ConfigError, MonitorConfig
 from trainmon.errors import AnomalyError
 from trainmon.integrations.base import AttachOptions, Attachment
-from trainmon.records import StepRecord
+from trainmon.records import StepRecord, build_record, family_metrics
 from trainmon.rundir import default_run_name, run_json, write_json
 from trainmon.schedule import Schedule
 from trainmon.sinks import SinkWriter, build_sinks
+from trainmon.steps import StepLifecycle
 
 if TYPE_CHECKING:
-    from trainmon.monitor import TrainerMonitor
+    from collections.abc import Callable
 
 logger = logging.getLogger("trainmon")
 
@@ -28,15 +29,13 @@ logger = logging.getLogger("trainmon")
 class Session:
     """Everything that exists between ``attach()`` and ``close()``."""
 
-    def __init__(self, monitor: TrainerMonitor, model: Any, optimizer: Any, **options: Any) -> None:
-        from trainmon.monitor import family_metrics
-
-        self.monitor = monitor
+    def __init__(self, model: Any, optimizer: Any, config: MonitorConfig, config_path: Path | None,
+                 callbacks: list[Callable[[Any], None]], **options: Any) -> None:
+        self.config, self.config_path, self.callbacks = config, config_path, callbacks
         self.model, self.optimizer = model, optimizer
         self.options = AttachOptions(**options)
         self.framework = integrations.framework_of(model)
         self.integration = integrations.load(self.framework)
-        config = monitor.config
         metrics = family_metrics(config)
         self.ctx = StepContext(specs=_specs(metrics, config.eps), metrics=metrics, step=self.options.start_step,
                                grad_acc_steps=self.options.grad_acc_steps)
@@ -44,13 +43,11 @@ class Session:
         self.boundary = HookRegistry()
         self.writer: SinkWriter | None = None
         self.anomaly: Any = None
+        self.lifecycle = StepLifecycle(self.ctx, end_step=lambda: self.end_step(None, {}, by_user=False))
         self.attachment: Attachment = self._attach(config)
         try:
             _warn_unsupported(config, self.framework)
             self.ctx.pp_stage = self.attachment.pp_stage
-            self._forwards: dict[int, int] = {}
-            self._optimizer_stepped = False
-            self._user_steps = False
             self._hook_boundaries()
             rank = self.attachment.rank
             self.writes = config.ranks is None or rank in config.ranks
@@ -62,7 +59,7 @@ class Session:
             from trainmon.anomaly.engine import AnomalyEngine
 
             self.anomaly = AnomalyEngine(config.anomaly, rank, self.rank_dir)
-            for callback in monitor._callbacks:
+            for callback in callbacks:
                 self.anomaly.on_anomaly(callback)
             self.actions = self._build_actions(config)
             self.struct = StructRecorder(self.attachment.modules, self.boundary) if config.print_struct else None
@@ -70,9 +67,9 @@ class Session:
                 self.struct.arm()
             from trainmon.dynamic import ConfigWatcher
 
-            self.watcher = (ConfigWatcher(monitor.config_path, config.dynamic.poll_seconds)
-                            if config.dynamic.watch and monitor.config_path else None)
-            if config.dynamic.watch and not monitor.config_path:
+            self.watcher = (ConfigWatcher(config_path, config.dynamic.poll_seconds)
+                            if config.dynamic.watch and config_path else None)
+            if config.dynamic.watch and not config_path:
                 logger.warning("trainmon: dynamic.watch needs a config file (TrainerMonitor(path)); "
                                "this monitor was built from a dict and is not watched")
             self._arm(self.schedule.is_collected(self.ctx.step))
@@ -81,15 +78,23 @@ class Session:
             raise
 
     def _release(self) -> None:
-        """Remove every hook and close the actions, the anomaly engine and the writer (what exists)."""
-        for action in self.actions.values():
-            action.close()
-        self.attachment.close()
-        self.boundary.remove_all()
+        """Remove every hook and close the actions, the anomaly engine and the writer (what exists).
+
+        Each part is closed in its own guard: one failing part never keeps the others open, and
+        an output failure never raises into the user's ``close()``.
+        """
+        parts: list[tuple[str, Callable[[], None]]] = [(name, action.close) for name, action in self.actions.items()]
+        parts += [("hooks", self.attachment.close), ("step hooks", self.lifecycle.close),
+                  ("hooks", self.boundary.remove_all)]
         if self.anomaly is not None:
-            self.anomaly.close()
+            parts.append(("anomaly", self.anomaly.close))
         if self.writer is not None:
-            self.writer.close()
+            parts.append(("writer", self.writer.close))
+        for name, close in parts:
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - close what remains, tell the user once
+                logger.warning("trainmon: closing %s failed (%s: %s)", name, type(exc).__name__, exc)
 
     # ----------------------------------------------------------------------------- set-up
     def _attach(self, config: MonitorConfig) -> Attachment:
@@ -106,11 +111,9 @@ class Session:
         return attachment
 
     def _hook_boundaries(self) -> None:
-        for root, _ in self.attachment.roots:
-            self.boundary.add("roots", root.register_forward_pre_hook(self._on_root_forward))
-        optimizer = self.attachment.optimizer
-        if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
-            self.boundary.add("roots", optimizer.register_step_post_hook(self._on_optimizer_step))
+        self.lifecycle.hook_roots([root for root, _ in self.attachment.roots])
+        self.lifecycle.hook_optimizer(self.attachment.optimizer)
+        self.lifecycle.hook_scaler(self.options.scaler if self.options.scaler is not None else self.attachment.scaler)
 
     def _build_actions(self, config: MonitorConfig) -> dict[str, Any]:
         """The dump and free-benchmark actions (torch models), registered with the anomaly engine."""
@@ -156,26 +159,17 @@ class Session:
             return run_dir, None
         return run_dir, rank_dir
 
-    # ----------------------------------------------------------------------------- hooks
-    def _on_root_forward(self, module: Any, args: Any) -> None:
-        if self._optimizer_stepped and not self._user_steps:
-            self.end_step(None, {}, by_user=False)  # the user does not call monitor.step()
-        count = self._forwards.get(id(module), 0)
-        self._forwards[id(module)] = count + 1
-        self.ctx.micro_step = count
-
-    def _on_optimizer_step(self, *args: Any) -> None:
-        self._optimizer_stepped = True
-
     # ----------------------------------------------------------------------------- step loop
     def end_step(self, loss: Any, scalars: dict[str, Any], by_user: bool) -> StepRecord | None:
-        self._user_steps = self._user_steps or by_user
+        lifecycle = self.lifecycle
+        lifecycle.user_steps = lifecycle.user_steps or by_user
         ctx = self.ctx
-        if by_user and self.attachment.micro_steps_by_user and not self._optimizer_stepped:
+        if by_user and self.attachment.micro_steps_by_user and not lifecycle.optimizer_stepped:
             # DeepSpeed: engine.step() after every micro-batch; only a boundary ends a monitor step.
             if loss is not None and ctx.collecting:
                 ctx.buffer.add_scalar(f"loss/micro{ctx.micro_step}", loss.detach().float().mean())
             return None
+        lifecycle.before_end(by_user, has_scalars=loss is not None or bool(scalars))
         for action in self.actions.values():
             action.end_step()
         record, error = None, None
@@ -188,8 +182,6 @@ class Session:
             for collector in self.attachment.collectors:
                 collector.before_transfer()
             host = buffer.transfer()  # sync: the one device-to-host transfer of this step
-            from trainmon.monitor import build_record
-
             record = build_record(ctx.step, self.attachment.rank, ctx.pp_stage, host.keys, host.partials,
                                   host.scalars, ctx.metrics)
             self.schedule.collected += 1
@@ -203,8 +195,7 @@ class Session:
             self._write_struct()
         ctx.step += 1
         ctx.new_step()
-        self._forwards.clear()
-        self._optimizer_stepped = False
+        lifecycle.reset()
         for action in self.actions.values():
             action.begin_step(ctx.step)
         if self.watcher is not None:
@@ -235,9 +226,7 @@ class Session:
         """Apply a changed config from the next step; keep the old one if the new one cannot apply."""
         if config is None:
             return
-        from trainmon.monitor import family_metrics
-
-        old = self.monitor.config
+        old = self.config
         for key in ("output_dir", "run_name", "sinks", "ranks"):
             if getattr(config, key) != getattr(old, key):
                 logger.warning("trainmon: config key %r cannot change while attached; keeping %r", key,
@@ -255,27 +244,29 @@ class Session:
         self.attachment.close()
         self.attachment = attachment
         self._bind_outputs()
-        self.boundary.remove("roots")
+        self.lifecycle.registry.remove_all()
         self._hook_boundaries()
         self.ctx.collecting = False
-        self.monitor.config = self.schedule.config = config
+        self.config = self.schedule.config = config
         if config.anomaly != old.anomaly:
             from trainmon.anomaly.engine import AnomalyEngine
 
             self.anomaly.close()
             self.anomaly = AnomalyEngine(config.anomaly, self.attachment.rank, self.rank_dir)
-            for callback in self.monitor._callbacks:
+            for callback in self.callbacks:
                 self.anomaly.on_anomaly(callback)
             for name, action in self.actions.items():
                 self.anomaly.register_action(name, action.on_anomaly)
-        logger.info("trainmon: config reloaded from %s; applies from step %d", self.monitor.config_path, self.ctx.step)
+        logger.info("trainmon: config reloaded from %s; applies from step %d", self.config_path, self.ctx.step)
 
     def close(self) -> None:
         try:
-            if self.ctx.collecting and len(self.ctx.buffer) and (self._optimizer_stepped or self._forwards):
+            if self.ctx.collecting and len(self.ctx.buffer) and self.lifecycle.active:
                 self.end_step(None, {}, by_user=False)  # the last step when the user never called step()
         except AnomalyError:
             pass
+        except Exception as exc:  # noqa: BLE001 - close() never raises for the monitor's own trouble
+            logger.warning("trainmon: the last step could not be recorded at close (%s: %s)", type(exc).__name__, exc)
         finally:
             self.ctx.collecting = False
             self._release()

@@ -27,6 +27,12 @@ def in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
+def unscale_partial(partial: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The partial statistics of ``x / scale`` from those of ``x`` (``scale`` > 0; on the device, no sync)."""
+    inverse = scale.detach().to(device=partial.device, dtype=partial.dtype).reciprocal()
+    return torch.cat([partial[:4] * inverse, partial[4:]])  # norm, sum, min, max scale; counts do not
+
+
 class Collector(Protocol):
     """Something that measures tensors into the step buffer.
 
@@ -73,6 +79,11 @@ class StepContext:
     """Makes each step's buffer; an integration with its own tensors (MindSpore) sets its own."""
     stats_fn: Callable[[Any, StatsSpec], Any] = partial_stats
     """Partial statistics of one tensor; MindSpore sets its own."""
+    backward_end: list[Callable[[], None]] = field(default_factory=list)
+    """Run at the end of each backward pass of a collected step, when the gradients are final
+    (after data-parallel reduction): see :class:`trainmon.steps.StepLifecycle`."""
+    scaler: Any = None
+    """The torch ``GradScaler`` of the run, when known: gradients read before ``unscale_`` are divided by its scale."""
     _measured: dict[int, tuple[weakref.ref, int, StatsSpec, torch.Tensor]] = field(default_factory=dict)
     _unmeasurable: set[tuple[str, str]] = field(default_factory=set)
 
@@ -80,8 +91,11 @@ class StepContext:
         return self.collecting and family in self.specs
 
     def record(self, family: str, name: str, tensor: torch.Tensor, vpp_stage: int = 0,
-               micro_step: int | None = None) -> torch.Tensor | None:
+               micro_step: int | None = None, scale: torch.Tensor | None = None) -> torch.Tensor | None:
         """Measure ``tensor`` into the buffer as a row of ``family`` (no host sync).
+
+        ``scale``: a device scalar the tensor is multiplied by (a loss scale): the row then holds
+        the statistics of ``tensor / scale`` (norm, sum, min, max; counts are unchanged).
 
         Returns the device partial vector (so a caller can reuse it), or None when the family is off
         or the tensor cannot be measured (a sparse tensor, say: warned once per row, then skipped).
@@ -104,8 +118,18 @@ class StepContext:
                 return None
             if version is not None:
                 self._measured[id(tensor)] = (weakref.ref(tensor), version, spec, partial)
+        if scale is not None:
+            partial = unscale_partial(partial, scale)
         self.add(family, name, partial, vpp_stage, micro_step)
         return partial
+
+    def forget_measured(self) -> None:
+        """Forget which tensors were measured: the next read measures again.
+
+        Called when the optimizer phase begins: ``GradScaler.unscale_`` rewrites gradients in
+        place without bumping their version, so a cached partial could be the scaled gradient's.
+        """
+        self._measured.clear()
 
     def _cannot_measure(self, family: str, name: str, exc: Exception) -> None:
         if (family, name) not in self._unmeasurable:

@@ -10,6 +10,7 @@ import torch
 
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.stats import StatsSpec, partial_numpy
+from trainmon.steps import scale_of
 from trainmon.records import PARTIAL_SLOTS, combine_partials
 
 if TYPE_CHECKING:
@@ -169,9 +170,16 @@ class TorchOptimizerCollector:
     - ``grad_unreduced``: ``param.grad`` in its post-accumulate-grad hook, i.e. as accumulated
       on the parameter after each micro-step's backward (before any data-parallel reduction
       outside autograd); written for the last micro-step, or every one with ``per_micro_step``.
-    - ``grad_reduced`` and ``param``: in the optimizer's step pre-hook (what the step uses).
+    - ``grad_reduced`` and ``param``: in the optimizer's step pre-hook (what the step uses: after
+      ``GradScaler.unscale_`` and clipping); with a closure (``optimizer.step(closure)``: LBFGS,
+      Lightning), right after the closure's first call, when its backward has run.
     - optimizer states, ``update`` and ``ratio``: in the step post-hook (after the step).
-    - the global gradient norm over every parameter with a gradient, as scalar ``grad_norm``.
+    - scalar ``grad_norm``: the global L2 norm over every optimizer parameter's gradient *before
+      clipping*, read at the end of the backward pass (after data-parallel reduction) of the last
+      micro-step, divided by the loss scale under a ``GradScaler``.
+
+    Under a ``GradScaler`` (``ctx.scaler``) ``grad_unreduced`` is divided by the loss scale, so
+    every gradient row is in the units the optimizer steps with.
 
     Args:
         ctx: the monitor's step context.
@@ -190,6 +198,10 @@ class TorchOptimizerCollector:
         self.config = config
         self.registry = registry
         self._states = [s for s in config.optimizer_states.states if s in ctx.specs]
+        self._norm: torch.Tensor | None = None
+        self._norm_final = False
+        if optimizer is not None:
+            ctx.backward_end.append(self._backward_ended)
 
     def arm(self) -> None:
         if self.registry.count(_GRADS) or self.registry.count(_OPTIMIZER):
@@ -209,10 +221,14 @@ class TorchOptimizerCollector:
         self.registry.remove(_OPTIMIZER)
 
     def before_transfer(self) -> None:
-        pass
+        if self._norm is not None and self.ctx.collecting:
+            self.ctx.buffer.add_scalar("grad_norm", self._norm)
+        self._norm, self._norm_final = None, False
 
     def close(self) -> None:
         self.disarm()
+        if self._backward_ended in self.ctx.backward_end:
+            self.ctx.backward_end.remove(self._backward_ended)
 
     def _grad_hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
         per_micro_step = self.config.weight_grads.per_micro_step
@@ -221,11 +237,46 @@ class TorchOptimizerCollector:
             ctx = self.ctx
             if ctx.collecting and param.grad is not None and (
                     per_micro_step or ctx.micro_step >= ctx.grad_acc_steps - 1):
-                ctx.record("grad_unreduced", name, param.grad, vpp_stage)
+                ctx.record("grad_unreduced", name, param.grad, vpp_stage, scale=scale_of(ctx.scaler))
 
         return hook
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _backward_ended(self) -> None:
+        """End of a backward pass: the pre-clip global norm of the gradients as they stand now."""
+        ctx = self.ctx
+        if self._norm_final or ctx.micro_step < ctx.grad_acc_steps - 1 or self.optimizer is None:
+            return
+        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            norm = global_grad_norm(grads)
+            scale = scale_of(ctx.scaler)
+            self._norm = norm if scale is None else norm / scale.to(norm.device, torch.float32)
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        if not self.ctx.collecting:
+            return None
+        self.ctx.forget_measured()  # unscale_ rewrote the gradients without bumping their versions
+        # torch passes the step's own arguments, the optimizer first: step(self, closure=None)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._measure_step(optimizer)
+            return None
+        measured = False
+
+        def closure_then_measure(*closure_args: Any, **closure_kwargs: Any) -> Any:
+            nonlocal measured
+            loss = closure(*closure_args, **closure_kwargs)
+            if not measured:  # LBFGS re-evaluates: the step's direction comes from the first call
+                measured = True
+                self._measure_step(optimizer)
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_measure}
+        return (args[0], closure_then_measure, *args[2:]), kwargs
+
+    def _measure_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``grad_reduced``, ``param`` and ``lr`` of the gradients the optimizer steps with."""
         ctx = self.ctx
         if not ctx.collecting:
             return
@@ -233,9 +284,11 @@ class TorchOptimizerCollector:
             if param.grad is not None:
                 ctx.record("grad_reduced", name, param.grad, vpp_stage)
             ctx.record("param", name, param, vpp_stage)
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if grads:
-            ctx.buffer.add_scalar("grad_norm", global_grad_norm(grads))
+        if self._norm is None:  # no backward pass was seen (gradients set by hand): the norm as it stands
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if grads:
+                self._norm = global_grad_norm(grads)
+        self._norm_final = True
         for i, group in enumerate(optimizer.param_groups):
             ctx.buffer.add_scalar(f"lr/group{i}", group["lr"])
 

@@ -25,6 +25,7 @@ class AttachOptions:
     dp_group: Any = None
     pp_group: Any = None
     start_step: int = 0
+    scaler: Any = None
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Attachment:
         registry: the hook handles of this attachment.
         micro_steps_by_user: the user calls ``monitor.step()`` after every micro-batch (DeepSpeed's
             ``engine.step()`` idiom); only a call after the optimizer really stepped ends a step.
+        scaler: a torch ``GradScaler`` found behind the optimizer (accelerate), or None.
         on_close: extra clean-up (e.g. undoing an instance wrapper).
     """
 
@@ -55,6 +57,7 @@ class Attachment:
     pp_stage: int = 0
     collective: bool = False
     micro_steps_by_user: bool = False
+    scaler: Any = None
     on_close: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:

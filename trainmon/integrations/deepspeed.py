@@ -15,12 +15,12 @@ What is measured where (see ``docs/deepspeed.md``):
   ``skipped_steps``, ``step_applied``, ``global_steps``, ``lr/group{i}``.
 
 There is no public hook at the end of ``engine.step()``, so the one engine instance is wrapped
-(an instance attribute ``step``, removed on close); the class is never patched.
+(:class:`trainmon.steps.StepWrapper`: an instance attribute ``step``, removed on close); the class
+is never patched.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,88 +31,13 @@ from trainmon.collect.optimizer import TorchOptimizerCollector, adam_update, upd
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.integrations.base import AttachOptions, Attachment, dist_layout, select_modules, select_params
 from trainmon.integrations.deepspeed_shards import ShardLayout, layout_for
+from trainmon.steps import StepWrapper
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext
     from trainmon.config import MonitorConfig
 
-StepHook = Callable[[Any, tuple, dict], None]
 _STATES = ("exp_avg", "exp_avg_sq")
-
-
-class _Handle:
-    def __init__(self, hooks: list[StepHook], hook: StepHook) -> None:
-        self._hooks, self._hook = hooks, hook
-
-    def remove(self) -> None:
-        if self._hook in self._hooks:
-            self._hooks.remove(self._hook)
-
-
-class EngineStepHooks:
-    """Step pre/post hooks of ONE engine instance, fired only on accumulation boundaries.
-
-    ``engine.step()`` is called after every micro-batch but updates only on a boundary; the
-    hooks run around the boundary calls. Installing sets the instance attribute
-    ``engine.step``; :meth:`uninstall` removes it (or, if someone wrapped it afterwards,
-    leaves an inert pass-through). It has ``register_step_post_hook`` so the monitor can
-    treat it like a torch optimizer whose step ends a monitor step.
-    """
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.pre: list[StepHook] = []
-        self.post: list[StepHook] = []
-        self.active = False
-        self._previous: Any = None
-
-    def register_step_pre_hook(self, hook: StepHook) -> _Handle:
-        self.pre.append(hook)
-        return _Handle(self.pre, hook)
-
-    def register_step_post_hook(self, hook: StepHook) -> _Handle:
-        self.post.append(hook)
-        return _Handle(self.post, hook)
-
-    def install(self) -> None:
-        engine = self.engine
-        self._previous = engine.__dict__.get("step")
-        inner = engine.step  # the bound method, or a wrapper installed earlier
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            if not self.active:
-                return inner(*args, **kwargs)
-            boundary = engine.is_gradient_accumulation_boundary()
-            if boundary:
-                for hook in list(self.pre):
-                    hook(engine, args, kwargs)
-            result = inner(*args, **kwargs)
-            if boundary:
-                for hook in list(self.post):
-                    hook(engine, args, kwargs)
-            return result
-
-        step.__trainmon_hooks__ = self  # type: ignore[attr-defined]
-        engine.__dict__["step"] = step
-        self.active = True
-
-    def uninstall(self) -> None:
-        self.active = False
-        self.pre.clear()
-        self.post.clear()
-        namespace = self.engine.__dict__
-        current = namespace.get("step")
-        if getattr(current, "__trainmon_hooks__", None) is not self:
-            return  # wrapped again on top of us: stay as an inert pass-through
-        previous = self._previous
-        # Unwind earlier trainmon wrappers that are already inert (e.g. after a config reload).
-        while previous is not None and getattr(previous, "__trainmon_hooks__", None) is not None \
-                and not previous.__trainmon_hooks__.active:
-            previous = previous.__trainmon_hooks__._previous
-        if previous is None:
-            del namespace["step"]
-        else:
-            namespace["step"] = previous
 
 
 class DeepSpeedShardCollector:
@@ -137,7 +62,7 @@ class DeepSpeedShardCollector:
     """
 
     def __init__(self, ctx: StepContext, engine: Any, params: list[tuple[str, torch.nn.Parameter, int]],
-                 config: MonitorConfig, hooks: EngineStepHooks, dp_group: Any = None) -> None:
+                 config: MonitorConfig, hooks: StepWrapper, dp_group: Any = None) -> None:
         self.ctx = ctx
         self.engine = engine
         self.params = params
@@ -201,7 +126,9 @@ class DeepSpeedShardCollector:
             if scale is not None:
                 buffer.add_scalar("loss_scale", scale)
         buffer.add_scalar("skipped_steps", engine.skipped_steps)
-        buffer.add_scalar("step_applied", int(engine.was_step_applied()))
+        applied = bool(engine.was_step_applied())
+        buffer.add_scalar("step_applied", int(applied))
+        buffer.add_scalar("step_skipped", int(not applied))
         buffer.add_scalar("global_steps", engine.global_steps)
         for i, lr in enumerate(engine.get_lr()):
             buffer.add_scalar(f"lr/group{i}", lr)
@@ -306,8 +233,7 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
     collectors: list[Collector] = []
     if config.activations.enabled:
         collectors.append(ActivationCollector(ctx, select_modules(named_modules, config), config.activations, registry))
-    hooks = EngineStepHooks(engine)
-    hooks.install()
+    hooks = StepWrapper(engine, boundary=engine.is_gradient_accumulation_boundary).install()
     shard_collector = None
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         chosen = select_params(params, config)

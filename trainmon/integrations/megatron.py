@@ -13,12 +13,10 @@ one warning). See docs/megatron.md.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from trainmon.collect.hooks import HookRegistry
 from trainmon.integrations.base import AttachOptions, Attachment, dist_layout, select_modules, select_params
@@ -28,6 +26,7 @@ from trainmon.integrations.megatron_collect import (
     MegatronActivationCollector,
     MegatronParamCollector,
 )
+from trainmon.steps import StepWrapper
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext
@@ -153,52 +152,32 @@ def _rank_size(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-class MegatronStepHooks:
-    """Step post-hooks for a Megatron optimizer, which has none of its own.
+def _record_step_result(ctx: StepContext, wrapper: StepWrapper) -> Callable[..., None]:
+    """A step post-hook that records what Megatron's ``optimizer.step()`` returned and knows.
 
-    Wraps the ``step`` of the one optimizer instance it is given (an instance attribute that
-    shadows the class's method; no class is patched) and undoes it in :meth:`close`. After
-    each step it records ``grad_norm``, ``loss_scale``, ``skipped_iter`` (1 when the step was
-    skipped for non-finite gradients) and ``num_zeros`` when Megatron computed them, then
-    runs the registered hooks (the monitor's end-of-step marker).
+    ``(update_successful, grad_norm, num_zeros)``: ``step_skipped`` (and Megatron's own name
+    ``skipped_iter``) is 1 when the step was skipped for non-finite gradients; ``grad_norm`` is
+    Megatron's pre-clip norm; ``loss_scale`` and ``lr/group{i}``.
     """
+    def hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
+        result = wrapper.last_result
+        if not ctx.collecting or not (isinstance(result, tuple) and len(result) == 3):
+            return
+        ok, grad_norm, num_zeros = result
+        buffer = ctx.buffer
+        buffer.add_scalar("skipped_iter", 0.0 if ok else 1.0)
+        buffer.add_scalar("step_skipped", 0.0 if ok else 1.0)
+        if grad_norm is not None:
+            buffer.add_scalar("grad_norm", grad_norm)
+        if num_zeros is not None:
+            buffer.add_scalar("num_zeros", num_zeros)
+        scale = optimizer.get_loss_scale()
+        if scale is not None:
+            buffer.add_scalar("loss_scale", scale)
+        for i, group in enumerate(optimizer.param_groups):
+            buffer.add_scalar(f"lr/group{i}", group["lr"])
 
-    def __init__(self, ctx: StepContext, optimizer: Any) -> None:
-        self.ctx = ctx
-        self.optimizer = optimizer
-        self._hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()  # weak-referenceable
-        self._original = optimizer.step
-        optimizer.step = self._step
-
-    def register_step_post_hook(self, hook: Callable[..., None]) -> RemovableHandle:
-        handle = RemovableHandle(self._hooks)
-        self._hooks[handle.id] = hook
-        return handle
-
-    def _step(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._original(*args, **kwargs)
-        ctx = self.ctx
-        if ctx.collecting and isinstance(result, tuple) and len(result) == 3:
-            ok, grad_norm, num_zeros = result
-            buffer = ctx.buffer
-            buffer.add_scalar("skipped_iter", 0.0 if ok else 1.0)
-            if grad_norm is not None:
-                buffer.add_scalar("grad_norm", grad_norm)
-            if num_zeros is not None:
-                buffer.add_scalar("num_zeros", num_zeros)
-            scale = self.optimizer.get_loss_scale()
-            if scale is not None:
-                buffer.add_scalar("loss_scale", scale)
-            for i, group in enumerate(self.optimizer.param_groups):
-                buffer.add_scalar(f"lr/group{i}", group["lr"])
-        for hook in list(self._hooks.values()):
-            hook(self.optimizer, args, kwargs)
-        return result
-
-    def close(self) -> None:
-        if self.optimizer.__dict__.get("step") == self._step:
-            del self.optimizer.step
-        self._hooks.clear()
+    return hook
 
 
 def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
@@ -228,8 +207,16 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
     if config.activations.enabled:
         collectors.append(MegatronActivationCollector(ctx, select_modules(named_modules, config),
                                                       config.activations, registry))
-    step_hooks = MegatronStepHooks(ctx, optimizer) if optimizer is not None else None
     params = [(name, p, vpp) for vpp, root in enumerate(roots) for name, p in root.named_parameters()]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        # A plain torch optimizer (NVIDIA's examples/run_simple_mcore_train_loop.py): its own
+        # step hooks and the torch collectors, which read ``param.grad`` as it stands.
+        return _attach_torch_optimizer(ctx, config, roots, named_modules, params, optimizer, collectors,
+                                       registry, pp_stage)
+    step_hooks = None
+    if optimizer is not None:
+        step_hooks = StepWrapper(optimizer).install()
+        step_hooks.register_step_post_hook(_record_step_result(ctx, step_hooks))
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         mains = main_params(optimizer) if optimizer is not None else {}
         check_dp_group(options.dp_group, mains)
@@ -240,5 +227,26 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
                             modules=named_modules, optimizer=step_hooks, registry=registry, rank=rank,
                             world_size=world_size, pp_stage=pp_stage, collective=world_size > 1)
     if step_hooks is not None:
-        attachment.on_close.append(step_hooks.close)
+        attachment.on_close.append(step_hooks.uninstall)
     return attachment
+
+
+def _attach_torch_optimizer(ctx: StepContext, config: MonitorConfig, roots: list[torch.nn.Module],
+                            named_modules: list, params: list, optimizer: torch.optim.Optimizer,
+                            collectors: list[Collector], registry: HookRegistry, pp_stage: int) -> Attachment:
+    """Megatron-Core model chunks trained with a ``torch.optim`` optimizer.
+
+    Under Megatron's DDP the gradients live in ``param.main_grad`` and ``param.grad`` stays None:
+    the torch collectors then see no gradient, so that combination warns once.
+    """
+    from trainmon.collect.optimizer import TorchOptimizerCollector
+
+    if any(hasattr(p, "main_grad") for _, p, _ in params):
+        logger.warning("trainmon: a torch optimizer over Megatron DDP chunks: gradients live in param.main_grad, "
+                       "which a torch optimizer does not use; grad rows and grad_norm may be missing")
+    if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
+        collectors.append(TorchOptimizerCollector(ctx, select_params(params, config), optimizer, config, registry))
+    rank, world_size = dist_layout()
+    return Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
+                      modules=named_modules, optimizer=optimizer, registry=registry, rank=rank,
+                      world_size=world_size, pp_stage=pp_stage)

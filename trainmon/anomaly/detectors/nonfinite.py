@@ -23,6 +23,17 @@ class NonfiniteConfig:
     """Scalars checked besides every monitored tensor (missing scalars are skipped)."""
     families: list[str] | None = None
     """Row families checked; null means all."""
+    max_skipped_steps: int = 10
+    """Consecutive steps the loss scaler (or the framework's overflow check) may skip before it is an
+    anomaly. On a skipped step (scalar ``step_skipped`` = 1) non-finite gradients and ``grad_norm`` are
+    the expected overflow of dynamic loss scaling, not an alarm; one event reports a run of more skips."""
+
+
+SKIP_SCALAR = "step_skipped"
+"""The scalar (1 = the optimizer did not apply the step) written by every integration."""
+GRADIENT_FAMILIES = frozenset({"grad_unreduced", "grad_reduced", "actv_grad"})
+"""Families whose non-finite values a skipped step explains (an overflow in the scaled backward)."""
+GRADIENT_SCALARS = frozenset({"grad_norm"})
 
 
 def _row_metric(row: Row) -> tuple[str, float]:
@@ -53,21 +64,31 @@ class NonfiniteDetector(Detector):
     type_name = "nonfinite"
     config_class = NonfiniteConfig
     choices = {"families": FAMILIES}
+    minimum = {"max_skipped_steps": 0}
 
     def __init__(self, config: NonfiniteConfig, path: str = "anomaly.detectors[0]") -> None:
         super().__init__(config)
         self.steps_with_nonfinite = 0
+        self.skipped_in_a_row = 0
 
     def update(self, record: StepRecord, time: str) -> list[AnomalyEvent]:
+        skipped = record.scalars.get(SKIP_SCALAR, 0.0) > 0
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
+        if skipped and self.skipped_in_a_row == self.config.max_skipped_steps + 1:
+            return [self._skips_event(record, time)]
         families = set(self.config.families) if self.config.families is not None else None
         hits: list[tuple[tuple[int, ...], Row | None, str]] = []
         for row in record.rows:
+            if skipped and row.key.family in GRADIENT_FAMILIES:
+                continue  # the overflow that made the scaler skip this step: recorded, not an alarm
             if row.nonfinite and (families is None or row.key.family in families):
                 key = row.key
                 hits.append((sort_key_fields(record.step, key.micro_step, key.phase, record.pp_stage,
                                              key.vpp_stage, key.order, record.rank), row, key.family))
         for name in self.config.scalars:
             value = record.scalars.get(name)
+            if skipped and name in GRADIENT_SCALARS:
+                continue
             if value is not None and not math.isfinite(value):
                 phase, micro_step, order = scalar_location(record, name)
                 hits.append((sort_key_fields(record.step, micro_step, phase, record.pp_stage, 0, order,
@@ -101,9 +122,18 @@ class NonfiniteDetector(Detector):
                                  detector=self.type_name, message=message, time=time)
         return [event]
 
+    def _skips_event(self, record: StepRecord, time: str) -> AnomalyEvent:
+        count = self.skipped_in_a_row
+        message = (f"{count} steps in a row skipped by the loss scaler / overflow check (steps "
+                   f"{record.step - count + 1}..{record.step}, rank {record.rank}): gradients stay non-finite "
+                   f"whatever the loss scale")
+        return scalar_event(record, SKIP_SCALAR, value=float(count), baseline=float(self.config.max_skipped_steps),
+                            detector=self.type_name, message=message, time=time)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"steps_with_nonfinite": self.steps_with_nonfinite}
+        return {"steps_with_nonfinite": self.steps_with_nonfinite, "skipped_in_a_row": self.skipped_in_a_row}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.steps_with_nonfinite = int(state.get("steps_with_nonfinite", 0))
+        self.skipped_in_a_row = int(state.get("skipped_in_a_row", 0))

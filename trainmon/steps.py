@@ -1,0 +1,394 @@
+"""The step model: one component that owns the lifecycle of a monitor step for every integration.
+
+A *monitor step* is one optimizer step. Within it:
+
+- a **training micro-step** is a forward of a root module with grad enabled and the module in
+  training mode; other forwards (evaluation, ``torch.no_grad()``, ``inference_mode``) are not
+  counted and record no rows (collection is suspended while they run);
+- a forward that raises, or a backward that raises (both caught by the user), leaves no rows:
+  the rows recorded since that micro-step's forward began are rolled back and the micro-step is
+  not counted;
+- the gradients are final at the **end of the backward pass** (after data-parallel reduction;
+  :class:`StepContext.backward_end` subscribers run then) and the optimizer steps with them at
+  its step pre-hook (after a closure's backward, after ``GradScaler.unscale_``, after clipping);
+- the step **ends** when the user calls ``monitor.step()``, or, for users who do not, at the
+  first root forward after the optimizer stepped or a ``GradScaler.update()`` ran (so a step
+  the scaler skipped still ends, and step numbers stay aligned);
+- whether the step was **applied**: with a ``GradScaler`` from its ``found_inf`` (scalar
+  ``step_skipped``, with ``loss_scale``), otherwise from whether the optimizer's step ran.
+
+Framework specifics come in through two small pieces: :class:`StepWrapper` gives pre/post step
+hooks to an object that has none (a ``DeepSpeedEngine``, a Megatron optimizer), and
+:class:`ScalerHooks` reads a torch ``GradScaler`` at its ``update()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from trainmon.collect.activations import named_tensors
+from trainmon.collect.hooks import HookRegistry
+
+if TYPE_CHECKING:
+    from trainmon.collect.context import StepContext
+
+logger = logging.getLogger("trainmon")
+
+StepHook = Callable[[Any, tuple, dict], Any]
+_ROOTS = "step_roots"
+_BACKWARD = "step_backward"
+
+
+class StepWrapper:
+    """Step pre/post hooks for ONE instance whose ``step`` has none (DeepSpeed engine, Megatron optimizer).
+
+    Installing sets the instance attribute ``step`` (the class is never patched);
+    :meth:`uninstall` removes it, or, when something wrapped it again on top of us, leaves an
+    inert pass-through. Hooks run only when ``boundary()`` is true (DeepSpeed calls
+    ``engine.step()`` after every micro-batch but updates on accumulation boundaries only).
+    The result of the last wrapped call is kept in :attr:`last_result` for post-hooks.
+
+    Args:
+        owner: the instance whose ``step`` is wrapped.
+        boundary: whether this call of ``step`` is an optimizer step (default: always).
+    """
+
+    def __init__(self, owner: Any, boundary: Callable[[], bool] | None = None) -> None:
+        self.owner = owner
+        self.boundary = boundary
+        self._pre: dict[int, StepHook] = {}
+        self._post: dict[int, StepHook] = {}
+        self.last_result: Any = None
+        self.active = False
+        self._previous: Any = None
+
+    def register_step_pre_hook(self, hook: StepHook) -> RemovableHandle:
+        handle = RemovableHandle(self._pre)
+        self._pre[handle.id] = hook
+        return handle
+
+    def register_step_post_hook(self, hook: StepHook) -> RemovableHandle:
+        handle = RemovableHandle(self._post)
+        self._post[handle.id] = hook
+        return handle
+
+    def install(self) -> StepWrapper:
+        namespace = self.owner.__dict__
+        self._previous = namespace.get("step")
+        inner = self.owner.step  # the bound method, or a wrapper installed earlier
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if not self.active or (self.boundary is not None and not self.boundary()):
+                return inner(*args, **kwargs)
+            for hook in list(self._pre.values()):
+                hook(self.owner, args, kwargs)
+            self.last_result = inner(*args, **kwargs)
+            for hook in list(self._post.values()):
+                hook(self.owner, args, kwargs)
+            return self.last_result
+
+        step.__trainmon_step_wrapper__ = self  # type: ignore[attr-defined]
+        namespace["step"] = step
+        self.active = True
+        return self
+
+    def uninstall(self) -> None:
+        self.active = False
+        self._pre.clear()
+        self._post.clear()
+        namespace = self.owner.__dict__
+        if getattr(namespace.get("step"), "__trainmon_step_wrapper__", None) is not self:
+            return  # wrapped again on top of us: stay as an inert pass-through
+        previous = self._previous
+        # Unwind earlier trainmon wrappers that are already inert (e.g. after a config reload).
+        while previous is not None and getattr(previous, "__trainmon_step_wrapper__", None) is not None \
+                and not previous.__trainmon_step_wrapper__.active:
+            previous = previous.__trainmon_step_wrapper__._previous
+        if previous is None:
+            del namespace["step"]
+        else:
+            namespace["step"] = previous
+
+
+def unwrap_optimizer(optimizer: Any) -> tuple[Any, Any]:
+    """``(torch optimizer, GradScaler or None)`` behind a trainer's optimizer wrapper.
+
+    accelerate's ``AcceleratedOptimizer`` (what Hugging Face callbacks receive) and Lightning's
+    ``LightningOptimizer`` keep the real optimizer in ``.optimizer`` (Lightning: ``._optimizer``);
+    accelerate keeps its ``GradScaler`` in ``.scaler``.
+    """
+    scaler = None
+    for _ in range(4):  # wrappers of wrappers
+        module = type(optimizer).__module__.split(".")[0]
+        if module not in ("accelerate", "lightning", "pytorch_lightning"):
+            break
+        scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer, scaler
+
+
+def scale_of(scaler: Any) -> torch.Tensor | None:
+    """The current loss scale of an enabled torch ``GradScaler`` as a device tensor (no sync), else None."""
+    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
+        return None
+    return getattr(scaler, "_scale", None)
+
+
+class ScalerHooks:
+    """Reads a torch ``GradScaler`` at each ``update()``: ``loss_scale`` and ``step_skipped``.
+
+    ``update()`` runs once per optimizer step whether or not the scaler skipped it, so it also
+    marks the step as finished for users who never call ``monitor.step()``. The instance's
+    ``update`` is wrapped (an instance attribute, removed on close); nothing is read on the host.
+    """
+
+    def __init__(self, scaler: Any, on_update: Callable[[torch.Tensor | None, torch.Tensor | None], None]) -> None:
+        self.scaler = scaler
+        self._on_update = on_update
+        self._inner = scaler.update
+        self.active = True
+
+        def update(*args: Any, **kwargs: Any) -> Any:
+            if self.active:
+                self._read()
+            return self._inner(*args, **kwargs)
+
+        self._wrapper = update
+        scaler.__dict__["update"] = update
+
+    def _read(self) -> None:
+        scale = scale_of(self.scaler)
+        found: torch.Tensor | None = None
+        states = getattr(self.scaler, "_per_optimizer_states", {})
+        for state in states.values():
+            for value in state.get("found_inf_per_device", {}).values():
+                found = value.float() if found is None else found + value.to(found.device).float()
+        skipped = None if found is None else (found > 0).float()
+        # update() rescales in place: read the scale this step used before it changes
+        self._on_update(None if scale is None else scale.detach().clone(), skipped)
+
+    def close(self) -> None:
+        self.active = False
+        if self.scaler.__dict__.get("update") is self._wrapper:
+            del self.scaler.__dict__["update"]
+
+
+@dataclass
+class _Frame:
+    """One training micro-step in flight: where its rows begin, whether its backward began/ended."""
+
+    root: int
+    mark: int
+    returned: bool = False
+    backward_started: bool = False
+    backward_done: bool = False
+
+
+class StepLifecycle:
+    """Owns when micro-steps and steps begin and end, for every integration.
+
+    Args:
+        ctx: the monitor's step context (its ``collecting`` flag is suspended during
+            evaluation forwards; its buffer is rolled back after a failed pass).
+        end_step: ends the current step (the session's ``end_step(None, {}, by_user=False)``).
+    """
+
+    def __init__(self, ctx: StepContext, end_step: Callable[[], Any]) -> None:
+        self.ctx = ctx
+        self._end_step = end_step
+        self.registry = HookRegistry()
+        self.optimizer: Any = None
+        self.scaler: ScalerHooks | None = None
+        self.user_steps = False
+        self._warned: set[str] = set()
+        self.reset()
+
+    def reset(self) -> None:
+        """The state of a new step."""
+        self.forwards: dict[int, int] = {}
+        self.optimizer_stepped = False
+        self.scaler_updated = False
+        self._pending: _Frame | None = None
+        self._frames: list[_Frame] = []
+        self._suspended: list[bool] = []
+        self._backward_task: int | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def hook_roots(self, roots: list[Any]) -> None:
+        for root in roots:
+            if isinstance(root, torch.nn.Module):
+                self.registry.add(_ROOTS, root.register_forward_pre_hook(self._forward_pre))
+                self.registry.add(_ROOTS, root.register_forward_hook(self._forward_ok))
+                self.registry.add(_ROOTS, root.register_forward_hook(self._forward_done, always_call=True))
+            else:  # MindSpore cells: every forward is a training micro-step
+                self.registry.add(_ROOTS, root.register_forward_pre_hook(self._forward_pre_plain))
+
+    def hook_optimizer(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
+            self.registry.add(_ROOTS, optimizer.register_step_post_hook(self._optimizer_post))
+
+    def hook_scaler(self, scaler: Any) -> None:
+        if scaler is not None and self.scaler is None:
+            self.scaler = ScalerHooks(scaler, self._scaler_update)
+            self.ctx.scaler = scaler
+
+    def close(self) -> None:
+        self.registry.remove_all()
+        if self.scaler is not None:
+            self.scaler.close()
+            self.scaler = None
+        self.ctx.scaler = None
+        while self._suspended:
+            self.ctx.collecting = self._suspended.pop()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def active(self) -> bool:
+        """Whether anything of a training step happened since the last step ended."""
+        return bool(self.forwards) or self.optimizer_stepped or self.scaler_updated
+
+    @property
+    def finished(self) -> bool:
+        """The optimizer stepped (or the scaler decided to skip): the next forward starts a new step."""
+        return self.optimizer_stepped or self.scaler_updated
+
+    # ------------------------------------------------------------------ hooks
+    def _maybe_end(self) -> None:
+        if self.finished and not self.user_steps:
+            self._end_step()  # the user does not call monitor.step()
+
+    def _forward_pre_plain(self, module: Any, args: Any) -> None:
+        self._maybe_end()
+        count = self.forwards.get(id(module), 0)
+        self.forwards[id(module)] = count + 1
+        self.ctx.micro_step = count
+
+    def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        self._maybe_end()
+        self._drop_failed_backward()
+        ctx = self.ctx
+        if not (torch.is_grad_enabled() and module.training):
+            # evaluation / no_grad / inference_mode: not a micro-step, no rows
+            self._suspended.append(ctx.collecting)
+            ctx.collecting = False
+            self._frames.append(_Frame(root=-1, mark=-1))
+            return
+        self._frames.append(_Frame(root=id(module), mark=len(ctx.buffer.keys)))
+        ctx.micro_step = self.forwards.get(id(module), 0)
+
+    def _forward_ok(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._frames:
+            self._frames[-1].returned = True  # hooks registered without always_call run only on success
+
+    def _forward_done(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self._frames:
+            return
+        frame = self._frames.pop()
+        if frame.root == -1:
+            if self._suspended:
+                self.ctx.collecting = self._suspended.pop()
+            return
+        if not frame.returned:  # the forward raised: its rows go, the micro-step is not counted
+            self._rollback(frame.mark)
+            return
+        self.forwards[frame.root] = self.forwards.get(frame.root, 0) + 1
+        if self.ctx.collecting and torch.is_grad_enabled():
+            self._watch_backward(frame, output)
+
+    def _watch_backward(self, frame: _Frame, output: Any) -> None:
+        """A hook on the forward's output tensors: marks when its backward begins and ends."""
+        self.registry.remove(_BACKWARD)
+        self._pending = frame
+        for _, tensor in named_tensors(output, ""):
+            if tensor.requires_grad:
+                self.registry.add(_BACKWARD, tensor.register_hook(self._backward_begins))
+
+    def _backward_begins(self, grad: Any) -> None:
+        if self._pending is not None:
+            self._pending.backward_started = True
+        self.backward_started()
+
+    def backward_started(self) -> None:
+        """Called from inside a backward pass on a collected step: schedule the end-of-backward work once.
+
+        Two hops: a callback queued during the backward runs when the pass ends, but before
+        callbacks queued later (torch DDP queues its gradient reduction when the first gradient
+        is ready); a callback queued from that callback runs after all of them, when the
+        gradients are reduced and final.
+        """
+        task = torch._C._current_graph_task_id()
+        if task == -1 or task == self._backward_task:
+            return
+        self._backward_task = task
+        engine = torch.autograd.Variable._execution_engine
+        engine.queue_callback(lambda: engine.queue_callback(self._backward_ends))
+
+    def _backward_ends(self) -> None:
+        self._backward_task = None
+        if self._pending is not None:
+            self._pending.backward_done = True
+        if not self.ctx.collecting:
+            return
+        for hook in list(self.ctx.backward_end):
+            try:
+                hook()
+            except Exception as exc:  # a monitor failure never reaches the user's backward
+                self._warn_once(f"backward:{exc!r}", "trainmon: end-of-backward measurement failed (%s: %s)",
+                                type(exc).__name__, exc)
+
+    def _drop_failed_backward(self) -> None:
+        """A backward that began and never ended raised: drop its micro-step's rows."""
+        frame = self._pending
+        if frame is not None and frame.backward_started and not frame.backward_done:
+            self._rollback(frame.mark)
+            self.forwards[frame.root] = max(0, self.forwards.get(frame.root, 1) - 1)
+            self._backward_task = None
+        self._pending = None
+
+    def _rollback(self, mark: int) -> None:
+        buffer = self.ctx.buffer
+        if 0 <= mark < len(buffer.keys):
+            del buffer.keys[mark:]
+            del buffer.partials[mark:]
+
+    def _optimizer_post(self, *args: Any) -> None:
+        self.optimizer_stepped = True
+
+    def _scaler_update(self, scale: torch.Tensor | None, skipped: torch.Tensor | None) -> None:
+        self.scaler_updated = True
+        ctx = self.ctx
+        if not ctx.collecting:
+            return
+        if scale is not None:
+            ctx.buffer.add_scalar("loss_scale", scale)
+        if skipped is not None:
+            ctx.buffer.add_scalar("step_skipped", skipped)
+
+    # ------------------------------------------------------------------ step end
+    def before_end(self, by_user: bool, has_scalars: bool) -> None:
+        """At the end of a step, before its transfer: settle failed passes and whether the step was applied."""
+        self._drop_failed_backward()
+        if by_user and not self.active and not has_scalars:
+            self._warn_once("empty", "trainmon: monitor.step() was called with no training forward, optimizer step "
+                            "or scalar since the previous step; the step is counted but empty (called twice?)")
+        ctx, buffer = self.ctx, self.ctx.buffer
+        known = "step_skipped" in buffer.scalar_names or "step_skipped" in buffer.host_scalars
+        if (ctx.collecting and not known and self.optimizer is not None and self.forwards
+                and hasattr(self.optimizer, "register_step_post_hook")):
+            # nothing (scaler, engine) told us: the step was skipped when the optimizer's step did not run
+            ctx.buffer.add_scalar("step_skipped", 0.0 if self.optimizer_stepped else 1.0)
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message, *args)
