@@ -34,6 +34,11 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+def plain_name(name: str) -> str:
+    """A module or parameter name without the ``_orig_mod`` level of a compiled submodule."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def _is_compiled(module: Any) -> bool:
     """A ``torch.compile(module)`` wrapper (``OptimizedModule``), detected without importing dynamo."""
     return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None),
@@ -74,12 +79,14 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     root = unwrap_model(model)
     registry = HookRegistry()
-    named_modules = [(name, module, 0) for name, module in root.named_modules()]
+    named_modules = list({plain_name(name): (plain_name(name), module, 0)
+                          for name, module in root.named_modules()}.values())
     collectors: list[Collector] = []
     if config.activations.enabled:
-        modules = _outside_compiled(select_modules(named_modules, config), compiled_regions(model))
+        regions = [plain_name(region) for region in compiled_regions(model)]
+        modules = _outside_compiled(select_modules(named_modules, config), regions)
         collectors.append(ActivationCollector(ctx, modules, config.activations, registry))
-    params = [(name, p, 0) for name, p in root.named_parameters()]
+    params = [(plain_name(name), p, 0) for name, p in root.named_parameters()]
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         collectors.append(TorchOptimizerCollector(ctx, select_params(params, config), optimizer, config, registry))
     if config.grad_probe.enabled:

@@ -1,0 +1,213 @@
+"""Where steps and micro-steps begin and end on the loops people write: closures (LBFGS, Lightning's
+automatic optimisation), evaluation forwards between steps (nanoGPT, HF Trainer), passes that raise,
+``monitor.step()`` called twice. References are the test's own float64 copies of the tensors used."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from tests.integration.test_torch_lifecycle import _TransferCounter
+from tests.loops.common import MLP, assert_rows_match, config, data, global_norm, grads64, rows, scalars
+from tests.reference import METRICS
+from trainmon import TrainerMonitor
+
+ACTIVATIONS = {"enabled": True, "metrics": METRICS}
+
+
+def test_lbfgs_closure_grads_are_those_of_the_first_evaluation(tmp_path):
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    monitor = TrainerMonitor(config(tmp_path)).attach(model, optimizer)
+    first: dict[int, dict] = {}
+    transfers = []
+    for step in range(3):
+        x, y = data(step)
+
+        def closure():
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            first.setdefault(step, grads64(model))  # the gradient the step's direction starts from
+            return loss
+
+        with _TransferCounter() as counter:
+            loss = optimizer.step(closure)
+            monitor.step(loss=loss)
+        transfers.append(counter.calls)
+    monitor.close()
+    reduced, values = rows(tmp_path, "grad_reduced"), scalars(tmp_path)
+    for step in range(3):
+        assert_rows_match(reduced, step, first[step])
+        assert np.isclose(values.loc[step, "grad_norm"], global_norm(first[step]), rtol=1e-5)
+    assert transfers == [["cpu"]] * 3
+
+
+def test_lightning_style_accumulation_with_a_closure(tmp_path):
+    """Lightning's automatic optimisation: micro-batches 0..k-2 run forward+backward outside the
+    optimizer; the last runs inside ``optimizer.step(closure)``. The step uses the sum of all."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = TrainerMonitor(config(tmp_path, params={"enabled": True})).attach(model, optimizer, grad_acc_steps=3)
+    used = {}
+    for step in range(3):
+        for micro in range(3):
+            x, y = data(10 * step + micro)
+
+            def closure():
+                loss = torch.nn.functional.mse_loss(model(x), y) / 3
+                loss.backward()
+                return loss
+
+            if micro < 2:
+                closure()
+            else:
+                optimizer.step(closure=closure)
+                used[step] = grads64(model)
+                optimizer.zero_grad()
+        monitor.step()
+    monitor.close()
+    reduced, unreduced, values = rows(tmp_path, "grad_reduced"), rows(tmp_path, "grad_unreduced"), scalars(tmp_path)
+    for step in range(3):
+        assert_rows_match(reduced, step, used[step])
+        assert_rows_match(unreduced, step, used[step], micro_step=2)  # the last micro-step's accumulation
+        assert np.isclose(values.loc[step, "grad_norm"], global_norm(used[step]), rtol=1e-5)
+    assert set(unreduced.micro_step) == {2}
+
+
+def _capture_training_activations(model, store):
+    """The test's own forward hook: outputs of fc1 in training forwards only."""
+    def hook(module, args, output):
+        if torch.is_grad_enabled() and model.training:
+            store.append(output.detach().double().numpy().copy())
+    return model.fc1.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("user_steps", [True, False], ids=["monitor.step", "no-monitor.step"])
+@pytest.mark.parametrize("eval_mode", ["no_grad", "inference_mode", "eval_with_grad"])
+def test_eval_forwards_between_steps_record_nothing(tmp_path, user_steps, eval_mode):
+    """nanoGPT's estimate_loss() every N steps; HF Trainer's evaluation loop."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = config(tmp_path, activations=ACTIVATIONS, targets={"modules": ["fc1"]})
+    monitor = TrainerMonitor(cfg).attach(model, optimizer, grad_acc_steps=2)
+    acts: dict[int, list] = {}
+    handle = _capture_training_activations(model, acts.setdefault(-1, []))
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
+               "eval_with_grad": torch.enable_grad}[eval_mode]
+    for step in range(4):
+        if step % 2 == 0:  # evaluate before training, as nanoGPT does at iter % eval_interval == 0
+            model.eval()
+            with context():
+                for k in range(3):
+                    model(data(100 + k)[0])
+            model.train()
+        acts[step] = []
+        handle.remove()
+        handle = _capture_training_activations(model, acts[step])
+        for micro in range(2):
+            x, y = data(10 * step + micro)
+            (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if user_steps:
+            monitor.step()
+    monitor.close()
+    handle.remove()
+    actv = rows(tmp_path, "actv")
+    assert sorted(set(actv.step)) == [0, 1, 2, 3]  # no phantom step from the evaluation at close
+    for step in range(4):
+        at = actv[(actv.step == step) & (actv.name == "fc1.output")].sort_values("micro_step")
+        assert list(at.micro_step) == [0, 1]  # evaluation forwards do not shift training micro-steps
+        for (_, row), reference in zip(at.iterrows(), acts[step]):
+            assert np.isclose(row["norm"], np.linalg.norm(reference), rtol=1e-5)
+    unreduced = rows(tmp_path, "grad_unreduced")
+    assert set(unreduced.micro_step) == {1}
+
+
+class _Flaky(torch.nn.Module):
+    """An MLP whose forward or backward raises when told to (an OOM the user catches and skips)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MLP()
+        self.fail_forward = False
+        self.fail_backward = False
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.fail_forward:
+            raise RuntimeError("out of memory (simulated)")
+        if self.fail_backward:
+            out = _RaiseInBackward.apply(out)
+        return out
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("out of memory in backward (simulated)")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_pass_that_raises_leaves_no_rows_and_no_micro_step(tmp_path, where):
+    torch.manual_seed(0)
+    model = _Flaky()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = config(tmp_path, activations=ACTIVATIONS, targets={"modules": ["net.fc1", "net.fc2"]})
+    monitor = TrainerMonitor(cfg).attach(model, optimizer, grad_acc_steps=2)
+    used = {}
+    for step in range(3):
+        done = 0
+        attempt = 0
+        while done < 2:
+            x, y = data(10 * step + attempt)
+            attempt += 1
+            fail = step == 1 and attempt == 1
+            model.fail_forward, model.fail_backward = fail and where == "forward", fail and where == "backward"
+            try:
+                (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+            except RuntimeError:
+                optimizer.zero_grad()  # the user skips the batch
+                continue
+            done += 1
+        used[step] = grads64(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step()
+    monitor.close()
+    actv, reduced = rows(tmp_path, "actv"), rows(tmp_path, "grad_reduced")
+    for step in range(3):
+        at = actv[(actv.step == step) & (actv.name == "net.fc1.output")]
+        assert sorted(at.micro_step) == [0, 1], (step, list(at.micro_step))
+        assert_rows_match(reduced, step, used[step])
+    assert set(rows(tmp_path, "actv_grad").micro_step) == {0, 1}
+
+
+def test_step_called_twice_warns_once_and_numbers_stay_dense(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMonitor(config(tmp_path)).attach(model, optimizer)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        for step in range(3):
+            x, y = data(step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step()
+            monitor.step()  # a second call: an empty step, said once
+    monitor.close()
+    warnings = [r for r in caplog.records if "called twice" in r.getMessage()]
+    assert len(warnings) == 1
+    assert sorted(set(rows(tmp_path, "grad_reduced").step)) == [0, 2, 4]
