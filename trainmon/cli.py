@@ -1,19 +1,34 @@
-"""The ``trainmon`` command: ``csv2tb``, ``analyse``, ``grad-compare``."""
+"""The ``trainmon`` command: ``csv2tb``, ``analyse``, ``grad-compare``.
+
+Exit codes: 0 on success, 2 on bad usage or bad input (one line on stderr: ``trainmon COMMAND:
+error: ...`` naming the argument, file or folder at fault), 130 on Ctrl-C. Bad input never ends in
+a traceback or a hang.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from trainmon.errors import UsageError
 
 _SUBCOMMANDS = ("trainmon.csv2tb", "trainmon.anomaly.analyse", "trainmon.probe.compare")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (argparse prints the usage first; ``--help`` still shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainmon", description="trainmon offline tools")
+    parser = _Parser(prog="trainmon", description="trainmon offline tools",
+                     epilog="Exit codes: 0 success, 2 bad usage or bad input (one line on stderr), 130 interrupted.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in _SUBCOMMANDS:
         try:
@@ -34,6 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `trainmon analyse RUN | head`: stop quietly, as other commands do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from trainmon.errors import UsageError
+from trainmon.inputs import INT64_MAX, describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
 from trainmon.progress import progress
 from trainmon.records import FAMILIES
 
@@ -31,28 +33,56 @@ def add_parser(sub: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     run_dir = Path(args.run_dir)
-    try:
-        written = convert(run_dir, Path(args.output) if args.output else None, args.families, args.workers)
-    except (FileNotFoundError, CsvFormatError) as exc:
-        raise UsageError(str(exc)) from None
-    except OSError as exc:  # e.g. an unwritable --output
-        raise UsageError(f"{exc.filename or args.output}: {exc.strerror or exc}") from None
-    print(f"wrote {written} scalars to {Path(args.output) if args.output else run_dir / 'tensorboard'}")
+    output = Path(args.output) if args.output else None
+    jobs = [(run_dir, output)]
+    if is_dir(run_dir) and not rank_dirs_of(run_dir) and not _has_csv(run_dir):
+        # A parent output folder: convert each of its runs (to RUN/tensorboard, or OUT/RUN with -o).
+        runs = find_runs(run_dir)
+        if runs:
+            jobs = [(run, output / run.name if output else None) for run in runs]
+    written = 0
+    for run, out in jobs:
+        try:
+            written += convert(run, out, args.families, args.workers)
+        except (FileNotFoundError, CsvFormatError) as exc:
+            if isinstance(exc, FileNotFoundError) and exc.filename is not None:
+                raise UsageError(describe_os_error(exc)) from None
+            raise UsageError(str(exc)) from None
+        except OSError as exc:  # e.g. an unwritable --output, an unreadable CSV
+            raise UsageError(describe_os_error(exc, out or run / "tensorboard")) from None
+        if len(jobs) > 1:
+            print(f"{run.name}: converted to {out or run / 'tensorboard'}")
+    target = output if output else (run_dir / "tensorboard" if len(jobs) == 1 else "RUN/tensorboard of each run")
+    print(f"wrote {written} scalars to {target}")
     return 0
 
 
+def _has_csv(folder: Path) -> bool:
+    try:
+        return any(folder.glob("*.csv"))
+    except (OSError, ValueError):
+        return False
+
+
 def rank_dirs(run_dir: Path) -> list[Path]:
-    """The ``rank*`` directories of a run (or the directory itself if it is one)."""
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"{run_dir}: no such directory")
-    ranks = sorted((p for p in run_dir.glob("rank*") if p.is_dir()), key=lambda p: (len(p.name), p.name))
-    if not ranks and any(run_dir.glob("*.csv")):
+    """The ``rank*`` directories of a run (or the directory itself if it is one).
+
+    Raises:
+        FileNotFoundError: not a directory, or one with neither ``rank*/`` folders nor CSV files
+            (a folder of runs is named as such, with its runs).
+    """
+    if not is_dir(run_dir):
+        raise FileNotFoundError(f"{run_dir}: {'not a directory' if os.path.lexists(run_dir) else 'no such directory'}")
+    ranks = rank_dirs_of(run_dir)
+    if not ranks and _has_csv(run_dir):
         return [run_dir]
     if not ranks:
+        runs = find_runs(run_dir)
+        if runs:
+            raise FileNotFoundError(runs_hint(run_dir, runs, "csv2tb"))
         raise FileNotFoundError(f"{run_dir}: no rank*/ directories and no CSV files")
     return ranks
 
@@ -69,10 +99,13 @@ def convert(run_dir: Path, output: Path | None = None, families: list[str] | Non
 
     ranks = rank_dirs(run_dir)
     output = output or run_dir / "tensorboard"
+    csv_files = {rank_dir: sorted(rank_dir.glob("*.csv")) for rank_dir in ranks}
+    if not any(csv_files.values()):
+        raise FileNotFoundError(f"{run_dir}: no CSV files in {', '.join(p.name for p in ranks[:5])}"
+                                f"{', ...' if len(ranks) > 5 else ''}")
 
     def one(rank_dir: Path) -> int:
-        files = sorted(rank_dir.glob("*.csv"))
-        wanted = [f for f in files if families is None or family_of(f) in families]
+        wanted = [f for f in csv_files[rank_dir] if families is None or family_of(f) in families]
         # One Summary per (file, step), as the TensorBoard sink writes them: no per-value event, and
         # no warning per NaN (tensorboardX's add_scalar logs one; a monitor reports NaN quietly).
         writer = FileWriter(str(output / rank_dir.name), flush_secs=3600)
@@ -94,7 +127,7 @@ def convert(run_dir: Path, output: Path | None = None, families: list[str] | Non
             writer.close()
         return count
 
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    with ThreadPoolExecutor(max_workers=min(workers, len(ranks))) as pool:
         return sum(progress(pool.map(one, ranks), len(ranks), "csv2tb"))
 
 
@@ -119,7 +152,7 @@ def read_scalars(path: Path) -> Any:
 
 
 def _read_scalars(path: Path, family: str) -> Any:
-    with open(path, newline="", encoding="utf-8") as handle:
+    with open_regular(path, text=True, newline="") as handle:
         reader = csv.reader(handle)
         header = next(reader, None)
         if header is None:
@@ -134,14 +167,23 @@ def _read_scalars(path: Path, family: str) -> Any:
                 raise CsvFormatError(f"{path}:{line}: expected {len(header)} fields, got {len(row)}")
             try:
                 if scalars:
-                    yield f"scalars/{row[1]}", float(row[2]), int(row[0])
+                    yield f"scalars/{row[1]}", float(row[2]), _step(row[0])
                     continue
-                step = int(row[2])
+                step = _step(row[2])
                 for metric, text in zip(header[4:], row[4:]):
                     value = float(text)
                     yield f"{family}/{row[1]}/{metric}", value, step
             except ValueError as exc:
                 raise CsvFormatError(f"{path}:{line}: {exc}") from None
+
+
+def _step(text: str) -> int:
+    """A step: an integer in 0..2**63-1 (TensorBoard stores int64 steps)."""
+    digits = text.strip()
+    if not digits.isdigit() or len(digits) > 19 or int(digits) > INT64_MAX:
+        raise ValueError(f"step must be an integer in 0..{INT64_MAX}, got {text[:30]!r}"
+                         f"{'...' if len(text) > 30 else ''}")
+    return int(digits)
 
 
 __all__ = ["CsvFormatError", "add_parser", "convert"]

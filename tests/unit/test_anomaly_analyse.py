@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 
-from trainmon.anomaly.analyse import analyse_run, parse_steps
+from trainmon.anomaly.analyse import StepRanges, analyse_run, parse_steps
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.cli import main
 
@@ -64,10 +65,29 @@ def test_analyse_matches_brute_force_reference(tmp_path):
 
 
 def test_parse_steps():
-    assert parse_steps("1,3,5-9") == {1, 3, 5, 6, 7, 8, 9}
-    for bad in ("", "1,,2", "5-3", "a"):
+    assert set(parse_steps("1,3,5-9")) == {1, 3, 5, 6, 7, 8, 9}
+    assert str(parse_steps("9,5-7,1,8,3-3")) == "1,3,5-9"  # sorted and merged
+    for bad in ("", "1,,2", "5-3", "a", "-1", "1-"):
         with pytest.raises(ValueError):
             parse_steps(bad)
+
+
+def test_huge_step_ranges_stay_lazy_and_are_clipped_to_int64():
+    """``--steps 0-99999999999999`` must not build a list; steps past int64 cannot occur in a run."""
+    steps = parse_steps("0-99999999999999," + ",".join(["5-99999999999999999999999"] * 1000))
+    assert steps.ranges == ((0, 2**63 - 1),)
+    assert 2**63 - 1 in steps and 2**63 not in steps and -1 not in steps
+    assert parse_steps("99999999999999999999999").ranges == ()
+    sample = np.array([0, 4, 5, 9, 10, 2**62], dtype=np.int64)
+    assert parse_steps("4-5,9,20-30").mask(sample).tolist() == [False, True, True, True, False, False]
+    assert StepRanges.of({3, 1, 2, 7}) == parse_steps("1-3,7")
+
+
+def test_analyse_with_a_huge_step_range(tmp_path):
+    good = write_run(tmp_path, ranks=2, per_rank=20)
+    result = analyse_run(tmp_path, top=1000, steps=parse_steps("3-99999999999999"))
+    assert result["events"] == sum(1 for e in good if e["step"] >= 3)
+    assert result["steps"] == "3-99999999999999"
 
 
 def test_cli(tmp_path, capsys):

@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import os
 import re
 import sys
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,8 @@ import numpy as np
 
 from trainmon.anomaly.events import decode_float
 from trainmon.anomaly.ordering import PHASE_RANK, sort_key_fields
+from trainmon.errors import UsageError
+from trainmon.inputs import INT64_MAX, find_runs, is_dir, rank_dirs_of, read_regular, runs_hint
 
 OUTPUT_NAME = "anomaly_analyse.json"
 _INT_FIELDS = ("step", "micro_step", "rank", "order", "pp_stage", "vpp_stage")
@@ -29,24 +33,86 @@ _MAX_CORRUPT_KEPT = 1000
 _RANK_DIR = re.compile(r"rank(\d+)$")
 
 
-def parse_steps(text: str) -> set[int]:
-    """``"1,3,5-9"`` -> ``{1, 3, 5, 6, 7, 8, 9}``.
+class StepRanges:
+    """A set of steps kept as sorted, merged, inclusive ranges: ``0-99999999999999`` costs two integers.
+
+    Steps beyond int64 cannot occur in a run, so ranges are clipped to ``0..2**63-1``.
+
+    Example:
+        >>> steps = parse_steps("9,1,3,5-8")
+        >>> str(steps), 7 in steps, 4 in steps, list(steps)
+        ('1,3,5-9', True, False, [1, 3, 5, 6, 7, 8, 9])
+    """
+
+    def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
+        merged: list[list[int]] = []
+        for low, high in sorted((max(low, 0), min(high, INT64_MAX)) for low, high in ranges):
+            if low > high:
+                continue
+            if merged and low <= merged[-1][1] + 1:
+                merged[-1][1] = max(merged[-1][1], high)
+            else:
+                merged.append([low, high])
+        self.ranges: tuple[tuple[int, int], ...] = tuple((low, high) for low, high in merged)
+
+    @classmethod
+    def of(cls, steps: Iterable[int]) -> StepRanges:
+        """From individual steps (a set or list of ints)."""
+        return cls((step, step) for step in steps)
+
+    def __contains__(self, step: object) -> bool:
+        return isinstance(step, int) and any(low <= step <= high for low, high in self.ranges)
+
+    def __iter__(self) -> Iterator[int]:
+        for low, high in self.ranges:
+            yield from range(low, high + 1)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StepRanges) and self.ranges == other.ranges
+
+    def __hash__(self) -> int:
+        return hash(self.ranges)
+
+    def __str__(self) -> str:
+        return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in self.ranges)
+
+    def __repr__(self) -> str:
+        return f"StepRanges({str(self)!r})"
+
+    def mask(self, steps: np.ndarray) -> np.ndarray:
+        """Which entries of an int64 array are in the set (vectorised: one binary search per entry)."""
+        if not self.ranges:
+            return np.zeros(steps.shape, dtype=bool)
+        lows = np.array([low for low, _ in self.ranges], dtype=np.int64)
+        highs = np.array([high for _, high in self.ranges], dtype=np.int64)
+        index = np.searchsorted(lows, steps, side="right") - 1
+        return (index >= 0) & (steps <= highs[np.clip(index, 0, None)])
+
+
+def parse_steps(text: str) -> StepRanges:
+    """``"1,3,5-9"`` -> the steps 1, 3 and 5 to 9, as lazy ranges (``0-99999999999999`` is cheap).
 
     Raises:
         ValueError: malformed text or a descending range.
     """
-    steps: set[int] = set()
+    ranges = []
     for part in text.split(","):
         part = part.strip()
         match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
         if not match:
-            raise ValueError(f"bad step list {text!r}: expected e.g. 1,3,5-9")
-        low = int(match.group(1))
-        high = int(match.group(2)) if match.group(2) else low
+            raise ValueError(f"bad step list {text[:50]!r}: expected e.g. 1,3,5-9")
+        low = _bounded(match.group(1))
+        high = _bounded(match.group(2)) if match.group(2) else low
         if high < low:
-            raise ValueError(f"bad step range {part!r}: end before start")
-        steps.update(range(low, high + 1))
-    return steps
+            raise ValueError(f"bad step range {part[:50]!r}: end before start")
+        ranges.append((low, high))
+    return StepRanges(ranges)
+
+
+def _bounded(digits: str) -> int:
+    """The integer of a digit string, or INT64_MAX + 1 for anything larger (no 4,300-digit int limit)."""
+    digits = digits.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 19 else INT64_MAX + 1
 
 
 def _check(event: Any) -> tuple[int, ...]:
@@ -56,7 +122,9 @@ def _check(event: Any) -> tuple[int, ...]:
     for name in _INT_FIELDS:
         value = event.get(name, 0) if name in ("pp_stage", "vpp_stage") else event[name]
         if type(value) is not int:
-            raise ValueError(f"field {name!r} must be an integer, got {value!r}")
+            raise ValueError(f"field {name!r} must be an integer, got {str(value)[:50]}")
+        if not -INT64_MAX <= value <= INT64_MAX:
+            raise ValueError(f"field {name!r} is out of the int64 range: {str(value)[:50]}...")
     for name in _STR_FIELDS:
         if type(event[name]) is not str:
             raise ValueError(f"field {name!r} must be a string, got {event[name]!r}")
@@ -69,7 +137,9 @@ def _check(event: Any) -> tuple[int, ...]:
 
 
 def find_files(run_dir: Path) -> list[Path]:
-    """``rank{R}/anomalies.jsonl`` files of a run, by rank."""
+    """``rank{R}/anomalies.jsonl`` files of a run, by rank (or the file of one rank directory)."""
+    if _RANK_DIR.match(run_dir.name) and os.path.lexists(run_dir / "anomalies.jsonl"):
+        return [run_dir / "anomalies.jsonl"]
     found = []
     for path in run_dir.glob("rank*/anomalies.jsonl"):
         match = _RANK_DIR.match(path.parent.name)
@@ -84,7 +154,7 @@ def find_files(run_dir: Path) -> list[Path]:
 # match it entirely (another writer's key order or spacing, corruption anywhere in the line) takes
 # the slow path: json.loads and a full check, else it is reported as corrupt. The events that are
 # reported (top K, first per step) are always fully parsed and validated.
-_INT = r"(0|[1-9]\d*)"
+_INT = r"(0|[1-9]\d{0,17})"  # at most 18 digits: always an int64 (longer: the checked slow path)
 _STRING = r'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"'
 _FLOAT = r'(?:-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?|"nan"|"inf"|"-inf")'
 _FAST = re.compile(
@@ -99,18 +169,26 @@ def _slow_line(line: str) -> _Fields:
     match = _FAST.match(line)
     if match and match.group(4) in PHASE_RANK:
         return match.groups()
-    event = json.loads(line)
+    event = _loads(line)
     _check(event)
     return (str(event["step"]), str(event["micro_step"]), str(event["rank"]), event["phase"],
             str(event.get("pp_stage", 0)), str(event.get("vpp_stage", 0)), str(event["order"]), event["detector"])
 
 
+def _loads(line: str) -> Any:
+    """``json.loads`` that reports a too deeply nested line as a ValueError, not a RecursionError."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 class _Merger:
     """Folds files into the top-K heap, the first event per step, counts and corrupt lines."""
 
-    def __init__(self, top: int, steps: set[int] | None) -> None:
+    def __init__(self, top: int, steps: StepRanges | None) -> None:
         self.top = top
-        self.steps = np.array(sorted(steps), dtype=np.int64) if steps is not None else None
+        self.steps = steps
         self.heap: list[tuple[tuple[int, ...], int, dict[str, Any]]] = []  # keys negated: a max-heap
         self.first_by_step: dict[int, tuple[tuple[int, ...], str, int, str]] = {}
         self.by_rank: Counter[int] = Counter()
@@ -128,7 +206,7 @@ class _Merger:
 
     def scan(self, path: Path, label: str) -> None:
         try:
-            text = path.read_bytes().decode("utf-8", errors="replace")
+            text = read_regular(path).decode("utf-8", errors="replace")
         except OSError as exc:
             self.bad(label, 0, f"cannot read: {exc.strerror or exc}")
             return
@@ -155,7 +233,7 @@ class _Merger:
         phase = np.array([PHASE_RANK[p] for p in columns[3]], dtype=np.int64)
         detectors = columns[7]
         if self.steps is not None:
-            keep = np.isin(step, self.steps)
+            keep = self.steps.mask(step)
             step, micro, rank, pp_stage, vpp_stage, order, phase = (
                 a[keep] for a in (step, micro, rank, pp_stage, vpp_stage, order, phase))
             numbered = [item for item, k in zip(numbered, keep.tolist()) if k]
@@ -197,7 +275,7 @@ class _Merger:
     def _full(self, label: str, number: int, line: str) -> dict[str, Any] | None:
         """A reported event: parsed and validated in full (None, and reported, if corrupt)."""
         try:
-            event = json.loads(line)
+            event = _loads(line)
             _check(event)
         except (ValueError, KeyError, TypeError) as exc:
             self.bad(label, number, f"missing field {exc}" if isinstance(exc, KeyError) else str(exc))
@@ -213,20 +291,21 @@ class _Merger:
         return out
 
 
-def analyse_run(run_dir: str | Path, top: int = 20, steps: set[int] | None = None,
+def analyse_run(run_dir: str | Path, top: int = 20, steps: StepRanges | Iterable[int] | None = None,
                 progress: bool = False) -> dict[str, Any]:
     """Merge the anomalies of every rank of a run.
 
     Args:
         run_dir: ``{output_dir}/{run_name}``, holding ``rank{R}/anomalies.jsonl``.
         top: how many earliest events to keep.
-        steps: only these steps (None: all).
+        steps: only these steps (None: all): a :class:`StepRanges` (see :func:`parse_steps`) or ints.
         progress: print a file counter on stderr.
 
     Returns:
         ``{"run_dir", "files", "events", "steps", "first_origin", "top", "first_by_step",
         "counts": {"by_rank", "by_step", "by_detector"}, "corrupt", "corrupt_total"}``; events as
-        they appear in ``anomalies.jsonl`` (non-finite values as "nan"/"inf" strings).
+        they appear in ``anomalies.jsonl`` (non-finite values as "nan"/"inf" strings); ``steps`` is the
+        selection as text (``"1,3,5-9"``) or None.
 
     Raises:
         FileNotFoundError: ``run_dir`` is not a directory.
@@ -241,6 +320,8 @@ def analyse_run(run_dir: str | Path, top: int = 20, steps: set[int] | None = Non
         raise FileNotFoundError(f"run directory {root} does not exist")
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
+    if steps is not None and not isinstance(steps, StepRanges):
+        steps = StepRanges.of(steps)
     files = find_files(root)
     merger = _Merger(top, steps)
     tty = progress and sys.stderr.isatty()
@@ -255,7 +336,7 @@ def analyse_run(run_dir: str | Path, top: int = 20, steps: set[int] | None = Non
         "run_dir": str(root),
         "files": len(files),
         "events": merger.events,
-        "steps": sorted(steps) if steps is not None else None,
+        "steps": str(steps) if steps is not None else None,
         "first_origin": ordered[0] if ordered else None,
         "top": ordered,
         "first_by_step": merger.first_events(),
@@ -276,7 +357,7 @@ def format_table(events: list[dict[str, Any]]) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
-def _steps_arg(text: str) -> set[int]:
+def _steps_arg(text: str) -> StepRanges:
     try:
         return parse_steps(text)
     except ValueError as exc:
@@ -284,12 +365,9 @@ def _steps_arg(text: str) -> set[int]:
 
 
 def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
+    value = _bounded(text.strip()) if text.strip().isdigit() else 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text[:50]!r}")
     return value
 
 
@@ -309,23 +387,34 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """The ``analyse`` command; returns the exit code (2 on bad usage)."""
+    """The ``analyse`` command; returns the exit code.
+
+    Raises:
+        UsageError: not a run directory (a folder of runs is listed with the one to pass), or the
+            output cannot be written.
+    """
     run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
-        print(f"trainmon analyse: error: run directory {run_dir} does not exist", file=sys.stderr)
-        return 2
+    if not is_dir(run_dir):
+        what = "is not a directory" if os.path.lexists(run_dir) else "does not exist"
+        raise UsageError(f"run directory {run_dir} {what}")
+    if not rank_dirs_of(run_dir) and not os.path.lexists(run_dir / "anomalies.jsonl"):
+        runs = find_runs(run_dir)
+        if runs:
+            raise UsageError(runs_hint(run_dir, runs, "analyse"))
+        if not _RANK_DIR.match(run_dir.name):
+            raise UsageError(f"{run_dir} is not a run directory (no rank*/ folders)")
     result = analyse_run(run_dir, top=args.top, steps=args.steps, progress=True)
     out = Path(args.output) if args.output else run_dir
     target = out if out.suffix == ".json" else out / OUTPUT_NAME
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    except OSError as exc:
-        print(f"trainmon analyse: error: cannot write {target}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror or str(exc) if isinstance(exc, OSError) else str(exc)
+        raise UsageError(f"cannot write {target}: {reason}") from None
     for item in result["corrupt"][:20]:
-        print(f"warning: {run_dir / item['file']}:{item['line']}: corrupt line skipped: {item['error']}",
-              file=sys.stderr)
+        where, what = (f":{item['line']}", "corrupt line") if item["line"] else ("", "file")
+        print(f"warning: {run_dir / item['file']}{where}: {what} skipped: {item['error']}", file=sys.stderr)
     if result["corrupt_total"] > 20:
         print(f"warning: {result['corrupt_total'] - 20} more corrupt lines (see {target})", file=sys.stderr)
     if not result["files"]:

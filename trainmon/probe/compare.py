@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from trainmon.errors import UsageError
+from trainmon.inputs import find_runs, is_dir, rank_dirs_of, runs_hint
 from trainmon.probe.storage import PROBE_DIR, DirectionFile, DirectionFormatError, read_direction_header
 from trainmon.progress import progress
 
@@ -53,7 +55,11 @@ def add_parser(sub: Any) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401  (checked before the work, not after it)
+        except ImportError:
+            raise UsageError("plots need matplotlib: pip install 'trainmon[plots]', or pass --no-plots") from None
     unreadable: list[str] = []
     try:
         tree_a, tree_b = scan_run(Path(args.run_a), unreadable), scan_run(Path(args.run_b), unreadable)
@@ -65,7 +71,11 @@ def _main(args: argparse.Namespace) -> int:
     if not result.rows:
         raise UsageError(f"nothing in common to compare: {result.problems[0] if result.problems else 'no data'}")
     out = Path(args.output)
-    write_outputs(result, out, plots=not args.no_plots)
+    try:
+        write_outputs(result, out, plots=not args.no_plots)
+    except OSError as exc:  # an unwritable -o, or -o naming a file
+        where = "" if exc.filename in (None, str(out)) else f"{exc.filename}: "
+        raise UsageError(f"cannot write to {out}: {where}{exc.strerror or exc}") from None
     for line in result.problems[:10]:
         print(f"warning: {line}", file=sys.stderr)
     if len(result.problems) > 10:
@@ -84,27 +94,31 @@ def scan_run(run_dir: Path, problems: list[str] | None = None) -> Tree:
             skipped; when None, it raises.
 
     Raises:
-        FileNotFoundError: no such directory, or no readable direction file in it.
+        FileNotFoundError: no such directory, or no readable direction file in it (a folder of
+            runs is named as such, with its runs).
         DirectionFormatError: a ``.bits`` file is not a direction file (only when ``problems`` is None).
     """
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"{run_dir}: no such directory")
-    if (run_dir / PROBE_DIR).is_dir():
+    if not is_dir(run_dir):
+        raise FileNotFoundError(f"{run_dir}: {'not a directory' if os.path.lexists(run_dir) else 'no such directory'}")
+    if is_dir(run_dir / PROBE_DIR):
         rank_dirs = [(_rank_number(run_dir.name), run_dir)]
     else:
-        rank_dirs = [(_rank_number(p.name), p) for p in run_dir.glob("rank*") if (p / PROBE_DIR).is_dir()]
+        rank_dirs = [(_rank_number(p.name), p) for p in rank_dirs_of(run_dir) if is_dir(p / PROBE_DIR)]
     tree: Tree = {}
     for rank, rank_dir in rank_dirs:
         for path in sorted((rank_dir / PROBE_DIR).glob("step*/*.bits")):
             try:
                 info = read_direction_header(path)
-            except (DirectionFormatError, OSError) as exc:
+            except DirectionFormatError as exc:
                 if problems is None:
                     raise
                 problems.append(f"unreadable direction file, skipped: {exc}")
                 continue
             tree.setdefault(rank, {}).setdefault(int(info.header["step"]), {})[info.key] = info
     if not tree:
+        runs = [] if rank_dirs_of(run_dir) else find_runs(run_dir)
+        if runs:
+            raise FileNotFoundError(runs_hint(run_dir, runs, "grad-compare"))
         raise FileNotFoundError(f"{run_dir}: no grad-probe direction files (rank*/{PROBE_DIR}/step*/*.bits; "
                                 "they are written at grad_probe level L1 or L2)")
     return tree
@@ -150,9 +164,10 @@ def compare(tree_a: Tree, tree_b: Tree, show_progress: bool | None = None) -> Co
         for key in [k for k in params_a if k in params_b]:
             a, b = params_a[key], params_b[key]
             if _layout(a) != _layout(b):
+                differs = [f"{name} {str(a.header.get(name))[:60]} vs {str(b.header.get(name))[:60]}"
+                           for name, x, y in zip(("shape", "count", "sample"), _layout(a), _layout(b)) if x != y]
                 result.problems.append(f"rank {rank} step {step}: parameter {_label(key)} differs in layout: "
-                                       f"shape {a.header['shape']} count {a.header['count']} vs shape "
-                                       f"{b.header['shape']} count {b.header['count']} (not compared)")
+                                       f"{', '.join(differs)} (not compared)")
                 continue
             count = int(a.header["count"])
             try:

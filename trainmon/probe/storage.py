@@ -136,42 +136,76 @@ class DirectionFile:
         """The packed bits as a uint8 array of ``ceil(count / 8)`` bytes.
 
         Raises:
-            DirectionFormatError: the file is truncated (or longer than its header says) or unreadable.
+            DirectionFormatError: the file is truncated (or longer than its header says), not a
+                regular file, or unreadable.
         """
+        from trainmon.inputs import open_regular
+
         nbytes = (int(self.header["count"]) + 7) // 8
         try:
-            data = np.fromfile(self.path, dtype=np.uint8, offset=self.offset)
-        except (OSError, ValueError) as exc:
-            raise DirectionFormatError(f"{self.path}: cannot read the bits ({exc})") from None
+            with open_regular(self.path) as handle:
+                size = handle.seek(0, 2) - self.offset  # the file's size, less the prefix and header
+                if size != nbytes:  # checked before reading: a crafted count never sizes a buffer
+                    raise DirectionFormatError(f"{self.path}: {max(size, 0)} bytes of bits, header says {nbytes}")
+                handle.seek(self.offset)
+                data = np.frombuffer(handle.read(nbytes), dtype=np.uint8)
+        except OSError as exc:
+            raise DirectionFormatError(f"{self.path}: cannot read the bits ({exc.strerror or exc})") from None
         if data.size != nbytes:
             raise DirectionFormatError(f"{self.path}: {data.size} bytes of bits, header says {nbytes}")
         return data
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _is_count(value: Any) -> bool:
+    """A JSON integer in 0..2**63-1 (not a bool, a float or a string)."""
+    return type(value) is int and 0 <= value <= _INT64_MAX
 
 
 def read_direction_header(path: Path) -> DirectionFile:
     """Read the prefix and JSON header of a direction file.
 
     Raises:
-        DirectionFormatError: wrong magic, unknown version or a broken header.
+        DirectionFormatError: not a regular file, unreadable, wrong magic, unknown version, a header
+            length beyond the file, or a broken header (not a JSON object; ``name`` not a string;
+            ``step``, ``count``, ``vpp_stage`` or a ``shape`` entry not an integer in 0..2**63-1).
     """
-    with open(path, "rb") as handle:
-        prefix = handle.read(_PREFIX.size)
-        if len(prefix) != _PREFIX.size:
-            raise DirectionFormatError(f"{path}: too short for a direction file")
-        magic, version, length = _PREFIX.unpack(prefix)
-        if magic != MAGIC or version != FORMAT_VERSION:
-            raise DirectionFormatError(f"{path}: not a grad-probe direction file (format {version})")
-        try:
-            header = json.loads(handle.read(length))
-        except ValueError as exc:
-            raise DirectionFormatError(f"{path}: broken header ({exc})") from None
+    from trainmon.inputs import open_regular
+
+    try:
+        with open_regular(path) as handle:
+            prefix = handle.read(_PREFIX.size)
+            if len(prefix) != _PREFIX.size:
+                raise DirectionFormatError(f"{path}: too short for a direction file")
+            magic, version, length = _PREFIX.unpack(prefix)
+            if magic != MAGIC or version != FORMAT_VERSION:
+                raise DirectionFormatError(f"{path}: not a grad-probe direction file (format {version})")
+            size = handle.seek(0, 2)
+            handle.seek(_PREFIX.size)
+            if length > size - _PREFIX.size:  # checked before reading: a crafted length never sizes a buffer
+                raise DirectionFormatError(f"{path}: header length {length} beyond the end of the file ({size} bytes)")
+            blob = handle.read(length)
+    except OSError as exc:
+        raise DirectionFormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        header = json.loads(blob)
+    except ValueError as exc:
+        raise DirectionFormatError(f"{path}: broken header ({exc})") from None
+    except RecursionError:
+        raise DirectionFormatError(f"{path}: broken header (nested too deeply)") from None
     missing = [key for key in _REQUIRED if not isinstance(header, dict) or key not in header]
     if missing:
         raise DirectionFormatError(f"{path}: broken header (no {', '.join(missing)})")
-    try:
-        int(header["step"]), int(header["count"]), int(header.get("vpp_stage", 0))
-    except (TypeError, ValueError) as exc:
-        raise DirectionFormatError(f"{path}: broken header ({exc})") from None
+    bad = [key for key in ("step", "count", "vpp_stage") if key in header and not _is_count(header[key])]
+    if not isinstance(header["shape"], list) or not all(_is_count(n) for n in header["shape"]):
+        bad.append("shape")
+    if not isinstance(header["name"], str):
+        bad.append("name")
+    if bad:
+        raise DirectionFormatError(f"{path}: broken header ({', '.join(f'{k}={str(header[k])[:40]}' for k in bad)}: "
+                                   "name must be a string, the others integers in 0..2**63-1)")
     return DirectionFile(path, header, _PREFIX.size + length)
 
 
