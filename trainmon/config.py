@@ -21,6 +21,8 @@ from typing import Any, Union
 from trainmon.errors import ConfigError
 from trainmon.records import METRICS
 
+INT64_MAX = 2**63 - 1
+
 DEFAULT_METRICS: list[str] = list(METRICS)
 SINKS: tuple[str, ...] = ("csv", "tensorboard")
 OPTIMIZER_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "update", "ratio", "momentum")
@@ -159,7 +161,7 @@ class DumpConfig:
     mode: str = "statistics"
     """statistics, tensor or md5."""
     depth: int = 1
-    """Also dump the parent and children this many levels around the implicated module."""
+    """Also dump the parent and children this many levels around the implicated module (at most 64)."""
     max_bytes: int = 1 << 30
     """Byte budget of one dump."""
     max_dumps: int = 3
@@ -210,7 +212,7 @@ class MonitorConfig:
     sinks: list[str] = field(default_factory=lambda: ["csv", "tensorboard"])
     """Outputs: csv, tensorboard."""
     ranks: list[int] | None = None
-    """Ranks that collect and write; null means every rank."""
+    """Ranks that collect and write (distinct, each below the world size: checked at ``attach``); null means every rank."""
     start_step: int = 0
     """First step that is collected."""
     step_interval: int = 1
@@ -261,6 +263,11 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "free_benchmark.pert_mode": ("improve_precision", "add_noise", "bit_noise", "change_value", "no_change", "to_cpu"),
     "free_benchmark.handler": ("check", "fix"),
 }
+_MAXIMUM: dict[str, float] = {
+    "dump.depth": 64,  # deeper than any module tree; a huge value would stall every anomalous step
+}
+_UNIQUE = ("ranks",)
+"""Lists without choices that must not repeat an item."""
 _MINIMUM: dict[str, float] = {
     "start_step": 0, "step_interval": 1, "collect_times": 1, "eps": 0.0,
     "dump.depth": 0, "dump.max_bytes": 1, "dump.max_dumps": 1, "dynamic.poll_seconds": 0.0,
@@ -308,21 +315,34 @@ def convert_value(value: Any, tp: Any, path: str) -> Any:
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(path, f"must be true or false, got {value!r}")
+            raise ConfigError(path, f"must be true or false, got {_short(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"must be an integer, got {value!r}")
+            raise ConfigError(path, f"must be an integer, got {_short(value)}")
+        if not -INT64_MAX <= value <= INT64_MAX:
+            raise ConfigError(path, f"must be an integer of at most 19 digits (|x| <= 2**63-1), got {_short(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(path, f"must be a finite number, got {value!r}")
+            raise ConfigError(path, f"must be a finite number, got {_short(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(path, f"must be a string, got {value!r}")
+            raise ConfigError(path, f"must be a string, got {_short(value)}")
+        if "\0" in value:
+            raise ConfigError(path, "must not contain a NUL character")
         return value
     raise AssertionError(f"unsupported annotation {type_name(tp)} at {path}")  # pragma: no cover
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a 10,000-digit number or a huge list stays one short line)."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # ints beyond the digit limit, self-referencing lists
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _check(path: str, value: Any) -> None:
@@ -339,11 +359,21 @@ def _check(path: str, value: Any) -> None:
                 raise ConfigError(where(i), f"{item!r} is not allowed; choose from {list(allowed)}")
         if isinstance(value, list) and len(set(value)) != len(value):
             raise ConfigError(path, f"has duplicates: {value}")
+    if rule_path in _UNIQUE and isinstance(value, list):
+        seen: set[Any] = set()
+        for i, item in items:
+            if item in seen:
+                raise ConfigError(where(i), f"{item!r} is listed twice")
+            seen.add(item)
     key = rule_path + "[]" if isinstance(value, list) else rule_path
     if key in _MINIMUM and value is not None:
         for i, item in items:
             if item < _MINIMUM[key]:
                 raise ConfigError(where(i), f"must be >= {_MINIMUM[key]:g}, got {item}")
+    if key in _MAXIMUM and value is not None:
+        for i, item in items:
+            if item > _MAXIMUM[key]:
+                raise ConfigError(where(i), f"must be <= {_MAXIMUM[key]:g}, got {_short(item)}")
 
 
 def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
@@ -374,6 +404,9 @@ def _cross_check(obj: Any, prefix: str) -> None:
         from trainmon.anomaly.detectors import build_detectors  # validates type and fields
 
         build_detectors(obj.detectors, path=f"{prefix}.detectors")
+    if isinstance(obj, FreeBenchmarkConfig):
+        for i, pattern in enumerate(obj.targets):
+            _check_pattern(pattern, f"{prefix}.targets[{i}]")
     if isinstance(obj, FreeBenchmarkConfig) and obj.handler == "fix" and obj.pert_mode not in (
             "improve_precision", "to_cpu"):
         raise ConfigError(f"{prefix}.handler", f"fix needs pert_mode improve_precision or to_cpu, got {obj.pert_mode!r}")
@@ -384,9 +417,12 @@ def _cross_check(obj: Any, prefix: str) -> None:
     if isinstance(obj, MonitorConfig) and not 0 < obj.flush_seconds <= threading.TIMEOUT_MAX:
         raise ConfigError("flush_seconds", f"must be > 0 and <= {threading.TIMEOUT_MAX:g} (seconds), "
                                            f"got {obj.flush_seconds:g}")
+    if isinstance(obj, MonitorConfig) and obj.ranks is not None and not obj.ranks:
+        raise ConfigError("ranks", "must name at least one rank (null: every rank; enabled: false turns the monitor off)")
     if isinstance(obj, MonitorConfig) and obj.run_name is not None:
-        if not obj.run_name or "/" in obj.run_name or obj.run_name in (".", ".."):
-            raise ConfigError("run_name", f"must be a plain directory name, got {obj.run_name!r}")
+        if (not obj.run_name or "/" in obj.run_name or "\\" in obj.run_name or obj.run_name in (".", "..")
+                or len(obj.run_name.encode()) > 255):
+            raise ConfigError("run_name", f"must be a plain directory name (at most 255 bytes), got {_short(obj.run_name)}")
 
 
 def _check_pattern(pattern: str, path: str) -> None:
@@ -399,6 +435,31 @@ def _check_pattern(pattern: str, path: str) -> None:
             re.compile(pattern[3:])
         except re.error as exc:
             raise ConfigError(path, f"invalid regex {pattern[3:]!r}: {exc}") from None
+
+
+def check_ranks(ranks: list[int] | None, world_size: int) -> None:
+    """Check the config's ``ranks`` against the job's world size (called at ``attach``).
+
+    Args:
+        ranks: ``MonitorConfig.ranks`` (None: every rank).
+        world_size: the number of ranks of the job.
+
+    Raises:
+        ConfigError: a listed rank does not exist (``ranks`` is named, with the valid range).
+
+    Example:
+        >>> check_ranks([0, 3], world_size=2)  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        ConfigError: ranks: rank 3 does not exist: this job has 2 ranks (0..1)
+    """
+    if ranks is None:
+        return
+    missing = [rank for rank in ranks if not 0 <= rank < world_size]
+    if missing:
+        listed = ", ".join(str(rank) for rank in missing[:10]) + (", ..." if len(missing) > 10 else "")
+        raise ConfigError("ranks", f"rank{'s' if len(missing) > 1 else ''} {listed} "
+                                   f"{'do' if len(missing) > 1 else 'does'} not exist: this job has {world_size} "
+                                   f"rank{'s' if world_size != 1 else ''} (0..{world_size - 1})")
 
 
 def load_config(source: MonitorConfig | Mapping[str, Any] | str | Path | None) -> MonitorConfig:
@@ -428,24 +489,136 @@ def load_config(source: MonitorConfig | Mapping[str, Any] | str | Path | None) -
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """Read a YAML or JSON config file into a dict (no validation)."""
+    """Read a YAML or JSON config file into a dict (no validation).
+
+    Raises:
+        ConfigError: the file has another suffix, cannot be read (missing, a directory, a named
+            pipe), is not UTF-8, cannot be parsed, is nested too deeply, repeats a key (the
+            dotted key is named) or is not a mapping; the message names the file.
+    """
     if path.suffix not in (".yaml", ".yml", ".json"):
         raise ConfigError(str(path), "config file must end in .yaml, .yml or .json")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(str(path), f"cannot read config file: {exc.strerror or exc}") from None
-    import yaml
-
-    try:
-        data = (json.loads(text) if text.strip() else {}) if path.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(str(path), f"cannot parse: {exc}") from None
+    text = read_text(path, "config file")
+    data = parse_json(text, path) if path.suffix == ".json" else parse_yaml(text, path)
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(str(path), f"top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+def read_text(path: Path, what: str) -> str:
+    """The UTF-8 text of a regular file (a leading byte-order mark is dropped).
+
+    Raises:
+        ConfigError: unreadable, not a regular file (a named pipe is refused, never waited on) or
+            not UTF-8; the key is the file.
+    """
+    from trainmon.inputs import read_regular
+
+    try:
+        data = read_regular(path)
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read {what}: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+class _Pairs(list):  # type: ignore[type-arg]
+    """A JSON object as its ``(key, value)`` pairs, so that repeated keys can be found."""
+
+
+def parse_json(text: str, path: Path) -> Any:
+    """Parse JSON config text; an empty text is None.
+
+    Raises:
+        ConfigError: invalid JSON, nested too deeply, or a repeated key (named by its dotted path).
+    """
+    if not text.strip():
+        return None
+    try:
+        return _unique_keys(json.loads(text, object_pairs_hook=_Pairs), "", path)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(path), f"cannot parse: {exc}") from None
+    except RecursionError:
+        raise ConfigError(str(path), "cannot parse: nested too deeply") from None
+
+
+def _unique_keys(value: Any, prefix: str, path: Path) -> Any:
+    if isinstance(value, _Pairs):
+        out: dict[str, Any] = {}
+        for key, item in value:
+            dotted = f"{prefix}.{key}" if prefix else key
+            if key in out:
+                raise ConfigError(dotted, f"key repeated in {path} (a mapping may give each key once)")
+            out[key] = _unique_keys(item, dotted, path)
+        return out
+    if isinstance(value, list):
+        return [_unique_keys(item, f"{prefix}[{i}]", path) for i, item in enumerate(value)]
+    return value
+
+
+def parse_yaml(text: str, path: Path) -> Any:
+    """Parse YAML config text with the safe loader.
+
+    Raises:
+        ConfigError: invalid YAML, nested too deeply, or a repeated key (named by its dotted path,
+            with both lines).
+    """
+    import yaml
+
+    loader = None
+    try:
+        loader = yaml.SafeLoader(text)  # checks the characters already
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_yaml_keys(node, path)
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), f"cannot parse: {exc}") from None
+    except RecursionError:
+        raise ConfigError(str(path), "cannot parse: nested too deeply") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def _check_yaml_keys(root: Any, path: Path) -> None:
+    """Raise for a key given twice in one mapping (PyYAML keeps the last one silently).
+
+    Iterative, and each node is visited once: aliases (``*a``), even self-referencing ones or an
+    exponential "billion laughs" document, cost one visit per distinct node.
+    """
+    import yaml
+
+    stack: list[tuple[Any, str]] = [(root, "")]
+    seen: set[int] = set()
+    while stack:
+        node, prefix = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((item, f"{prefix}[{i}]") for i, item in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                if key.tag == "tag:yaml.org,2002:merge":  # `<<: *base` merges; its keys may be overridden
+                    stack.append((value, prefix))
+                    continue
+                name = str(key.value) if isinstance(key, yaml.ScalarNode) else f"<{key.id}>"
+                dotted = f"{prefix}.{name}" if prefix else name
+                where = (key.tag, name)
+                if where in first:
+                    raise ConfigError(dotted, f"key repeated in {path} (lines {first[where] + 1} and "
+                                              f"{key.start_mark.line + 1}; a mapping may give each key once)")
+                first[where] = key.start_mark.line
+                stack.append((value, dotted))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
 from typing import Any
 
+from trainmon.config import parse_json, read_text
 from trainmon.errors import ConfigError
 
 logger = logging.getLogger("trainmon")
@@ -24,16 +24,13 @@ def translate_msprobe(path: Path) -> dict[str, Any]:
     key) is warned about once and ignored, so switching from msprobe is one line.
 
     Raises:
-        ConfigError: the file cannot be read or is not a JSON object.
+        ConfigError: the file cannot be read, is not UTF-8 JSON, repeats a key, is not a JSON
+            object, or a key's value has the wrong type; the message names the file and the key.
     """
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(str(path), f"cannot read msprobe config: {exc.strerror or exc}") from None
-    except ValueError as exc:
-        raise ConfigError(str(path), f"not valid JSON: {exc}") from None
+    data = parse_json(read_text(path, "msprobe config"), path)
     if not isinstance(data, dict):
         raise ConfigError(str(path), "a msprobe monitor config must be a JSON object")
+    _check_types(data, path)
     out: dict[str, Any] = {
         # msprobe collects a family only when its switch is set; trainmon's defaults differ.
         "activations": {"enabled": False},
@@ -97,6 +94,43 @@ def translate_msprobe(path: Path) -> dict[str, Any]:
     if "alert" in data:
         out["anomaly"] = _alert(data["alert"], out)
     return out
+
+
+_LIST_OF = {"ops": str, "module_ranks": int}
+"""msprobe keys whose value must be a list of this type."""
+
+
+def _check_types(data: dict[str, Any], path: Path) -> None:
+    """Reject the value types the translation cannot read (the rest is checked by trainmon's schema)."""
+
+    def bad(key: str, what: str, value: Any) -> ConfigError:
+        return ConfigError(str(path), f"msprobe key {key}: must be {what}, got {str(value)[:60]!r}")
+
+    for key, kind in _LIST_OF.items():
+        value = data.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
+            raise bad(key, f"a list of {'strings' if kind is str else 'integers'}", value)
+    for key in ("targets", "alert"):
+        if key in data and not isinstance(data[key], dict):
+            raise bad(key, "a JSON object", data[key])
+    if "format" in data and not isinstance(data["format"], str):
+        raise bad("format", "a string", data["format"])
+    cc = data.get("cc_distribution", {})
+    if not isinstance(cc, (dict, bool)):
+        raise bad("cc_distribution", "a JSON object or true/false", cc)
+    codelines = cc.get("cc_codeline", []) if isinstance(cc, dict) else []
+    if not isinstance(codelines, list) or not all(isinstance(line, str) for line in codelines):
+        raise bad("cc_distribution.cc_codeline", "a list of strings", codelines)
+    rules = data.get("alert", {}).get("rules", [])
+    if not isinstance(rules, list) or not all(isinstance(rule, dict) for rule in rules):
+        raise bad("alert.rules", "a list of JSON objects", rules)
+    for i, rule in enumerate(rules):
+        args = rule.get("args", {})
+        if not isinstance(args, dict):
+            raise bad(f"alert.rules[{i}].args", "a JSON object", args)
+        threshold = args.get("threshold", 0.5)
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+            raise bad(f"alert.rules[{i}].args.threshold", "a number", threshold)
 
 
 def _communication(value: Any) -> dict[str, Any]:

@@ -23,7 +23,8 @@ def select(names: Iterable[str], patterns: Sequence[str], key: str) -> list[str]
     (``re.search``), so anchor it when needed.
 
     Raises:
-        TargetError: a pattern matches nothing; the message lists close names.
+        TargetError: a pattern is not a string, is empty, is an invalid ``re:`` regex, or matches
+            nothing; the key is ``{key}[{i}]`` and a pattern that matches nothing lists close names.
 
     Example:
         >>> select(["layers.0.mlp", "layers.1.mlp", "head"], ["layers.*.mlp"], "targets.modules")
@@ -31,8 +32,15 @@ def select(names: Iterable[str], patterns: Sequence[str], key: str) -> list[str]
     """
     names = list(names)
     chosen: set[str] = set()
+    if isinstance(patterns, str):
+        raise TargetError(key, f"must be a list of patterns, got the string {patterns[:60]!r}")
     for i, pattern in enumerate(patterns):
-        matcher = _matcher(pattern)
+        if not isinstance(pattern, str) or not pattern:
+            raise TargetError(f"{key}[{i}]", f"must be a non-empty string, got {str(pattern)[:60]!r}")
+        try:
+            matcher = _matcher(pattern)
+        except re.error as exc:
+            raise TargetError(f"{key}[{i}]", f"invalid regex {pattern[3:][:60]!r}: {exc}") from None
         if pattern.startswith("re:"):
             hits = {n for n in names if matcher.search(n)}
         else:
