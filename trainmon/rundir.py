@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmon.config import MonitorConfig
+from trainmon.safe_io import write_atomic
 
 logger = logging.getLogger("trainmon")
 
@@ -33,9 +34,16 @@ def run_json(config: MonitorConfig, world_size: int, framework: str, versions: d
     }
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (temp file + rename) so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
-    tmp.replace(path)
+def write_json(path: Path, data: Any, root: Path | None = None) -> None:
+    """Write JSON atomically (temp file + rename) so readers never see half a file.
+
+    Args:
+        path: the file.
+        data: anything ``json.dumps`` can write (other objects as ``str``).
+        root: the directory below which no symlink is followed (default: the file's directory);
+            a symlink at ``path`` itself is refused, never replaced or followed.
+
+    Raises:
+        OSError: the file cannot be written (:class:`~trainmon.safe_io.UnsafePathError` for a symlink).
+    """
+    write_atomic(path, json.dumps(data, indent=1, default=str).encode("utf-8"), root=root)

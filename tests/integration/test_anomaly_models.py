@@ -103,9 +103,9 @@ def test_forward_nan_first_origin_written_within_the_step(tmp_path):
 
     try:
         train(model, monitor, 6, fault=(5, 2, "forward"), before_step=check)
-        at_step_5 = [e for e in read_events(jsonl) if e["step"] == 5]
     finally:
-        monitor.close()
+        monitor.close()  # events are written on their own thread (never slowing the step); close waits for them
+    at_step_5 = [e for e in read_events(jsonl) if e["step"] == 5]
     assert seen_at_step == {s: 0 for s in range(6)}
     (event,) = at_step_5  # one event: the first origin; downstream NaNs are summarised in it
     assert (event["step"], event["micro_step"], event["rank"], event["phase"]) == (5, 0, 0, "forward")

@@ -65,7 +65,8 @@ def test_engine_actions_jsonl_log_callback(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         for step in range(5):
             events = engine.process(nan_record(step, rank=1))
-            # the file holds the step's events as soon as process() returns (flushed)
+            # the file holds the step's events once its writer thread caught up (process() never waits for it)
+            assert engine.flush()
             lines = (tmp_path / "anomalies.jsonl").read_text().splitlines()
             assert len(lines) == step + 1 and AnomalyEvent.from_json(lines[-1]).step == step
         engine.process(record(5, loss=1.0))
@@ -108,6 +109,7 @@ def test_raise_runs_after_other_actions_and_handoffs(tmp_path):
     with pytest.raises(AnomalyError, match="first non-finite value at step 4, micro-step 0, rank 0: "
                                            "forward output of b"):
         engine.process(nan_record(4))
+    assert engine.flush()
     assert (tmp_path / "anomalies.jsonl").read_text().count("\n") == 1
     assert [[e.name for e in events] for events in handed] == [["b.output"]]
     assert engine.process(record(5, loss=1.0)) == []

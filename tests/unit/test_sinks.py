@@ -74,7 +74,10 @@ def test_slow_output_drops_records_instead_of_blocking_training(caplog):
     release.set()
     writer.close()
     assert written[0] == 0 and 2 <= len(written) <= 3  # the one being written + the queued ones
-    assert sum("slower than training" in r.getMessage() for r in caplog.records) == 1
+    assert sum("output stuck is slower than training" in r.getMessage() for r in caplog.records) == 1
+    # at close: one warning naming the sink and how many records it never wrote
+    (report,) = [r.getMessage() for r in caplog.records if "output stuck did not write" in r.getMessage()]
+    assert f"did not write {10 - len(written)} of 10 records" in report
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux) to play a full disk")
@@ -82,12 +85,13 @@ def test_tensorboard_on_a_full_disk_warns_once_and_prints_no_traceback(tmp_path,
     from trainmon.sinks.base import SinkWriter
 
     sink = TensorBoardSink(tmp_path)
-    writer = SinkWriter([sink], flush_seconds=0)
-    writer.submit(_record(0))
-    writer.submit(lambda: setattr(sink._writer._py_recordio_writer, "_writer", open("/dev/full", "wb")))
-    for step in range(1, 4):
-        writer.submit(_record(step))  # ENOSPC when the writer thread flushes
+    sink._file = open("/dev/full", "wb")  # noqa: SIM115 - the sink closes it; ENOSPC on every flush
+    writer = SinkWriter([sink], flush_seconds=0.01)
+    for step in range(4):
+        writer.submit(_record(step))
     writer.close()
-    disabled = [r.getMessage() for r in caplog.records if "sink tensorboard failed and is disabled" in r.getMessage()]
+    disabled = [r.getMessage() for r in caplog.records if "output tensorboard failed and is disabled" in r.getMessage()]
     assert len(disabled) == 1 and "OSError" in disabled[0]
+    lost = [r.getMessage() for r in caplog.records if "output tensorboard did not write" in r.getMessage()]
+    assert len(lost) == 1 and "did not write 4 of 4 records" in lost[0]
     assert "Traceback" not in capfd.readouterr().err

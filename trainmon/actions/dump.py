@@ -15,12 +15,11 @@ training: a failure is logged once and the dump goes on without that entry.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
-import os
 import traceback
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,8 @@ from trainmon.actions.naming import is_within, module_parents, modules_for_event
 from trainmon.actions.schedule import StepRequests
 from trainmon.collect.hooks import HookRegistry
 from trainmon.rundir import write_json
+from trainmon.safe_io import make_dirs, open_output
+from trainmon.sinks.base import OutputThread
 from trainmon.targets import select
 
 if TYPE_CHECKING:
@@ -38,7 +39,29 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trainmon")
 _GROUP = "dump"
-_SKIP_FRAMES = (os.sep + "torch" + os.sep, os.sep + "trainmon" + os.sep)
+_MAX_PENDING = 4  # dumps queued for the writer (each holds its host copies) before one is dropped
+_MAX_NAMES = 100  # dump directories tried for one step (a resumed run dumping the same step again)
+
+
+@functools.lru_cache(maxsize=1)
+def _package_dirs() -> tuple[Path, ...]:
+    """The resolved directories of the installed trainmon and torch packages (their frames are plumbing)."""
+    import trainmon
+
+    return tuple(Path(package.__file__).resolve().parent for package in (trainmon, torch))
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_plumbing(filename: str) -> bool:
+    """Whether a frame's file lies inside the trainmon or torch package (not: a folder that happens to be
+    called ``trainmon``, such as a clone of the repository or a user's project)."""
+    if filename.startswith("<"):  # <frozen ...>, <string>: not a package file
+        return False
+    try:
+        path = Path(filename).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+    return any(path.is_relative_to(directory) for directory in _package_dirs())
 
 
 class TargetedDump:
@@ -71,8 +94,7 @@ class TargetedDump:
         self._capture: Capture | None = None
         self._dumps = 0
         self._refused = False
-        self._writer: ThreadPoolExecutor | None = None
-        self._pending: list[Future[Path]] = []
+        self._output: OutputThread | None = None
         self.written: list[Path] = []
         """Dump directories written so far (complete once :meth:`flush` returns)."""
         self._calls: dict[str, int] = {}
@@ -137,10 +159,11 @@ class TargetedDump:
                     self._registry.add(_GROUP, param.register_post_accumulate_grad_hook(hook))
 
     def end_step(self) -> Path | None:
-        """Remove the hooks and hand the step's dump to the writer thread.
+        """Remove the hooks and hand the step's dump to its writer thread (never waits for the disk).
 
         Returns:
-            The dump directory being written, or None when this step was not dumped.
+            The dump directory being written (``step{S}``; ``step{S}-{n}`` if a resumed run already
+            dumped that step), or None when this step was not dumped.
         """
         self._registry.remove(_GROUP)
         capture, self._capture = self._capture, None
@@ -149,29 +172,31 @@ class TargetedDump:
         self._dumps += 1
         values = to_host(capture.stats)
         directory = self.rank_dir / "dump" / f"step{capture.step}"
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainmon-dump")
-        self._pending.append(self._writer.submit(self._write, capture, values, directory))
+        if self._output is None:
+            self._output = OutputThread("dump", self._write_job, max_pending=_MAX_PENDING, disable_on_error=False)
+        self._output.submit((capture, values, directory))
         return directory
 
-    def flush(self) -> None:
-        """Wait until every dump handed to the writer is on disk."""
-        pending, self._pending = self._pending, []
-        for future in pending:
-            try:
-                self.written.append(future.result())
-            except Exception:  # noqa: BLE001 - a failed dump must never stop training
-                logger.exception("trainmon dump: writing a dump failed")
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Wait until every dump handed to the writer is on disk (at most ``timeout`` seconds).
+
+        Returns:
+            False when the writer did not finish in time (a stuck disk); it goes on by itself.
+        """
+        if self._output is None or self._output.wait(timeout):
+            return True
+        logger.warning("trainmon dump: the dumps are still being written after %.0f s", timeout)
+        return False
 
     def close(self) -> None:
-        """Finish a dump in progress, wait for the writer and remove every hook (idempotent)."""
+        """Finish a dump in progress, remove every hook and let the writer finish within a bounded
+        time (idempotent, never raises for an output failure)."""
         if self._capture is not None:
             self.end_step()
         self._registry.remove_all()
-        self.flush()
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
+        if self._output is not None:
+            self._output.close()
+            self._output.report()
 
     # ------------------------------------------------------------------ hooks
     def _prefix(self, name: str) -> str:
@@ -196,7 +221,7 @@ class TargetedDump:
                 if self.config.stack:
                     frames = traceback.extract_stack()[:-1]
                     capture.stack[node] = [f"File {f.filename}, line {f.lineno}, in {f.name}, \n {f.line}"
-                                           for f in frames if not any(s in f.filename for s in _SKIP_FRAMES)]
+                                           for f in frames if not _is_plumbing(f.filename)]
                 self._open.append((name, node))
                 # Registered now, before the forward runs: a module that modifies its input in
                 # place (ReLU(inplace=True)) leaves the hook on the old version, whose gradient it sees.
@@ -283,28 +308,44 @@ class TargetedDump:
             logger.warning(message, *args)
 
     # ------------------------------------------------------------------ writer thread
+    def _write_job(self, item: tuple[Capture, list[list[float]], Path]) -> None:
+        self.written.append(self._write(*item))
+
+    def _new_directory(self, directory: Path) -> Path:
+        """``directory``, or ``{directory}-{n}`` when it exists: an earlier dump is never overwritten."""
+        root = self.rank_dir.parent
+        for n in range(_MAX_NAMES):
+            candidate = directory if n == 0 else directory.with_name(f"{directory.name}-{n}")
+            try:
+                make_dirs(candidate, root, exist_ok=False)
+            except FileExistsError:
+                continue
+            return candidate
+        raise FileExistsError(f"{directory}: {_MAX_NAMES} dumps of this step already exist")
+
     def _write(self, capture: Capture, values: list[list[float]], directory: Path) -> Path:
+        root = self.rank_dir.parent  # the run directory: nothing below it is followed if it is a symlink
+        directory = self._new_directory(directory)
         for desc, (hi, lo, mean, norm) in zip(capture.stat_targets, values):
             desc.update(Max=hi, Min=lo, Mean=mean, Norm=norm)
         for desc, host in capture.hashes:
             desc["md5"] = hashlib.md5(host.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()  # host copy, writer thread: no sync
         tensor_dir = directory / "dump_tensor_data"
-        if capture.files:
-            tensor_dir.mkdir(parents=True, exist_ok=True)
         for file_name, host in capture.files.items():
             path = tensor_dir / file_name
             if not is_within(tensor_dir, path):  # safe_file_name guarantees this; checked regardless
                 raise AssertionError(f"dump file {file_name!r} escapes {tensor_dir}")
-            torch.save(host.contiguous().clone(), path)
+            with open_output(path, "xb", root) as handle:
+                torch.save(host.contiguous().clone(), handle)
         task = "tensor" if capture.mode == "tensor" else "statistics"
         write_json(directory / "dump.json", {
             "task": task, "level": "L0", "framework": "pytorch",
             "dump_data_dir": str(tensor_dir) if capture.mode == "tensor" else None,
             "summary_mode": "md5" if capture.mode == "md5" else "statistics",
             "data": capture.data,
-        })
-        write_json(directory / "stack.json", capture.stack)
-        write_json(directory / "construct.json", capture.construct)
+        }, root)
+        write_json(directory / "stack.json", capture.stack, root)
+        write_json(directory / "construct.json", capture.construct, root)
         return directory
 
 

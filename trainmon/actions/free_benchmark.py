@@ -5,7 +5,8 @@ its forward hook re-runs a hook-free copy of the module (see :func:`shadow_modul
 inputs under ``torch.no_grad()`` from the saved RNG states, then restores every RNG state, so
 training is not disturbed (weights stay bit-identical). The comparison stays on the device;
 :meth:`FreeBenchmark.end_step` copies the step's results to the host once and appends
-failures to ``rank{R}/free_benchmark.csv``.
+failures to ``rank{R}/free_benchmark.csv`` on a writer thread of its own (a full or slow disk never
+reaches training; what could not be written is counted and reported at close).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from trainmon.actions.perturb import (
     replace_tensors, run_with_rng, shadow_module, straight_through,
 )
 from trainmon.collect.hooks import HookRegistry
+from trainmon.sinks.base import OutputThread
+from trainmon.sinks.csv import open_csv_table
 from trainmon.targets import select
 
 if TYPE_CHECKING:
@@ -102,7 +105,8 @@ class FreeBenchmark:
         self._saved: dict[str, list[tuple[torch.Tensor, Any, Any, Any]]] = {}
         self._pending: list[tuple[int, str, int, str, torch.Tensor, float, str, tuple[int, ...]]] = []
         self._warned: set[str] = set()
-        self._csv: TextIO | None = None
+        self._csv: TextIO | None = None  # opened, written and closed on the writer thread only
+        self._output: OutputThread | None = None
         self.results: list[CheckResult] = []
         """Every comparison made so far (passes included), in order."""
 
@@ -173,23 +177,26 @@ class FreeBenchmark:
         results = [CheckResult(step, name, index, mode, value, limit, dtype, shape)
                    for (step, name, index, mode, _, limit, dtype, shape), value in zip(pending, values)]
         self.results.extend(results)
-        failures = [r for r in results if not r.passed]
+        failures = [[self.rank, r.pert_mode, "forward", r.step, r.name, _fmt(r.max_rel), r.dtype, list(r.shape),
+                     r.output_index] for r in results if not r.passed]
         if failures:
-            writer = csv.writer(self._open_csv())
-            for r in failures:
-                writer.writerow([self.rank, r.pert_mode, "forward", r.step, r.name, _fmt(r.max_rel), r.dtype,
-                                 list(r.shape), r.output_index])
-            assert self._csv is not None
-            self._csv.flush()
+            if self._output is None:
+                self._output = OutputThread("free_benchmark.csv", self._write_rows, self._flush_csv, self._close_csv)
+            self._output.submit(failures)
         return results
 
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the failures found so far are in ``free_benchmark.csv``; False after ``timeout`` s."""
+        return self._output.wait(timeout) if self._output is not None else True
+
     def close(self) -> None:
-        """Finish the current step and remove every hook (idempotent)."""
+        """Finish the current step, remove every hook and close the CSV within a bounded time
+        (idempotent, never raises for an output failure)."""
         self.end_step()
         self._registry.remove_all()
-        if self._csv is not None:
-            self._csv.close()
-            self._csv = None
+        if self._output is not None:
+            self._output.close()
+            self._output.report()
 
     # ------------------------------------------------------------------ hooks
     def _pre_hook(self, name: str):  # noqa: ANN202 - hook closure
@@ -262,14 +269,22 @@ class FreeBenchmark:
         return fixed
 
     # ------------------------------------------------------------------ helpers
-    def _open_csv(self) -> TextIO:
+    # ------------------------------------------------------------------ writer thread
+    def _write_rows(self, rows: list[list[Any]]) -> None:
         if self._csv is None:
-            self.csv_path.parent.mkdir(parents=True, exist_ok=True)
-            new = not self.csv_path.exists() or self.csv_path.stat().st_size == 0
-            self._csv = self.csv_path.open("a", newline="", encoding="utf-8")
-            if new:
-                csv.writer(self._csv).writerow(CSV_HEADER)
-        return self._csv
+            # Appended to when the header matches; another header (an older version) keeps its file.
+            self._csv, self.csv_path = open_csv_table(self.csv_path.parent, "free_benchmark", CSV_HEADER,
+                                                      rows[0][3], self.csv_path.parent.parent)
+        csv.writer(self._csv).writerows(rows)
+
+    def _flush_csv(self) -> None:
+        if self._csv is not None:
+            self._csv.flush()
+
+    def _close_csv(self) -> None:
+        handle, self._csv = self._csv, None
+        if handle is not None:
+            handle.close()
 
     def _warn_once(self, key: str, message: str, *args: Any) -> None:
         if key not in self._warned:

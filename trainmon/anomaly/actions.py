@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import IO
 
 from trainmon.anomaly.events import AnomalyEvent
+from trainmon.safe_io import open_output
+from trainmon.sinks.base import CLOSE_TIMEOUT, OutputThread
 
 logger = logging.getLogger("trainmon")
 
@@ -54,24 +56,69 @@ class LogAction:
 
 
 class JsonlAction:
-    """Appends events to ``anomalies.jsonl``: one open handle, append mode, one flush per step.
+    """Appends events to ``anomalies.jsonl`` on its own writer thread; never blocks training.
 
-    The file is opened on the first event (a run without anomalies leaves no file) and never
-    truncated, so a resumed run keeps the earlier events.
+    The training thread only queues the step's lines (O(1)); the thread opens the file on the
+    first event (a run without anomalies leaves no file and starts no thread), appends, and
+    flushes as soon as nothing else is queued, so an event is on disk a moment after its step
+    (:meth:`flush` waits for it). The file is never truncated: a resumed run keeps the earlier events
+    (a line cut short by a crash is ended first). It is opened without following symlinks below
+    ``root``. A failing disk is reported once and the lines it could not take are counted at close.
+
+    Args:
+        path: ``{run}/rank{R}/anomalies.jsonl``.
+        root: the directory below which no symlink is followed (default: the run directory).
+        flush_seconds: written lines stay unflushed at most this long while more are queued.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, root: Path | None = None, flush_seconds: float = 2.0) -> None:
+        self.path = Path(path)
+        self.root = Path(root) if root is not None else self.path.parent.parent
+        self._flush_seconds = flush_seconds
         self._file: IO[str] | None = None
+        self._output: OutputThread | None = None
 
     def __call__(self, events: list[AnomalyEvent]) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._file.write("".join(event.to_json() + "\n" for event in events))
-        self._file.flush()
+        if self._output is None:
+            self._output = OutputThread("anomalies.jsonl", self._write, self._flush, self._close,
+                                        flush_seconds=self._flush_seconds)
+        # Serialised here: events are not touched again once queued, and the thread only writes text.
+        self._output.submit("".join(event.to_json() + "\n" for event in events))
+
+    def flush(self, timeout: float = CLOSE_TIMEOUT) -> bool:
+        """Wait until every queued event is in the file; False after ``timeout`` seconds."""
+        return self._output.wait(timeout) if self._output is not None else True
 
     def close(self) -> None:
+        """Write what is queued and close the file, within a bounded time; idempotent, never raises."""
+        if self._output is not None:
+            self._output.close()
+            self._output.report()
+
+    # ------------------------------------------------------------------ writer thread
+    def _write(self, text: str) -> None:
+        if self._file is None:
+            self._file = _open_append(self.path, self.root)
+        self._file.write(text)
+
+    def _flush(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            self._file.flush()
+
+    def _close(self) -> None:
+        handle, self._file = self._file, None
+        if handle is not None:
+            handle.close()
+
+
+def _open_append(path: Path, root: Path) -> IO[str]:
+    """Open a line file for appending; a last line cut short by a crash is ended first."""
+    try:
+        with open_output(path, "rb", root) as existing:
+            cut = existing.seek(0, 2) > 0 and existing.seek(-1, 2) >= 0 and existing.read(1) != b"\n"
+    except FileNotFoundError:
+        cut = False
+    handle = open_output(path, "a", root, newline=None)
+    if cut:
+        handle.write("\n")
+    return handle

@@ -169,8 +169,20 @@ class AnomalyEngine:
         for detector, item in zip(self.detectors, saved):
             detector.load_state_dict(item["state"])
 
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the events of the steps processed so far are in ``anomalies.jsonl``.
+
+        ``process`` only queues them (the file is written on its own thread, so a slow disk never
+        slows training); this is for readers in the same process, e.g. tests.
+
+        Returns:
+            False when they are still not written after ``timeout`` seconds.
+        """
+        return self._jsonl.flush(timeout) if self._jsonl is not None else True
+
     def close(self) -> None:
-        """Close ``anomalies.jsonl``; idempotent. Later steps are not processed."""
+        """Write and close ``anomalies.jsonl`` within a bounded time; idempotent, never raises.
+        Later steps are not processed."""
         if self._closed:
             return
         self._closed = True

@@ -44,6 +44,10 @@ _GROUP = "grad_probe"
 _F32 = torch.float32
 
 
+def _run_job(job: Callable[[], None]) -> None:
+    job()
+
+
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
     """Enqueue a device-to-host copy (no sync); on CPU the tensor itself is the host copy."""
     if tensor.device.type == "cpu":
@@ -100,6 +104,7 @@ class GradProbe:
         self._samples: dict[int, torch.Tensor] = {}
         self._measured_step: int | None = None
         self._probe_dir: Path | None = None
+        self._root: Path | None = None
         self._writer: Any = None
         self._summary: SummaryWriter | None = None
         self._closed = False
@@ -110,12 +115,15 @@ class GradProbe:
         """Set the rank directory (the monitor knows it only after ``attach``); None turns output off."""
         if self._writer is not None or rank_dir is None or self._closed:
             return
-        from trainmon.sinks.base import SinkWriter
+        from trainmon.sinks.base import OutputThread
 
         self._probe_dir = Path(rank_dir) / PROBE_DIR
-        self._summary = SummaryWriter(self._probe_dir, summary_columns(self.level, self.bounds))
-        # Few pending steps: a queued step may hold every parameter's bits in host memory.
-        self._writer = SinkWriter([], self._flush_seconds, max_pending=4)
+        self._root = Path(rank_dir).parent  # the run directory: no symlink below it is followed
+        self._summary = SummaryWriter(self._probe_dir, summary_columns(self.level, self.bounds), self._root)
+        # Few pending steps: a queued step may hold every parameter's bits in host memory. The
+        # summary file is closed on the writer thread, after the last queued step.
+        self._writer = OutputThread("grad_probe", _run_job, close=self._summary.close,
+                                    flush_seconds=self._flush_seconds, max_pending=4, disable_on_error=False)
 
     def arm(self) -> None:
         if self._hookable and not self.registry.count(_GROUP):
@@ -129,15 +137,16 @@ class GradProbe:
             self.measure()
 
     def close(self) -> None:
-        """Remove the hook, write what is queued, close the files. Idempotent."""
+        """Remove the hook, write what is queued (within a bounded time) and close the files.
+
+        Idempotent; never raises for an output failure (it is reported once and counted)."""
         self.disarm()
         if self._closed:
             return
         self._closed = True
         if self._writer is not None:
-            self._writer.close()
-        if self._summary is not None:
-            self._summary.close()
+            self._writer.close()  # bounded; never raises
+            self._writer.report()
         self._prev_bits.clear()
         self._prev_sample.clear()
 
@@ -317,6 +326,7 @@ class GradProbe:
                           "sample": None if meta["count"] == meta["numel"] else
                           {"method": "stratified", "seed": dev.SAMPLE_SEED, "elements": meta["count"]}}
                 path = direction_path(self._probe_dir, step, meta["name"], meta["vpp_stage"])
-                write_direction_file(path, header, host_bits[j].numpy())  # host copy, writer thread: no sync
+                bits = host_bits[j].numpy()  # host copy, writer thread: no sync
+                write_direction_file(path, header, bits, self._root)
             rows.append(row)
         self._summary.write_rows(rows, step)

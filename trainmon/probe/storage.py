@@ -17,9 +17,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
-import os
 import struct
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +26,8 @@ from typing import IO, Any
 import numpy as np
 
 from trainmon.actions.naming import safe_file_name
+from trainmon.safe_io import write_atomic
+from trainmon.sinks.csv import open_csv_table
 
 MAGIC = b"TMGS"
 FORMAT_VERSION = 1
@@ -91,25 +91,18 @@ def direction_path(probe_dir: Path, step: int, name: str, vpp_stage: int) -> Pat
     return probe_dir / f"step{step}" / safe_file_name(stem, ".bits")
 
 
-def write_direction_file(path: Path, header: dict[str, Any], bits: np.ndarray) -> None:
-    """Write one packed direction file (prefix, JSON header, ``ceil(count / 8)`` bytes)."""
+def write_direction_file(path: Path, header: dict[str, Any], bits: np.ndarray, root: Path | None = None) -> None:
+    """Write one packed direction file (prefix, JSON header, ``ceil(count / 8)`` bytes).
+
+    Written to a hidden temporary file in the same directory and renamed: a crash or a full disk
+    leaves either the complete file or none, never a truncated one. No symlink below ``root``
+    (default: the file's directory) is followed, and a symlink at ``path`` is refused.
+    """
     nbytes = (int(header["count"]) + 7) // 8
     data = np.ascontiguousarray(bits, dtype=np.uint8)[:nbytes]
     assert data.size == nbytes, (data.size, nbytes)
     blob = json.dumps(header, separators=(",", ":")).encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Written to a temporary file in the same directory and renamed: a crash or a full disk leaves
-    # either the complete file or none, never a truncated one (the temporary name does not end in .bits).
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob)))
-            handle.write(blob)
-            handle.write(data.tobytes())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(path, b"".join((_PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob)), blob, data.tobytes())), root)
 
 
 _REQUIRED = ("name", "step", "shape", "count")
@@ -214,30 +207,22 @@ class SummaryWriter:
 
     An existing file with the same header is appended to (a re-attached probe goes on); one with
     another header (the level or bounds changed) is left alone and rows go to
-    ``grad_summary_{step}.csv``.
+    ``grad_summary_{step}.csv`` (or the next free number); nothing is truncated and no symlink below
+    ``root`` (default: the run directory, ``probe_dir/../..``) is followed.
     """
 
-    def __init__(self, probe_dir: Path, columns: Sequence[str]) -> None:
+    def __init__(self, probe_dir: Path, columns: Sequence[str], root: Path | None = None) -> None:
         self.probe_dir = probe_dir
         self.columns = list(columns)
+        self.root = Path(root) if root is not None else Path(probe_dir).parent.parent
         self.path: Path | None = None
         self._handle: IO[str] | None = None
         self._writer: Any = None
 
     def _open(self, step: int) -> None:
-        self.probe_dir.mkdir(parents=True, exist_ok=True)
-        path = self.probe_dir / SUMMARY_FILE
-        fresh = not path.exists() or path.stat().st_size == 0
-        if not fresh:
-            with open(path, newline="", encoding="utf-8") as existing:
-                if next(csv.reader(existing), None) != self.columns:
-                    path = self.probe_dir / f"grad_summary_{step}.csv"
-                    fresh = True
-        self.path = path
-        self._handle = open(path, "w" if fresh else "a", newline="", encoding="utf-8")
+        self._handle, self.path = open_csv_table(self.probe_dir, SUMMARY_FILE.removesuffix(".csv"), self.columns,
+                                                 step, self.root)
         self._writer = csv.writer(self._handle)
-        if fresh:
-            self._writer.writerow(self.columns)
 
     def write_rows(self, rows: Sequence[Sequence[object]], step: int) -> None:
         if self._handle is None:
@@ -247,6 +232,6 @@ class SummaryWriter:
         self._handle.flush()
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.close()
