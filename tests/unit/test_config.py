@@ -63,6 +63,11 @@ BAD = [
     ({"run_name": "r" * 256}, "run_name"),
     ({"run_name": "a\\b"}, "run_name"),
     ({"dynamic": {"poll_seconds": 1e400}}, "dynamic.poll_seconds"),
+    ({"anomaly": {"detectors": [{"type": "spike", "alpha": 2.0}]}}, "anomaly.detectors[0].alpha"),
+    ({"anomaly": {"detectors": [{"type": "spike", "method": "mad", "window": 10**9}]}}, "anomaly.detectors[0].window"),
+    ({"anomaly": {"detectors": [{"type": "loss_spike", "level_window": 10**9}]}},
+     "anomaly.detectors[0].level_window"),
+    ({"anomaly": {"detectors": [{"type": "spike", "series": ["re:("]}]}}, "anomaly.detectors[0].series"),
 ]
 
 

@@ -28,6 +28,7 @@ class Detector(ABC):
     config_class: ClassVar[type]
     choices: ClassVar[dict[str, tuple[Any, ...]]] = {}
     minimum: ClassVar[dict[str, float]] = {}
+    maximum: ClassVar[dict[str, float]] = {}
 
     def __init__(self, config: Any, path: str = "anomaly.detectors[0]") -> None:
         """Args: config: the parsed spec; path: its dotted config key (for errors)."""
@@ -52,8 +53,8 @@ def parse_spec(detector: type[Detector], spec: Mapping[str, Any], path: str) -> 
     """Build ``detector.config_class`` from a spec dict (without ``type``).
 
     Raises:
-        ConfigError: unknown key, wrong type, value not among the choices or below the minimum;
-            the key is ``{path}.{field}``.
+        ConfigError: unknown key, wrong type, value not among the choices, below the minimum or
+            above the maximum; the key is ``{path}.{field}``.
     """
     cls = detector.config_class
     hints = typing.get_type_hints(cls)
@@ -74,6 +75,9 @@ def parse_spec(detector: type[Detector], spec: Mapping[str, Any], path: str) -> 
         low = detector.minimum.get(key)
         if low is not None and value is not None and value < low:
             raise ConfigError(f"{path}.{key}", f"must be >= {low:g}, got {value}")
+        high = detector.maximum.get(key)
+        if high is not None and value is not None and value > high:
+            raise ConfigError(f"{path}.{key}", f"must be <= {high:g}, got {str(value)[:30]}")
         kwargs[key] = value
     return cls(**kwargs)
 

@@ -70,6 +70,7 @@ class LossSpikeDetector(Detector):
     choices = {"direction": ("up", "down", "both")}
     minimum = {"threshold": 0.0, "warmup": 0, "window": 3, "level_window": 1, "min_relative_change": 0.0,
                "min_spread": 0.0}
+    maximum = {"window": 10_000, "level_window": 10_000}  # larger windows only make every step's median slower
 
     def __init__(self, config: LossSpikeConfig, path: str = "anomaly.detectors[0]") -> None:
         super().__init__(config)

@@ -129,6 +129,7 @@ class SpikeDetector(Detector):
     config_class = SpikeConfig
     choices = {"method": ("ema", "mad", "relative"), "direction": ("up", "down", "both")}
     minimum = {"threshold": 0.0, "warmup": 0, "alpha": 1e-6, "window": 3, "min_relative_change": 0.0}
+    maximum = {"alpha": 1.0, "window": 10_000}  # a larger window only makes every step's median slower
 
     def __init__(self, config: SpikeConfig, path: str = "anomaly.detectors[0]") -> None:
         super().__init__(config)
