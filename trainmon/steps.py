@@ -25,6 +25,7 @@ hooks to an object that has none (a ``DeepSpeedEngine``, a Megatron optimizer), 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -62,8 +63,8 @@ class StepWrapper:
     def __init__(self, owner: Any, boundary: Callable[[], bool] | None = None) -> None:
         self.owner = owner
         self.boundary = boundary
-        self._pre: dict[int, StepHook] = {}
-        self._post: dict[int, StepHook] = {}
+        self._pre: OrderedDict[int, StepHook] = OrderedDict()  # weak-referenceable, as RemovableHandle needs
+        self._post: OrderedDict[int, StepHook] = OrderedDict()
         self.last_result: Any = None
         self.active = False
         self._previous: Any = None
