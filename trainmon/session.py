@@ -11,7 +11,7 @@ from trainmon.collect.context import StepContext
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.stats import StatsSpec
 from trainmon.collect.struct import StructRecorder
-from trainmon.config import ConfigError, MonitorConfig
+from trainmon.config import ConfigError, MonitorConfig, check_ranks
 from trainmon.errors import AnomalyError
 from trainmon.integrations.base import AttachOptions, Attachment
 from trainmon.records import StepRecord, build_record, family_metrics
@@ -46,6 +46,7 @@ class Session:
         self.lifecycle = StepLifecycle(self.ctx, end_step=lambda: self.end_step(None, {}, by_user=False))
         self.attachment: Attachment = self._attach(config)
         try:
+            check_ranks(config.ranks, self.attachment.world_size)
             _warn_unsupported(config, self.framework)
             self.ctx.pp_stage = self.attachment.pp_stage
             self._hook_boundaries()

@@ -14,6 +14,7 @@ import torch
 from tests.models import TinyNet, batch, loss_fn
 from tests.reference import read_family
 from trainmon import TargetError, TrainerMonitor
+from trainmon.errors import ConfigError
 
 
 def _train(model, optimizer, monitor, steps, start=0):
@@ -114,10 +115,11 @@ def test_uncollected_steps_leave_no_hooks_armed(tmp_path):
     monitor.close()
 
 
-def test_ranks_not_selected_writes_nothing(tmp_path):
+def test_ranks_naming_no_rank_of_the_job_fail_at_attach(tmp_path):
+    """``ranks: [1]`` in a 1-rank job would silently write nothing: attach names the key instead."""
     model, optimizer, monitor = _setup(tmp_path, ranks=[1])
-    monitor.attach(model, optimizer)
-    _train(model, optimizer, monitor, 2)
+    with pytest.raises(ConfigError, match="ranks"):
+        monitor.attach(model, optimizer)
     monitor.close()
     assert not (tmp_path / "run" / "rank0").exists()
 
