@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -131,3 +132,22 @@ def no_trainmon_threads_or_open_files(tmp_path_factory):
     files = sorted(path for fd, path in _open_files(roots).items() if files_before.get(fd) != path)
     assert not threads, f"trainmon threads left alive: {threads}"
     assert not files, f"files left open: {files}"
+
+
+@pytest.fixture
+def tmpfs_1m(tmp_path):
+    """A real 1 MiB tmpfs (a disk that fills up: writes fail with ENOSPC); skipped where mounting is not
+    allowed (it needs root on Linux)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
+                              timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot mount a tmpfs here ({exc}); the full-disk case needs root on Linux")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
