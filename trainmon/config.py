@@ -381,7 +381,8 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
+        name = key if isinstance(key, str) and key and key.strip() == key else repr(key)  # '' or ' x' quoted
+        path = f"{prefix}.{name}" if prefix else name
         if key not in fields:
             raise ConfigError(path, f"unknown key; valid keys here: {sorted(fields)}")
         kwargs[key] = convert_value(value, hints[key], path)
