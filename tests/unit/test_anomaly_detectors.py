@@ -240,3 +240,37 @@ def test_spike_state_never_holds_nan():
         det.update(record(s, [row(s, "actv", "a.output", 0, norm=v)], loss=v), "t")
     state = json.dumps(det.state_dict(), allow_nan=False)  # raises on NaN/Inf
     assert '"count": 2' in state
+
+
+def _overflow_step(step: int, **scalars: float) -> StepRecord:
+    """What a step with a loss-scale overflow looks like: Inf gradients, a finite loss."""
+    rows = [row(step, "actv", "fc.output", 0, norm=1.0),
+            row(step, "actv_grad", "fc.output_grad", 1, norm=INF),
+            row(step, "grad_unreduced", "fc.weight", 2, norm=INF)]
+    return record(step, rows, loss=1.0, grad_norm=INF, **scalars)
+
+
+def test_a_step_skipped_by_dynamic_loss_scaling_is_not_an_alarm_until_it_repeats():
+    detectors = build_detectors([{"type": "nonfinite", "max_skipped_steps": 3}])
+    quiet = [_overflow_step(s, step_skipped=1.0, loss_scale=2.0 ** (16 - s)) for s in range(3)]
+    assert run(detectors, quiet) == []
+    (event,) = run(detectors, [_overflow_step(3, step_skipped=1.0, loss_scale=2.0 ** 13)])
+    assert event.name == "step_skipped" and "4 steps in a row" in event.message
+    assert run(detectors, [_overflow_step(4, step_skipped=1.0, loss_scale=2.0 ** 12)]) == []  # said once per run
+    # the counter survives a checkpoint round trip
+    state = json.loads(json.dumps(detectors[0].state_dict()))
+    again = build_detectors([{"type": "nonfinite", "max_skipped_steps": 3}])
+    again[0].load_state_dict(state)
+    assert again[0].skipped_in_a_row == 5
+
+
+def test_a_skip_without_loss_scaling_and_a_nonfinite_loss_are_still_alarms():
+    detectors = build_detectors([{"type": "nonfinite"}])
+    (event,) = run(detectors, [_overflow_step(0, step_skipped=1.0, loss_scale=1.0)])  # constant scale: a real NaN
+    assert event.family == "actv_grad"
+    (event,) = run(detectors, [_overflow_step(1, step_skipped=0.0, loss_scale=2.0 ** 16)])  # applied step
+    assert event.family == "actv_grad"
+    skipped_with_nan_loss = _overflow_step(2, step_skipped=1.0, loss_scale=2.0 ** 16)
+    skipped_with_nan_loss.scalars["loss"] = NAN
+    (event,) = run(detectors, [skipped_with_nan_loss])
+    assert event.name == "loss"

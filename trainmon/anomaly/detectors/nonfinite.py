@@ -24,9 +24,10 @@ class NonfiniteConfig:
     families: list[str] | None = None
     """Row families checked; null means all."""
     max_skipped_steps: int = 10
-    """Consecutive steps the loss scaler (or the framework's overflow check) may skip before it is an
-    anomaly. On a skipped step (scalar ``step_skipped`` = 1) non-finite gradients and ``grad_norm`` are
-    the expected overflow of dynamic loss scaling, not an alarm; one event reports a run of more skips."""
+    """Consecutive steps dynamic loss scaling may skip before it is an anomaly. On a step skipped under
+    loss scaling (scalar ``step_skipped`` = 1 with ``loss_scale`` > 1) non-finite gradients and
+    ``grad_norm`` are the scaler's routine overflow, not an alarm; one event reports a longer run of
+    skips. A step skipped without loss scaling (bf16, a constant scale of 1) is always reported."""
 
 
 SKIP_SCALAR = "step_skipped"
@@ -72,7 +73,8 @@ class NonfiniteDetector(Detector):
         self.skipped_in_a_row = 0
 
     def update(self, record: StepRecord, time: str) -> list[AnomalyEvent]:
-        skipped = record.scalars.get(SKIP_SCALAR, 0.0) > 0
+        # an overflow that dynamic loss scaling handles by skipping the step and lowering the scale
+        skipped = record.scalars.get(SKIP_SCALAR, 0.0) > 0 and record.scalars.get("loss_scale", 1.0) > 1
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         if skipped and self.skipped_in_a_row == self.config.max_skipped_steps + 1:
             return [self._skips_event(record, time)]
