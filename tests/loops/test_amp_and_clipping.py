@@ -22,7 +22,17 @@ OVERFLOW_STEP = 3
 STEPS = 6
 
 
-def _amp_run(tmp_path, *, user_steps: bool, clip: float | None, pass_scaler: bool = True):
+def _fp16_reason() -> str | None:
+    try:
+        if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+            return None
+    except (AttributeError, RuntimeError):
+        pass
+    return "this CPU has no fp16 in oneDNN (torch.ops.mkldnn._is_mkldnn_fp16_supported() is False)"
+
+
+def _amp_run(tmp_path, *, user_steps: bool, clip: float | None, pass_scaler: bool = True,
+             autocast: torch.dtype | None = None):
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -41,7 +51,11 @@ def _amp_run(tmp_path, *, user_steps: bool, clip: float | None, pass_scaler: boo
     for step in range(STEPS):
         with _TransferCounter() as counter:
             x, y = data(step)
-            out = model(x)
+            if autocast is None:
+                out = model(x)
+            else:
+                with torch.autocast("cpu", dtype=autocast):
+                    out = model(x).float()
             if step == OVERFLOW_STEP:  # what fp16 does when the scale is too large: an Inf in the backward
                 out.register_hook(lambda g: g * 1e38)
             loss = torch.nn.functional.mse_loss(out, y)
@@ -64,9 +78,13 @@ def _amp_run(tmp_path, *, user_steps: bool, clip: float | None, pass_scaler: boo
     return ref, transfers
 
 
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16, torch.float16], ids=["fp32", "autocast-bf16",
+                                                                             "autocast-fp16"])
 @pytest.mark.parametrize("user_steps", [True, False], ids=["monitor.step", "no-monitor.step"])
-def test_amp_gradients_are_what_the_optimizer_uses(tmp_path, user_steps):
-    ref, transfers = _amp_run(tmp_path, user_steps=user_steps, clip=0.05)
+def test_amp_gradients_are_what_the_optimizer_uses(tmp_path, user_steps, autocast):
+    if autocast is torch.float16 and _fp16_reason():
+        pytest.skip(_fp16_reason())
+    ref, transfers = _amp_run(tmp_path, user_steps=user_steps, clip=0.05, autocast=autocast)
     assert OVERFLOW_STEP not in ref["used"], "the scaler was expected to skip the overflow step"
     values = scalars(tmp_path)
     # every step is a step, the skipped one included (the scaler's update ends it)

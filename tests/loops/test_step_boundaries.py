@@ -101,6 +101,7 @@ def test_eval_forwards_between_steps_record_nothing(tmp_path, user_steps, eval_m
     handle = _capture_training_activations(model, acts.setdefault(-1, []))
     context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode,
                "eval_with_grad": torch.enable_grad}[eval_mode]
+    counter = _TransferCounter().__enter__()
     for step in range(4):
         if step % 2 == 0:  # evaluate before training, as nanoGPT does at iter % eval_interval == 0
             model.eval()
@@ -119,7 +120,9 @@ def test_eval_forwards_between_steps_record_nothing(tmp_path, user_steps, eval_m
         if user_steps:
             monitor.step()
     monitor.close()
+    counter.__exit__(None, None, None)
     handle.remove()
+    assert counter.calls == ["cpu"] * 4  # one transfer per collected step, evaluation forwards add none
     actv = rows(tmp_path, "actv")
     assert sorted(set(actv.step)) == [0, 1, 2, 3]  # no phantom step from the evaluation at close
     for step in range(4):
@@ -167,6 +170,7 @@ def test_a_pass_that_raises_leaves_no_rows_and_no_micro_step(tmp_path, where):
     cfg = config(tmp_path, activations=ACTIVATIONS, targets={"modules": ["net.fc1", "net.fc2"]})
     monitor = TrainerMonitor(cfg).attach(model, optimizer, grad_acc_steps=2)
     used = {}
+    counter = _TransferCounter().__enter__()
     for step in range(3):
         done = 0
         attempt = 0
@@ -186,6 +190,8 @@ def test_a_pass_that_raises_leaves_no_rows_and_no_micro_step(tmp_path, where):
         optimizer.zero_grad()
         monitor.step()
     monitor.close()
+    counter.__exit__(None, None, None)
+    assert counter.calls == ["cpu"] * 3
     actv, reduced = rows(tmp_path, "actv"), rows(tmp_path, "grad_reduced")
     for step in range(3):
         at = actv[(actv.step == step) & (actv.name == "net.fc1.output")]
