@@ -311,7 +311,7 @@ class StepLifecycle:
         self.registry.remove(_BACKWARD)
         self._pending = frame
         for _, tensor in named_tensors(output, ""):
-            if tensor.requires_grad:
+            if tensor.requires_grad and tensor.grad_fn is not None:  # a hook on a leaf would outlive the step
                 self.registry.add(_BACKWARD, tensor.register_hook(self._backward_begins))
 
     def _backward_begins(self, grad: Any) -> None:
