@@ -19,11 +19,20 @@ from trainmon.errors import UsageError
 _SUBCOMMANDS = ("trainmon.csv2tb", "trainmon.anomaly.analyse", "trainmon.probe.compare")
 
 
+_CONTROL = {code: f"\\x{code:02x}" for code in (*range(32), 127)}
+
+
+def one_line(text: str) -> str:
+    """``text`` with newlines and other control characters escaped (``\\x0a``): an error stays one
+    line, and a file or path name cannot send escape sequences to the terminal."""
+    return text.translate(_CONTROL)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (argparse prints the usage first; ``--help`` still shows it)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as exc:
-        print(f"trainmon {args.command}: error: {exc}", file=sys.stderr)
+        print(f"trainmon {args.command}: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

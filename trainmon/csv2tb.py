@@ -159,9 +159,10 @@ def _read_scalars(path: Path, family: str) -> Any:
             return
         scalars = family == "scalars"
         if scalars and header != ["step", "name", "value"]:
-            raise CsvFormatError(f"{path}:1: expected header step,name,value, got {','.join(header)}")
+            raise CsvFormatError(f"{path}:1: expected header step,name,value, got {','.join(header)[:80]!r}")
         if not scalars and tuple(header[:4]) != _FIXED:
-            raise CsvFormatError(f"{path}:1: expected header to start with {','.join(_FIXED)}, got {','.join(header)}")
+            raise CsvFormatError(f"{path}:1: expected header to start with {','.join(_FIXED)}, "
+                                 f"got {','.join(header)[:80]!r}")
         for line, row in enumerate(reader, 2):
             if len(row) != len(header):
                 raise CsvFormatError(f"{path}:{line}: expected {len(header)} fields, got {len(row)}")

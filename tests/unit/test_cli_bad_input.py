@@ -182,6 +182,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], set[int]]] = [
     ("csv2tb-rank-without-csv", lambda tmp: empty_rank(tmp, "csv2tb"), BAD),
     ("csv2tb-nul-in-path", lambda tmp: ["csv2tb", str(tmp) + "/a\0b"], BAD),
     ("csv2tb-name-too-long", lambda tmp: ["csv2tb", str(tmp / ("x" * 5000))], BAD),
+    ("csv2tb-newline-in-path", lambda tmp: ["csv2tb", str(tmp / "a\nb\x1b[2J")], BAD),
+    ("csv-header-with-newline", csv_file("grad_reduced.csv", '"a\nb",c\n1,2\n'), BAD),
     ("csv2tb-workers-0", csv2tb_args("--workers", "0"), BAD),
     ("csv2tb-workers-negative", csv2tb_args("--workers", "-3"), BAD),
     ("csv2tb-workers-text", csv2tb_args("--workers", "two"), BAD),
@@ -263,6 +265,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], set[int]]] = [
     ("jsonl-unknown-phase", jsonl(line(phase="sideways")), OK),
     ("jsonl-huge-digits", jsonl(line().replace('"step":3', '"step":' + "9" * 5000)), OK),
     ("jsonl-is-directory", analyse_dir_as_jsonl, EITHER),
+    ("jsonl-escape-sequences", jsonl(line(name="x\x1b[2J\ny", message="m\x1b]0;title\x07")), OK),
     ("jsonl-valid-with-huge-steps", jsonl(line() + line(step=5), "--steps", "4-99999999999999999"), OK),
     # ---- grad-compare: arguments and paths
     ("compare-no-output", lambda tmp: ["grad-compare", str(tmp), str(tmp)], BAD),
@@ -307,6 +310,9 @@ CASES: list[tuple[str, Callable[[Path], list[str]], set[int]]] = [
     ("bits-step-text", bits(crafted({"step": "0"})), BAD),
     ("bits-vpp-text", bits(crafted({"vpp_stage": "zero"})), BAD),
     ("bits-name-list", bits(crafted({"name": ["w"]})), BAD),
+    ("bits-name-escape-sequence", lambda tmp: [*compare_runs(tmp, crafted({"name": "w\x1b[2J"}))[:4],
+                                               str(tmp / "out"), "--no-plots"], BAD),
+    ("jsonl-field-escape-sequence", jsonl(line(step="\x1b[2J")), OK),
     ("bits-sample-unhashable", bits(crafted({"sample": {"a": [1, {"b": 2}]}})), BAD),
     ("bits-bits-truncated", bits(crafted(bits=b"\x00")), BAD),
     ("bits-bits-too-long", bits(crafted(bits=b"\x00" * 300)), BAD),
@@ -319,7 +325,9 @@ def _run_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tupl
         code = main(argv)
     except SystemExit as exc:  # argparse
         code = exc.code if isinstance(exc.code, int) else 1
-    return code, capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "\x1b" not in captured.out + captured.err, "escape sequences from the input reached the terminal"
+    return code, captured.err
 
 
 def _check(code: int, err: str, allowed: set[int]) -> None:

@@ -202,7 +202,7 @@ class _Merger:
     def bad(self, label: str, line: int, error: str) -> None:
         self.corrupt_total += 1
         if len(self.corrupt) < _MAX_CORRUPT_KEPT:
-            self.corrupt.append({"file": label, "line": line, "error": error[:200]})
+            self.corrupt.append({"file": label, "line": line, "error": _printable(error[:200])})
 
     def scan(self, path: Path, label: str) -> None:
         try:
@@ -348,11 +348,16 @@ def analyse_run(run_dir: str | Path, top: int = 20, steps: StepRanges | Iterable
     }
 
 
+def _printable(text: str) -> str:
+    """Control characters escaped: a crafted file cannot break the table or drive the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def format_table(events: list[dict[str, Any]]) -> str:
     """Plain-text table: rank, step, micro-step, phase, name, metric, value, detector."""
     header = ("rank", "step", "micro", "phase", "name", "metric", "value", "detector")
-    rows = [header] + [(str(e["rank"]), str(e["step"]), str(e["micro_step"]), e["phase"], e["name"], e["metric"],
-                        f"{decode_float(e['value']):.6g}", e["detector"]) for e in events]
+    rows = [header] + [(str(e["rank"]), str(e["step"]), str(e["micro_step"]), e["phase"], _printable(e["name"]),
+                        _printable(e["metric"]), f"{decode_float(e['value']):.6g}", e["detector"]) for e in events]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
@@ -423,7 +428,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"no anomalies{' in the selected steps' if args.steps is not None else ''}")
     else:
         first = result["first_origin"]
-        print(f"{result['events']} anomalies in {result['files']} files; first origin: {first['message']}")
+        print(f"{result['events']} anomalies in {result['files']} files; first origin: {_printable(first['message'])}")
         print(format_table(result["top"]))
     print(f"wrote {target}")
     return 0

@@ -25,6 +25,7 @@ from trainmon.inputs import find_runs, is_dir, rank_dirs_of, runs_hint
 from trainmon.probe.storage import PROBE_DIR, DirectionFile, DirectionFormatError, read_direction_header
 from trainmon.progress import progress
 
+_CONTROL = {code: f"\\x{code:02x}" for code in (*range(32), 127)}  # problems name user data: print it escaped
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
 SIMILARITY_COLUMNS = ("kind", "rank", "step", "vpp_stage", "name", "count", "similarity")
 """``kind`` is ``param``, or ``element_weighted`` / ``param_averaged`` for a step's summary rows."""
@@ -77,7 +78,7 @@ def _main(args: argparse.Namespace) -> int:
         where = "" if exc.filename in (None, str(out)) else f"{exc.filename}: "
         raise UsageError(f"cannot write to {out}: {where}{exc.strerror or exc}") from None
     for line in result.problems[:10]:
-        print(f"warning: {line}", file=sys.stderr)
+        print(f"warning: {line}".translate(_CONTROL), file=sys.stderr)
     if len(result.problems) > 10:
         print(f"warning: ... and {len(result.problems) - 10} more, see {out / 'problems.txt'}", file=sys.stderr)
     params = sum(1 for row in result.rows if row["kind"] == "param")
