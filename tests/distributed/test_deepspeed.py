@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO 1/2/3 with 2 ranks (gloo, CPU): shard statistics equal ZeRO-0's, rank attribution.
 
-One ``torchrun`` pair trains every case in turn (a fresh engine per case, one process group), so
-the whole file costs one launch. ZeRO-0 is checked against numpy float64 of the full tensors it
+Each case trains in 2 processes of its own (one process group per case, ``tests/launch.py``), on first
+use by a test, so a case that fails fails only the tests that read it. ZeRO-0 is checked against numpy float64 of the full tensors it
 saved, ZeRO 1/2/3 against ZeRO-0 (same seed and data, 1e-5 relative), and bf16 ZeRO 1/2/3 against
 bf16 ZeRO-0 at bf16 precision. The script counts the collectives trainmon issues and makes
 DeepSpeed's full-gather accessors raise for the whole run.
@@ -10,23 +10,20 @@ DeepSpeed's full-gather accessors raise for the whole run.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from tests.launch import ROOT, DeepSpeedCases
 from tests.reference import adam_update_np, np_stats, read_family
 from trainmon.anomaly.analyse import analyse_run
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "ds_train.py"
 METRICS = ["norm", "min", "max", "mean", "zeros", "nans", "infs"]
 FAMILIES = ["grad_reduced", "exp_avg", "exp_avg_sq", "update", "ratio", "param"]
@@ -55,22 +52,12 @@ CASES = [
 SHARDED = {case["name"] for case in CASES if case["stage"] > 0}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ds")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(SCRIPT), str(out), json.dumps(CASES)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return out
+def runs(tmp_path_factory) -> Iterator[DeepSpeedCases]:
+    """``runs[name]``: the case's output directory, trained (once, on 2 ranks of its own) on first use."""
+    cases = DeepSpeedCases(SCRIPT, CASES, tmp_path_factory.mktemp("ds"), world_size=2)
+    yield cases
+    cases.close()
 
 
 def _table(run: Path, family: str) -> pd.DataFrame:
@@ -88,7 +75,7 @@ def _assert_frames_close(got: pd.DataFrame, want: pd.DataFrame, label: str, rtol
 
 
 def test_zero0_matches_numpy(runs):
-    run = runs / "z0"
+    run = runs["z0"]
     ref = np.load(run / "ref_rank0.npz")
     for family in FAMILIES:
         table = read_family(run / "rank0", family)
@@ -111,31 +98,31 @@ def test_zero0_matches_numpy(runs):
 @pytest.mark.parametrize("run", ["z1", "z2", "z3"])
 def test_sharded_stages_equal_zero0(runs, run):
     for family in FAMILIES:
-        want = _table(runs / "z0", family)
-        _assert_frames_close(_table(runs / run, family), want, f"{run}/{family}")
+        want = _table(runs["z0"], family)
+        _assert_frames_close(_table(runs[run], family), want, f"{run}/{family}")
     # replicated statistics are written by data-parallel rank 0 only; rank-local ones by both
-    assert not (runs / run / "rank1" / "grad_reduced.csv").exists()
-    unreduced = [read_family(runs / run / f"rank{r}", "grad_unreduced") for r in (0, 1)]
+    assert not (runs[run] / "rank1" / "grad_reduced.csv").exists()
+    unreduced = [read_family(runs[run] / f"rank{r}", "grad_unreduced") for r in (0, 1)]
     assert not np.allclose(unreduced[0]["norm"], unreduced[1]["norm"])  # each rank its own gradient
 
 
-def test_subset_with_accumulation_equals_zero0(runs):
-    for run in ("z1_gas_subset", "z2_gas_subset", "z3_gas_subset"):
-        for family in FAMILIES:
-            got = _table(runs / run, family)
-            names = sorted({name for name, _ in got.index})
-            assert names and all(n.startswith("layers.") and ".fc" in n for n in names), names
-            want = _table(runs / "z0_gas", family)
-            # With accumulation ZeRO 2/3 sum micro-step gradients in another order than ZeRO-0 (reduce
-            # per micro-step); ratio = update / param amplifies that rounding near param == 0.
-            rtol = 1e-4 if family == "ratio" else 1e-5
-            _assert_frames_close(got, want.loc[got.index], f"{run}/{family}", rtol)
-        steps = pd.read_csv(runs / run / "rank0" / "scalars.csv")
-        assert steps.loc[steps["name"] == "global_steps", "value"].tolist() == [1.0, 2.0, 3.0]
+@pytest.mark.parametrize("run", ["z1_gas_subset", "z2_gas_subset", "z3_gas_subset"])
+def test_subset_with_accumulation_equals_zero0(runs, run):
+    for family in FAMILIES:
+        got = _table(runs[run], family)
+        names = sorted({name for name, _ in got.index})
+        assert names and all(n.startswith("layers.") and ".fc" in n for n in names), names
+        want = _table(runs["z0_gas"], family)
+        # With accumulation ZeRO 2/3 sum micro-step gradients in another order than ZeRO-0 (reduce
+        # per micro-step); ratio = update / param amplifies that rounding near param == 0.
+        rtol = 1e-4 if family == "ratio" else 1e-5
+        _assert_frames_close(got, want.loc[got.index], f"{run}/{family}", rtol)
+    steps = pd.read_csv(runs[run] / "rank0" / "scalars.csv")
+    assert steps.loc[steps["name"] == "global_steps", "value"].tolist() == [1.0, 2.0, 3.0]
 
 
 def test_nan_on_rank1_is_attributed_to_layer_and_rank(runs):
-    run = runs / "z3_nan"
+    run = runs["z3_nan"]
     rows = {r: read_family(run / f"rank{r}", "grad_unreduced") for r in (0, 1)}
     bad = rows[1][(rows[1]["nans"] > 0)]
     assert set(bad["name"]) == {NAN_PARAM} and set(bad["step"]) == {1}
@@ -144,26 +131,25 @@ def test_nan_on_rank1_is_attributed_to_layer_and_rank(runs):
     assert (first["rank"], first["family"], first["name"], first["step"]) == (1, "grad_unreduced", NAN_PARAM, 1)
 
 
-def test_ranks_without_rank0_write_combined_rows_on_lowest_selected_rank(runs):
-    for run, ref in (("z0_rank1", "z0"), ("z3_rank1", "z0")):
-        assert not (runs / run / "rank0").exists(), run  # rank 0 is not selected: no files
-        steps = [0, 1, 2] if run == "z0_rank1" else [0, 2]  # z3_rank1 collects every 2nd step
-        for family in FAMILIES:
-            got = read_family(runs / run / "rank1", family).set_index(["name", "step"]).sort_index()
-            assert sorted(got.index.get_level_values("step").unique()) == steps, (run, family)
-            _assert_frames_close(got, _table(runs / ref, family).loc[got.index], f"{run}/{family}")
+@pytest.mark.parametrize("run,steps", [("z0_rank1", [0, 1, 2]), ("z3_rank1", [0, 2])])  # z3_rank1: every 2nd step
+def test_ranks_without_rank0_write_combined_rows_on_lowest_selected_rank(runs, run, steps):
+    assert not (runs[run] / "rank0").exists()  # rank 0 is not selected: no files
+    for family in FAMILIES:
+        got = read_family(runs[run] / "rank1", family).set_index(["name", "step"]).sort_index()
+        assert sorted(got.index.get_level_values("step").unique()) == steps, family
+        _assert_frames_close(got, _table(runs["z0"], family).loc[got.index], f"{run}/{family}")
 
 
-def test_one_collective_per_collected_step_and_no_full_gather(runs):
+@pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
+def test_one_collective_per_collected_step_and_no_full_gather(runs, case):
     """Per step, [collectives trainmon caused anywhere, collectives inside monitor.step()]:
     exactly one (the all-gather of the partials) per collected sharded step, none otherwise.
     The script made DeepSpeed's safe_get_full_* raise, so no case used a full gather."""
-    for case in CASES:
-        for rank in (0, 1):
-            counts = json.loads((runs / case["name"] / f"extra_rank{rank}.json").read_text())["collectives"]
-            collected = [step % case.get("interval", 1) == 0 for step in range(3)]
-            want = [[1, 1] if c and case["name"] in SHARDED else [0, 0] for c in collected]
-            assert counts == want, (case["name"], rank)
+    collected = [step % case.get("interval", 1) == 0 for step in range(3)]
+    want = [[1, 1] if c and case["name"] in SHARDED else [0, 0] for c in collected]
+    for rank in (0, 1):
+        counts = json.loads((runs[case["name"]] / f"extra_rank{rank}.json").read_text())["collectives"]
+        assert counts == want, rank
 
 
 BF16_RTOL = 2e-2  # bf16 keeps 8 mantissa bits (2**-8 = 3.9e-3 per rounding), a few roundings per value
@@ -194,10 +180,10 @@ def test_bf16_sharded_stages_match_zero0_bf16(runs, run, ref):
     changes the applied updates), so they are compared stage against stage below; ``ratio`` divides
     by the already-diverged master weights and is compared stage against stage only."""
     for family in ("grad_reduced", "param", "exp_avg", "exp_avg_sq", "update"):
-        got, want = (_table(runs / r, family).xs(0, level="step", drop_level=False) for r in (run, ref))
+        got, want = (_table(runs[r], family).xs(0, level="step", drop_level=False) for r in (run, ref))
         _bf16_frames_close(got, want, f"{run}/{family}", FIRST_UPDATE_FACTOR if family == "update" else 1.0)
     for family in FAMILIES:  # later steps: well-formed rows for every parameter
-        table = _table(runs / run, family)
+        table = _table(runs[run], family)
         assert sorted(table.index.get_level_values("step").unique()) == [0, 1, 2], (run, family)
         assert (table[["nans", "infs"]] == 0).all().all() and np.isfinite(table["norm"]).all(), (run, family)
 
@@ -205,4 +191,4 @@ def test_bf16_sharded_stages_match_zero0_bf16(runs, run, ref):
 def test_bf16_stage1_equals_stage2(runs):
     """ZeRO 1 and 2 run the same bf16 arithmetic on the same shards: equal at every step, every family."""
     for family in FAMILIES:
-        _assert_frames_close(_table(runs / "z2_bf16", family), _table(runs / "z1_bf16", family), f"z2 vs z1/{family}")
+        _assert_frames_close(_table(runs["z2_bf16"], family), _table(runs["z1_bf16"], family), f"z2 vs z1/{family}")

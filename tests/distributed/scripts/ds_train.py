@@ -1,9 +1,11 @@
-"""Train TinyNet with DeepSpeed under several configs in ONE process group, monitored by trainmon.
+"""Train TinyNet with DeepSpeed under ONE config, monitored by trainmon.
 
-Run by tests/distributed/test_deepspeed.py as ``torchrun --nproc_per_node 2 ds_train.py OUT CASES``
-where CASES is a JSON list of ``{"name", "stage", "dtype" (fp32, bf16, fp16), "gas", "params",
-"nan_step", "nan_param", "activations", "ref", "ranks", "interval", "scale_power"}``.
-Each case writes ``OUT/<name>/rank{R}/...``; ZeRO-0 fp32 cases also save numpy references of the
+Run by tests/launch.py (``DeepSpeedCases``) as ``python ds_train.py OUT CASE`` on 1 or 2 local ranks
+(``RANK``, ``WORLD_SIZE``, ``MASTER_PORT`` ... from the launcher; without them a world of one), one
+process group per case, so a case that fails takes no other case with it. CASE is a JSON object
+``{"name", "stage", "dtype" (fp32, bf16, fp16), "gas", "params", "nan_step", "nan_param", "activations",
+"ref", "ranks", "interval", "scale_power"}``.
+The case writes ``OUT/<name>/rank{R}/...``; ZeRO-0 fp32 cases also save numpy references of the
 full reduced gradients and optimizer states (``OUT/<name>/ref_rank{R}.npz``). Every case also
 writes ``OUT/<name>/extra_rank{R}.json``: the micro-step losses, and per step the collectives
 trainmon issued (counted by wrapping ``torch.distributed``'s collectives for the whole run).
@@ -13,13 +15,19 @@ must never call them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import socket
 import sys
+from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
-    os.environ.setdefault(key, value)
+if "RANK" not in os.environ:  # no launcher: a world of one on a free port (else DeepSpeed looks for MPI)
+    with socket.socket() as _sock:
+        _sock.bind(("127.0.0.1", 0))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_sock.getsockname()[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -27,6 +35,7 @@ import deepspeed  # noqa: E402
 
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skip the slow JIT build (ENV.md)
 
+import trainmon  # noqa: E402
 from tests.models import TinyNet, batch, loss_fn  # noqa: E402
 from trainmon import TrainerMonitor  # noqa: E402
 
@@ -37,8 +46,22 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
                "all_to_all", "all_to_all_single", "all_reduce_coalesced", "barrier", "send", "recv", "isend",
                "irecv", "_all_gather_base", "_reduce_scatter_base")
 FULL_GATHERS = ("safe_get_full_grad", "safe_get_full_optimizer_state", "safe_get_full_fp32_param")
-_TRAINMON = os.sep + "trainmon" + os.sep
-_ENGINE_WRAPPER = os.path.join("trainmon", "integrations", "deepspeed.py")
+# The installed package's own directory, never a "/trainmon/" substring: a clone in a folder named
+# trainmon (what `git clone` makes) has that substring in this script's path and in the venv's.
+_PACKAGE_DIR = Path(trainmon.__file__).resolve().parent
+_ENGINE_WRAPPER = _PACKAGE_DIR / "steps.py"  # StepWrapper.install().step
+
+
+@functools.lru_cache(maxsize=None)
+def _in_package(filename: str) -> bool:
+    return Path(filename).resolve().is_relative_to(_PACKAGE_DIR)
+
+
+def _is_trainmon_frame(code) -> bool:
+    """A frame of trainmon's code, other than the engine-step wrapper (which only calls DeepSpeed's step)."""
+    if not _in_package(code.co_filename):
+        return False
+    return not (code.co_name == "step" and Path(code.co_filename).resolve() == _ENGINE_WRAPPER)
 
 
 class CollectiveCounter:
@@ -63,8 +86,7 @@ class CollectiveCounter:
             self.in_monitor_step += self.inside_step
             frame = sys._getframe(1)
             while frame is not None:
-                path = frame.f_code.co_filename
-                if _TRAINMON in path and not (path.endswith(_ENGINE_WRAPPER) and frame.f_code.co_name == "step"):
+                if _is_trainmon_frame(frame.f_code):
                     self.by_trainmon += 1
                     break
                 frame = frame.f_back
@@ -163,13 +185,12 @@ def run_case(out: str, case: dict, counter: CollectiveCounter) -> None:
 
 
 def main() -> None:
-    out, cases = sys.argv[1], json.loads(sys.argv[2])
+    out, case = sys.argv[1], json.loads(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
     _forbid_full_gathers()
     counter = CollectiveCounter()
     try:
-        for case in cases:
-            run_case(out, case, counter)
+        run_case(out, case, counter)
     finally:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
