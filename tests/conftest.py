@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 import weakref
-from pathlib import Path
 
 import pytest
 
