@@ -52,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        for name, value in vars(args).items():  # only a caller in Python can pass one; no OS call takes it
+            if isinstance(value, str) and "\0" in value:
+                raise UsageError(f"{name}: a path cannot contain a NUL character")
         return int(args.func(args) or 0)
     except UsageError as exc:
         print(f"trainmon {args.command}: error: {one_line(str(exc))}", file=sys.stderr)

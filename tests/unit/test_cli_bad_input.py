@@ -192,6 +192,8 @@ CASES: list[tuple[str, Callable[[Path], list[str]], set[int]]] = [
     ("csv2tb-output-under-file", lambda tmp: ["csv2tb", str(csv_run(tmp)), "-o", str(afile(tmp) / "tb")], BAD),
     ("csv2tb-output-is-file", lambda tmp: ["csv2tb", str(csv_run(tmp)), "-o", str(afile(tmp))], BAD),
     ("csv2tb-output-unwritable", csv2tb_args("-o", UNWRITABLE), BAD),
+    ("csv2tb-output-nul", csv2tb_args("-o", "out\0put"), BAD),
+    ("analyse-output-nul", analyse_args("-o", "out\0put"), BAD),
     ("csv2tb-parent-of-runs", lambda tmp: parent_of_runs(tmp, "csv2tb"), OK),
     ("csv2tb-parent-of-empty-runs", lambda tmp: (empty_rank(tmp / "p", "csv2tb"), ["csv2tb", str(tmp / "p")])[1],
      BAD),
