@@ -68,6 +68,8 @@ BAD = [
     ({"anomaly": {"detectors": [{"type": "loss_spike", "level_window": 10**9}]}},
      "anomaly.detectors[0].level_window"),
     ({"anomaly": {"detectors": [{"type": "spike", "series": ["re:("]}]}}, "anomaly.detectors[0].series"),
+    ({"anomaly": {"detectors": [{"type": {"spike": 1}}]}}, "anomaly.detectors[0].type"),
+    ({"anomaly": {"detectors": [{"type": ["spike"]}]}}, "anomaly.detectors[0].type"),
 ]
 
 
@@ -257,3 +259,28 @@ def test_msprobe_config_undecodable_or_repeated_key(tmp_path):
     with pytest.raises(ConfigError, match="repeated") as info:
         translate_msprobe(path)
     assert info.value.key == "wg_distribution"
+
+
+def _nested(levels: int, mapping: bool) -> object:
+    root: object = {} if mapping else []
+    node = root
+    for _ in range(levels):
+        child: object = {} if mapping else []
+        if mapping:
+            node["a"] = child  # type: ignore[index]
+        else:
+            node.append(child)  # type: ignore[union-attr]
+        node = child
+    return root
+
+
+@pytest.mark.parametrize("config", [
+    {"anomaly": {"detectors": [_nested(100_000, False)]}},
+    {"anomaly": {"detectors": [{"type": _nested(100_000, True)}]}},
+    {"anomaly": {"detectors": [{"type": "spike", "series": _nested(100_000, False)}]}},
+    {"sinks": _nested(100_000, False)},
+    {"run_name": _nested(100_000, True)},
+])
+def test_deeply_nested_dict_values_are_a_config_error(config):
+    with pytest.raises(ConfigError):
+        load_config(config)

@@ -43,10 +43,11 @@ def build_detectors(specs: Sequence[Mapping[str, Any]], path: str = "anomaly.det
     for i, spec in enumerate(specs):
         item = f"{path}[{i}]"
         if not isinstance(spec, Mapping):
-            raise ConfigError(item, f"must be a mapping like {{type: nonfinite}}, got {spec!r}")
+            raise ConfigError(item, f"must be a mapping like {{type: nonfinite}}, got {type(spec).__name__}")
         kind = spec.get("type")
-        if kind not in DETECTORS:
-            raise ConfigError(f"{item}.type", f"unknown detector {kind!r}; allowed: {sorted(DETECTORS)}")
+        if not isinstance(kind, str) or kind not in DETECTORS:
+            shown = repr(kind)[:40] if isinstance(kind, (str, type(None))) else type(kind).__name__
+            raise ConfigError(f"{item}.type", f"unknown detector {shown}; allowed: {sorted(DETECTORS)}")
         cls = DETECTORS[kind]
         config = parse_spec(cls, spec, item)
         detectors.append(cls(config, item))
