@@ -233,6 +233,38 @@ class StepLifecycle:
             else:  # MindSpore cells: every forward is a training micro-step
                 self.registry.add(_ROOTS, root.register_forward_pre_hook(self._forward_pre_plain))
 
+    # ------------------------------------------------------------------ driven by a trainer's callbacks
+    def drive_by_callbacks(self) -> None:
+        """A trainer (Lightning) tells where micro-steps begin and end: root forwards no longer count.
+
+        Lightning calls ``training_step``/``validation_step``, not the module's ``forward``, so the
+        root's forward hooks may never fire; its callback calls :meth:`micro_step_begins`,
+        :meth:`micro_step_ends`, :meth:`backward_ended`, :meth:`suspend` and :meth:`resume`.
+        """
+        self.registry.remove(_ROOTS)
+        if self.optimizer is not None:
+            self.hook_optimizer(self.optimizer)
+
+    def micro_step_begins(self) -> None:
+        """A training micro-step (one batch, forward and backward) begins."""
+        self._forward_pre_plain(self, None)
+
+    def micro_step_ends(self) -> None:
+        """Nothing to settle yet: kept so that a trainer's callback reads as begin/end pairs."""
+
+    def suspend(self) -> None:
+        """An evaluation loop begins: nothing is recorded until :meth:`resume`."""
+        self._suspended.append(self.ctx.collecting)
+        self.ctx.collecting = False
+
+    def resume(self) -> None:
+        if self._suspended:
+            self.ctx.collecting = self._suspended.pop()
+
+    def backward_ended(self) -> None:
+        """A backward pass ended and the gradients are final (the trainer says so, e.g. ``on_after_backward``)."""
+        self._backward_ends()
+
     def hook_optimizer(self, optimizer: Any) -> None:
         self.optimizer = optimizer
         if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
