@@ -1,6 +1,6 @@
 """Hugging Face ``transformers.Trainer``: ``Trainer(..., callbacks=[TrainmonCallback("monitor.yaml")])``.
 
-What the callback does (see docs/trainers.md):
+What the callback does (see docs/hf.md):
 
 - ``on_train_begin``: attaches a :class:`~trainmon.TrainerMonitor` to the Trainer's model and
   optimizer. accelerate's ``AcceleratedOptimizer`` is unwrapped (its ``GradScaler`` found), and

@@ -1,6 +1,6 @@
 """Lightning: ``L.Trainer(callbacks=[TrainmonCallback("monitor.yaml")])``.
 
-What the callback does (see docs/trainers.md):
+What the callback does (see docs/lightning.md):
 
 - ``on_train_start``: attaches a :class:`~trainmon.TrainerMonitor` to the LightningModule and its
   (first) optimizer, with ``grad_acc_steps = trainer.accumulate_grad_batches`` and the precision
