@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
-# Creates .venv with torch 2.13.0 (CPU build) and trainmon with its test extras. Idempotent.
+# Creates a virtual environment with torch 2.13.0 (CPU build) and trainmon installed. Idempotent.
+#   bash scripts/setup.sh        .venv: the test extras (DeepSpeed, Megatron-Core, MindSpore), numpy<2
+#   bash scripts/setup.sh np2    .venv-np2: what the framework-free and plain-torch tests need, with
+#                                numpy 2 and pandas 3 as users get them (no DeepSpeed, Megatron, MindSpore)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+case "${1:-main}" in
+  main) VENV=.venv CONSTRAINTS=constraints.txt PACKAGES=(-e ".[test]") ;;
+  np2) VENV=.venv-np2 CONSTRAINTS=constraints-np2.txt
+       PACKAGES=(-e ".[fast-tensorboard,plots]" pytest hypothesis tensorboard) ;;
+  *) echo "usage: bash scripts/setup.sh [main|np2]" >&2; exit 2 ;;
+esac
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
 fi
-if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
-  .venv/bin/pip install -q torch==2.13.0
+[ -e "$VENV/.gitignore" ] || echo '*' > "$VENV/.gitignore"   # the venv ignores itself (git status stays clean)
+# torch first, alone: pinned, it is the CPU build from the local wheel folder in seconds. Any later
+# install that resolved torch unpinned would pull the newest torch with gigabytes of CUDA packages.
+if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  "$VENV/bin/pip" install -q torch==2.13.0
 fi
-# constraints.txt pins torch (so no extra resolves a newer CUDA build) and numpy<2 (MindSpore).
-.venv/bin/pip install -q -c constraints.txt -e ".[test]"
+# The constraints file keeps torch at 2.13.0 for every package that asks for torch; constraints.txt adds
+# numpy<2 (MindSpore), constraints-np2.txt numpy>=2 and pandas>=3.
+"$VENV/bin/pip" install -q -c "$CONSTRAINTS" "${PACKAGES[@]}"

@@ -1,7 +1,33 @@
 #!/usr/bin/env bash
-# The test command: set up (idempotent), then run the whole suite, slow multi-process tests included.
+# The test command: set up (idempotent), then run the test suite in two environments.
+#   1. .venv      everything (DeepSpeed, Megatron-Core, MindSpore; numpy<2 for MindSpore), slow
+#                 multi-process tests included;
+#   2. .venv-np2  the same tests with numpy 2 and pandas 3 and no training framework but torch: the
+#                 framework-free and plain-torch tests run, the DeepSpeed/Megatron/MindSpore ones skip.
+# Arguments go to pytest in both (e.g. a test file). The exit code is 0 only when both runs pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DS_ACCELERATOR=cpu
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+
+lane() {  # lane NAME VENV: run pytest in VENV; prints its closing line and time; returns pytest's code
+  local name=$1 venv=$2 start=$SECONDS code=0
+  shift 2
+  echo "=== tests: $name ($("$venv/bin/python" -c 'import numpy, pandas; print(f"numpy {numpy.__version__}, pandas {pandas.__version__}")')) ==="
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@" || code=$?
+  echo "=== tests: $name: exit $code in $((SECONDS - start)) s ==="
+  return $code
+}
+
+main_code=0 np2_code=0
+bash scripts/setup.sh main
+lane main .venv "$@" || main_code=$?
+start=$SECONDS
+if bash scripts/setup.sh np2; then
+  echo "=== .venv-np2 set up in $((SECONDS - start)) s ==="
+  lane np2 .venv-np2 "$@" || np2_code=$?
+else
+  np2_code=$?
+  echo "=== .venv-np2 set-up failed (exit $np2_code) ==="
+fi
+echo "=== test.sh: main exit $main_code, np2 exit $np2_code ==="
+exit $((main_code != 0 ? main_code : np2_code))
