@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 
 def framework_of(model: Any) -> str:
-    """Which integration handles ``model``: torch, deepspeed, megatron or mindspore.
+    """Which integration handles ``model``: torch, fsdp, deepspeed, megatron or mindspore.
 
     Detection looks at the type's module, so no framework is imported to decide.
     """
@@ -16,12 +17,18 @@ def framework_of(model: Any) -> str:
     for framework in ("deepspeed", "megatron", "mindspore"):
         if any(m.split(".")[0] == framework for m in modules):
             return framework
+    if "torch.distributed.fsdp" in sys.modules:  # an FSDP module can exist only once torch imported it
+        from trainmon.integrations.fsdp import contains_fsdp
+
+        if contains_fsdp(first):
+            return "fsdp"
     return "torch"
 
 
 def load(framework: str) -> Any:
     """The integration module for ``framework`` (imported lazily)."""
-    name = {"torch": "torch", "deepspeed": "deepspeed", "megatron": "megatron", "mindspore": "mindspore"}[framework]
+    name = {"torch": "torch", "fsdp": "fsdp", "deepspeed": "deepspeed", "megatron": "megatron",
+            "mindspore": "mindspore"}[framework]
     try:
         return importlib.import_module(f"trainmon.integrations.{name}")
     except ImportError as exc:

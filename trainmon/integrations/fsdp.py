@@ -1,0 +1,446 @@
+"""FSDP2: ``monitor.attach(model, optimizer)`` for a model sharded with ``torch.distributed.fsdp.fully_shard``.
+
+What is measured where (see ``docs/fsdp.md``):
+
+- ``actv`` / ``actv_grad``: module hooks, as for plain torch (FSDP2 keeps the user's module names).
+- ``grad_unreduced``: this rank's own full gradient, before FSDP reduce-scatters it. FSDP2 runs
+  the post-accumulate-grad hooks of the *sharded* parameters only after its reduce-scatter (on
+  the reduced shard), so those are not used: a forward pre-hook of each FSDP module finds the
+  unsharded parameters FSDP has just swapped into the modules, and a post-accumulate-grad hook
+  on them reads the local gradient before FSDP's post-backward reduces and frees it.
+- ``grad_reduced``, ``param``, optimizer states (Adam ``exp_avg``/``exp_avg_sq``, ``update``,
+  ``ratio``; SGD ``momentum``): measured on this rank's local shard (``DTensor.to_local()``; no
+  gather, no redistribution) in the optimizer's step hooks; scalar ``grad_norm`` from the local
+  shards' norms at the end of the backward pass (pre-clip). The partial statistics of all of
+  them go through ONE ``all_gather`` of an ``[N, 8]`` tensor per collected step over the shard
+  mesh dimension, are combined on the device (:func:`combine_partials_torch`), and so equal the
+  full tensors' statistics on every rank. They are written by the lowest rank of the shard group
+  that ``ranks`` selects. HSDP (a 2-D replicate x shard mesh): combined over the shard dimension
+  only, i.e. once per replica (replicas hold identical values after FSDP's all-reduce).
+
+Layouts other than ``Shard(d)`` on one mesh dimension (FSDP) or ``(Replicate(), Shard(d))``
+(HSDP) — tensor parallelism, ``_StridedShard``, ``Partial``, parameters FSDP does not manage —
+and FSDP1 (``FullyShardedDataParallel``) are refused at ``attach`` with :class:`FSDPLayoutError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainmon.collect.activations import ActivationCollector
+from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.optimizer import (TorchOptimizerCollector, adam_partials_cpu, adam_update, global_grad_norm,
+                                        update_ratio)
+from trainmon.collect.stats import combine_partials_torch, empty_partial
+from trainmon.integrations.base import AttachOptions, Attachment, dist_layout, select_modules, select_params
+from trainmon.integrations.deepspeed import _is_lowest_selected
+from trainmon.integrations.torch import _outside_compiled, compiled_regions, plain_name, unwrap_model
+from trainmon.steps import scale_of, unwrap_optimizer
+
+if TYPE_CHECKING:
+    from trainmon.collect.context import Collector, StepContext
+    from trainmon.config import MonitorConfig
+
+logger = logging.getLogger("trainmon")
+
+_UNSHARDED = "fsdp_unsharded_grads"
+_STEP = "fsdp_optimizer_step"
+
+
+class FSDPLayoutError(ValueError):
+    """The model's sharding is not one trainmon can measure exactly (raised at ``attach``)."""
+
+
+def contains_fsdp(model: Any) -> bool:
+    """Whether ``model`` is, or contains, an FSDP2 module (``fully_shard``) or an FSDP1 wrapper.
+
+    Imports nothing: when ``torch.distributed.fsdp`` was never imported, no FSDP module exists.
+    """
+    import sys
+
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None or not isinstance(model, torch.nn.Module):
+        return False
+    kinds = tuple(k for k in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)) if k)
+    return any(isinstance(module, kinds) for module in model.modules())
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """The process group the parameters are sharded over (the shard mesh dimension).
+
+    Attributes:
+        group: the shard dimension's process group.
+        size: its size; 1 means every rank holds whole tensors (an HSDP mesh ``N x 1``).
+        description: the layout in words, for messages.
+    """
+
+    group: Any
+    size: int
+    description: str
+
+
+def shard_group_of(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> ShardGroup:
+    """Check every parameter's layout and return the one shard group they share.
+
+    Supported: a DTensor on a 1-D mesh with ``Shard(d)`` (FSDP), or on a 2-D mesh with
+    ``(Replicate(), Shard(d))`` (HSDP: replicate dimension first, as FSDP2 builds it).
+
+    Raises:
+        FSDPLayoutError: a parameter is not a DTensor (FSDP does not manage it), or has another
+            layout (tensor parallelism, ``_StridedShard``, ``Partial``, ...), or the parameters
+            are sharded over different process groups.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    found: dict[tuple[int, ...], tuple[str, Any, str]] = {}
+    for name, param in named_params:
+        if not isinstance(param, DTensor):
+            raise FSDPLayoutError(
+                f"parameter {name!r} is a plain tensor in a model sharded with fully_shard: FSDP does not "
+                "manage it (outside every fully_shard module, or in ignored_params), so its gradient is "
+                "this rank's own and cannot be combined with the shards of the others. Call fully_shard on "
+                "the root module too (it manages every remaining parameter); see docs/fsdp.md")
+        mesh, placements = param.device_mesh, tuple(param.placements)
+        kinds = [type(p) for p in placements]
+        if mesh.ndim == 1 and kinds == [Shard]:
+            dim, layout = 0, f"FSDP, Shard({placements[0].dim})"
+        elif mesh.ndim == 2 and kinds == [Replicate, Shard]:
+            dim, layout = 1, f"HSDP, (Replicate(), Shard({placements[1].dim}))"
+        else:
+            names = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
+            raise FSDPLayoutError(
+                f"parameter {name!r} has placements {placements} on a {mesh.ndim}-D device mesh{names} of shape "
+                f"{tuple(mesh.shape)}: trainmon measures FSDP2 parameters sharded on one mesh dimension "
+                "(Shard(d)) or HSDP parameters (Replicate(), Shard(d)); tensor parallelism (a tensor-parallel "
+                "mesh dimension), _StridedShard and Partial placements are not supported. Monitor this model "
+                "without weight_grads, optimizer_states and params (activations only), or see docs/fsdp.md")
+        group = mesh.get_group(dim)
+        key = tuple(dist.get_process_group_ranks(group))
+        found.setdefault(key, (name, group, layout))
+    if not found:
+        return ShardGroup(None, 1, "no parameters")
+    if len(found) > 1:
+        shown = "; ".join(f"{name!r} over ranks {list(ranks)}" for ranks, (name, _, _) in list(found.items())[:3])
+        raise FSDPLayoutError(f"the parameters are sharded over different process groups ({shown}): trainmon "
+                              "combines the shards of a step with one collective over one shard group")
+    ranks, (_, group, layout) = next(iter(found.items()))
+    return ShardGroup(group, len(ranks), f"{layout} over ranks {list(ranks)}")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view, no communication); a plain tensor as it is."""
+    to_local = getattr(tensor, "to_local", None)
+    return (to_local() if to_local is not None else tensor).detach()
+
+
+class FSDPOptimizerCollector(TorchOptimizerCollector):
+    """The torch optimizer collector on FSDP2's DTensor shards, combined with one collective per step.
+
+    Rows of the optimizer phase and the local part of ``grad_norm`` are kept pending (device
+    tensors, no sync) and combined in :meth:`before_transfer` by ONE ``all_gather`` over the shard
+    group; every rank appends the same rows in the same order (which rows exist depends only on
+    what every rank has: a gradient, an optimizer state), an empty shard giving an empty partial.
+
+    Args:
+        ctx: the monitor's step context.
+        params: ``(name, sharded parameter, vpp_stage)`` of the target parameters.
+        optimizer: the optimizer (stepping the sharded parameters), or None.
+        config: the monitor config.
+        registry: where the hook handles live.
+        shards: the shard group (from :func:`shard_group_of`).
+        unsharded_owners: ``(FSDP module, [(name, owner module, attribute, vpp_stage)])``: where
+            each target parameter's unsharded version appears during that FSDP module's forward.
+        writes_rows: whether this rank writes the combined rows (lowest selected rank of the group).
+    """
+
+    def __init__(self, ctx: StepContext, params: Sequence[tuple[str, torch.nn.Parameter, int]],
+                 optimizer: torch.optim.Optimizer | None, config: MonitorConfig, registry: HookRegistry,
+                 shards: ShardGroup, unsharded_owners: list[tuple[torch.nn.Module, list[tuple[str, Any, str, int]]]],
+                 writes_rows: bool) -> None:
+        super().__init__(ctx, params, optimizer, config, registry)
+        self.shards = shards
+        self.unsharded_owners = unsharded_owners
+        self.writes_rows = writes_rows
+        self.collective = shards.size > 1
+        self._device = _collective_device(shards) if self.collective else None
+        self._pending: list[tuple[str, str, int, torch.Tensor]] = []
+        self._hooked: dict[int, weakref.ref] = {}
+        self._warned: set[tuple[str, str]] = set()
+
+    # ------------------------------------------------------------------------- hooks
+    def arm(self) -> None:
+        if self.registry.count(_UNSHARDED) or self.registry.count(_STEP):
+            return
+        if "grad_unreduced" in self.ctx.specs:
+            for module, entries in self.unsharded_owners:
+                self.registry.add(_UNSHARDED, module.register_forward_pre_hook(self._find_unsharded(entries)))
+        if self.optimizer is not None:
+            self.registry.add(_STEP, self.optimizer.register_step_pre_hook(self._pre_step))
+            if self._states:
+                self.registry.add(_STEP, self.optimizer.register_step_post_hook(self._post_step))
+
+    def disarm(self) -> None:
+        self.registry.remove(_UNSHARDED)
+        self.registry.remove(_STEP)
+        self._hooked.clear()
+        self._pending.clear()
+        self._norm, self._norm_final = None, False
+
+    def _find_unsharded(self, entries: list[tuple[str, Any, str, int]]):  # noqa: ANN202 - hook closure
+        """Forward pre-hook of an FSDP module, run after FSDP's own (which is prepended and unshards):
+        hook the unsharded parameters now set on the modules, once each while armed."""
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if not (self.ctx.collecting and torch.is_grad_enabled()):
+                return
+            for name, owner, attribute, vpp_stage in entries:
+                param = getattr(owner, attribute, None)
+                if param is None or hasattr(param, "to_local") or not param.requires_grad:
+                    continue  # still sharded (not unsharded by FSDP yet), or frozen
+                seen = self._hooked.get(id(param))
+                if seen is not None and seen() is param:
+                    continue
+                self._hooked[id(param)] = weakref.ref(param)
+                handle = param.register_post_accumulate_grad_hook(self._grad_hook(name, vpp_stage))
+                self.registry.add(_UNSHARDED, handle)
+
+        return hook
+
+    def _backward_ended(self) -> None:
+        """End of a backward pass (after FSDP's reduce-scatter): the norm of this rank's gradient shards."""
+        ctx = self.ctx
+        if self._norm_final or ctx.micro_step < ctx.grad_acc_steps - 1 or self.optimizer is None:
+            return
+        self._norm = self._local_norm()
+
+    def _local_norm(self) -> torch.Tensor | None:
+        assert self.optimizer is not None
+        grads = [_local(p.grad) for group in self.optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
+        if not grads:
+            return None
+        norm = global_grad_norm(grads)
+        scale = scale_of(self.ctx.scaler)
+        return norm if scale is None else norm / scale.to(norm.device, torch.float32)
+
+    def _measure_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``grad_reduced`` and ``param`` shards of what the optimizer steps with; ``lr``."""
+        ctx = self.ctx
+        if not ctx.collecting:
+            return
+        for name, param, vpp_stage in self.params:
+            if param.grad is not None:
+                self._shard("grad_reduced", name, vpp_stage, param.grad)
+            self._shard("param", name, vpp_stage, param)
+        if self._norm is None:  # no backward pass was seen (gradients set by hand): the norm as it stands
+            self._norm = self._local_norm()
+        self._norm_final = True
+        for i, group in enumerate(optimizer.param_groups):
+            ctx.buffer.add_scalar(f"lr/group{i}", group["lr"])
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        ctx = self.ctx
+        if not ctx.collecting:
+            return
+        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        adam = "update" in self._states or "ratio" in self._states
+        for name, param, vpp_stage in self.params:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            for family in ("exp_avg", "exp_avg_sq"):
+                if family in self._states and family in state:
+                    self._shard(family, name, vpp_stage, state[family])
+            if "momentum" in self._states and state.get("momentum_buffer") is not None:
+                self._shard("momentum", name, vpp_stage, state["momentum_buffer"])
+            if adam and "exp_avg" in state and "exp_avg_sq" in state:
+                self._adam_rows(name, vpp_stage, state, group_of[id(param)], _local(param))
+
+    def _adam_rows(self, name: str, vpp_stage: int, state: dict[str, Any], group: dict[str, Any],
+                   param: torch.Tensor) -> None:
+        """``update`` and ``ratio`` of the local shard (the same elementwise arithmetic as on whole tensors)."""
+        local = {key: _local(value) if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+        families = [f for f in ("update", "ratio") if f in self._states]
+        if param.numel() == 0:
+            for family in families:
+                self._pending.append((family, name, vpp_stage, empty_partial(param.device)))
+            return
+        fused = adam_partials_cpu(local, group, param, self.ctx.specs.get("update"), self.ctx.specs.get("ratio"))
+        if fused is not None:
+            for family, partial in zip(("update", "ratio"), fused):
+                if family in families:
+                    self._pending.append((family, name, vpp_stage, partial))
+            return
+        update = adam_update(local, group)
+        if update is None:  # the same on every rank (same state keys): rows stay aligned
+            return
+        if "update" in families:
+            self._shard("update", name, vpp_stage, update)
+        if "ratio" in families:
+            self._shard("ratio", name, vpp_stage, update_ratio(update, param))
+
+    def _shard(self, family: str, name: str, vpp_stage: int, tensor: torch.Tensor) -> None:
+        """Partial statistics of this rank's shard of ``tensor``, kept for the step's collective.
+
+        A shard that cannot be measured still adds an (empty) partial, so every rank keeps the
+        same rows; it is warned about once.
+        """
+        spec = self.ctx.specs.get(family)
+        if spec is None:
+            return
+        local = _local(tensor)
+        try:
+            partial = self.ctx.stats_fn(local, spec)
+        except Exception as exc:  # noqa: BLE001 - a tensor we cannot measure must not break the user's step
+            if (family, name) not in self._warned:
+                self._warned.add((family, name))
+                logger.warning("trainmon: cannot measure %s/%s (%s: %s); that row is empty",
+                               family, name, type(exc).__name__, exc)
+            partial = empty_partial(local.device)
+        self._pending.append((family, name, vpp_stage, partial))
+
+    # ------------------------------------------------------------------------- step end
+    def before_transfer(self) -> None:
+        pending, self._pending = self._pending, []
+        norm, self._norm, self._norm_final = self._norm, None, False
+        if not self.ctx.collecting or (not pending and norm is None):
+            return
+        rows = [partial for *_, partial in pending]
+        if norm is not None:  # the local norm as a row: combining takes sqrt(sum of squares) over shards
+            device = rows[0].device if rows else norm.device
+            norm_row = empty_partial(device)
+            norm_row[0] = norm.to(device)
+            norm_row[7] = 1.0
+            rows.append(norm_row)
+        device = self._device or rows[0].device
+        partials = torch.stack([row.to(device) for row in rows])
+        if self.collective:
+            partials = self._all_gather(partials)
+        if norm is not None:
+            self.ctx.buffer.add_scalar("grad_norm", partials[-1, 0])  # the same on every rank: each writes it
+        if self.writes_rows:  # the combined rows are the same on every rank of the group: written once
+            for i, (family, name, vpp_stage, _) in enumerate(pending):
+                self.ctx.add(family, name, partials[i], vpp_stage)
+
+    def _all_gather(self, partials: torch.Tensor) -> torch.Tensor:
+        """THE collective of the step: every shard's ``[N, 8]`` partials, combined on the device."""
+        import torch.distributed as dist
+
+        n, world = partials.shape[0], self.shards.size
+        gathered = partials.new_empty((world * n, partials.shape[1]))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name since torch 2.13
+        gather(gathered, partials.contiguous(), group=self.shards.group)
+        return combine_partials_torch(gathered.view(world, n, -1))
+
+
+def _collective_device(shards: ShardGroup) -> torch.device | None:
+    """Where the step's partials must be for the collective: NCCL takes CUDA tensors only, and the
+    shards live on the CPU under FSDP's ``CPUOffloadPolicy``. None: the partials' own device."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(shards.group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
+def _fsdp_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [(plain_name(name), module) for name, module in root.named_modules() if isinstance(module, FSDPModule)]
+
+
+def _unsharded_owners(root: torch.nn.Module, params: Sequence[tuple[str, torch.nn.Parameter, int]],
+                      fsdp_modules: list[tuple[str, torch.nn.Module]]
+                      ) -> list[tuple[torch.nn.Module, list[tuple[str, Any, str, int]]]]:
+    """For each FSDP module, the target parameters it manages: those under it and under no deeper FSDP module.
+
+    FSDP unshards exactly those in that module's forward pre-hook, setting the unsharded
+    parameter as the attribute of the module that owns it (``fc1.weight`` on ``fc1``).
+    """
+    modules = {plain_name(name): module for name, module in root.named_modules()}
+    by_module: dict[str, list[tuple[str, Any, str, int]]] = {prefix: [] for prefix, _ in fsdp_modules}
+    for name, _, vpp_stage in params:
+        owner_name, _, attribute = name.rpartition(".")
+        managers = [prefix for prefix, _ in fsdp_modules
+                    if prefix == "" or owner_name == prefix or owner_name.startswith(prefix + ".")]
+        if managers and owner_name in modules:
+            by_module[max(managers, key=len)].append((name, modules[owner_name], attribute, vpp_stage))
+    return [(module, by_module[prefix]) for prefix, module in fsdp_modules if by_module[prefix]]
+
+
+def _reshard_if_unsharded(root: torch.nn.Module) -> None:
+    """Put FSDP's sharded parameters back on the modules when a forward left them unsharded.
+
+    FSDP2 does not reshard the root module after its forward (nor after an evaluation forward
+    under ``no_grad``), so until the next backward the root's own parameters are the unsharded
+    tensors, not the sharded ones the optimizer steps. ``FSDPModule.reshard()`` (public,
+    idempotent) registers the sharded ones again; the next forward all-gathers them as usual.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule) and any(
+                not hasattr(p, "to_local") for p in module.parameters()):
+            module.reshard()
+
+
+def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
+           optimizer: torch.optim.Optimizer | None, options: AttachOptions) -> Attachment:
+    """Build the collectors for a model sharded with FSDP2 ``fully_shard`` (also HSDP).
+
+    Raises:
+        FSDPLayoutError: FSDP1, or a parameter layout trainmon cannot combine exactly (see
+            :func:`shard_group_of`); raised before any hook is installed.
+        TargetError: a target pattern matches no module or parameter.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
+    root = unwrap_model(model)
+    if any(isinstance(module, FullyShardedDataParallel) for module in root.modules()):
+        raise FSDPLayoutError("FSDP1 (FullyShardedDataParallel) is not supported: its parameters are flattened "
+                              "per-rank shards that trainmon cannot name or combine exactly. Use FSDP2 "
+                              "(torch.distributed.fsdp.fully_shard); see docs/fsdp.md")
+    optimizer, scaler = unwrap_optimizer(optimizer)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    weights = config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled
+    if weights:
+        _reshard_if_unsharded(root)
+    registry = HookRegistry()
+    named_modules = list({plain_name(name): (plain_name(name), module, 0)
+                          for name, module in root.named_modules()}.values())
+    params = [(plain_name(name), p, 0) for name, p in root.named_parameters()]
+    collectors: list[Collector] = []
+    shard_collector: FSDPOptimizerCollector | None = None
+    if weights:
+        names = {id(p): name for name, p, _ in params}
+        extra = [] if optimizer is None else [(f"optimizer parameter {i}", p) for i, p in enumerate(
+            p for group in optimizer.param_groups for p in group["params"]) if id(p) not in names]
+        shards = shard_group_of([(name, p) for name, p, _ in params] + extra)
+        chosen = select_params(params, config)
+        shard_collector = FSDPOptimizerCollector(
+            ctx, chosen, optimizer, config, registry, shards,
+            _unsharded_owners(root, chosen, _fsdp_modules(root)),
+            writes_rows=_is_lowest_selected(shards.group, config.ranks))
+    if config.activations.enabled:
+        regions = [plain_name(region) for region in compiled_regions(model)]
+        modules = _outside_compiled(select_modules(named_modules, config), regions)
+        collectors.append(ActivationCollector(ctx, modules, config.activations, registry))
+    if shard_collector is not None:
+        collectors.append(shard_collector)
+    if config.grad_probe.enabled:
+        logger.warning("trainmon: grad_probe is not supported with FSDP yet (it needs whole gradients) and is off "
+                       "for this run")
+    rank, world_size = dist_layout()
+    return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_modules, optimizer=optimizer,
+                      registry=registry, rank=rank, world_size=world_size, scaler=scaler,
+                      collective=shard_collector is not None and shard_collector.collective)
