@@ -313,13 +313,12 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         if not self.ctx.collecting or (not pending and norm is None):
             return
         rows = [partial for *_, partial in pending]
+        device = self._device or (rows[0].device if rows else norm.device)
         if norm is not None:  # the local norm as a row: combining takes sqrt(sum of squares) over shards
-            device = rows[0].device if rows else norm.device
             norm_row = empty_partial(device)
             norm_row[0] = norm.to(device)
             norm_row[7] = 1.0
             rows.append(norm_row)
-        device = self._device or rows[0].device
         partials = torch.stack([row.to(device) for row in rows])
         if self.collective:
             partials = self._all_gather(partials)

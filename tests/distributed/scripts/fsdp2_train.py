@@ -4,7 +4,7 @@
 the launcher), one process group for all cases, one fresh model and monitor per case. CASE is ``fsdp``
 (a 1-D mesh), ``fsdp_nosync`` (the same, with FSDP's gradient reduction skipped on the first micro-step
 (``set_requires_gradient_sync(False)``) and ``ranks: [1]``), or ``hsdp_RxS`` (a 2-D replicate x shard mesh,
-e.g. ``hsdp_1x2``, ``hsdp_2x1``).
+e.g. ``hsdp_1x2`` (with the matrices sharded on dim 1), ``hsdp_2x1``).
 Each case writes ``OUT/<case>/rank{R}/...`` (trainmon) and ``OUT/<case>/ref_rank{R}.npz``: the test's own
 float64 references, taken from ``full_tensor()`` of the tensors the optimizer used (its own optimizer
 step pre/post hooks) and from a plain copy of the model for each rank's local gradient; and
@@ -38,6 +38,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import Shard  # noqa: E402
 
 import trainmon  # noqa: E402
 from trainmon import TrainerMonitor  # noqa: E402
@@ -153,9 +154,11 @@ def run_case(out: Path, case: str, counter: CollectiveCounter) -> None:
     torch.manual_seed(0)
     net = Net()
     reference = copy.deepcopy(net)  # plain, unsharded: each rank's local gradient, independent of FSDP
+    # hsdp_1x2 shards the matrices on dim 1 (FSDP's shard_placement_fn), the vectors on dim 0
+    placement = (lambda p: Shard(1) if p.ndim == 2 else None) if case == "hsdp_1x2" else None
     for block in net.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+        fully_shard(block, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(net, mesh=mesh, shard_placement_fn=placement)
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
     names = {id(p): name for name, p in net.named_parameters()}
     refs: dict[str, np.ndarray] = {}
