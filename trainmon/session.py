@@ -276,10 +276,10 @@ class Session:
 # Features an integration does not provide yet: enabling them warns once at attach instead of
 # doing nothing silently.
 _UNSUPPORTED = {
-    "grad_probe": ("deepspeed", "megatron", "mindspore"),
+    "grad_probe": ("deepspeed", "megatron", "mindspore", "fsdp"),
     "communication": ("mindspore",),
-    "dump": ("megatron", "mindspore"),
-    "free_benchmark": ("megatron", "mindspore"),
+    "dump": ("megatron", "mindspore", "fsdp"),
+    "free_benchmark": ("megatron", "mindspore", "fsdp"),
 }
 
 

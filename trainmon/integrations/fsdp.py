@@ -436,9 +436,6 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         collectors.append(ActivationCollector(ctx, modules, config.activations, registry))
     if shard_collector is not None:
         collectors.append(shard_collector)
-    if config.grad_probe.enabled:
-        logger.warning("trainmon: grad_probe is not supported with FSDP yet (it needs whole gradients) and is off "
-                       "for this run")
     rank, world_size = dist_layout()
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_modules, optimizer=optimizer,
                       registry=registry, rank=rank, world_size=world_size, scaler=scaler,
