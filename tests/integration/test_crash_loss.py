@@ -98,7 +98,8 @@ def test_kill_9_loses_at_most_the_last_step(tmp_path, steps):
     lost, done, killed_at = kill_after(tmp_path, steps)
     # The contract: only steps done within the last flush_seconds may be missing ...
     assert all(done[step] > killed_at - FLUSH_SECONDS for step in lost), lost
-    # ... and with a disk that keeps up, only the last step or two (the writer thread flushes when idle).
+    # ... and with a disk that keeps up, only the last step (the writer thread flushes when idle; one more
+    # is tolerated for a loaded machine where the writer thread waits for a core).
     assert len(lost) <= 2 and all(step >= max(done) - 2 for step in lost), lost
 
 

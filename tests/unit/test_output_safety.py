@@ -129,7 +129,7 @@ def test_a_busy_writer_still_flushes_every_flush_seconds(tmp_path):
         output.submit(i)
     output.close()
     gaps = [b - a for a, b in zip([start, *flushed_at], flushed_at)]
-    assert len(flushed_at) >= 4 and max(gaps[:-1]) < 0.3, gaps
+    assert len(flushed_at) >= 4 and max(gaps[:-1]) < 1.0, gaps  # ~0.11 s; slack for a loaded machine
 
 
 # ------------------------------------------------------------------ full disk
@@ -175,19 +175,30 @@ class _SlowSink:
 
 def test_a_slow_sink_drops_only_its_own_rows_and_says_how_many(tmp_path, caplog):
     rank_dir = tmp_path / "run" / "rank0"
-    slow = _SlowSink(0.02)
-    writer = SinkWriter([CsvSink(rank_dir), slow], flush_seconds=2.0, max_pending=8,
+    release = threading.Event()
+
+    class Stalled(_SlowSink):
+        name = "slow"
+
+        def write(self, record: StepRecord) -> None:
+            release.wait(10)  # a disk that takes no record while training runs
+            self.steps.append(record.step)
+
+    slow = Stalled(0)
+    writer = SinkWriter([CsvSink(rank_dir), slow], flush_seconds=2.0,
                         stats_path=tmp_path / "run" / "rank0" / "writer_stats.json", root=tmp_path / "run")
     for step in range(150):
         writer.submit(_record(step))
-        time.sleep(0.002)  # training is 10x faster than the slow sink
+        time.sleep(0.002)  # a training step; the CSV writer keeps up, the slow one cannot
+    release.set()
     writer.close()
     assert pd.read_csv(rank_dir / "grad_reduced.csv").step.tolist() == list(range(150))  # CSV lost nothing
     stats = json.loads((rank_dir / "writer_stats.json").read_text())
     assert stats["csv"]["dropped"] == 0 and stats["csv"]["written"] == 150
-    assert stats["slow"]["dropped"] == 150 - len(slow.steps) > 50 and stats["slow"]["written"] == len(slow.steps)
+    assert stats["slow"]["written"] == len(slow.steps) == 65  # the one it was stuck in + 64 queued
+    assert stats["slow"]["dropped"] == stats["slow"]["dropped_slow"] == 85
     (report,) = _messages(caplog, "output slow did not write")
-    assert f"did not write {150 - len(slow.steps)} of 150 records" in report
+    assert "did not write 85 of 150 records (85 dropped while it lagged behind training" in report
     assert len(_messages(caplog, "output slow is slower than training")) == 1
     assert not _messages(caplog, "output csv")
 
@@ -210,7 +221,7 @@ def test_close_is_bounded_when_a_sink_is_stuck_and_never_raises(caplog):
             writer.submit(_record(step))
         start = time.monotonic()
         writer.close()
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 2.0  # 0.3 s and a loaded machine's slack; not 30 s
         writer.close()  # idempotent
     finally:
         release.set()  # the abandoned thread wakes up, skips what is queued and ends
@@ -233,7 +244,7 @@ def test_a_dead_writer_thread_never_blocks_submit_or_close(caplog):
     for step in range(100):
         writer.submit(_record(step))
     writer.close()
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 2.0  # a blocking put would hang here for good
     (report,) = _messages(caplog, "output dies did not write")
     assert "of 100 records" in report
 
@@ -291,7 +302,7 @@ def test_a_slow_disk_never_slows_anomaly_processing(tmp_path, monkeypatch):
         start = time.perf_counter()
         for step in range(5):
             assert len(engine.process(StepRecord(step=step, rank=0, scalars={"loss": math.nan}))) == 1
-        assert time.perf_counter() - start < 0.5 and lines == []  # the disk has not taken a single line yet
+        assert time.perf_counter() - start < 2.0 and lines == []  # a synchronous write would wait 10 s  # the disk has not taken a single line yet
     finally:
         release.set()
         engine.close()
