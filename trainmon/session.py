@@ -54,6 +54,8 @@ class Session:
             self.writes = config.ranks is None or rank in config.ranks
             self.schedule = Schedule(config, rank_selected=self.writes or self.attachment.collective)
             self.run_dir, self.rank_dir = self._make_dirs(config)
+            if self.rank_dir is not None:
+                logger.info("trainmon: rank %d writes to %s", rank, self.rank_dir)
             self._bind_outputs()
             self.writer = SinkWriter(build_sinks(config.sinks, self.rank_dir) if self.rank_dir else [],
                                      config.flush_seconds)

@@ -331,3 +331,13 @@ def test_step_scalars_accept_numbers_and_tensors_and_reject_others(tmp_path):
     with pytest.raises(TypeError, match="step\\(\\): loss must be a number or a tensor, got str 'abc'"):
         monitor.step(loss="abc")
     monitor.close()
+
+
+def test_run_dir_is_kept_after_close_and_logged_at_attach(tmp_path, caplog):
+    model, optimizer, monitor = _setup(tmp_path)
+    with caplog.at_level(logging.INFO, logger="trainmon"):
+        monitor.attach(model, optimizer)
+    _train(model, optimizer, monitor, 1)
+    monitor.close()
+    assert monitor.run_dir == tmp_path / "run" and monitor.rank_dir == tmp_path / "run" / "rank0"
+    assert any(str(tmp_path / "run" / "rank0") in r.getMessage() for r in caplog.records)
