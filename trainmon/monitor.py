@@ -38,6 +38,7 @@ class TrainerMonitor:
         self._callbacks: list[Callable[[Any], None]] = []
         self._session: Any = None
         self._closed = False
+        self._dirs: tuple[Path | None, Path | None] = (None, None)
 
     @classmethod
     def from_msprobe(cls, path: str | Path) -> TrainerMonitor:
@@ -178,13 +179,13 @@ class TrainerMonitor:
 
     @property
     def run_dir(self) -> Path | None:
-        """``{output_dir}/{run_name}`` once attached."""
-        return self._session.run_dir if self._session is not None else None
+        """``{output_dir}/{run_name}`` once attached (kept after ``close()``, to find the outputs)."""
+        return self._session.run_dir if self._session is not None else self._dirs[0]
 
     @property
     def rank_dir(self) -> Path | None:
-        """``{run_dir}/rank{R}`` once attached."""
-        return self._session.rank_dir if self._session is not None else None
+        """``{run_dir}/rank{R}`` once attached (None on a rank that writes nothing); kept after ``close()``."""
+        return self._session.rank_dir if self._session is not None else self._dirs[1]
 
     def close(self) -> None:
         """Finish the pending step, remove every hook, flush and close the outputs. Idempotent."""
@@ -194,6 +195,7 @@ class TrainerMonitor:
         session, self._session = self._session, None
         if session is not None:
             self._config = session.config
+            self._dirs = (session.run_dir, session.rank_dir)
             session.close()
 
     def __enter__(self) -> TrainerMonitor:
