@@ -9,7 +9,7 @@ PY=${PYTHON:-python3}
 case "${1:-main}" in
   main) VENV=.venv CONSTRAINTS=constraints.txt PACKAGES=(-e ".[test]") ;;
   np2) VENV=.venv-np2 CONSTRAINTS=constraints-np2.txt
-       PACKAGES=(-e ".[fast-tensorboard,plots]" pytest hypothesis tensorboard) ;;
+       PACKAGES=(-e ".[fast-tensorboard,plots]" pytest hypothesis tensorboard pandas) ;;
   *) echo "usage: bash scripts/setup.sh [main|np2]" >&2; exit 2 ;;
 esac
 if [ ! -x "$VENV/bin/python" ]; then
