@@ -47,3 +47,17 @@ def write_json(path: Path, data: Any, root: Path | None = None) -> None:
         OSError: the file cannot be written (:class:`~trainmon.safe_io.UnsafePathError` for a symlink).
     """
     write_atomic(path, json.dumps(data, indent=1, default=str).encode("utf-8"), root=root)
+
+
+def unused_name(directory: Path, stem: str, suffix: str, tag: str) -> Path:
+    """``directory/{stem}{suffix}``, or when that exists the first free ``{stem}.{tag}{n}{suffix}`` (n = 1, 2, ...).
+
+    Used for files written once per attach (``run.json``, ``module_struct.json``): a resumed run
+    adds a file instead of replacing what the first attach wrote.
+    """
+    path = directory / f"{stem}{suffix}"
+    n = 0
+    while path.exists() or path.is_symlink():
+        n += 1
+        path = directory / f"{stem}.{tag}{n}{suffix}"
+    return path

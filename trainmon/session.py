@@ -15,7 +15,7 @@ from trainmon.config import ConfigError, MonitorConfig, check_ranks
 from trainmon.errors import AnomalyError
 from trainmon.integrations.base import AttachOptions, Attachment
 from trainmon.records import StepRecord, build_record, family_metrics
-from trainmon.rundir import default_run_name, run_json, write_json
+from trainmon.rundir import default_run_name, run_json, unused_name, write_json
 from trainmon.schedule import Schedule
 from trainmon.sinks import SinkWriter, build_sinks
 from trainmon.steps import StepLifecycle
@@ -58,7 +58,14 @@ class Session:
                 logger.info("trainmon: rank %d writes to %s", rank, self.rank_dir)
             self._bind_outputs()
             self.writer = SinkWriter(build_sinks(config.sinks, self.rank_dir) if self.rank_dir else [],
-                                     config.flush_seconds)
+                                     config.flush_seconds, root=self.run_dir,
+                                     stats_path=self.rank_dir / "writer_stats.json" if self.rank_dir else None)
+            if self.rank_dir is not None and rank == (config.ranks[0] if config.ranks else 0):
+                info = run_json(config, self.attachment.world_size, self.framework, _versions(self.framework))
+                run_dir = self.run_dir
+                # on the writer's thread; a resumed run keeps the first run.json and adds run.resume{n}.json
+                self.writer.submit(lambda: write_json(unused_name(run_dir, "run", ".json", "resume"), info,
+                                                      root=run_dir))
             from trainmon.anomaly.engine import AnomalyEngine
 
             self.anomaly = AnomalyEngine(config.anomaly, rank, self.rank_dir)
@@ -152,10 +159,7 @@ class Session:
             return run_dir, None
         rank_dir = run_dir / f"rank{self.attachment.rank}"
         try:
-            rank_dir.mkdir(parents=True, exist_ok=True)
-            if self.attachment.rank == (config.ranks[0] if config.ranks else 0):
-                write_json(run_dir / "run.json", run_json(config, self.attachment.world_size, self.framework,
-                                                          _versions(self.framework)))
+            rank_dir.mkdir(parents=True, exist_ok=True)  # here, so an unwritable place is known at attach
         except OSError as exc:
             logger.warning("trainmon: cannot write to %s (%s); outputs are disabled, training goes on",
                            run_dir, exc.strerror or exc)
@@ -222,8 +226,9 @@ class Session:
         tree = self.struct.tree()
         logger.info("trainmon: module structure of %s (%d modules)", type(self.model).__name__, len(self.struct.seen))
         if self.rank_dir is not None:
-            path = self.rank_dir / "module_struct.json"
-            self.writer.submit(lambda: write_json(path, tree))
+            rank_dir, run_dir = self.rank_dir, self.run_dir
+            self.writer.submit(lambda: write_json(unused_name(rank_dir, "module_struct", ".json", "resume"), tree,
+                                                  root=run_dir))
 
     def _reload(self, config: MonitorConfig | None) -> None:
         """Apply a changed config from the next step; keep the old one if the new one cannot apply."""

@@ -341,3 +341,20 @@ def test_run_dir_is_kept_after_close_and_logged_at_attach(tmp_path, caplog):
     monitor.close()
     assert monitor.run_dir == tmp_path / "run" and monitor.rank_dir == tmp_path / "run" / "rank0"
     assert any(str(tmp_path / "run" / "rank0") in r.getMessage() for r in caplog.records)
+
+
+def test_resume_keeps_the_first_run_json_and_appends_rows(tmp_path):
+    model, optimizer, monitor = _setup(tmp_path, print_struct=True)
+    monitor.attach(model, optimizer)
+    _train(model, optimizer, monitor, 2)
+    monitor.close()
+    first = json.loads((tmp_path / "run" / "run.json").read_text())
+    model2, optimizer2, monitor2 = _setup(tmp_path, print_struct=True)
+    monitor2.attach(model2, optimizer2, start_step=2)
+    _train(model2, optimizer2, monitor2, 2, start=2)
+    monitor2.close()
+    assert json.loads((tmp_path / "run" / "run.json").read_text()) == first
+    assert (tmp_path / "run" / "run.resume1.json").exists()
+    assert (tmp_path / "run" / "rank0" / "module_struct.resume1.json").exists()
+    assert sorted(set(read_family(tmp_path / "run" / "rank0", "grad_reduced")["step"])) == [0, 1, 2, 3]
+    assert (tmp_path / "run" / "rank0" / "writer_stats.json").exists()
