@@ -55,8 +55,18 @@ log = logging.getLogger(__name__)
 
 FAMILY = "comm"
 _MODULES: tuple[ModuleType, ...] = (dist, c10d)
-# Frames in these places are communication plumbing, not the call site a user wants to see.
-_PLUMBING = (os.path.dirname(dist.__file__) + os.sep, f"{os.sep}deepspeed{os.sep}comm{os.sep}", __file__)
+
+
+def _plumbing_dirs() -> tuple[str, ...]:
+    """Where communication plumbing lives (not the call site a user wants to see): torch.distributed,
+    deepspeed.comm when it is loaded, and this module; real, resolved paths of the installed packages
+    (a user's folder that happens to be called ``deepspeed`` is not plumbing)."""
+    places = [os.path.dirname(dist.__file__) + os.sep, os.path.realpath(__file__)]
+    deepspeed_comm = sys.modules.get("deepspeed.comm")
+    if deepspeed_comm is not None and getattr(deepspeed_comm, "__file__", None):
+        places.append(os.path.dirname(os.path.realpath(deepspeed_comm.__file__)) + os.sep)
+    places[0] = os.path.realpath(places[0]) + os.sep
+    return tuple(places)
 
 
 @dataclass
@@ -113,6 +123,7 @@ class CommCollector:
         self._groups: dict[Any, str] = {}
         self._sites: dict[tuple[CodeType, int], str | None] = {}
         self._plumbing: dict[CodeType, bool] = {}
+        self._places = _plumbing_dirs()
         self._binders: dict[str, ArgumentBinder] = {}
         self._wraps: list[_Wrap] = []
         self._active = True
@@ -295,7 +306,8 @@ class CommCollector:
             code = frame.f_code
             plumbing = self._plumbing.get(code)
             if plumbing is None:
-                plumbing = self._plumbing[code] = any(p in code.co_filename for p in _PLUMBING)
+                path = os.path.realpath(code.co_filename)
+                plumbing = self._plumbing[code] = any(path.startswith(p) or path == p for p in self._places)
             if not plumbing:
                 return frame
             frame = frame.f_back
