@@ -24,3 +24,7 @@ fi
 # The constraints file keeps torch at 2.13.0 for every package that asks for torch; constraints.txt adds
 # numpy<2 (MindSpore), constraints-np2.txt numpy>=2 and pandas>=3.
 "$VENV/bin/pip" install -q -c "$CONSTRAINTS" "${PACKAGES[@]}"
+
+# msprobe 1.2.1, the reference the msprobe tests compare with: downloaded and unpacked into .cache/ (cached,
+# never installed into the venv). Without network the msprobe comparison test skips and says why.
+bash scripts/fetch_msprobe.sh || echo "setup.sh: msprobe 1.2.1 not fetched; tests/integration/test_msprobe_compare.py will skip" >&2

@@ -45,7 +45,7 @@ class TargetsConfig:
     """Which modules and parameters are monitored."""
 
     modules: list[str] = field(default_factory=lambda: ["*"])
-    """Module names: exact (``layers.0.mlp``), glob (``layers.*.mlp``) or regex (``re:^layers\\.[01]\\.``)."""
+    """Module names: exact (``layers.0.mlp``), glob (``layers.*.mlp``) or regex (``re:^layers\\.[01]\\.``). A pattern that matches nothing fails at ``attach``, unless prefixed with ``optional:`` (``optional:re:^layers\\.0\\.``)."""
     params: list[str] = field(default_factory=lambda: ["*"])
     """Parameter names, same pattern forms as ``modules``."""
 
@@ -138,6 +138,11 @@ class GradProbeConfig:
     scalars: str = "global"
     """In-run similarities also sent as scalars (for anomaly detectors, TensorBoard): none;
     global (``grad_probe/{metric}`` over all target parameters); param (also ``grad_probe/{name}/{metric}``)."""
+    mg_direction: bool = False
+    """msprobe's ``mg_direction`` at every level: per parameter, the mean over elements of
+    ``(1 + sign(g) * sign(exp_avg)) / 2`` (a zero sign counts one half) against ``exp_avg`` as the step
+    finds it; 1.0 at step 0 (no momentum yet). Sent as the scalars ``grad_probe/mg_direction``
+    (element-weighted over the target parameters) and, with ``scalars: param``, ``grad_probe/{name}/mg_direction``."""
 
 
 @dataclass
@@ -429,8 +434,13 @@ def _cross_check(obj: Any, prefix: str) -> None:
 def _check_pattern(pattern: str, path: str) -> None:
     import re
 
+    from trainmon.targets import OPTIONAL, split_optional
+
     if not pattern:
         raise ConfigError(path, "must not be empty")
+    pattern, optional = split_optional(pattern)
+    if optional and not pattern:
+        raise ConfigError(path, f"must name a pattern after {OPTIONAL!r}")
     if pattern.startswith("re:"):
         try:
             re.compile(pattern[3:])

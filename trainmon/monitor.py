@@ -42,10 +42,16 @@ class TrainerMonitor:
 
     @classmethod
     def from_msprobe(cls, path: str | Path) -> TrainerMonitor:
-        """Build a monitor from a msprobe monitor JSON config, warning once per key it cannot honour."""
+        """Build a monitor from a msprobe monitor JSON config, warning once per key it cannot honour.
+
+        Output goes where msprobe's would: ``$MONITOR_OUTPUT_DIR`` (the one environment variable
+        trainmon reads, and only here), else ``./monitor_output``. See docs/msprobe.md.
+        """
+        import os
+
         from trainmon.msprobe import translate_msprobe
 
-        return cls(translate_msprobe(Path(path)))
+        return cls(translate_msprobe(Path(path), environ=os.environ))
 
     def on_anomaly(self, callback: Callable[[Any], None]) -> None:
         """Register ``callback(event: AnomalyEvent)``; called when the ``callback`` action is configured."""

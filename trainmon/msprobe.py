@@ -1,99 +1,394 @@
-"""Translate a msprobe monitor JSON config into a trainmon config dict (framework-free)."""
+"""Translate a msprobe monitor JSON config into a trainmon config dict (framework-free).
+
+Every key of msprobe 1.2.1's and of the newest msprobe's (26.x) PyTorch monitor config is read
+with msprobe's meaning, or warned about once with the reason. The semantics are msprobe's own
+(``msprobe/pytorch/monitor/module_hook.py``, ``utils.py``, ``anomaly_detect.py`` of the
+``mindstudio-probe`` wheel); docs/msprobe.md has the key-by-key table. In short:
+
+- ``targets`` keys select **modules** by exact name (``xy_distribution``) and **parameters** by
+  name prefix (every other family); ``""`` is the whole model, a missing or empty ``targets`` too
+  (with ``xy_distribution`` then meaning every module). msprobe also accepts its *squashed*
+  names (:func:`squash_name`, the names of its ``module_struct.json``) and a ``"{chunk}:"`` prefix.
+  Each key becomes an ``optional:re:`` pattern: msprobe skips a key that names nothing.
+- ``all_xy`` monitors every module; ``alert.dump`` writes the anomaly events (``anomalies.jsonl``,
+  msprobe's ``anomaly.json``), not tensors; ``AnomalyTurbulence`` watches every monitored row.
+"""
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from trainmon.config import parse_json, read_text
 from trainmon.errors import ConfigError
+from trainmon.targets import OPTIONAL
 
 logger = logging.getLogger("trainmon")
 
-_OPS = {"norm": "norm", "min": "min", "max": "max", "mean": "mean", "zeros": "zeros", "nans": "nans"}
-_FORMATS = {"csv": "csv", "tensorboard": "tensorboard"}
-_NORM_SERIES = (("activations", "actv"), ("weight_grads", "grad_unreduced"), ("optimizer_states", "exp_avg"))
+DEFAULT_OUTPUT_DIR = "./monitor_output"
+"""msprobe's output folder when ``MONITOR_OUTPUT_DIR`` is not set."""
+OUTPUT_DIR_VARIABLE = "MONITOR_OUTPUT_DIR"
+
+_OPS = ("norm", "min", "max", "mean", "zeros", "nans")
+_FAMILY_OF_SECTION = {"activations": ("actv", "actv_grad"), "weight_grads": ("grad_unreduced", "grad_reduced"),
+                      "optimizer_states": (), "params": ("param",), "communication": ("comm",)}
+_BOOL_KEYS = ("print_struct", "ur_distribution", "xy_distribution", "all_xy", "forward_only", "backward_only",
+              "mv_distribution", "wg_distribution", "mg_distribution", "param_distribution", "mg_direction",
+              "squash_name", "switch", "dynamic_on", "stack_info", "monitor_mbs_grad", "recording_l2_features")
+_INT_KEYS = ("start_step", "step_interval", "collect_times", "step_count_per_record", "ndigits")
+_SPEC = re.compile(r"tensor|tuple\[(\d+)\](?::(\d+))?")
+_VPP_KEY = re.compile(r"(\d+):(.*)", re.DOTALL)
 
 
-def translate_msprobe(path: Path) -> dict[str, Any]:
+# ----------------------------------------------------------------------------------- names
+_SQUASH_HEADS = (r"layers?\.", r"embeddings?\.")
+_SQUASH_TAILS = ("final", "output", "norm")
+
+
+def squash_name(name: str) -> str:
+    """msprobe's squashed name of a module or parameter (``squash_param_name`` in
+    ``module_metric.py``, used while ``squash_name`` is true): the text after the first
+    ``layer.``/``layers.``, else after the first ``embedding.``/``embeddings.``, else from the first
+    ``final``, ``output`` or ``norm`` on, else the name itself.
+
+    Example:
+        >>> squash_name("model.layers.3.mlp.fc1.weight"), squash_name("decoder.final_norm.weight")
+        ('3.mlp.fc1.weight', 'final_norm.weight')
+    """
+    for head in _SQUASH_HEADS:
+        match = re.search(head + "(.*)", name, re.DOTALL)
+        if match:
+            return match.group(1)
+    for tail in _SQUASH_TAILS:
+        index = name.find(tail)
+        if index >= 0:
+            return name[index:]
+    return name
+
+
+def _squashed_regexes(key: str, whole: bool) -> list[str]:
+    """Regexes (to be anchored with ``^``) of the names whose :func:`squash_name` equals ``key``
+    (``whole``) or starts with it; the plain name itself is matched separately."""
+    end = "$" if whole else ""
+    escaped = re.escape(key)
+    found: list[str] = []
+    excluded = ""
+    for head in _SQUASH_HEADS:
+        found.append(f"{excluded}(?:(?!{head}).)*{head}{escaped}{end}")
+        excluded += f"(?!.*{head})"
+    for tail in _SQUASH_TAILS:
+        if key.startswith(tail):
+            found.append(f"{excluded}(?:(?!{tail}).)*{escaped}{end}")
+        elif not whole and tail.startswith(key):
+            found.append(f"{excluded}(?:(?!{tail}).)*{tail}")
+        excluded += f"(?!.*{tail})"
+    return found
+
+
+def module_pattern(key: str, squash: bool = True) -> str:
+    """The trainmon ``targets.modules`` pattern of a msprobe ``targets`` key (chunk prefix removed):
+    the module named ``key``, or whose squashed name is ``key``. May match nothing."""
+    alternatives = [re.escape(key) + "$"] + (_squashed_regexes(key, whole=True) if squash else [])
+    return f"{OPTIONAL}re:(?s)^(?:{'|'.join(alternatives)})"
+
+
+def param_pattern(key: str, squash: bool) -> str:
+    """The trainmon ``targets.params`` pattern of a msprobe ``targets`` key (chunk prefix removed):
+    parameters whose name (or, with ``squash``, squashed name) starts with ``key``."""
+    alternatives = [re.escape(key)] + (_squashed_regexes(key, whole=False) if squash else [])
+    return f"{OPTIONAL}re:(?s)^(?:{'|'.join(alternatives)})"
+
+
+def trainmon_row_name(module: str, kind: str, spec: str | None = None) -> str:
+    """The trainmon row of msprobe's ``kind`` (``input``, ``output``, ``input_grad``,
+    ``output_grad``) of ``module`` under the target spec ``spec`` (``"tensor"``, ``"tuple[n]:i"``).
+
+    msprobe 1.2.1 measures one tensor: the spec's element ``i`` of a tuple (element 0 by
+    default). trainmon measures every tensor: ``{module}.{kind}`` for a lone tensor,
+    ``{module}.{kind}.{i}`` for the i-th tensor of a tuple holding several.
+
+    Example:
+        >>> trainmon_row_name("layers.0", "input", "tuple[2]:1"), trainmon_row_name("layers.0", "output", "tensor")
+        ('layers.0.input.1', 'layers.0.output')
+    """
+    match = _SPEC.fullmatch(spec or "tensor")
+    if match is None or match.group(1) is None or int(match.group(1)) <= 1:
+        return f"{module}.{kind}"
+    return f"{module}.{kind}.{int(match.group(2) or 0)}"
+
+
+# ----------------------------------------------------------------------------------- translation
+def translate_msprobe(path: Path, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Read a msprobe monitor config and map it to trainmon's schema.
 
-    Keys with a trainmon equivalent are mapped; a key that cannot be honoured (or an unknown
-    key) is warned about once and ignored, so switching from msprobe is one line.
+    Args:
+        path: the msprobe JSON config.
+        environ: where ``MONITOR_OUTPUT_DIR`` is read (``TrainerMonitor.from_msprobe`` passes
+            ``os.environ``); output goes there, or to msprobe's default ``./monitor_output``.
+
+    Keys with a trainmon equivalent are mapped; a key that cannot be honoured as msprobe means
+    it (or an unknown key) is warned about once, so switching from msprobe is one line.
 
     Raises:
         ConfigError: the file cannot be read, is not UTF-8 JSON, repeats a key, is not a JSON
-            object, or a key's value has the wrong type; the message names the file and the key.
+            object, or a key's value has a type msprobe rejects too; the message names the file and the key.
     """
     data = parse_json(read_text(path, "msprobe config"), path)
     if not isinstance(data, dict):
         raise ConfigError(str(path), "a msprobe monitor config must be a JSON object")
     _check_types(data, path)
-    out: dict[str, Any] = {
-        # msprobe collects a family only when its switch is set; trainmon's defaults differ.
-        "activations": {"enabled": False},
-        "weight_grads": {"enabled": False},
-        "optimizer_states": {"enabled": False},
-        "params": {"enabled": False},
-    }
-    ops = [_OPS[op] for op in data.get("ops", []) if op in _OPS]
-    for op in data.get("ops", []):
-        if op not in _OPS:
-            _cannot(f"ops: {op!r}", f"supported ops are {sorted(_OPS)} (plus infs)")
-    metrics = {"metrics": ops} if ops else {}
+    return _Translation(data, environ or {}).run()
 
-    def section(name: str, **values: Any) -> None:
-        out.setdefault(name, {}).update(values, **metrics)
 
-    for key, value in data.items():
-        if key == "targets":
-            modules = [name for name in value] if isinstance(value, dict) else []
-            if modules:
-                out["targets"] = {"modules": modules}
-        elif key == "xy_distribution":
-            section("activations", enabled=bool(value))
-        elif key == "all_xy":
-            out["activations"]["inputs"] = bool(value)
-        elif key == "forward_only" and value:
+class _Translation:
+    """One msprobe config on its way to a trainmon dict (see :func:`translate_msprobe`)."""
+
+    def __init__(self, data: dict[str, Any], environ: Mapping[str, str]) -> None:
+        self.data = data
+        self.out: dict[str, Any] = {
+            "output_dir": environ.get(OUTPUT_DIR_VARIABLE) or DEFAULT_OUTPUT_DIR,
+            # msprobe collects a family only when its switch is set; trainmon's defaults differ.
+            "activations": {"enabled": False},
+            "weight_grads": {"enabled": False},
+            "optimizer_states": {"enabled": False},
+            "params": {"enabled": False},
+        }
+        self.squash = bool(data.get("squash_name", True))  # msprobe 1.2.1's default (False from 8.x)
+
+    def run(self) -> dict[str, Any]:
+        data, out = self.data, self.out
+        metrics = self._metrics(data.get("ops", []))
+        for section in ("activations", "weight_grads", "optimizer_states", "params"):
+            out[section]["metrics"] = list(metrics)
+        xy = bool(data.get("xy_distribution"))
+        targets = data.get("targets") or {"": {}}  # msprobe: no targets is the whole model
+        all_xy = bool(data.get("all_xy")) or (xy and not data.get("targets"))
+        if xy:
+            out["activations"].update(enabled=True, **self._modules(targets, all_xy))
+        out["targets"] = {**out.get("targets", {}), "params": self._params(targets)}
+        if data.get("forward_only") and data.get("backward_only"):
+            self._differs("forward_only", "forward_only and backward_only together monitor no activation "
+                                          "(msprobe warns too)")
+        if data.get("forward_only"):
             out["activations"]["backward"] = False
-        elif key == "backward_only" and value:
+        if data.get("backward_only"):
             out["activations"]["forward"] = False
-        elif key == "wg_distribution":
-            section("weight_grads", enabled=bool(value))
-        elif key == "mv_distribution":
-            section("optimizer_states", enabled=bool(value))
-        elif key == "param_distribution":
-            section("params", enabled=bool(value))
-        elif key == "mg_direction":
-            out["grad_probe"] = {"enabled": bool(value), "level": "L1"}
-        elif key == "cc_distribution":
-            section("communication", **_communication(value))
-        elif key == "alert":
-            continue  # after the loop: its series depend on which families are on
-        elif key == "format":
-            if value in _FORMATS:
-                out["sinks"] = [_FORMATS[value]]
+        if data.get("wg_distribution"):
+            out["weight_grads"]["enabled"] = True
+            out["weight_grads"]["per_micro_step"] = bool(data.get("monitor_mbs_grad"))
+        elif data.get("monitor_mbs_grad"):
+            self._cannot("monitor_mbs_grad", "it only acts with wg_distribution: true (as in msprobe)")
+        states = (["exp_avg", "exp_avg_sq"] if data.get("mv_distribution") else []) + (
+            ["update"] if data.get("ur_distribution") else [])
+        if states:
+            out["optimizer_states"].update(enabled=True, states=states)
+        if data.get("ur_distribution"):
+            self._differs("ur_distribution", "trainmon writes statistics of the Adam update m_hat/(sqrt(v_hat)+eps) "
+                                             "(family update) instead of heatmap images; msprobe's 'ratio' heatmap "
+                                             "(m_hat/sqrt(v_hat), the update without eps) has no family of its own "
+                                             "(trainmon's ratio family is update/param)")
+        if data.get("param_distribution"):
+            out["params"]["enabled"] = True
+        if data.get("mg_direction"):
+            out["grad_probe"] = {"enabled": True, "level": "L0", "mg_direction": True, "scalars": "param"}
+        if isinstance(data.get("cc_distribution"), dict) and data["cc_distribution"].get("enable"):
+            out["communication"] = {"enabled": True, "metrics": list(metrics), **self._communication()}
+        self._schedule()
+        self._outputs()
+        out["anomaly"] = self._alert(data.get("alert", {}))
+        self._warn_rest()
+        return out
+
+    # ------------------------------------------------------------------------------- targets
+    def _split(self, key: str) -> str:
+        """``key`` without msprobe's ``"{chunk}:"`` prefix (warned about when the chunk is not 0)."""
+        match = _VPP_KEY.fullmatch(key)
+        if match is None:
+            return key
+        if match.group(1) != "0":
+            self._differs("targets", f"{key!r}: trainmon applies a target to every virtual-pipeline chunk "
+                                     f"(msprobe's {match.group(1)}: prefix limits it to chunk {match.group(1)})")
+        return match.group(2)
+
+    def _modules(self, targets: dict[str, Any], all_xy: bool) -> dict[str, Any]:
+        """The ``activations`` and ``targets.modules`` settings of msprobe's module selection."""
+        for key, spec in targets.items():
+            self._check_specs(key, spec)
+        if all_xy or self.data.get("print_struct"):
+            self.out["targets"] = {"modules": ["*"]}
+            return {}
+        names = [self._split(key) for key in targets]
+        if "" in names:
+            self._differs("targets", "'' (the whole model) hooks only the root module's own forward in msprobe; "
+                                     "trainmon never hooks the root module (set all_xy: true to monitor every "
+                                     "module inside it)")
+        patterns = [module_pattern(name, self.squash) for name in names if name]
+        self.out["targets"] = {"modules": patterns or [f"{OPTIONAL}re:(?!)"]}
+        return {}
+
+    def _check_specs(self, key: str, spec: dict[str, Any]) -> None:
+        for kind, value in spec.items():
+            if kind not in ("input", "output", "input_grad", "output_grad"):
+                self._cannot(f"targets.{key}.{kind}", "msprobe knows input, output, input_grad and output_grad")
+            elif not isinstance(value, str) or _SPEC.fullmatch(value) is None:
+                self._cannot(f"targets.{key}.{kind}", f"spec {str(value)[:40]!r} is neither 'tensor' nor "
+                                                      "'tuple[n]:i' (msprobe ignores it too)")
+
+    def _params(self, targets: dict[str, Any]) -> list[str]:
+        """msprobe's parameter rule: the name, ``"0:" + name`` or ``"0:" + squashed name`` starts with a key."""
+        patterns = []
+        for key in targets:
+            if "0:".startswith(key):  # "", "0" and "0:" are prefixes of every "0:{name}"
+                return ["*"]
+            name = self._split(key)
+            patterns.append(param_pattern(name, self.squash and name != key))
+        return patterns
+
+    # ------------------------------------------------------------------------------- other keys
+    def _metrics(self, ops: list[str]) -> list[str]:
+        known = [op for op in ops if op in _OPS]
+        for op in ops:
+            if op in ("shape", "dtype"):
+                self._cannot(f"ops: {op!r}", "trainmon records shapes and dtypes once, in module_struct.json "
+                                             "(print_struct: true)")
+            elif op == "id":
+                self._cannot("ops: 'id'", "it is the value of a 0-d tensor (NaN otherwise); trainmon's "
+                                          "min/max/mean of such a tensor are that value")
+            elif op not in _OPS:
+                self._cannot(f"ops: {op!r}", f"msprobe's ops are {list(_OPS)}, id, shape, dtype; trainmon adds infs")
+        return list(dict.fromkeys(known)) or ["norm"]  # msprobe: no valid op means norm
+
+    def _schedule(self) -> None:
+        data, out = self.data, self.out
+        for key in ("start_step", "step_interval", "print_struct"):
+            if key in data:
+                out[key] = data[key]
+        if "eps" in data:
+            out["eps"] = data["eps"]
+        if "collect_times" in data:
+            if data["collect_times"] == 0:  # msprobe: nothing is collected
+                out["enabled"] = False
             else:
-                _cannot(f"format: {value!r}", "trainmon writes csv and tensorboard")
-        elif key == "eps":
-            out["eps"] = value
-        elif key in ("start_step", "step_interval", "collect_times", "print_struct"):
-            out[key] = value
-        elif key == "module_ranks":
-            out["ranks"] = list(value) or None
-        elif key == "ops":
-            continue
-        elif key in ("ndigits", "step_count_per_record"):
-            _cannot(key, "trainmon writes full precision into one CSV per family")
-        elif key in ("forward_only", "backward_only"):
-            continue
+                out["collect_times"] = data["collect_times"]
+        if data.get("module_ranks"):
+            out["ranks"] = list(dict.fromkeys(data["module_ranks"]))
+        if data.get("print_struct"):
+            self._differs("print_struct", "trainmon writes module_struct.json and goes on training with the "
+                                          "configured families (msprobe records only the structure and raises "
+                                          "at the first optimizer step)")
+
+    def _outputs(self) -> None:
+        fmt = self.data.get("format")
+        if fmt is None:
+            return  # msprobe's default is tensorboard (1.2.1) or csv (8.x and later): trainmon writes both
+        if fmt in ("csv", "tensorboard"):
+            self.out["sinks"] = [fmt]
+        elif fmt == "api":
+            self.out["sinks"] = []
+            self._differs("format", "'api' writes no file, as in msprobe; read the values from the StepRecord "
+                                    "that monitor.step() returns (msprobe's generate_*_metrics methods do not exist)")
         else:
-            _cannot(key, "no trainmon equivalent")
-    if "alert" in data:
-        out["anomaly"] = _alert(data["alert"], out)
-    return out
+            self._cannot(f"format: {fmt!r}", "msprobe knows csv, tensorboard and api")
+
+    def _communication(self) -> dict[str, Any]:
+        section: dict[str, Any] = {}
+        cc = self.data["cc_distribution"]
+        lines = cc.get("cc_codeline") or []
+        if lines:  # msprobe's "path/file.py[line]" -> a regex on trainmon's "path/file.py:line in function"
+            section["call_sites"] = True
+            section["call_site_filter"] = "|".join(_codeline_regex(str(line)) for line in lines)
+        if cc.get("cc_log_only"):
+            self._cannot("cc_distribution.cc_log_only", "trainmon does not stop training to print the "
+                                                        "collectives' call stacks; set communication.call_sites "
+                                                        "to see them in the row names")
+        for key in cc:
+            if key not in ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only"):
+                self._cannot(f"cc_distribution.{key}", "msprobe knows enable, cc_codeline, cc_pre_hook, cc_log_only")
+        # cc_pre_hook: trainmon always measures a collective's inputs (msprobe's pre-hook) and outputs.
+        return section
+
+    def _alert(self, alert: dict[str, Any]) -> dict[str, Any]:
+        detectors: list[dict[str, Any]] = [{"type": "nonfinite"}]
+        for rule in alert.get("rules") or []:
+            name = rule.get("rule_name")
+            args = rule.get("args") or {}
+            if name == "AnomalyTurbulence" and "threshold" in args:
+                detectors.append({"type": "spike", "method": "relative", "threshold": float(args["threshold"]),
+                                  "series": self._turbulence_series()})
+            elif name == "AnomalyNan":
+                if args.get("threshold") is not None:
+                    self._cannot("alert.rules: AnomalyNan threshold", "trainmon has no |value| > threshold "
+                                                                      "detector; its nonfinite detector reports NaN and Inf")
+            else:
+                self._cannot(f"alert.rules: {str(name)[:40]!r}", "msprobe knows AnomalyTurbulence (with args."
+                                                                 "threshold) and AnomalyNan; msprobe skips it too")
+        if alert.get("inform"):
+            self._cannot("alert.inform", "trainmon sends no database or e-mail message; register a function with "
+                                         "monitor.on_anomaly and the callback action")
+        actions = ["log", "jsonl"] if alert.get("dump") else ["log"]
+        return {"detectors": detectors, "actions": actions}
+
+    def _turbulence_series(self) -> list[str]:
+        """msprobe 1.2.1 scans every value it writes (each row and each op) with AnomalyTurbulence."""
+        out = self.out
+        metrics = out["activations"]["metrics"]
+        families = [family for section, names in _FAMILY_OF_SECTION.items() if out.get(section, {}).get("enabled")
+                    for family in names]
+        if out["activations"].get("enabled") and not out["activations"].get("forward", True):
+            families.remove("actv")
+        if out["activations"].get("enabled") and not out["activations"].get("backward", True):
+            families.remove("actv_grad")
+        if out["optimizer_states"]["enabled"]:  # msprobe draws the update as heatmaps, which it does not scan
+            families += [state for state in out["optimizer_states"]["states"] if state != "update"]
+        series = [f"{family}/*/{metric}" for family in families for metric in metrics]
+        if out.get("grad_probe", {}).get("mg_direction"):
+            series.append("grad_probe/*/mg_direction")
+        return series or ["grad_norm"]
+
+    def _warn_rest(self) -> None:
+        data = self.data
+        for key in ("ndigits",):
+            if key in data:
+                self._cannot(key, "trainmon writes every value at full precision")
+        if data.get("step_count_per_record", 1) != 1:
+            self._cannot("step_count_per_record", "trainmon writes one CSV per family; its step column says "
+                                                  "which step a row belongs to")
+        if data.get("append_output"):
+            self._cannot("append_output", "set run_name to the run to continue: trainmon appends to it")
+        if data.get("squash_name"):
+            self._differs("squash_name", "trainmon writes full module and parameter names; msprobe's squashed "
+                                         "name is the part after the first layers. (docs/msprobe.md); targets "
+                                         "given as squashed names still select the same modules")
+        for key in ("switch", "dynamic_on"):
+            if key in data:
+                self._cannot(key, "msprobe reads it in dynamic mode (DYNAMIC_MONITOR=true) only; trainmon does not "
+                                  "re-read a msprobe file while training: convert it to a trainmon YAML file and set "
+                                  "dynamic.watch: true")
+        if data.get("mg_distribution"):
+            self._cannot("mg_distribution", "msprobe itself only checks its type; mg_direction is the key "
+                                            "that compares gradient and momentum directions")
+        if data.get("stack_info"):
+            self._cannot("stack_info", "trainmon records call stacks of the dumped modules only (dump.stack)")
+        for key in ("recording_l2_features", "l2_targets", "sa_order"):
+            if data.get(key):
+                self._cannot(key, "trainmon computes no attention-entropy, stable-rank or MoE-router features")
+        known = {"targets", "ops", "eps", "module_ranks", "format", "alert", "cc_distribution", "start_step",
+                 "step_interval", "collect_times", "print_struct", "append_output", "l2_targets", "sa_order",
+                 *_BOOL_KEYS, *_INT_KEYS}
+        for key in data:
+            if key not in known:
+                self._cannot(key, "msprobe 1.2.1 and 26.x have no such monitor key")
+
+    @staticmethod
+    def _cannot(key: str, why: str) -> None:
+        logger.warning("trainmon: msprobe config key %s is not honoured (%s)", key, why)
+
+    @staticmethod
+    def _differs(key: str, why: str) -> None:
+        logger.warning("trainmon: msprobe config key %s is honoured with a difference: %s", key, why)
 
 
 _LIST_OF = {"ops": str, "module_ranks": int}
@@ -101,7 +396,7 @@ _LIST_OF = {"ops": str, "module_ranks": int}
 
 
 def _check_types(data: dict[str, Any], path: Path) -> None:
-    """Reject the value types the translation cannot read (the rest is checked by trainmon's schema)."""
+    """Reject the value types msprobe rejects (``validate_config``); the rest is checked by trainmon's schema."""
 
     def bad(key: str, what: str, value: Any) -> ConfigError:
         return ConfigError(str(path), f"msprobe key {key}: must be {what}, got {str(value)[:60]!r}")
@@ -110,46 +405,43 @@ def _check_types(data: dict[str, Any], path: Path) -> None:
         value = data.get(key, [])
         if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
             raise bad(key, f"a list of {'strings' if kind is str else 'integers'}", value)
-    for key in ("targets", "alert"):
+    for key in ("targets", "alert", "l2_targets"):
         if key in data and not isinstance(data[key], dict):
             raise bad(key, "a JSON object", data[key])
+    for key, spec in data.get("targets", {}).items():
+        if not isinstance(spec, dict):
+            raise bad(f"targets.{key}", "a JSON object (e.g. {} or {\"input\": \"tensor\"})", spec)
+    for key in _BOOL_KEYS:
+        if key in data and not isinstance(data[key], bool):
+            raise bad(key, "true or false", data[key])
+    for key in _INT_KEYS:
+        if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int)):
+            raise bad(key, "an integer", data[key])
+    if "eps" in data and (isinstance(data["eps"], bool) or not isinstance(data["eps"], (int, float))):
+        raise bad("eps", "a number", data["eps"])
     if "format" in data and not isinstance(data["format"], str):
         raise bad("format", "a string", data["format"])
+    if "append_output" in data and not isinstance(data["append_output"], list):
+        raise bad("append_output", "a list", data["append_output"])
     cc = data.get("cc_distribution", {})
-    if not isinstance(cc, (dict, bool)):
-        raise bad("cc_distribution", "a JSON object or true/false", cc)
-    codelines = cc.get("cc_codeline", []) if isinstance(cc, dict) else []
+    if not isinstance(cc, dict):
+        raise bad("cc_distribution", "a JSON object", cc)
+    codelines = cc.get("cc_codeline", [])
     if not isinstance(codelines, list) or not all(isinstance(line, str) for line in codelines):
         raise bad("cc_distribution.cc_codeline", "a list of strings", codelines)
-    rules = data.get("alert", {}).get("rules", [])
+    rules = data.get("alert", {}).get("rules") or []
     if not isinstance(rules, list) or not all(isinstance(rule, dict) for rule in rules):
         raise bad("alert.rules", "a list of JSON objects", rules)
     for i, rule in enumerate(rules):
-        args = rule.get("args", {})
+        args = rule.get("args") or {}
         if not isinstance(args, dict):
             raise bad(f"alert.rules[{i}].args", "a JSON object", args)
         threshold = args.get("threshold", 0.5)
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
-            raise bad(f"alert.rules[{i}].args.threshold", "a number", threshold)
-
-
-def _communication(value: Any) -> dict[str, Any]:
-    """``cc_distribution``: ``enable``, ``cc_codeline`` (call-site filter); the rest is warned about."""
-    if not isinstance(value, dict):
-        return {"enabled": bool(value)}
-    section: dict[str, Any] = {"enabled": bool(value.get("enable"))}
-    for key, item in value.items():
-        if key == "enable":
-            continue
-        if key == "cc_codeline":
-            if item:  # msprobe's "path/file.py[line]" -> a regex on trainmon's "path/file.py:line in function"
-                section["call_sites"] = True
-                section["call_site_filter"] = "|".join(_codeline_regex(str(line)) for line in item)
-        elif key == "cc_pre_hook":
-            continue  # trainmon always measures both the inputs (pre) and the outputs (post)
-        else:
-            _cannot(f"cc_distribution.{key}", "no trainmon equivalent")
-    return section
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                      or threshold < 0):
+            raise bad(f"alert.rules[{i}].args.threshold", "a number >= 0", threshold)
+    if "dump" in data.get("alert", {}) and not isinstance(data["alert"]["dump"], bool):
+        raise bad("alert.dump", "true or false", data["alert"]["dump"])
 
 
 def _codeline_regex(codeline: str) -> str:
@@ -157,27 +449,3 @@ def _codeline_regex(codeline: str) -> str:
     if match is None:
         return re.escape(codeline)
     return f"{re.escape(match.group(1))}:{match.group(2)} "
-
-
-def _alert(value: Any, out: dict[str, Any]) -> dict[str, Any]:
-    detectors: list[dict[str, Any]] = [{"type": "nonfinite"}]
-    actions = ["log", "jsonl"]
-    if not isinstance(value, dict):
-        return {"detectors": detectors, "actions": actions}
-    for rule in value.get("rules", []):
-        if rule.get("rule_name") == "AnomalyTurbulence":
-            threshold = rule.get("args", {}).get("threshold", 0.5)
-            # msprobe applies the rule to the statistics of every monitored tensor: here, their norms.
-            series = ["loss", "grad_norm"] + [f"{family}/*/norm" for section, family in _NORM_SERIES
-                                              if out.get(section, {}).get("enabled")]
-            detectors.append({"type": "spike", "method": "relative", "threshold": threshold, "series": series})
-        else:
-            _cannot(f"alert.rules: {rule.get('rule_name')!r}", "only AnomalyTurbulence is translated")
-    if value.get("dump"):
-        actions.append("dump")
-        out["dump"] = {"enabled": True}
-    return {"detectors": detectors, "actions": actions}
-
-
-def _cannot(key: str, why: str) -> None:
-    logger.warning("trainmon: msprobe config key %s is not honoured (%s)", key, why)

@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import logging
 import re
 from collections.abc import Iterable, Sequence
 
 from trainmon.errors import TargetError
+
+logger = logging.getLogger("trainmon")
+
+OPTIONAL = "optional:"
+"""Prefix of a pattern that may match nothing (e.g. ``optional:re:^layers\\.0\\.``); msprobe
+targets are translated to such patterns, because msprobe silently skips a target that names nothing."""
+
+
+def split_optional(pattern: str) -> tuple[str, bool]:
+    """``(pattern without the optional: prefix, whether it had one)``."""
+    if pattern.startswith(OPTIONAL):
+        return pattern[len(OPTIONAL):], True
+    return pattern, False
 
 
 def _matcher(pattern: str) -> re.Pattern[str]:
@@ -20,23 +34,30 @@ def select(names: Iterable[str], patterns: Sequence[str], key: str) -> list[str]
     """Names matching any pattern, in their original order.
 
     A glob or exact name must match the whole name; a ``re:`` regex is searched
-    (``re.search``), so anchor it when needed.
+    (``re.search``), so anchor it when needed. A pattern prefixed with ``optional:`` may match
+    nothing; when every pattern is optional and none matches, one warning says so.
 
     Raises:
         TargetError: a pattern is not a string, is empty, is an invalid ``re:`` regex, or matches
-            nothing; the key is ``{key}[{i}]`` and a pattern that matches nothing lists close names.
+            nothing (and is not optional); the key is ``{key}[{i}]`` and a pattern that matches
+            nothing lists close names.
 
     Example:
         >>> select(["layers.0.mlp", "layers.1.mlp", "head"], ["layers.*.mlp"], "targets.modules")
         ['layers.0.mlp', 'layers.1.mlp']
+        >>> select(["layers.0.mlp", "head"], ["optional:re:^blocks", "head"], "targets.modules")
+        ['head']
     """
     names = list(names)
     chosen: set[str] = set()
     if isinstance(patterns, str):
         raise TargetError(key, f"must be a list of patterns, got the string {patterns[:60]!r}")
-    for i, pattern in enumerate(patterns):
-        if not isinstance(pattern, str) or not pattern:
-            raise TargetError(f"{key}[{i}]", f"must be a non-empty string, got {str(pattern)[:60]!r}")
+    for i, given in enumerate(patterns):
+        if not isinstance(given, str) or not given:
+            raise TargetError(f"{key}[{i}]", f"must be a non-empty string, got {str(given)[:60]!r}")
+        pattern, optional = split_optional(given)
+        if not pattern:
+            raise TargetError(f"{key}[{i}]", f"must name a pattern after {OPTIONAL!r}")
         try:
             matcher = _matcher(pattern)
         except re.error as exc:
@@ -45,9 +66,13 @@ def select(names: Iterable[str], patterns: Sequence[str], key: str) -> list[str]
             hits = {n for n in names if matcher.search(n)}
         else:
             hits = {n for n in names if matcher.fullmatch(n)}
-        if not hits:
+        if not hits and not optional:
             close = difflib.get_close_matches(pattern.removeprefix("re:"), names, n=5, cutoff=0.5)
             hint = f"; close names: {close}" if close else f"; some names: {names[:5]}"
             raise TargetError(f"{key}[{i}]", f"pattern {pattern!r} matches nothing{hint}")
         chosen |= hits
+    if patterns and not chosen:
+        shown = [p[:80] for p in patterns[:3]]
+        logger.warning("trainmon: %s: no name matches %s%s (optional patterns); nothing is selected; some names: %s",
+                       key, shown, " ..." if len(patterns) > 3 else "", names[:5])
     return [n for n in names if n in chosen]

@@ -228,39 +228,6 @@ def test_dynamic_config_applies_from_next_step_and_ignores_broken_edits(tmp_path
     assert b"enabled: false" in path.read_bytes()  # the user's file is never rewritten by trainmon
 
 
-def test_from_msprobe(tmp_path, caplog):
-    path = tmp_path / "msprobe.json"
-    path.write_text(json.dumps({"targets": {"layers.0.fc1": {}}, "xy_distribution": True, "all_xy": True,
-                                "wg_distribution": True, "mv_distribution": False, "ops": ["norm", "max", "id"],
-                                "format": "csv", "ndigits": 12, "step_interval": 1, "start_step": 0}))
-    monitor = TrainerMonitor.from_msprobe(path)
-    assert monitor.config.activations.enabled and monitor.config.activations.metrics == ["norm", "max"]
-    assert not monitor.config.optimizer_states.enabled and monitor.config.sinks == ["csv"]
-    assert monitor.config.targets.modules == ["layers.0.fc1"]
-    messages = " ".join(r.getMessage() for r in caplog.records)
-    assert "ndigits" in messages and "'id'" in messages
-    monitor.close()
-
-
-def test_from_msprobe_alert_dump_and_communication(tmp_path, caplog):
-    path = tmp_path / "msprobe.json"
-    path.write_text(json.dumps({
-        "alert": {"rules": [{"rule_name": "AnomalyTurbulence", "args": {"threshold": 0.3}}], "dump": True},
-        "xy_distribution": True, "output_dir": "x",
-        "cc_distribution": {"enable": True, "cc_codeline": ["train.py[12]"], "cc_log_only": True}}))
-    monitor = TrainerMonitor.from_msprobe(path)
-    config = monitor.config
-    spike = [d for d in config.anomaly.detectors if d["type"] == "spike"][0]
-    assert spike["method"] == "relative" and spike["threshold"] == 0.3 and "actv/*/norm" in spike["series"]
-    assert "dump" in config.anomaly.actions and config.dump.enabled
-    # msprobe collects only what is switched on: weight grads and optimizer states stay off here.
-    assert config.activations.enabled and not config.weight_grads.enabled and not config.optimizer_states.enabled
-    assert config.communication.enabled and config.communication.call_site_filter == r"train\.py:12 "
-    messages = " ".join(r.getMessage() for r in caplog.records)
-    assert "cc_log_only" in messages and "output_dir" in messages
-    monitor.close()
-
-
 def test_import_trainmon_pulls_in_no_framework():
     code = ("import sys, trainmon; bad = [m for m in ('torch', 'deepspeed', 'megatron', 'mindspore') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")

@@ -173,6 +173,7 @@ class GradProbe:
         bits: list[torch.Tensor] = []
         checksums: list[torch.Tensor] = []
         totals: dict[str, list[torch.Tensor]] = {}
+        directions: list[tuple[str, torch.Tensor | None]] = []
         for index, (name, param, vpp_stage) in enumerate(self.params):
             grad = self.grad_of(param)
             if grad is None or grad.numel() == 0:
@@ -198,6 +199,10 @@ class GradProbe:
                     row.append((numel - torch.count_nonzero(flat)).to(_F32) / numel)
             vectors.extend(row)
             metas.append(meta)
+            if self.settings.mg_direction:
+                directions.append((name, self._mg_direction(param, flat)))
+        if directions:
+            self._add_mg_direction(directions)
         if not metas:
             return
         stats = torch.stack([v.to(_F32) for v in vectors]).view(len(metas), self.width)
@@ -275,6 +280,35 @@ class GradProbe:
                 torch.stack([differing_m, self._const(flat.numel(), flat)]))
             totals.setdefault("cos_exp_avg", []).append(torch.stack([dot, norm.square(), norm_m.square()]))
         return packed, count, [agree_prev, cos_prev, agree_exp_avg, cos_exp_avg]
+
+    def _mg_direction(self, param: torch.Tensor, flat: torch.Tensor) -> torch.Tensor | None:
+        """msprobe's ``mg_direction`` parts ``[sum(sign(g) * sign(m)), numel]`` (float32, on device);
+        ``[numel, numel]`` (a ratio of 1.0) at step 0, None when there is no ``exp_avg`` later on.
+
+        msprobe (``module_hook.py``, ``get_sign_matches``) reports ``(sum / numel + 1) / 2``, so an
+        element where either sign is 0 counts one half, and 1.0 at step 0."""
+        numel = self._const(flat.numel(), flat)
+        if self.ctx.step == 0:
+            return torch.stack([numel, numel])
+        exp_avg = self.exp_avg_of(param)
+        if exp_avg is None or exp_avg.numel() != flat.numel():
+            return None
+        momentum = exp_avg.detach().reshape(-1)
+        agree = (torch.sign(flat) * torch.sign(momentum)).sum(dtype=_F32)
+        return torch.stack([agree, numel])
+
+    def _add_mg_direction(self, directions: list[tuple[str, torch.Tensor | None]]) -> None:
+        """``grad_probe/mg_direction`` (element-weighted) and, with ``scalars: param``, one per parameter."""
+        mode = self.settings.scalars
+        parts = [(name, p) for name, p in directions if p is not None]
+        if mode == "none" or not parts:
+            return
+        buffer = self.ctx.buffer
+        summed = torch.stack([p for _, p in parts]).sum(dim=0)
+        buffer.add_scalar("grad_probe/mg_direction", (summed[0] / summed[1] + 1) / 2)
+        if mode == "param":
+            for name, p in parts:
+                buffer.add_scalar(f"grad_probe/{name}/mg_direction", (p[0] / p[1] + 1) / 2)
 
     def _add_scalars(self, stats: torch.Tensor, metas: list[dict[str, Any]],
                      totals: dict[str, list[torch.Tensor]]) -> None:

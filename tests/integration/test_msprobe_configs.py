@@ -1,0 +1,259 @@
+"""Every monitor config msprobe publishes, through ``TrainerMonitor.from_msprobe``, one step on a small model.
+
+The configs (tests/data/msprobe_configs/, provenance also in SOURCES.json there) are every JSON monitor
+config in msprobe's documentation and unit tests:
+
+- the docs shipped in the mindstudio-probe 1.2.1 wheel from PyPI (``msprobe/docs/19.monitor.md``);
+- the newest docs and the unit-test configs, which no wheel ships: msprobe's source, at
+  https://gitcode.com/Ascend/mstt, read from its GitHub mirror xiaobingling93-pixel/Ascend-mstt at
+  commit 99c2e0f990a17d328f487062acc9c490f7f6ff26 (2026-04-25), paths below.
+
+Each must load, attach and run one training step; the modules and parameters with rows must be the
+ones msprobe selects by its own rules (``msprobe_selection``, restated from msprobe 1.2.1's source in
+tests/unit/test_msprobe_translation.py), minus the root module, which trainmon never hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+
+from tests.unit.test_msprobe_translation import msprobe_selection
+from trainmon import TrainerMonitor
+
+CONFIGS = Path(__file__).resolve().parents[1] / "data" / "msprobe_configs"
+SOURCES = {  # file -> where msprobe publishes it (doc blocks by the line their ``` fence opens on)
+    "doc121_line94.json":
+        "mindstudio-probe 1.2.1 wheel (PyPI): msprobe/docs/19.monitor.md:94",
+    "doc121_line145.json":
+        "mindstudio-probe 1.2.1 wheel (PyPI): msprobe/docs/19.monitor.md:145",
+    "doc121_line170.json":
+        "mindstudio-probe 1.2.1 wheel (PyPI): msprobe/docs/19.monitor.md:170",
+    "doc121_line178.json":
+        "mindstudio-probe 1.2.1 wheel (PyPI): msprobe/docs/19.monitor.md:178",
+    "doc121_line216.json":
+        "mindstudio-probe 1.2.1 wheel (PyPI): msprobe/docs/19.monitor.md:216",
+    "doc121_line243.json":
+        "mindstudio-probe 1.2.1 wheel (PyPI): msprobe/docs/19.monitor.md:243",
+    "doc121_line272.json":
+        "mindstudio-probe 1.2.1 wheel (PyPI): msprobe/docs/19.monitor.md:272 (fragment, wrapped in {} here)",
+    "doc121_line320.json":
+        "mindstudio-probe 1.2.1 wheel (PyPI): msprobe/docs/19.monitor.md:320",
+    "doc121_line369.json":
+        "mindstudio-probe 1.2.1 wheel (PyPI): msprobe/docs/19.monitor.md:369",
+    "doc121_line496.json":
+        "mindstudio-probe 1.2.1 wheel (PyPI): msprobe/docs/19.monitor.md:496",
+    "docnew_line25.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:25",
+    "docnew_line153.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:153",
+    "docnew_line167.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:167",
+    "docnew_line182.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:182",
+    "docnew_line203.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:203",
+    "docnew_line219.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:219",
+    "docnew_line238.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:238",
+    "docnew_line306.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:306",
+    "docnew_line314.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:314",
+    "docnew_line345.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:345",
+    "docnew_line375.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:375 (fragment, wrapped in {} here; // comment removed)",
+    "docnew_line382.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:382 (fragment, wrapped in {} here)",
+    "docnew_line390.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:390 (fragment, wrapped in {} here)",
+    "docnew_line677.json":
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:677",
+    "ut_ms_test_config.json":
+        "unit tests: debug/accuracy_tools/msprobe/test/mindspore_ut/ms_monitor/config/test_config.json",
+    "ut_all_config.json":
+        "unit tests: debug/accuracy_tools/msprobe/test/pytorch_ut/monitor/config/all_config.json",
+    "ut_cc_config.json":
+        "unit tests: debug/accuracy_tools/msprobe/test/pytorch_ut/monitor/config/cc_config.json",
+    "ut_mv_config.json":
+        "unit tests: debug/accuracy_tools/msprobe/test/pytorch_ut/monitor/config/mv_config.json",
+    "ut_stack_config.json":
+        "unit tests: debug/accuracy_tools/msprobe/test/pytorch_ut/monitor/config/stack_config.json",
+    "ut_struct_config.json":
+        "unit tests: debug/accuracy_tools/msprobe/test/pytorch_ut/monitor/config/struct_config.json",
+    "ut_ur_config.json":
+        "unit tests: debug/accuracy_tools/msprobe/test/pytorch_ut/monitor/config/ur_config.json",
+    "ut_wg_config.json":
+        "unit tests: debug/accuracy_tools/msprobe/test/pytorch_ut/monitor/config/wg_config.json",
+    "ut_xy_config.json":
+        "unit tests: debug/accuracy_tools/msprobe/test/pytorch_ut/monitor/config/xy_config.json",
+}
+_PARAM_FAMILIES = ("grad_unreduced", "grad_reduced", "param", "exp_avg", "exp_avg_sq", "update")
+_ROW = re.compile(r"(.*)\.(input|output|input_grad|output_grad)(?:\.\d+)?")
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 8)
+        self.act = torch.nn.Tanh()
+        self.fc2 = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Block() for _ in range(n)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class LanguageModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Stack(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
+class Wrapped(torch.nn.Module):
+    """``module.module.language_model...``, ``module.encoder...``, ``module.embedding.word_embedding``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Module()
+        self.module.language_model = LanguageModel()
+        self.encoder = Stack(1)
+        self.embedding = torch.nn.Module()
+        self.embedding.word_embedding = torch.nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(self.module.language_model(self.embedding.word_embedding(x)))
+
+
+class Net(torch.nn.Module):
+    """A small model holding every name the published configs target (Megatron-style names,
+    ``layer1``/``layer2`` of the MindSpore unit test), plus names msprobe squashes (layers, embedding,
+    final, output, norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = Wrapped()
+        self.language_model = LanguageModel()
+        self.layer1 = torch.nn.Linear(8, 8)
+        self.layer2 = torch.nn.Linear(8, 8)
+        self.final_norm = torch.nn.LayerNorm(8)
+        self.output_layer = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.language_model(self.module(x))
+        return self.output_layer(self.final_norm(self.layer2(torch.tanh(self.layer1(h)))))
+
+
+def _called_modules(model: torch.nn.Module) -> set[str]:
+    """Modules whose forward runs (containers like ModuleList never do: no tool has rows for them)."""
+    called: set[str] = set()
+    handles = [m.register_forward_hook(lambda *_, name=n: called.add(name)) for n, m in model.named_modules()]
+    with torch.no_grad():
+        model(torch.zeros(2, 4))
+    for handle in handles:
+        handle.remove()
+    return called
+
+
+def _rows(rank_dir: Path) -> set[tuple[str, str]]:
+    """``(family, row name)`` written: from the CSV files, or the TensorBoard events (``format: tensorboard``)."""
+    found = set()
+    for path in rank_dir.glob("*.csv"):
+        frame = pd.read_csv(path, keep_default_na=False, na_values=["nan"])
+        found |= {(path.stem, name) for name in frame["name"]}
+    if found:
+        return found
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for events in rank_dir.glob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            family, _, rest = tag.partition("/")
+            found.add((family, rest if family == "scalars" else rest.rpartition("/")[0]))
+    return found
+
+
+def test_every_published_config_is_collected_and_cited() -> None:
+    on_disk = {p.name for p in CONFIGS.glob("*.json")} - {"SOURCES.json"}
+    assert on_disk == set(SOURCES)
+    listed = {entry["file"] for entry in json.loads((CONFIGS / "SOURCES.json").read_text())}
+    assert listed == on_disk
+    # 10 in the 1.2.1 docs, 14 in the newest docs, 8 PyTorch + 1 MindSpore unit-test configs
+    assert len(on_disk) == 33
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_published_config_runs_and_selects_what_msprobe_selects(name: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    data: dict[str, Any] = json.loads((CONFIGS / name).read_text())
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
+    monitor = TrainerMonitor.from_msprobe(CONFIGS / name)
+    config = monitor.config
+    assert config.output_dir == str(tmp_path)
+    if data.get("module_ranks"):
+        assert config.ranks == list(dict.fromkeys(data["module_ranks"]))
+        # This test's job has one rank; msprobe ignores listed ranks that do not exist, trainmon rejects them
+        # at attach (docs/msprobe.md). Run it on rank 0.
+        monitor.close()
+        monitor = TrainerMonitor({**_as_dict(config), "ranks": [0]})
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with monitor:
+        monitor.attach(model, optimizer)
+        loss = model(torch.randn(4, 4)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step(loss=loss)
+    if not config.enabled:
+        return
+    (run_dir,) = tmp_path.iterdir()
+    rank_dir = run_dir / "rank0"
+    rows = _rows(rank_dir)
+    modules = {_ROW.fullmatch(n).group(1) for family, n in rows if family in ("actv", "actv_grad")}
+    params = {n for family, n in rows if family in _PARAM_FAMILIES}
+    params |= {n.removeprefix("grad_probe/").removesuffix("/mg_direction") for family, n in rows
+               if family == "scalars" and n.startswith("grad_probe/") and n.endswith("/mg_direction")
+               and n != "grad_probe/mg_direction"}
+
+    expected_modules, expected_params = msprobe_selection(data, [n for n, _ in model.named_modules()],
+                                                          [n for n, _ in model.named_parameters()])
+    if not data.get("xy_distribution") or (data.get("forward_only") and data.get("backward_only")):
+        expected_modules = set()  # msprobe hooks modules with print_struct too, but records only their structure
+    expected_modules = (expected_modules & _called_modules(model)) - {""}
+    if not any(data.get(k) for k in ("wg_distribution", "mv_distribution", "param_distribution", "mg_direction",
+                                     "ur_distribution")):
+        expected_params = set()
+    assert modules == expected_modules
+    assert params == expected_params
+    if data.get("print_struct"):
+        assert (rank_dir / "module_struct.json").exists()
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(config)
