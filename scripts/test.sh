@@ -13,7 +13,7 @@ lane() {  # lane NAME VENV: run pytest in VENV; prints its closing line and time
   local name=$1 venv=$2 start=$SECONDS code=0
   shift 2
   echo "=== tests: $name ($("$venv/bin/python" -c 'import numpy, pandas; print(f"numpy {numpy.__version__}, pandas {pandas.__version__}")')) ==="
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@" || code=$?
+  "$venv/bin/python" -m pytest -q -rfEs -p no:cacheprovider "$@" || code=$?  # -rfEs: failures, errors and skip reasons
   echo "=== tests: $name: exit $code in $((SECONDS - start)) s ==="
   return $code
 }
