@@ -26,15 +26,18 @@ class HostStep:
 
 @dataclass
 class StepBuffer:
-    """Collects ``(RowKey, [8] device tensor)`` pairs and 0-d scalar tensors during a step.
+    """Collects row keys with their ``[8]`` partial statistics, and 0-d scalar tensors, during a step.
 
-    Hooks call :meth:`add` and :meth:`add_scalar`, which only append: no computation, no
-    synchronisation. :meth:`transfer` stacks everything and performs the step's single
-    device-to-host copy per device (one device in every ordinary run).
+    Hooks call :meth:`add` (one row), :meth:`add_block` (``N`` rows computed together, a flat
+    ``[8 N]`` tensor) and :meth:`add_scalar`, which only append: no computation, no
+    synchronisation. :meth:`transfer` concatenates everything and performs the step's single
+    device-to-host copy per device (one device in every ordinary run): one ``cat`` per device,
+    whatever the number of rows.
     """
 
     keys: list[RowKey] = field(default_factory=list)
     partials: list[torch.Tensor] = field(default_factory=list)
+    """Flat float32 tensors of ``8 k`` values, the partials of ``k`` consecutive ``keys``."""
     scalar_names: list[str] = field(default_factory=list)
     scalar_values: list[torch.Tensor] = field(default_factory=list)
     host_scalars: dict[str, float] = field(default_factory=dict)
@@ -44,9 +47,21 @@ class StepBuffer:
         """Execution-order counter within the step (the ``order`` of rows and events)."""
         return next(self._order)
 
+    def reserve_orders(self, count: int) -> int:
+        """The first of ``count`` consecutive execution-order numbers, reserved for rows measured together."""
+        first = next(self._order)
+        if count > 1:
+            self._order = itertools.count(first + count)
+        return first
+
     def add(self, key: RowKey, partial: torch.Tensor) -> None:
         self.keys.append(key)
         self.partials.append(partial)
+
+    def add_block(self, keys: list[RowKey], block: torch.Tensor) -> None:
+        """``len(keys)`` rows whose partials are the consecutive 8-value slices of the flat ``block``."""
+        self.keys.extend(keys)
+        self.partials.append(block)
 
     def add_scalar(self, name: str, value: torch.Tensor | float | int) -> None:
         if isinstance(value, torch.Tensor):
@@ -59,22 +74,32 @@ class StepBuffer:
         return len(self.keys) + len(self.scalar_names)
 
     def transfer(self) -> HostStep:
-        """Stack and copy to the host: THE host synchronisation of a collected step."""
-        tensors = self.partials + self.scalar_values
-        pieces: list[np.ndarray] = [np.empty(0)] * len(tensors)
-        # Group by device so a model spread over devices still costs one copy per device.
+        """Concatenate and copy to the host: THE host synchronisation of a collected step."""
+        # Entries in the order they were added (row blocks, then the scalars), grouped by device so
+        # that a model spread over devices still costs one copy per device.
+        entries: list[torch.Tensor] = [p if p.dim() == 1 else p.reshape(-1) for p in self.partials]
+        if self.scalar_values:
+            scalar_devices: dict[torch.device, list[int]] = {}
+            for i, value in enumerate(self.scalar_values):
+                scalar_devices.setdefault(value.device, []).append(i)
+            scalar_pieces = {device: torch.stack([self.scalar_values[i] for i in indices])
+                             for device, indices in scalar_devices.items()}
+            entries.extend(scalar_pieces.values())
         by_device: dict[torch.device, list[int]] = {}
-        for i, tensor in enumerate(tensors):
+        for i, tensor in enumerate(entries):
             by_device.setdefault(tensor.device, []).append(i)
+        pieces: list[np.ndarray] = [np.empty(0)] * len(entries)
         for indices in by_device.values():
-            stacked = torch.cat([tensors[i].reshape(-1) for i in indices])
+            stacked = torch.cat([entries[i] for i in indices]) if len(indices) > 1 else entries[indices[0]]
             values = stacked.cpu().numpy()  # sync: the one device-to-host transfer of the step
-            sizes = np.cumsum([tensors[i].numel() for i in indices])[:-1]
+            sizes = np.cumsum([entries[i].numel() for i in indices])[:-1]
             for i, piece in zip(indices, np.split(values, sizes)):
                 pieces[i] = piece
-        n_rows = len(self.partials)
-        partials = (np.stack(pieces[:n_rows]).astype(np.float64) if n_rows
+        n_blocks = len(self.partials)
+        partials = (np.concatenate(pieces[:n_blocks]).astype(np.float64).reshape(-1, PARTIAL_SLOTS) if n_blocks
                     else np.empty((0, PARTIAL_SLOTS)))
         scalars = dict(self.host_scalars)
-        scalars.update((name, float(piece[0])) for name, piece in zip(self.scalar_names, pieces[n_rows:]))
+        if self.scalar_values:
+            for (device, indices), piece in zip(scalar_devices.items(), pieces[n_blocks:]):
+                scalars.update((self.scalar_names[i], float(value)) for i, value in zip(indices, piece))
         return HostStep(list(self.keys), partials, scalars)

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from trainmon.collect.buffer import StepBuffer
-from trainmon.collect.stats import StatsSpec, partial_stats
+from trainmon.collect.stats import StatsSpec, partial_stats, partial_stats_many
 from trainmon.records import RowKey
 
 logger = logging.getLogger("trainmon")
@@ -31,6 +31,28 @@ def unscale_partial(partial: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The partial statistics of ``x / scale`` from those of ``x`` (``scale`` > 0; on the device, no sync)."""
     inverse = scale.detach().to(device=partial.device, dtype=partial.dtype).reciprocal()
     return torch.cat([partial[:4] * inverse, partial[4:]])  # norm, sum, min, max scale; counts do not
+
+
+class _ScaleMasks:
+    """One cached ``[8]`` boolean per device: the slots that scale with the tensor (norm, sum, min, max)."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, device: torch.device) -> torch.Tensor:
+        mask = self._by_device.get(device)
+        if mask is None:  # made on the device: no host-to-device copy
+            mask = self._by_device[device] = torch.arange(8, device=device) < 4
+        return mask
+
+
+_scale_mask = _ScaleMasks()
+
+
+def unscale_block(block: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """:func:`unscale_partial` of a flat ``[8 N]`` block of partials: two kernels whatever ``N``."""
+    factors = torch.where(_scale_mask(block.device), scale.detach().to(block.device, block.dtype).reciprocal(), 1.0)
+    return (block.view(-1, 8) * factors).view(-1)
 
 
 class Collector(Protocol):
@@ -84,18 +106,21 @@ class StepContext:
     (after data-parallel reduction): see :class:`trainmon.steps.StepLifecycle`."""
     scaler: Any = None
     """The torch ``GradScaler`` of the run, when known: gradients read before ``unscale_`` are divided by its scale."""
-    _measured: dict[int, tuple[weakref.ref, int, StatsSpec, torch.Tensor]] = field(default_factory=dict)
+    _measured: dict[int, tuple[weakref.ref, int, StatsSpec, torch.Tensor, int | None]] = field(
+        default_factory=dict)
     _unmeasurable: set[tuple[str, str]] = field(default_factory=set)
 
     def wants(self, family: str) -> bool:
         return self.collecting and family in self.specs
 
     def record(self, family: str, name: str, tensor: torch.Tensor, vpp_stage: int = 0,
-               micro_step: int | None = None, scale: torch.Tensor | None = None) -> torch.Tensor | None:
+               micro_step: int | None = None, scale: torch.Tensor | None = None,
+               order: int | None = None) -> torch.Tensor | None:
         """Measure ``tensor`` into the buffer as a row of ``family`` (no host sync).
 
         ``scale``: a device scalar the tensor is multiplied by (a loss scale): the row then holds
         the statistics of ``tensor / scale`` (norm, sum, min, max; counts are unchanged).
+        ``order``: the row's execution order, when reserved beforehand (default: the next one).
 
         Returns the device partial vector (so a caller can reuse it), or None when the family is off
         or the tensor cannot be measured (a sparse tensor, say: warned once per row, then skipped).
@@ -106,22 +131,84 @@ class StepContext:
         # The same tensor object at the same version was already measured this step (an output
         # that is the next module's input, a gradient unchanged between accumulation and the
         # optimizer step): reuse its statistics instead of reading the tensor again.
-        version = getattr(tensor, "_version", None)  # torch tensors; others are always measured
-        seen = self._measured.get(id(tensor)) if version is not None else None
-        if seen is not None and seen[0]() is tensor and seen[1] == version and seen[2] == spec:
-            partial = seen[3]
-        else:
+        partial = self._cached(tensor, spec)
+        if partial is None:
             try:
                 partial = self.stats_fn(tensor, spec)
             except Exception as exc:  # a tensor we cannot measure must not break the user's step
                 self._cannot_measure(family, name, exc)
                 return None
-            if version is not None:
-                self._measured[id(tensor)] = (weakref.ref(tensor), version, spec, partial)
+            self._remember(tensor, spec, partial, None)
         if scale is not None:
             partial = unscale_partial(partial, scale)
-        self.add(family, name, partial, vpp_stage, micro_step)
+        self.add(family, name, partial, vpp_stage, micro_step, order)
         return partial
+
+    def record_many(self, family: str, names: Sequence[str], tensors: Sequence[torch.Tensor],
+                    vpp_stages: int | Sequence[int] = 0, micro_step: int | None = None,
+                    scale: torch.Tensor | None = None, orders: Sequence[int] | None = None) -> None:
+        """:meth:`record` for many tensors at once: rows ``names[i]`` of ``tensors[i]``.
+
+        Same rows, values, dedup cache and ``scale`` semantics as calling :meth:`record` for each
+        tensor in turn, but the statistics are computed together (:func:`partial_stats_many`: a
+        few kernels per device and dtype instead of a dozen per tensor) and added to the buffer
+        as blocks. ``vpp_stages``: one for all rows or one per row; ``orders``: each row's
+        execution order when reserved beforehand (default: consecutive, in the order given).
+        A tensor that cannot be measured is warned about once per row and skipped.
+        """
+        spec = self.specs.get(family)
+        if spec is None or not tensors:
+            return
+        stages = [vpp_stages] * len(tensors) if isinstance(vpp_stages, int) else list(vpp_stages)
+        if self.stats_fn is not partial_stats or not hasattr(self.buffer, "add_block"):
+            for i, (name, tensor) in enumerate(zip(names, tensors)):  # another framework's statistics
+                self.record(family, name, tensor, stages[i], micro_step, scale,
+                            None if orders is None else orders[i])
+            return
+        if orders is None:
+            first = self.buffer.reserve_orders(len(tensors))
+            orders = range(first, first + len(tensors))
+        micro = self.micro_step if micro_step is None else micro_step
+        fresh: list[int] = []
+        for i, tensor in enumerate(tensors):
+            cached = self._cached(tensor, spec)
+            if cached is not None:  # measured already this step: reuse (see record)
+                partial = cached if scale is None else unscale_partial(cached, scale)
+                self.buffer.add(RowKey(family, names[i], micro, stages[i], orders[i]), partial)
+            elif getattr(tensor, "layout", torch.strided) != torch.strided:
+                self._cannot_measure(family, names[i], TypeError(f"{tensor.layout} tensors are not measured"))
+            else:
+                fresh.append(i)
+        if not fresh:
+            return
+        try:
+            groups = partial_stats_many([tensors[i] for i in fresh], spec)
+        except Exception:  # measure one by one: each row that fails is warned about and skipped
+            for i in fresh:
+                self.record(family, names[i], tensors[i], stages[i], micro_step, scale, orders[i])
+            return
+        for indices, block in groups:
+            rows = [fresh[j] for j in indices]
+            for row, i in enumerate(rows):
+                self._remember(tensors[i], spec, block, row)
+            if scale is not None:
+                block = unscale_block(block, scale)
+            keys = [RowKey(family, names[i], micro, stages[i], orders[i]) for i in rows]
+            self.buffer.add_block(keys, block)
+
+    def _cached(self, tensor: Any, spec: StatsSpec) -> torch.Tensor | None:
+        """The partial of ``tensor`` measured earlier this step at its current version, if any."""
+        version = getattr(tensor, "_version", None)  # torch tensors; others are always measured
+        seen = self._measured.get(id(tensor)) if version is not None else None
+        if seen is None or seen[0]() is not tensor or seen[1] != version or seen[2] != spec:
+            return None
+        block, row = seen[3], seen[4]
+        return block if row is None else block[row * 8:(row + 1) * 8]
+
+    def _remember(self, tensor: Any, spec: StatsSpec, block: Any, row: int | None) -> None:
+        version = getattr(tensor, "_version", None)
+        if version is not None:
+            self._measured[id(tensor)] = (weakref.ref(tensor), version, spec, block, row)
 
     def forget_measured(self) -> None:
         """Forget which tensors were measured: the next read measures again.
@@ -144,10 +231,10 @@ class StepContext:
         self.micro_step = 0
 
     def add(self, family: str, name: str, partial: torch.Tensor, vpp_stage: int = 0,
-            micro_step: int | None = None) -> None:
+            micro_step: int | None = None, order: int | None = None) -> None:
         """Append an already computed ``[8]`` partial vector (e.g. combined across shards)."""
         key = RowKey(family, name, self.micro_step if micro_step is None else micro_step,
-                     vpp_stage, self.buffer.next_order())
+                     vpp_stage, self.buffer.next_order() if order is None else order)
         self.buffer.add(key, partial)
 
     def add_many(self, family: str, names: Sequence[str], partials: torch.Tensor,

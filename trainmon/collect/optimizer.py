@@ -8,10 +8,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from trainmon.collect import kernels
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.stats import StatsSpec, partial_numpy
+from trainmon.collect.kernels import ratio_into as _ratio_into
+from trainmon.collect.kernels import update_into as _update_into
+from trainmon.collect.stats import StatsSpec, fused_kernel, numpy_viewable, partials_torch
 from trainmon.steps import scale_of
-from trainmon.records import PARTIAL_SLOTS, combine_partials
+from trainmon.records import PARTIAL_SLOTS, RowKey
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
@@ -63,68 +66,174 @@ def _adam_constants(step: Any, beta1: float, beta2: float, eps: float) -> tuple[
     return root_bias2 / (1 - beta1 ** count), eps * root_bias2
 
 
-def _update_into(m: np.ndarray, v: np.ndarray, out: np.ndarray, scale: float, eps: float) -> None:
-    """The Adam update in four passes over ``out``."""
-    np.sqrt(v, out=out)
-    out += eps
-    np.divide(m, out, out=out)
-    out *= scale
-
-
-def _ratio_into(update: np.ndarray, param: np.ndarray, out: np.ndarray) -> None:
-    """``update / param``, 0 where the parameter is exactly 0."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        np.divide(update, param, out=out)
-    np.copyto(out, 0.0, where=param == 0)
-
-
-_CHUNK = 65536
-"""Elements per chunk of :func:`adam_partials_cpu`: two float32 chunks stay in L2."""
+_CHUNK = kernels.CHUNK
+"""Elements per chunk of the CPU kernels (:mod:`trainmon.collect.kernels`)."""
 
 
 def adam_partials_cpu(state: dict[str, Any], group: dict[str, Any], param: torch.Tensor,
                       update_spec: StatsSpec | None, ratio_spec: StatsSpec | None
                       ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-    """Partial statistics of ``update`` and ``ratio`` for a CPU float32 parameter, chunk by chunk.
+    """Partial statistics of ``update`` and ``ratio`` for one CPU parameter, chunk by chunk.
 
-    The same values as :func:`adam_update` and :func:`update_ratio` (same arithmetic), but
-    neither full-size tensor is ever allocated: each chunk of the update and of the ratio is
+    The same values as :func:`adam_update` and :func:`update_ratio` (same arithmetic, in float32),
+    but neither full-size tensor is ever allocated: each chunk of the update and of the ratio is
     computed into a cache-resident buffer, measured there, and the chunk partials are combined.
-    About 2x faster than materialising both on this benchmark's parameters. None when the fast
-    path does not apply (other device or dtype, non-contiguous, AMSGrad, no state yet).
+    None when the state is not Adam's (or has a step counter on another device).
     """
-    exp_avg, exp_avg_sq, step = state.get("exp_avg"), state.get("exp_avg_sq"), state.get("step")
-    tensors = (exp_avg, exp_avg_sq, param)
-    if exp_avg is None or exp_avg_sq is None or step is None or group.get("amsgrad"):
+    items = _adam_items([(param, state, group)])
+    if not items or param.device.type != "cpu":
         return None
-    if not all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
-        return None
-    if isinstance(step, torch.Tensor) and step.device.type != "cpu":
-        return None
-    scale, eps = _adam_constants(step, *group.get("betas", (0.9, 0.999)), group.get("eps", 1e-8))
-    m, v, p = (t.detach().reshape(-1).numpy() for t in tensors)  # CPU views: no copy, no sync
-    n = m.size
-    chunks = (n + _CHUNK - 1) // _CHUNK
-    parts_u = np.zeros((chunks, PARTIAL_SLOTS)) if update_spec is not None else None
-    parts_r = np.zeros((chunks, PARTIAL_SLOTS)) if ratio_spec is not None else None
-    buffer_u, buffer_r = np.empty(min(n, _CHUNK), np.float32), np.empty(min(n, _CHUNK), np.float32)
-    for i, start in enumerate(range(0, n, _CHUNK)):
-        end = min(n, start + _CHUNK)
-        u, r = buffer_u[: end - start], buffer_r[: end - start]
-        _update_into(m[start:end], v[start:end], u, scale, eps)
-        if parts_u is not None:
-            partial_numpy(u, update_spec, parts_u[i])
-        if parts_r is not None:
-            _ratio_into(u, p[start:end], r)
-            partial_numpy(r, ratio_spec, parts_r[i])
-    return _combined(parts_u), _combined(parts_r)
+    (m, v, _, scale, eps), = items
+    rows = np.zeros((2, PARTIAL_SLOTS), np.float32)
+    kernels.adam_partial_into(m, v, param if ratio_spec is not None else None, float(scale), float(eps),
+                              update_spec, ratio_spec, rows[0], rows[1])
+    return (None if update_spec is None else torch.from_numpy(rows[0]),
+            None if ratio_spec is None else torch.from_numpy(rows[1]))
 
 
-def _combined(parts: np.ndarray | None) -> torch.Tensor | None:
-    """``[C, 8]`` partials of the chunks of one tensor -> the tensor's float32 ``[8]`` partial."""
-    if parts is None:
-        return None
-    return torch.from_numpy(combine_partials(parts[:, None, :])[0].astype(np.float32))
+def _adam_items(entries: Sequence[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]
+                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]]:
+    """``(m, v, param, scale, eps')`` with update = m * scale / (sqrt(v) + eps'), for Adam-like states.
+
+    ``scale`` and ``eps'`` are host floats where the step counter is a number or a CPU tensor
+    (torch's Adam: the counters are read together, one CPU op, no sync), else 0-d tensors on the
+    counter's device. Entries whose state is not Adam's are left out.
+    """
+    adam = [(param, state, group) for param, state, group in entries
+            if state.get("exp_avg") is not None and state.get("exp_avg_sq") is not None
+            and state.get("step") is not None]
+    on_host = [isinstance(state["step"], torch.Tensor) and state["step"].device.type == "cpu"
+               for _, state, _ in adam]
+    host_steps = [state["step"] for (_, state, _), host in zip(adam, on_host) if host]
+    counts = iter(torch.stack(host_steps).to(torch.float64).numpy().tolist() if host_steps else [])  # CPU: no sync
+    items = []
+    for (param, state, group), host in zip(adam, on_host):
+        exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        if group.get("amsgrad") and state.get("max_exp_avg_sq") is not None:
+            exp_avg_sq = state["max_exp_avg_sq"]
+        beta1, beta2 = group.get("betas", (0.9, 0.999))
+        eps = group.get("eps", 1e-8)
+        if host or not isinstance(step, torch.Tensor):
+            scale, eps = _adam_constants(next(counts) if host else step, beta1, beta2, eps)
+        else:  # a step counter on the device (capturable or fused Adam): constants stay there
+            count = step.to(torch.float64 if step.device.type == "cuda" else torch.float32)
+            root_bias2 = (1 - torch.pow(beta2, count)).sqrt()
+            scale, eps = root_bias2 / (1 - torch.pow(beta1, count)), root_bias2 * eps
+        items.append((exp_avg, exp_avg_sq, param, scale, eps))
+    return items
+
+
+_TEMPORARY_ELEMENTS = 1 << 22
+"""Plain torch fallback: elements of update (and ratio) temporaries alive at once (16 MiB each in float32)."""
+
+
+def adam_partials_many(entries: Sequence[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]],
+                       update_spec: StatsSpec | None, ratio_spec: StatsSpec | None
+                       ) -> tuple[list[int], list[tuple[list[int], torch.Tensor, torch.Tensor]]]:
+    """Partials of the Adam ``update`` and ``ratio`` of many parameters, without full-size temporaries.
+
+    Args:
+        entries: ``(param, state, param_group)`` per parameter.
+
+    Returns:
+        ``(adam, blocks)``: the indices of the entries whose state is Adam's, and per group of
+        them (same device and dtypes) ``(indices, update_block, ratio_block)``, flat ``[8 k]``
+        float32 on the device (a block of zeros where its spec is None). A fused kernel reads
+        ``m``, ``v`` (and the parameter) once per group; the plain torch fallback computes the
+        update in float32 chunks of bounded size. Never synchronises with the host.
+    """
+    items = _adam_items(entries)
+    adam = [i for i, (_, state, _) in enumerate(entries)
+            if state.get("exp_avg") is not None and state.get("exp_avg_sq") is not None
+            and state.get("step") is not None]  # the entries _adam_items kept
+    groups: dict[tuple, list[int]] = {}
+    for j, (m, v, p, _, _) in enumerate(items):
+        groups.setdefault((m.device, m.dtype, v.dtype, p.dtype, p.device), []).append(j)
+    blocks = []
+    with torch.no_grad():
+        for (device, *_), members in groups.items():
+            chosen = [items[j] for j in members]
+            if fused_kernel(device) is not None and kernels.has_adam_kernel(device.type):
+                update, ratio = _adam_fused(chosen, update_spec, ratio_spec, device)
+            else:
+                update, ratio = _adam_torch(chosen, update_spec, ratio_spec, device)
+            blocks.append(([adam[j] for j in members], update, ratio))
+    return adam, blocks
+
+
+def _adam_fused(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One ``trainmon::adam_partials`` for the group: ``m``, ``v`` (and ``p``) read once."""
+    scales, epses = [item[3] for item in items], [item[4] for item in items]
+    if all(isinstance(x, float) for x in scales + epses):
+        coefficients = torch.tensor([scales, epses], dtype=torch.float64).t().contiguous()
+        if device.type != "cpu":  # pageable host memory, non-blocking: the device is not waited for
+            coefficients = coefficients.to(device, non_blocking=True)
+    else:
+        coefficients = torch.stack([torch.stack([torch.as_tensor(a, dtype=torch.float64, device=device),
+                                                 torch.as_tensor(b, dtype=torch.float64, device=device)])
+                                    for a, b in zip(scales, epses)])
+    eps = (update_spec or ratio_spec).eps
+    out = kernels.adam_partials_op([item[0] for item in items], [item[1] for item in items],
+                                   [item[2] for item in items] if ratio_spec is not None else [],
+                                   coefficients, kernels.spec_flags(update_spec), kernels.spec_flags(ratio_spec), eps)
+    half = PARTIAL_SLOTS * len(items)
+    return out[:half], out[half:]
+
+
+def _adam_torch(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch ops: float32 update (and ratio) chunks of at most ``_TEMPORARY_ELEMENTS`` at a time."""
+    pieces: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]] = []
+    for i, (m, v, p, scale, eps) in enumerate(items):
+        if m.is_contiguous() and v.is_contiguous() and p.is_contiguous() and m.numel() > _TEMPORARY_ELEMENTS:
+            for chunk in zip(m.view(-1).split(_TEMPORARY_ELEMENTS), v.view(-1).split(_TEMPORARY_ELEMENTS),
+                             p.view(-1).split(_TEMPORARY_ELEMENTS)):
+                pieces.append((i, *chunk, scale, eps))
+        else:
+            pieces.append((i, m, v, p, scale, eps))
+    updates, ratios, owners = [], [], []
+    batch_elements = 0
+    parts_u: list[torch.Tensor] = []
+    parts_r: list[torch.Tensor] = []
+
+    def flush() -> None:
+        if updates:
+            if update_spec is not None:
+                parts_u.append(partials_torch(updates, update_spec))
+            if ratio_spec is not None:
+                parts_r.append(partials_torch(ratios, ratio_spec))
+            updates.clear()
+            ratios.clear()
+
+    for i, m, v, p, scale, eps in pieces:
+        if batch_elements + m.numel() > _TEMPORARY_ELEMENTS:
+            flush()
+            batch_elements = 0
+        batch_elements += m.numel()
+        update = v.to(torch.float32, copy=True).sqrt_().add_(eps)  # the one float32 temporary
+        torch.div(m, update, out=update).mul_(scale)
+        updates.append(update)
+        owners.append(i)
+        if ratio_spec is not None:
+            ratios.append(torch.div(update, p).masked_fill_(p == 0, 0.0))
+    flush()
+    n = len(items)
+    return (_combine_pieces(parts_u, owners, n, device), _combine_pieces(parts_r, owners, n, device))
+
+
+def _combine_pieces(parts: list[torch.Tensor], owners: list[int], n: int, device: torch.device) -> torch.Tensor:
+    """Flat ``[8 n]`` partials of ``n`` tensors from the flat partials of their pieces (``owners[k]``: piece k's)."""
+    if not parts:
+        return torch.zeros(PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
+    block = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if len(owners) == n:  # one piece per tensor, in order
+        return block
+    from trainmon.collect.stats import combine_partials_torch
+    rows = block.view(-1, PARTIAL_SLOTS)
+    combined = [combine_partials_torch(rows[[k for k, owner in enumerate(owners) if owner == i]][:, None, :])
+                for i in range(n)]
+    return torch.cat(combined).view(-1)
 
 
 def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -276,14 +385,21 @@ class TorchOptimizerCollector:
         return (args[0], closure_then_measure, *args[2:]), kwargs
 
     def _measure_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """``grad_reduced``, ``param`` and ``lr`` of the gradients the optimizer steps with."""
+        """``grad_reduced``, ``param`` and ``lr`` of the gradients the optimizer steps with.
+
+        Every target parameter is visible here at once: each family is measured with one
+        :meth:`StepContext.record_many` (a few kernels per device and dtype), rows in the order
+        of the parameters, gradient then parameter.
+        """
         ctx = self.ctx
         if not ctx.collecting:
             return
+        rows: dict[str, list[tuple[str, torch.Tensor, int]]] = {"grad_reduced": [], "param": []}
         for name, param, vpp_stage in self.params:
             if param.grad is not None:
-                ctx.record("grad_reduced", name, param.grad, vpp_stage)
-            ctx.record("param", name, param, vpp_stage)
+                rows["grad_reduced"].append((name, param.grad, vpp_stage))
+            rows["param"].append((name, param, vpp_stage))
+        self._record_interleaved(rows)
         if self._norm is None:  # no backward pass was seen (gradients set by hand): the norm as it stands
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             if grads:
@@ -293,30 +409,80 @@ class TorchOptimizerCollector:
             ctx.buffer.add_scalar(f"lr/group{i}", group["lr"])
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer states, ``update`` and ``ratio`` after the step, each family measured at once."""
         ctx = self.ctx
         if not ctx.collecting:
             return
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        rows: dict[str, list[tuple[str, torch.Tensor, int]]] = {
+            family: [] for family in ("exp_avg", "exp_avg_sq", "momentum", "update", "ratio")}
+        adam_entries: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]] = []
+        adam_rows: list[tuple[str, int]] = []
+        derived = "update" in self._states or "ratio" in self._states
         for name, param, vpp_stage in self.params:
             state = optimizer.state.get(param)
             if not state:
                 continue
             for family in ("exp_avg", "exp_avg_sq"):
                 if family in self._states and family in state:
-                    ctx.record(family, name, state[family], vpp_stage)
+                    rows[family].append((name, state[family], vpp_stage))
             if "momentum" in self._states and state.get("momentum_buffer") is not None:
-                ctx.record("momentum", name, state["momentum_buffer"], vpp_stage)
-            if "update" in self._states or "ratio" in self._states:
-                group = group_of[id(param)]
-                fused = adam_partials_cpu(state, group, param, ctx.specs.get("update"), ctx.specs.get("ratio"))
-                if fused is not None:
-                    for family, partial in zip(("update", "ratio"), fused):
-                        if partial is not None and family in self._states:
-                            ctx.add(family, name, partial, vpp_stage)
-                    continue
-                update = adam_update(state, group)
-                if update is None:
-                    continue
-                ctx.record("update", name, update, vpp_stage)
-                if "ratio" in self._states:
-                    ctx.record("ratio", name, update_ratio(update, param), vpp_stage)
+                rows["momentum"].append((name, state["momentum_buffer"], vpp_stage))
+            if derived and all(state.get(key) is not None for key in ("exp_avg", "exp_avg_sq", "step")):
+                # placeholders keep the rows' execution order; the values come from adam_partials_many
+                for family in ("update", "ratio"):
+                    if family in self._states:
+                        rows[family].append((name, param, vpp_stage))
+                adam_entries.append((param, state, group_of[id(param)]))
+                adam_rows.append((name, vpp_stage))
+        orders = self._record_interleaved(rows, skip=("update", "ratio"))
+        if adam_entries:
+            self._record_adam(adam_entries, adam_rows, orders)
+
+    def _record_interleaved(self, rows: dict[str, list[tuple[str, torch.Tensor, int]]],
+                            skip: Sequence[str] = ()) -> dict[str, list[int]]:
+        """``record_many`` per family, with execution orders interleaved parameter by parameter
+        (as if each parameter's rows were recorded in turn). Returns the orders of every family."""
+        ctx = self.ctx
+        families = [family for family, entries in rows.items() if entries and family in ctx.specs]
+        if not families:
+            return {}
+        reserve = getattr(ctx.buffer, "reserve_orders", None)
+        orders: dict[str, list[int]] = {family: [] for family in families}
+        if reserve is not None:
+            # one order per row, a parameter's rows consecutive (the rows lists follow self.params)
+            names = {family: {entry[0] for entry in rows[family]} for family in families}
+            position: dict[tuple[str, str], int] = {}
+            next_order = reserve(sum(len(rows[family]) for family in families))
+            for name, _, _ in self.params:
+                for family in families:
+                    if name in names[family]:
+                        position[(family, name)] = next_order
+                        next_order += 1
+            for family in families:
+                orders[family] = [position[(family, entry[0])] for entry in rows[family]]
+        for family in families:
+            if family in skip:
+                continue
+            entries = rows[family]
+            ctx.record_many(family, [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries],
+                            orders=orders[family] or None)
+        return orders
+
+    def _record_adam(self, entries: list, names: list[tuple[str, int]], orders: dict[str, list[int]]) -> None:
+        """``update`` and ``ratio`` rows of the Adam-like parameters, without full-size temporaries."""
+        ctx = self.ctx
+        update_spec = ctx.specs.get("update") if "update" in self._states else None
+        ratio_spec = ctx.specs.get("ratio") if "ratio" in self._states else None
+        if update_spec is None and ratio_spec is None:
+            return
+        _, blocks = adam_partials_many(entries, update_spec, ratio_spec)
+        for family, spec, which in (("update", update_spec, 1), ("ratio", ratio_spec, 2)):
+            if spec is None:
+                continue
+            family_orders = orders.get(family) or None
+            for group in blocks:
+                indices, block = group[0], group[which]
+                keys = [RowKey(family, names[i][0], ctx.micro_step, names[i][1],
+                               family_orders[i] if family_orders else ctx.buffer.next_order()) for i in indices]
+                ctx.buffer.add_block(keys, block)

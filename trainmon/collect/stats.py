@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,34 +63,119 @@ _zero = _Zeros()
 def partial_stats(tensor: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
     """Partial statistics of one tensor, as a ``[8]`` float32 tensor on its device.
 
-    Never synchronises with the host. ``numel`` is written with a device fill, not a copy.
+    Never synchronises with the host. The device path is :func:`partial_stats_many`'s for one
+    tensor (a fused kernel where the device has one, else plain torch ops).
     """
-    x = tensor.detach()
-    if x.layout != torch.strided:
-        raise TypeError(f"{x.layout} tensors are not measured")
-    device = x.device
-    numel = x.numel()
-    if numel == 0:
-        return empty_partial(device)
-    if numpy_viewable(x):
-        return _partial_cpu(x, spec)
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{tensor.layout} tensors are not measured")
+    if tensor.numel() == 0:
+        return empty_partial(tensor.device)
+    if numpy_viewable(tensor):
+        return _partial_cpu(tensor.detach(), spec)
+    return device_partials([tensor], spec)  # under no_grad: no detach (a view op per tensor) needed
+
+
+def partial_stats_many(tensors: Sequence[torch.Tensor], spec: StatsSpec
+                       ) -> list[tuple[list[int], torch.Tensor]]:
+    """Partial statistics of many tensors, computed together: ``[(indices, block), ...]``.
+
+    Tensors are grouped by device and dtype; each group's partials are one flat float32 ``block``
+    of ``8 * len(indices)`` values on the group's device (row ``j`` is ``tensors[indices[j]]``).
+    A group costs O(1) kernels where the device has a fused kernel (one read of each tensor),
+    else ``_foreach`` norms and a few plain torch ops per tensor (:func:`partials_torch`);
+    numpy-viewable CPU tensors take the numpy path into one CPU block. Empty tensors get
+    empty partials. Never synchronises with the host.
+
+    Raises:
+        TypeError: a tensor that is not strided (sparse, nested).
+    """
+    groups: dict[tuple[str, torch.device, torch.dtype | None], list[int]] = {}
+    xs = list(tensors)  # not detached one by one (a view op each): the device path runs under no_grad
+    for i, x in enumerate(xs):
+        if x.layout != torch.strided:
+            raise TypeError(f"{x.layout} tensors are not measured")
+        if x.numel() == 0:
+            key = ("empty", x.device, None)
+        elif numpy_viewable(x):
+            key = ("numpy", x.device, None)
+        else:
+            key = ("device", x.device, x.dtype)
+        groups.setdefault(key, []).append(i)
+    out = []
+    for (path, device, _), indices in groups.items():
+        if path == "empty":
+            block = torch.zeros(PARTIAL_SLOTS * len(indices), dtype=_F32, device=device)
+        elif path == "numpy":
+            block = torch.zeros(PARTIAL_SLOTS * len(indices), dtype=_F32)
+            rows = block.numpy().reshape(-1, PARTIAL_SLOTS)  # CPU view: no sync
+            for row, i in zip(rows, indices):
+                partial_numpy(xs[i].detach().numpy(), spec, row)
+        else:
+            block = device_partials([xs[i] for i in indices], spec)
+        out.append((indices, block))
+    return out
+
+
+def device_partials(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Tensor:
+    """Flat ``[8 N]`` float32 partials of non-empty tensors of one device and dtype (the device path)."""
+    kernel = fused_kernel(tensors[0].device)
+    with torch.no_grad():
+        return kernel(tensors, spec) if kernel is not None else partials_torch(tensors, spec)
+
+
+fused_enabled = True
+"""Whether fused kernels are used (tests and benchmarks switch them off to measure the plain torch path)."""
+
+
+def fused_kernel(device: torch.device) -> Callable[[Sequence[torch.Tensor], StatsSpec], torch.Tensor] | None:
+    """The fused single-pass group kernel for ``device`` (:mod:`trainmon.collect.kernels`), or None."""
+    if not fused_enabled:
+        return None
+    from trainmon.collect import kernels  # lazily: registers the torch operators on first use
+
+    return kernels.partials_kernel(device.type)
+
+
+def partials_torch(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Tensor:
+    """The plain torch fallback: one ``_foreach_norm`` per group, a few reductions per tensor.
+
+    No full-size temporaries for norm, sum, min and max (low-precision tensors accumulate in
+    float32 inside the reductions). The NaN/Inf counts cannot be skipped without a host sync
+    when min and max are finite (only a kernel that reads a device flag can skip work), so they
+    are computed for every tensor: ``isnan``/``isinf`` with a boolean temporary each.
+    """
+    device, dtype = tensors[0].device, tensors[0].dtype
+    xs = list(tensors)
+    if xs[0].is_complex():
+        xs = [torch.view_as_real(x) for x in xs]
+    elif dtype == torch.bool or not xs[0].is_floating_point():
+        xs = [x.to(_F32) for x in xs]  # integer tensors are rare (indices); measure them in float32
+    accumulate = _F32 if xs[0].dtype in _LOW_PRECISION else None
     zero = _zero(device)
-    if x.is_complex():
-        x = torch.view_as_real(x)
-    if x.dtype == torch.bool or not x.is_floating_point():
-        x = x.to(_F32)  # integer tensors are rare (indices); measure them in float32
-    lo, hi = torch.aminmax(x)
-    slots = [
-        _norm(x) if spec.norm else zero,
-        x.sum(dtype=_F32) if spec.sum else zero,
-        lo.to(_F32),
-        hi.to(_F32),
-        _count_small(x, spec.eps) if spec.zeros else zero,
-        torch.isnan(x).sum().to(_F32) if spec.nans else zero,
-        torch.isinf(x).sum().to(_F32) if spec.infs else zero,
-        torch.full((), numel, dtype=_F32, device=device),
-    ]
-    return torch.stack(slots)
+    norms: Sequence[torch.Tensor] = ()
+    if spec.norm:
+        norms = torch._foreach_norm(xs, 2, dtype=accumulate) if accumulate else torch._foreach_norm(xs, 2)
+    slots: list[torch.Tensor] = []
+    for i, x in enumerate(xs):
+        lo, hi = torch.aminmax(x)
+        slots += [
+            norms[i] if spec.norm else zero,
+            x.sum(dtype=accumulate) if spec.sum else zero,
+            lo, hi,
+            _count_small(x, spec.eps) if spec.zeros else zero,
+            torch.isnan(x).sum() if spec.nans else zero,
+            torch.isinf(x).sum() if spec.infs else zero,
+            # numel: a device fill for one tensor; for many, one host-to-device copy below
+            torch.full((), x.numel(), dtype=_F32, device=device) if len(xs) == 1 else zero,
+        ]
+    block = torch.stack(slots)  # one op; promotes every slot to float32 (float64 inputs: float64)
+    if block.dtype != _F32:
+        block = block.to(_F32)
+    if len(xs) > 1:
+        numels = torch.tensor([float(x.numel()) for x in tensors], dtype=_F32)  # a CPU tensor
+        # pageable host memory, non-blocking: the device is not waited for (no sync)
+        block.view(-1, PARTIAL_SLOTS)[:, 7].copy_(numels, non_blocking=True)
+    return block
 
 
 def numpy_viewable(x: torch.Tensor) -> bool:
@@ -191,11 +276,6 @@ def _count_small(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def numel_minus(x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return (x.numel() - count).to(_F32)
-
-
-def partial_stats_many(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> list[torch.Tensor]:
-    """Partial statistics of many tensors; same as mapping :func:`partial_stats`."""
-    return [partial_stats(t, spec) for t in tensors]
 
 
 def empty_partial(device: torch.device) -> torch.Tensor:

@@ -1,0 +1,253 @@
+"""Fused single-pass statistics kernels: one operator per group of tensors of one device and dtype.
+
+Two torch operators, registered with ``torch.library`` so that they dispatch like any aten op
+(one launch per group on a GPU, one entry in a profile or a ``TorchDispatchMode``):
+
+- ``trainmon::partials(tensors, flags, eps)``: the ``[8 N]`` partial statistics of ``N`` tensors,
+  every slot from one read of each tensor (NaN/Inf counts come free with min/max: no second pass,
+  no temporary).
+- ``trainmon::adam_partials(exp_avg, exp_avg_sq, params, coefficients, update_flags, ratio_flags,
+  eps)``: the partials of the Adam update ``m_hat / (sqrt(v_hat) + eps)`` and of ``update / param``
+  of ``N`` parameters, from one read of ``m``, ``v`` (and ``p``), without the full-size update.
+
+Kernels: CPU (numpy over cache-sized chunks; bfloat16 is widened chunk by chunk from its bits) and
+CUDA (Triton, :mod:`trainmon.collect.triton_kernels`, where Triton is installed). Devices without
+a kernel use the plain torch ops of :func:`trainmon.collect.stats._partials_torch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from trainmon.collect.stats import StatsSpec, partial_numpy
+from trainmon.records import PARTIAL_SLOTS, combine_partials
+
+CHUNK = 65536
+"""Elements per chunk of the CPU kernels: a few float32 chunks stay in L2."""
+_F32 = torch.float32
+_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def spec_flags(spec: StatsSpec | None) -> list[int]:
+    """``[norm, sum, zeros, nans, infs]`` as ints (an operator argument); empty for None (not wanted)."""
+    if spec is None:
+        return []
+    return [int(spec.norm), int(spec.sum), int(spec.zeros), int(spec.nans), int(spec.infs)]
+
+
+def _spec(flags: Sequence[int], eps: float) -> StatsSpec:
+    norm, total, zeros, nans, infs = (bool(f) for f in flags)
+    return StatsSpec(norm=norm, sum=total, zeros=zeros, nans=nans, infs=infs, eps=eps)
+
+
+@torch.library.custom_op("trainmon::partials", mutates_args=())
+def partials_op(tensors: list[torch.Tensor], flags: list[int], eps: float) -> torch.Tensor:
+    """Flat ``[8 N]`` float32 partial statistics of ``tensors`` (one device, one dtype)."""
+    raise NotImplementedError(f"trainmon::partials has no kernel for {tensors[0].device.type}")
+
+
+@partials_op.register_fake
+def _(tensors: list[torch.Tensor], flags: list[int], eps: float) -> torch.Tensor:
+    return tensors[0].new_empty(PARTIAL_SLOTS * len(tensors), dtype=_F32)
+
+
+@torch.library.custom_op("trainmon::adam_partials", mutates_args=())
+def adam_partials_op(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
+                     coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
+                     eps: float) -> torch.Tensor:
+    """Flat ``[2, N, 8]`` partials: the Adam updates of ``N`` parameters, then their ratios to the parameters.
+
+    ``coefficients`` is ``[N, 2]`` float64 ``(scale, eps')`` with update = m * scale / (sqrt(v) + eps').
+    Empty flags: that half is not computed (left 0); ``params`` is read only for the ratio.
+    """
+    raise NotImplementedError(f"trainmon::adam_partials has no kernel for {exp_avg[0].device.type}")
+
+
+@adam_partials_op.register_fake
+def _(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
+      coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int], eps: float) -> torch.Tensor:
+    return exp_avg[0].new_empty(2 * PARTIAL_SLOTS * len(exp_avg), dtype=_F32)
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+def flat_chunks(values: np.ndarray, size: int = CHUNK):
+    """Consecutive pieces of at most ``size`` elements covering ``values`` in C order.
+
+    Views for a C-contiguous array; for a strided one, slices of its outer dimensions (a copy of
+    at most ``size`` elements each when reshaped), never a copy of the whole array.
+    """
+    if values.flags.c_contiguous or values.ndim <= 1:
+        flat = values.reshape(-1) if values.flags.c_contiguous else values
+        for start in range(0, flat.size, size):
+            yield flat[start:start + size]
+        return
+    inner = values[0].size
+    if inner >= size:
+        for row in values:
+            yield from flat_chunks(row, size)
+        return
+    rows = max(1, size // max(inner, 1))
+    for start in range(0, values.shape[0], rows):
+        yield values[start:start + rows].reshape(-1)
+
+
+def _widen(piece: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """float32 values of a chunk: bfloat16 bits (int16) shifted into the high half, else a cast."""
+    wide = out[: piece.size]
+    if piece.dtype == np.int16:
+        as_int = wide.view(np.int32)
+        np.copyto(as_int, piece, casting="unsafe")
+        np.left_shift(as_int, 16, out=as_int)
+    else:
+        np.copyto(wide, piece, casting="unsafe")
+    return wide
+
+
+def _numpy_source(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """A zero-copy numpy view of ``tensor`` and whether it must be widened to float32 chunk by chunk."""
+    x = tensor.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.dtype in _NUMPY_DTYPES:
+        return x.numpy(), False
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy(), True  # the same bits; widened per chunk
+    return x.to(_F32).numpy(), False  # integer/bool tensors are rare (indices)
+
+
+def partial_into(tensor: torch.Tensor, spec: StatsSpec, out: np.ndarray) -> None:
+    """The 8-slot partial of one CPU tensor into ``out``, from one pass over its memory."""
+    if tensor.numel() == 0:
+        return
+    values, widen = _numpy_source(tensor)
+    if not widen:
+        partial_numpy(values, spec, out)
+        return
+    chunks = list(flat_chunks(values))
+    if len(chunks) == 1:
+        partial_numpy(_widen(chunks[0], np.empty(chunks[0].size, np.float32)), spec, out)
+        return
+    parts = np.zeros((len(chunks), PARTIAL_SLOTS))
+    buffer = np.empty(CHUNK, np.float32)
+    for part, piece in zip(parts, chunks):
+        partial_numpy(_widen(piece, buffer), spec, part)
+    out[:] = combine_partials(parts[:, None, :])[0]
+
+
+@partials_op.register_kernel("cpu")
+def _partials_cpu(tensors: list[torch.Tensor], flags: list[int], eps: float) -> torch.Tensor:
+    spec = _spec(flags, eps)
+    out = torch.zeros(PARTIAL_SLOTS * len(tensors), dtype=_F32)
+    rows = out.numpy().reshape(-1, PARTIAL_SLOTS)  # CPU view: no sync
+    for tensor, row in zip(tensors, rows):
+        partial_into(tensor, spec, row)
+    return out
+
+
+def update_into(m: np.ndarray, v: np.ndarray, out: np.ndarray, scale: float, eps: float) -> None:
+    """The Adam update ``m * scale / (sqrt(v) + eps)`` in four passes over ``out``."""
+    np.sqrt(v, out=out)
+    out += eps
+    np.divide(m, out, out=out)
+    out *= scale
+
+
+def ratio_into(update: np.ndarray, param: np.ndarray, out: np.ndarray) -> None:
+    """``update / param``, 0 where the parameter is exactly 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.divide(update, param, out=out)
+    np.copyto(out, 0.0, where=param == 0)
+
+
+def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, scale: float, eps: float,
+                      update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
+                      update_out: np.ndarray, ratio_out: np.ndarray) -> None:
+    """Update and ratio partials of one CPU parameter, chunk by chunk (no full-size update or ratio)."""
+    n = m.numel()
+    if n == 0:
+        return
+    sources = [_numpy_source(t) for t in (m, v, p) if t is not None]
+    if len({values.flags.c_contiguous for values, _ in sources}) > 1:  # rare: align the chunk boundaries
+        sources = [(np.ascontiguousarray(values), widen) for values, widen in sources]
+    pieces = [list(flat_chunks(values)) for values, _ in sources]
+    chunks = len(pieces[0])
+    parts_u = np.zeros((chunks, PARTIAL_SLOTS))
+    parts_r = np.zeros((chunks, PARTIAL_SLOTS))
+    size = min(n, CHUNK)
+    widened = [np.empty(size, np.float32) if widen else None for _, widen in sources]
+    buffer_u, buffer_r = np.empty(size, np.float32), np.empty(size, np.float32)
+    for i in range(chunks):
+        arrays = [_widen(piece[i], wide) if wide is not None else piece[i] for piece, wide in zip(pieces, widened)]
+        k = arrays[0].size
+        u, r = buffer_u[:k], buffer_r[:k]
+        update_into(arrays[0], arrays[1], u, scale, eps)
+        if update_spec is not None:
+            partial_numpy(u, update_spec, parts_u[i])
+        if ratio_spec is not None:
+            ratio_into(u, arrays[2], r)
+            partial_numpy(r, ratio_spec, parts_r[i])
+    if update_spec is not None:
+        update_out[:] = combine_partials(parts_u[:, None, :])[0]
+    if ratio_spec is not None:
+        ratio_out[:] = combine_partials(parts_r[:, None, :])[0]
+
+
+@adam_partials_op.register_kernel("cpu")
+def _adam_partials_cpu(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
+                       coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
+                       eps: float) -> torch.Tensor:
+    update_spec = _spec(update_flags, eps) if update_flags else None
+    ratio_spec = _spec(ratio_flags, eps) if ratio_flags else None
+    n = len(exp_avg)
+    out = torch.zeros(2 * PARTIAL_SLOTS * n, dtype=_F32)
+    rows = out.numpy().reshape(2, n, PARTIAL_SLOTS)  # CPU view: no sync
+    constants = coefficients.numpy()  # a CPU tensor: a view, no sync
+    for i in range(n):
+        adam_partial_into(exp_avg[i], exp_avg_sq[i], params[i] if ratio_spec is not None else None,
+                          float(constants[i, 0]), float(constants[i, 1]), update_spec, ratio_spec,
+                          rows[0, i], rows[1, i])
+    return out
+
+
+def _fused_partials(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Tensor:
+    # no detach (a dispatched view op each): the operator has no autograd formula and runs under no_grad
+    return partials_op(list(tensors), spec_flags(spec), spec.eps)
+
+
+PARTIALS: dict[str, Callable[[Sequence[torch.Tensor], StatsSpec], torch.Tensor]] = {"cpu": _fused_partials}
+"""Device type -> ``(tensors, spec) -> flat [8 N] partials`` through ``trainmon::partials``."""
+ADAM: set[str] = {"cpu"}
+"""Device types with an ``trainmon::adam_partials`` kernel."""
+_loaded_cuda = False
+
+
+def _load_cuda() -> None:
+    """Registers the Triton kernels on the first CUDA tensor, where Triton is installed."""
+    global _loaded_cuda
+    _loaded_cuda = True
+    try:
+        from trainmon.collect import triton_kernels
+    except ImportError:  # no Triton: CUDA uses the plain torch ops
+        return
+    if triton_kernels.available():
+        PARTIALS["cuda"] = _fused_partials  # the same operator; its CUDA kernel is Triton's
+        ADAM.add("cuda")
+
+
+def partials_kernel(device_type: str) -> Callable[[Sequence[torch.Tensor], StatsSpec], torch.Tensor] | None:
+    """The fused partials kernel of ``device_type``, or None."""
+    if device_type == "cuda" and not _loaded_cuda:
+        _load_cuda()
+    return PARTIALS.get(device_type)
+
+
+def has_adam_kernel(device_type: str) -> bool:
+    """Whether ``trainmon::adam_partials`` has a kernel for ``device_type``."""
+    if device_type == "cuda" and not _loaded_cuda:
+        _load_cuda()
+    return device_type in ADAM
