@@ -1,4 +1,8 @@
-"""``trainmon csv2tb``: convert a run's CSV files to TensorBoard event files (framework-free)."""
+"""``trainmon csv2tb``: convert a run's CSV files to TensorBoard event files (framework-free).
+
+Also reads msprobe's CSV output (``$MONITOR_OUTPUT_DIR/{time}-rank{R}-{id}/{family}_{a}-{b}.csv``, msprobe
+1.2 and 8.x-26.x layouts, see :mod:`trainmon.msprobe_output`) and says which layout it read.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,12 @@ from typing import Any
 
 from trainmon.errors import UsageError
 from trainmon.inputs import INT64_MAX, describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
+from trainmon.msprobe_output import ANOMALY_FOLDER, csv_family, layout_of, msprobe_rows, rank_folders
 from trainmon.progress import progress
 from trainmon.records import FAMILIES
 
 _FIXED = ("vpp_stage", "name", "step", "micro_step")
+_MSPROBE_FAMILIES = ("other", "param_origin", "param_updated")
 
 
 class CsvFormatError(ValueError):
@@ -24,10 +30,13 @@ class CsvFormatError(ValueError):
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("csv2tb", help="convert CSV output to TensorBoard event files",
                             description="Convert every rank's CSV files of a run to TensorBoard event files "
-                                        "at full resolution (tags {family}/{name}/{metric}).")
-    parser.add_argument("run_dir", help="a run directory (with rank*/ folders) or one rank directory")
+                                        "at full resolution (tags {family}/{name}/{metric}). Also reads msprobe's "
+                                        "CSV output (MONITOR_OUTPUT_DIR or one of its {time}-rank{R}-{id} folders).")
+    parser.add_argument("run_dir", help="a run directory (with rank*/ folders), one rank directory, "
+                                        "or msprobe's output folder")
     parser.add_argument("-o", "--output", help="output directory (default: RUN_DIR/tensorboard)")
-    parser.add_argument("--families", nargs="+", choices=[*FAMILIES, "scalars"], help="only these families")
+    parser.add_argument("--families", nargs="+", choices=[*FAMILIES, "scalars", *_MSPROBE_FAMILIES],
+                        help="only these families")
     parser.add_argument("--workers", type=int, default=2, help="ranks converted in parallel (default 2)")
     parser.set_defaults(func=_main)
 
@@ -39,20 +48,27 @@ def _main(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else None
     jobs = [(run_dir, output)]
     if is_dir(run_dir) and not rank_dirs_of(run_dir) and not _has_csv(run_dir):
-        # A parent output folder: convert each of its runs (to RUN/tensorboard, or OUT/RUN with -o).
-        runs = find_runs(run_dir)
+        # A parent output folder: convert each of its runs (to RUN/tensorboard, or OUT/RUN with -o),
+        # and msprobe's rank folders beside them (to FOLDER/tensorboard/{rank folder}, or OUT/{rank folder}).
+        runs = [run for run in find_runs(run_dir) if run.name != ANOMALY_FOLDER]
         if runs:
             jobs = [(run, output / run.name if output else None) for run in runs]
+            if rank_folders(run_dir):
+                jobs.append((run_dir, output))
     written = 0
     for run, out in jobs:
         try:
-            written += convert(run, out, args.families, args.workers)
+            count, layouts = _convert(run, out, args.families, args.workers)
+            written += count
         except (FileNotFoundError, CsvFormatError) as exc:
             if isinstance(exc, FileNotFoundError) and exc.filename is not None:
                 raise UsageError(describe_os_error(exc)) from None
             raise UsageError(str(exc)) from None
         except OSError as exc:  # e.g. an unwritable --output, an unreadable CSV
             raise UsageError(describe_os_error(exc, out or run / "tensorboard")) from None
+        for layout in sorted(layouts):
+            print(f"{run}: read {layout}" + ("" if layout == "trainmon CSV" else
+                  " (names as msprobe wrote them: squashed when its squash_name was on; see docs/msprobe.md)"))
         if len(jobs) > 1:
             print(f"{run.name}: converted to {out or run / 'tensorboard'}")
     target = output if output else (run_dir / "tensorboard" if len(jobs) == 1 else "RUN/tensorboard of each run")
@@ -79,6 +95,8 @@ def rank_dirs(run_dir: Path) -> list[Path]:
     ranks = rank_dirs_of(run_dir)
     if not ranks and _has_csv(run_dir):
         return [run_dir]
+    if not ranks and rank_folders(run_dir):
+        return rank_folders(run_dir)
     if not ranks:
         runs = find_runs(run_dir)
         if runs:
@@ -90,10 +108,17 @@ def rank_dirs(run_dir: Path) -> list[Path]:
 def convert(run_dir: Path, output: Path | None = None, families: list[str] | None = None, workers: int = 2) -> int:
     """Convert CSVs to ``{output}/{rank dir}/events.out.tfevents.*``; returns the number of scalars.
 
+    ``run_dir`` may also be msprobe's output folder or one of its rank folders (msprobe's CSV layouts).
+
     Raises:
         FileNotFoundError: ``run_dir`` has no rank directories or CSV files.
         CsvFormatError: a malformed CSV (file and line in the message).
     """
+    return _convert(run_dir, output, families, workers)[0]
+
+
+def _convert(run_dir: Path, output: Path | None, families: list[str] | None, workers: int) -> tuple[int, set[str]]:
+    """:func:`convert`, also returning the layouts read (``trainmon CSV``, ``msprobe 1.2 CSV``, ...)."""
     from tensorboardX import FileWriter
     from tensorboardX.proto.summary_pb2 import Summary
 
@@ -101,8 +126,12 @@ def convert(run_dir: Path, output: Path | None = None, families: list[str] | Non
     output = output or run_dir / "tensorboard"
     csv_files = {rank_dir: sorted(rank_dir.glob("*.csv")) for rank_dir in ranks}
     if not any(csv_files.values()):
+        events = any(any(rank_dir.glob("events.out.tfevents.*")) for rank_dir in ranks)
+        hint = (" (msprobe wrote TensorBoard event files, format: tensorboard: open the folder in TensorBoard)"
+                if events else "")
         raise FileNotFoundError(f"{run_dir}: no CSV files in {', '.join(p.name for p in ranks[:5])}"
-                                f"{', ...' if len(ranks) > 5 else ''}")
+                                f"{', ...' if len(ranks) > 5 else ''}{hint}")
+    layouts: set[str] = set()
 
     def one(rank_dir: Path) -> int:
         wanted = [f for f in csv_files[rank_dir] if families is None or family_of(f) in families]
@@ -114,7 +143,7 @@ def convert(run_dir: Path, output: Path | None = None, families: list[str] | Non
             for path in wanted:
                 values: list[Any] = []
                 current = None
-                for tag, value, step in read_scalars(path):
+                for tag, value, step in _read_file(path, layouts):
                     if step != current and values:
                         writer.add_summary(Summary(value=values), current)
                         values = []
@@ -128,35 +157,49 @@ def convert(run_dir: Path, output: Path | None = None, families: list[str] | Non
         return count
 
     with ThreadPoolExecutor(max_workers=min(workers, len(ranks))) as pool:
-        return sum(progress(pool.map(one, ranks), len(ranks), "csv2tb"))
+        return sum(progress(pool.map(one, ranks), len(ranks), "csv2tb")), layouts
 
 
 def family_of(path: Path) -> str:
-    """``grad_reduced.csv`` and ``grad_reduced_120.csv`` (metrics changed at step 120) -> ``grad_reduced``."""
+    """``grad_reduced.csv`` and ``grad_reduced_120.csv`` (metrics changed at step 120) -> ``grad_reduced``;
+    msprobe's ``grad_reduced_0-99.csv`` -> ``grad_reduced``."""
+    msprobe = csv_family(path)
+    if msprobe is not None:
+        return msprobe
     head, _, tail = path.stem.rpartition("_")
     return head if head and tail.isdigit() else path.stem
 
 
 def read_scalars(path: Path) -> Any:
-    """Yield ``(tag, value, step)`` from one trainmon CSV file.
+    """Yield ``(tag, value, step)`` from one trainmon (or msprobe) CSV file.
 
     Raises:
         CsvFormatError: a malformed or undecodable file (file and line in the message).
     """
+    return _read_file(path, set())
+
+
+def _read_file(path: Path, layouts: set[str]) -> Any:
     try:
-        yield from _read_scalars(path, family_of(path))
+        yield from _read_scalars(path, family_of(path), layouts)
     except UnicodeDecodeError as exc:
         raise CsvFormatError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except csv.Error as exc:
         raise CsvFormatError(f"{path}: {exc}") from None
 
 
-def _read_scalars(path: Path, family: str) -> Any:
+def _read_scalars(path: Path, family: str, layouts: set[str]) -> Any:
     with open_regular(path, text=True, newline="") as handle:
         reader = csv.reader(handle)
         header = next(reader, None)
         if header is None:
             return
+        layout = layout_of(header) if csv_family(path) is not None else None
+        if layout is not None:
+            layouts.add(f"{layout} CSV")
+            yield from _read_msprobe(path, family, header, reader)
+            return
+        layouts.add("trainmon CSV")
         scalars = family == "scalars"
         if scalars and header != ["step", "name", "value"]:
             raise CsvFormatError(f"{path}:1: expected header step,name,value, got {','.join(header)[:80]!r}")
@@ -176,6 +219,18 @@ def _read_scalars(path: Path, family: str) -> Any:
                     yield f"{family}/{row[1]}/{metric}", value, step
             except ValueError as exc:
                 raise CsvFormatError(f"{path}:{line}: {exc}") from None
+
+
+def _read_msprobe(path: Path, family: str, header: list[str], reader: Any) -> Any:
+    """Rows of a msprobe CSV file as ``(tag, value, step)`` (see :func:`trainmon.msprobe_output.msprobe_rows`)."""
+    for line, row in enumerate(reader, 2):
+        if len(row) != len(header):
+            raise CsvFormatError(f"{path}:{line}: expected {len(header)} fields, got {len(row)}")
+        try:
+            for name, metric, text, step in msprobe_rows(header, row, family):
+                yield f"{family}/{name}/{metric}", float(text), _step(step)
+        except ValueError as exc:
+            raise CsvFormatError(f"{path}:{line}: {exc}") from None
 
 
 def _step(text: str) -> int:

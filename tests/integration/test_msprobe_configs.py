@@ -3,7 +3,8 @@
 The configs (tests/data/msprobe_configs/, provenance also in SOURCES.json there) are every JSON monitor
 config in msprobe's documentation and unit tests:
 
-- the docs shipped in the mindstudio-probe 1.2.1 wheel from PyPI (``msprobe/docs/19.monitor.md``);
+- the docs shipped in the mindstudio-probe 1.2.1 and 8.3.3 wheels from PyPI (``msprobe/docs/19.monitor.md``;
+  8.3.3 is the newest wheel that ships docs, 26.x ships none);
 - the newest docs and the unit-test configs, which no wheel ships: msprobe's source, at
   https://gitcode.com/Ascend/mstt, read from its GitHub mirror xiaobingling93-pixel/Ascend-mstt at
   commit 99c2e0f990a17d328f487062acc9c490f7f6ff26 (2026-04-25), paths below.
@@ -49,6 +50,34 @@ SOURCES = {  # file -> where msprobe publishes it (doc blocks by the line their 
         "mindstudio-probe 1.2.1 wheel (PyPI): msprobe/docs/19.monitor.md:369",
     "doc121_line496.json":
         "mindstudio-probe 1.2.1 wheel (PyPI): msprobe/docs/19.monitor.md:496",
+    "doc833_line147.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:147",
+    "doc833_line161.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:161",
+    "doc833_line176.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:176",
+    "doc833_line197.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:197",
+    "doc833_line213.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:213",
+    "doc833_line234.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:234",
+    "doc833_line302.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:302",
+    "doc833_line310.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:310",
+    "doc833_line340.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:340",
+    "doc833_line393.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:393",
+    "doc833_line423.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:423 (fragment, wrapped in {} here; // comment removed)",
+    "doc833_line430.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:430 (fragment, wrapped in {} here)",
+    "doc833_line438.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:438 (fragment, wrapped in {} here)",
+    "doc833_line684.json":
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:684",
     "docnew_line25.json":
         "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:25",
     "docnew_line153.json":
@@ -200,8 +229,8 @@ def test_every_published_config_is_collected_and_cited() -> None:
     assert on_disk == set(SOURCES)
     listed = {entry["file"] for entry in json.loads((CONFIGS / "SOURCES.json").read_text())}
     assert listed == on_disk
-    # 10 in the 1.2.1 docs, 14 in the newest docs, 8 PyTorch + 1 MindSpore unit-test configs
-    assert len(on_disk) == 33
+    # 10 in the 1.2.1 docs, 14 in the 8.3.3 docs, 14 in the newest docs, 8 PyTorch + 1 MindSpore unit tests
+    assert len(on_disk) == 47
 
 
 @pytest.mark.parametrize("name", sorted(SOURCES))

@@ -25,8 +25,12 @@ from trainmon.anomaly.events import decode_float
 from trainmon.anomaly.ordering import PHASE_RANK, sort_key_fields
 from trainmon.errors import UsageError
 from trainmon.inputs import INT64_MAX, find_runs, is_dir, rank_dirs_of, read_regular, runs_hint
+from trainmon.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files
 
 OUTPUT_NAME = "anomaly_analyse.json"
+MSPROBE_OUTPUT_NAME = "trainmon_anomaly_analyse.json"
+"""Written next to msprobe's own ``anomaly_analyse.json``, under another name."""
+WRITTEN_BY = "trainmon analyse"
 _INT_FIELDS = ("step", "micro_step", "rank", "order", "pp_stage", "vpp_stage")
 _STR_FIELDS = ("phase", "family", "name", "metric", "detector", "message")
 _MAX_CORRUPT_KEPT = 1000
@@ -381,8 +385,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "analyse", help="merge every rank's anomalies.jsonl and show the earliest anomalies",
         description="Merge rank*/anomalies.jsonl of a run, order events earliest first (step, micro-step, "
-                    "phase, pipeline stage, execution order), print the top K and write anomaly_analyse.json.")
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding rank{R}/anomalies.jsonl")
+                    "phase, pipeline stage, execution order), print the top K and write anomaly_analyse.json. "
+                    "Also reads msprobe's anomaly events (MONITOR_OUTPUT_DIR/anomaly_detected/rank*/anomaly.json), "
+                    f"ordered by msprobe's rule, and writes {MSPROBE_OUTPUT_NAME} next to them. "
+                    "A file trainmon did not write is never overwritten.")
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="run directory holding rank{R}/anomalies.jsonl, or msprobe's output folder")
     parser.add_argument("--top", type=_positive, default=20, metavar="K", help="events to show (default 20)")
     parser.add_argument("--steps", type=_steps_arg, default=None, help="only these steps, e.g. 1,3,5-9")
     parser.add_argument("-o", "--output", default=None, metavar="OUT",
@@ -394,23 +402,43 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run_cli(args: argparse.Namespace) -> int:
     """The ``analyse`` command; returns the exit code.
 
+    Reads a trainmon run (``rank*/anomalies.jsonl``) or msprobe's anomaly events
+    (``anomaly_detected/rank*/anomaly.json`` under ``$MONITOR_OUTPUT_DIR``) and says which it read.
+    Never overwrites a file it did not write.
+
     Raises:
         UsageError: not a run directory (a folder of runs is listed with the one to pass), or the
-            output cannot be written.
+            output cannot be written or is a file trainmon did not write.
     """
     run_dir = Path(args.run_dir)
     if not is_dir(run_dir):
         what = "is not a directory" if os.path.lexists(run_dir) else "does not exist"
         raise UsageError(f"run directory {run_dir} {what}")
-    if not rank_dirs_of(run_dir) and not os.path.lexists(run_dir / "anomalies.jsonl"):
-        runs = find_runs(run_dir)
+    msprobe_files = [] if find_files(run_dir) else anomaly_files(run_dir)
+    if msprobe_files:
+        result = analyse_msprobe(run_dir, msprobe_files, top=args.top, steps=args.steps)
+        default_name = MSPROBE_OUTPUT_NAME
+        runs = [run for run in find_runs(run_dir) if run.name != ANOMALY_FOLDER]
+        print(f"read msprobe's anomaly events: {len(msprobe_files)} anomaly.json file"
+              f"{'s' if len(msprobe_files) != 1 else ''} ({', '.join(_printable(str(p)) for p in msprobe_files[:3])}"
+              f"{', ...' if len(msprobe_files) > 3 else ''}), ordered by msprobe's rule; names are msprobe's")
         if runs:
-            raise UsageError(runs_hint(run_dir, runs, "analyse"))
-        if not _RANK_DIR.match(run_dir.name):
-            raise UsageError(f"{run_dir} is not a run directory (no rank*/ folders)")
-    result = analyse_run(run_dir, top=args.top, steps=args.steps, progress=True)
+            print(f"note: {run_dir} also holds trainmon runs; analyse one with: trainmon analyse {runs[-1]}")
+    else:
+        if not rank_dirs_of(run_dir) and not os.path.lexists(run_dir / "anomalies.jsonl"):
+            runs = find_runs(run_dir)
+            if runs:
+                raise UsageError(runs_hint(run_dir, runs, "analyse"))
+            if not _RANK_DIR.match(run_dir.name):
+                raise UsageError(f"{run_dir} is not a run directory (no rank*/ folders)")
+        result = analyse_run(run_dir, top=args.top, steps=args.steps, progress=True)
+        default_name = OUTPUT_NAME
+        print(f"read trainmon's anomaly events: {result['files']} rank*/anomalies.jsonl file"
+              f"{'s' if result['files'] != 1 else ''} under {_printable(str(run_dir))}")
+    result = {"written_by": WRITTEN_BY, **result}
     out = Path(args.output) if args.output else run_dir
-    target = out if out.suffix == ".json" else out / OUTPUT_NAME
+    target = out if out.suffix == ".json" else out / default_name
+    _refuse_foreign(target)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
@@ -432,3 +460,22 @@ def run_cli(args: argparse.Namespace) -> int:
         print(format_table(result["top"]))
     print(f"wrote {target}")
     return 0
+
+
+def _refuse_foreign(target: Path) -> None:
+    """Raise unless ``target`` is absent or was written by ``trainmon analyse`` (e.g. msprobe's own
+    ``anomaly_analyse.json`` is never overwritten).
+
+    Raises:
+        UsageError: ``target`` exists and is not trainmon's.
+    """
+    if not os.path.lexists(target):
+        return
+    try:
+        data = json.loads(read_regular(target).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        data = None
+    ours = isinstance(data, dict) and (data.get("written_by") == WRITTEN_BY or {"first_origin", "top", "counts"} <= set(data))
+    if not ours:
+        raise UsageError(f"{target} exists and was not written by trainmon analyse (msprobe's own "
+                         f"{OUTPUT_NAME}?); it is left as it is: pass -o to write elsewhere")
