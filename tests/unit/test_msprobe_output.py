@@ -147,3 +147,9 @@ def test_csv2tb_reads_both_msprobe_layouts(output_dir: Path, capsys: pytest.Capt
     assert main(["csv2tb", str(rank_folder), "--families", "other"]) == 0
     tags = _scalars(rank_folder / "tensorboard" / rank_folder.name)
     assert tags and all(tag.startswith("other/") for tag in tags)
+
+
+def test_msprobe_output_without_anomaly_events_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shutil.copytree(DATA / "msprobe-1.2.1", tmp_path / "out", ignore=shutil.ignore_patterns("anomaly_detected"))
+    assert main(["analyse", str(tmp_path / "out")]) == 2
+    assert "msprobe output without anomaly events" in capsys.readouterr().err

@@ -25,7 +25,7 @@ from trainmon.anomaly.events import decode_float
 from trainmon.anomaly.ordering import PHASE_RANK, sort_key_fields
 from trainmon.errors import UsageError
 from trainmon.inputs import INT64_MAX, find_runs, is_dir, rank_dirs_of, read_regular, runs_hint
-from trainmon.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files
+from trainmon.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders
 
 OUTPUT_NAME = "anomaly_analyse.json"
 MSPROBE_OUTPUT_NAME = "trainmon_anomaly_analyse.json"
@@ -429,6 +429,9 @@ def run_cli(args: argparse.Namespace) -> int:
             runs = find_runs(run_dir)
             if runs:
                 raise UsageError(runs_hint(run_dir, runs, "analyse"))
+            if rank_folders(run_dir):
+                raise UsageError(f"{run_dir} is msprobe output without anomaly events (msprobe writes "
+                                 f"{ANOMALY_FOLDER}/rank*/anomaly.json only with alert.dump: true)")
             if not _RANK_DIR.match(run_dir.name):
                 raise UsageError(f"{run_dir} is not a run directory (no rank*/ folders)")
         result = analyse_run(run_dir, top=args.top, steps=args.steps, progress=True)

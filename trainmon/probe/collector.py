@@ -10,7 +10,9 @@ per target parameter and on the gradient's device: max, min, norm (float32), and
   step's sampled values), ``sign_agree_exp_avg`` and ``cos_exp_avg`` (against Adam's ``exp_avg``
   as the step finds it, i.e. the momentum the new gradient is about to be folded into);
 - L2: L1 plus the fractions of elements in the right-closed intervals of ``bounds`` and the
-  fraction exactly 0.
+  fraction exactly 0;
+- at every level with ``mg_direction``: msprobe's ``mg_direction`` (sign agreement of gradient and
+  ``exp_avg`` with a zero sign counting one half; 1.0 at step 0), as scalars only.
 
 All statistics of a step go into one ``[params, W]`` float32 tensor; it and the packed bits are
 copied to the host with ``non_blocking`` copies (into pinned memory on CUDA) enqueued during the
