@@ -156,7 +156,8 @@ class _Translation:
             "optimizer_states": {"enabled": False},
             "params": {"enabled": False},
         }
-        self.squash = bool(data.get("squash_name", True))  # msprobe 1.2.1's default (False from 8.x)
+        self.squash = bool(data.get("squash_name", True))  # msprobe 1.2.1's default (False in 26.x)
+        self.warned: set[tuple[str, str]] = set()
 
     def run(self) -> dict[str, Any]:
         data, out = self.data, self.out
@@ -382,13 +383,16 @@ class _Translation:
             if key not in known:
                 self._cannot(key, "msprobe 1.2.1 and 26.x have no such monitor key")
 
-    @staticmethod
-    def _cannot(key: str, why: str) -> None:
-        logger.warning("trainmon: msprobe config key %s is not honoured (%s)", key, why)
+    def _cannot(self, key: str, why: str) -> None:
+        self._warn_once("trainmon: msprobe config key %s is not honoured (%s)", key, why)
 
-    @staticmethod
-    def _differs(key: str, why: str) -> None:
-        logger.warning("trainmon: msprobe config key %s is honoured with a difference: %s", key, why)
+    def _differs(self, key: str, why: str) -> None:
+        self._warn_once("trainmon: msprobe config key %s is honoured with a difference: %s", key, why)
+
+    def _warn_once(self, text: str, key: str, why: str) -> None:
+        if (key, why) not in self.warned:
+            self.warned.add((key, why))
+            logger.warning(text, key, why)
 
 
 _LIST_OF = {"ops": str, "module_ranks": int}

@@ -214,3 +214,14 @@ def test_communication_call_sites_and_cc_log_only(tmp_path: Path, caplog: pytest
     assert out["communication"]["enabled"] and out["communication"]["call_site_filter"] == r"train\.py:12 "
     assert "cc_log_only is not honoured" in caplog.text and "cc_pre_hook" not in caplog.text
     assert "communication" not in _translate(tmp_path, {"cc_distribution": {"enable": False}})
+
+
+def test_chunk_prefixes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = _translate(tmp_path, {"targets": {"0:3.mlp": {}, "1:4.mlp": {}}, "xy_distribution": True,
+                                "wg_distribution": True})
+    modules = ["model.layers.3.mlp", "model.layers.4.mlp", "model.layers.3.mlp.fc"]
+    assert select(modules, out["targets"]["modules"], "m") == ["model.layers.3.mlp", "model.layers.4.mlp"]
+    params = ["model.layers.3.mlp.fc.weight", "model.layers.4.mlp.fc.bias", "model.layers.5.mlp.fc.bias"]
+    assert select(params, out["targets"]["params"], "p") == params[:2]
+    assert caplog.text.count("'1:4.mlp': trainmon applies a target to every virtual-pipeline chunk") == 1
+    assert "'0:3.mlp'" not in caplog.text
