@@ -64,6 +64,8 @@ MODELS = {  # TinyGPT shape, batch; "gpt" is benchmarks/overhead.py's model
 _HOOK_SITES = {  # trainmon function (innermost trainmon frame without a family) -> what it is
     "_backward_ended": "grad_norm", "transfer": "transfer", "before_transfer": "step end",
 }
+_ADAM_FUNCTIONS = {"adam_update", "update_ratio", "adam_partials_many", "adam_partials_cpu"}
+_RECORDING = {"record", "record_many", "add", "hook"}  # frames whose `family` names what they measure
 _SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 
 
@@ -73,7 +75,9 @@ def _trainmon_site() -> str | None:
     innermost = None
     while frame is not None:
         if frame.f_globals.get("__name__", "").startswith("trainmon."):
-            family = frame.f_locals.get("family")
+            if frame.f_code.co_name in _ADAM_FUNCTIONS:
+                return "update+ratio (computing)"
+            family = frame.f_locals.get("family") if frame.f_code.co_name in _RECORDING else None
             if isinstance(family, str) and family in FAMILIES:
                 return family
             if innermost is None:

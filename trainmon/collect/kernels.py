@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import logging
+
 import numpy as np
 import torch
 
-from trainmon.collect.stats import StatsSpec, partial_numpy
+from trainmon.collect.stats import StatsSpec, partial_numpy, partials_torch
 from trainmon.records import PARTIAL_SLOTS, combine_partials
 
+logger = logging.getLogger("trainmon")
 CHUNK = 65536
 """Elements per chunk of the CPU kernels: a few float32 chunks stay in L2."""
 _F32 = torch.float32
@@ -221,8 +224,8 @@ def _fused_partials(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.T
 
 PARTIALS: dict[str, Callable[[Sequence[torch.Tensor], StatsSpec], torch.Tensor]] = {"cpu": _fused_partials}
 """Device type -> ``(tensors, spec) -> flat [8 N] partials`` through ``trainmon::partials``."""
-ADAM: set[str] = {"cpu"}
-"""Device types with an ``trainmon::adam_partials`` kernel."""
+ADAM: dict[str, Callable[[Sequence[torch.Tensor]], bool]] = {"cpu": lambda tensors: True}
+"""Device type -> whether ``trainmon::adam_partials`` takes these tensors (``m``, ``v`` and ``p``)."""
 _loaded_cuda = False
 
 
@@ -234,9 +237,27 @@ def _load_cuda() -> None:
         from trainmon.collect import triton_kernels
     except ImportError:  # no Triton: CUDA uses the plain torch ops
         return
-    if triton_kernels.available():
-        PARTIALS["cuda"] = _fused_partials  # the same operator; its CUDA kernel is Triton's
-        ADAM.add("cuda")
+    if not triton_kernels.available():
+        return
+
+    def cuda_partials(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Tensor:
+        if not triton_kernels.supported(tensors):  # float64, non-contiguous: the plain torch ops
+            return partials_torch(tensors, spec)
+        try:
+            return _fused_partials(tensors, spec)
+        except Exception as exc:  # a kernel that does not compile here must not cost the rows
+            _give_up_cuda(exc)
+            return partials_torch(tensors, spec)
+
+    PARTIALS["cuda"] = cuda_partials
+    ADAM["cuda"] = triton_kernels.supported
+
+
+def _give_up_cuda(exc: Exception) -> None:
+    logger.warning("trainmon: the Triton statistics kernels failed (%s: %s); using plain torch ops",
+                   type(exc).__name__, exc)
+    PARTIALS.pop("cuda", None)
+    ADAM.pop("cuda", None)
 
 
 def partials_kernel(device_type: str) -> Callable[[Sequence[torch.Tensor], StatsSpec], torch.Tensor] | None:
@@ -246,8 +267,25 @@ def partials_kernel(device_type: str) -> Callable[[Sequence[torch.Tensor], Stats
     return PARTIALS.get(device_type)
 
 
-def has_adam_kernel(device_type: str) -> bool:
-    """Whether ``trainmon::adam_partials`` has a kernel for ``device_type``."""
+def adam_kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``trainmon::adam_partials`` has a kernel for these tensors (one device)."""
+    device_type = tensors[0].device.type
     if device_type == "cuda" and not _loaded_cuda:
         _load_cuda()
-    return device_type in ADAM
+    takes = ADAM.get(device_type)
+    return takes is not None and takes(tensors)
+
+
+def adam_partials(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
+                  coefficients: torch.Tensor, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None
+                  ) -> torch.Tensor | None:
+    """``trainmon::adam_partials``; None when the kernel failed (then the plain torch ops are used)."""
+    eps = (update_spec or ratio_spec).eps
+    try:
+        return adam_partials_op(exp_avg, exp_avg_sq, params, coefficients, spec_flags(update_spec),
+                                spec_flags(ratio_spec), eps)
+    except Exception as exc:
+        if exp_avg[0].device.type == "cpu":
+            raise
+        _give_up_cuda(exc)
+        return None

@@ -153,16 +153,16 @@ def adam_partials_many(entries: Sequence[tuple[torch.Tensor, dict[str, Any], dic
     with torch.no_grad():
         for (device, *_), members in groups.items():
             chosen = [items[j] for j in members]
-            if fused_kernel(device) is not None and kernels.has_adam_kernel(device.type):
-                update, ratio = _adam_fused(chosen, update_spec, ratio_spec, device)
-            else:
-                update, ratio = _adam_torch(chosen, update_spec, ratio_spec, device)
+            fused = None
+            if fused_kernel(device) is not None and kernels.adam_kernel_takes([t for item in chosen for t in item[:3]]):
+                fused = _adam_fused(chosen, update_spec, ratio_spec, device)
+            update, ratio = fused if fused is not None else _adam_torch(chosen, update_spec, ratio_spec, device)
             blocks.append(([adam[j] for j in members], update, ratio))
     return adam, blocks
 
 
 def _adam_fused(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One ``trainmon::adam_partials`` for the group: ``m``, ``v`` (and ``p``) read once."""
     scales, epses = [item[3] for item in items], [item[4] for item in items]
     if all(isinstance(x, float) for x in scales + epses):
@@ -173,10 +173,11 @@ def _adam_fused(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpe
         coefficients = torch.stack([torch.stack([torch.as_tensor(a, dtype=torch.float64, device=device),
                                                  torch.as_tensor(b, dtype=torch.float64, device=device)])
                                     for a, b in zip(scales, epses)])
-    eps = (update_spec or ratio_spec).eps
-    out = kernels.adam_partials_op([item[0] for item in items], [item[1] for item in items],
-                                   [item[2] for item in items] if ratio_spec is not None else [],
-                                   coefficients, kernels.spec_flags(update_spec), kernels.spec_flags(ratio_spec), eps)
+    out = kernels.adam_partials([item[0] for item in items], [item[1] for item in items],
+                                [item[2] for item in items] if ratio_spec is not None else [],
+                                coefficients, update_spec, ratio_spec)
+    if out is None:
+        return None
     half = PARTIAL_SLOTS * len(items)
     return out[:half], out[half:]
 

@@ -1,0 +1,274 @@
+"""CUDA kernels of ``trainmon::partials`` and ``trainmon::adam_partials`` in Triton (imported only where
+Triton is installed, on the first CUDA tensor measured).
+
+A group of tensors (one dtype: float16, bfloat16 or float32, each contiguous) is measured by two
+launches whatever its size: the first reads every element once, each program a span of
+``BLOCK * ITERS`` elements of one tensor, and writes the 7 partial sums/extremes of its span; the
+second combines the spans of each tensor. NaN/Inf counts come from the same registers as min/max (no
+second pass). The tensors' addresses, sizes and spans are one small int64 table copied to the device
+without waiting for it (no host sync). Tested on CPU under ``TRITON_INTERPRET=1``
+(tests/unit/test_triton_kernels.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from trainmon.collect.kernels import adam_partials_op, partials_op
+from trainmon.collect.stats import zero_threshold
+from trainmon.records import PARTIAL_SLOTS
+
+logger = logging.getLogger("trainmon")
+DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+BLOCK = 1024
+_ROWS = 128
+
+
+def available() -> bool:
+    """Whether the kernels can run: CUDA present (or Triton's interpreter, for tests)."""
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supported(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether these tensors can go through the kernels (else: the plain torch ops)."""
+    return all(t.dtype in DTYPES and t.is_contiguous() for t in tensors)
+
+
+@triton.jit
+def _accumulate(x, mask, threshold, sq, sm, lo, hi, zeros, nans, infs):
+    nan = x != x
+    inf = tl.abs(x) == float("inf")
+    x = tl.where(mask, x, 0.0)
+    valid = mask & (x == x)
+    sq += x * x
+    sm += x
+    lo = tl.minimum(lo, tl.where(valid, x, float("inf")))
+    hi = tl.maximum(hi, tl.where(valid, x, -float("inf")))
+    small = tl.where(threshold == 0.0, x == 0.0, tl.abs(x) < threshold)
+    zeros += (mask & small).to(tl.float32)
+    nans += (mask & nan).to(tl.float32)
+    infs += (mask & inf).to(tl.float32)
+    return sq, sm, lo, hi, zeros, nans, infs
+
+
+@triton.jit
+def _store_span(row, sq, sm, lo, hi, zeros, nans, infs):
+    tl.store(row + 0, tl.sum(sq, 0))
+    tl.store(row + 1, tl.sum(sm, 0))
+    tl.store(row + 2, tl.min(lo, 0))
+    tl.store(row + 3, tl.max(hi, 0))
+    tl.store(row + 4, tl.sum(zeros, 0))
+    tl.store(row + 5, tl.sum(nans, 0))
+    tl.store(row + 6, tl.sum(infs, 0))
+
+
+@triton.jit
+def _span_partials(table, n_tensors, n_spans, spans, threshold, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                   ITERS: tl.constexpr):
+    """One program per span; table = [addresses N, numels N, span tensor S, span start S, first span N+1]."""
+    pid = tl.program_id(0)
+    t = tl.load(table + 2 * n_tensors + pid)
+    start = tl.load(table + 2 * n_tensors + n_spans + pid)
+    n = tl.load(table + n_tensors + t)
+    base = tl.load(table + t).to(tl.pointer_type(DTYPE))
+    sq = tl.zeros([BLOCK], tl.float32)
+    sm = tl.zeros([BLOCK], tl.float32)
+    zeros = tl.zeros([BLOCK], tl.float32)
+    nans = tl.zeros([BLOCK], tl.float32)
+    infs = tl.zeros([BLOCK], tl.float32)
+    lo = tl.full([BLOCK], float("inf"), tl.float32)
+    hi = tl.full([BLOCK], -float("inf"), tl.float32)
+    for i in range(ITERS):
+        offsets = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        x = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
+        sq, sm, lo, hi, zeros, nans, infs = _accumulate(x, mask, threshold, sq, sm, lo, hi, zeros, nans, infs)
+    _store_span(spans + pid * 8, sq, sm, lo, hi, zeros, nans, infs)
+
+
+@triton.jit
+def _adam_span_partials(table, coefficients, n_tensors, n_spans, spans, threshold,
+                        M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, RATIO: tl.constexpr,
+                        BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Update and ratio spans; table = [m N, v N, p N, numels N, span tensor S, span start S, first N+1]."""
+    pid = tl.program_id(0)
+    t = tl.load(table + 4 * n_tensors + pid)
+    start = tl.load(table + 4 * n_tensors + n_spans + pid)
+    n = tl.load(table + 3 * n_tensors + t)
+    m_base = tl.load(table + t).to(tl.pointer_type(M_DTYPE))
+    v_base = tl.load(table + n_tensors + t).to(tl.pointer_type(V_DTYPE))
+    p_base = tl.load(table + 2 * n_tensors + t).to(tl.pointer_type(P_DTYPE))
+    scale = tl.load(coefficients + 2 * t).to(tl.float32)
+    eps = tl.load(coefficients + 2 * t + 1).to(tl.float32)
+    sq = tl.zeros([BLOCK], tl.float32)
+    sm = tl.zeros([BLOCK], tl.float32)
+    zeros = tl.zeros([BLOCK], tl.float32)
+    nans = tl.zeros([BLOCK], tl.float32)
+    infs = tl.zeros([BLOCK], tl.float32)
+    lo = tl.full([BLOCK], float("inf"), tl.float32)
+    hi = tl.full([BLOCK], -float("inf"), tl.float32)
+    r_sq = tl.zeros([BLOCK], tl.float32)
+    r_sm = tl.zeros([BLOCK], tl.float32)
+    r_zeros = tl.zeros([BLOCK], tl.float32)
+    r_nans = tl.zeros([BLOCK], tl.float32)
+    r_infs = tl.zeros([BLOCK], tl.float32)
+    r_lo = tl.full([BLOCK], float("inf"), tl.float32)
+    r_hi = tl.full([BLOCK], -float("inf"), tl.float32)
+    for i in range(ITERS):
+        offsets = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        m = tl.load(m_base + offsets, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_base + offsets, mask=mask, other=1.0).to(tl.float32)
+        update = m / (tl.sqrt(v) + eps) * scale
+        sq, sm, lo, hi, zeros, nans, infs = _accumulate(update, mask, threshold, sq, sm, lo, hi, zeros, nans, infs)
+        if RATIO:
+            p = tl.load(p_base + offsets, mask=mask, other=1.0).to(tl.float32)
+            ratio = tl.where(p != 0.0, update / tl.where(p != 0.0, p, 1.0), 0.0)
+            r_sq, r_sm, r_lo, r_hi, r_zeros, r_nans, r_infs = _accumulate(
+                ratio, mask, threshold, r_sq, r_sm, r_lo, r_hi, r_zeros, r_nans, r_infs)
+    _store_span(spans + pid * 16, sq, sm, lo, hi, zeros, nans, infs)
+    if RATIO:
+        _store_span(spans + pid * 16 + 8, r_sq, r_sm, r_lo, r_hi, r_zeros, r_nans, r_infs)
+
+
+@triton.jit
+def _combine_spans(first, numels, spans, out, STRIDE: tl.constexpr, NORM: tl.constexpr, SUM: tl.constexpr,
+                   ZEROS: tl.constexpr, NANS: tl.constexpr, INFS: tl.constexpr, ROWS: tl.constexpr):
+    """One program per tensor: its spans (``first[t]`` to ``first[t + 1]``) -> its 8-slot partial."""
+    t = tl.program_id(0)
+    begin = tl.load(first + t)
+    end = tl.load(first + t + 1)
+    sq = tl.zeros([ROWS], tl.float32)
+    sm = tl.zeros([ROWS], tl.float32)
+    zeros = tl.zeros([ROWS], tl.float32)
+    nans = tl.zeros([ROWS], tl.float32)
+    infs = tl.zeros([ROWS], tl.float32)
+    lo = tl.full([ROWS], float("inf"), tl.float32)
+    hi = tl.full([ROWS], -float("inf"), tl.float32)
+    for row_start in range(begin, end, ROWS):
+        rows = row_start + tl.arange(0, ROWS)
+        mask = rows < end
+        row = spans + rows * STRIDE
+        sq += tl.load(row + 0, mask=mask, other=0.0)
+        sm += tl.load(row + 1, mask=mask, other=0.0)
+        lo = tl.minimum(lo, tl.load(row + 2, mask=mask, other=float("inf")))
+        hi = tl.maximum(hi, tl.load(row + 3, mask=mask, other=-float("inf")))
+        zeros += tl.load(row + 4, mask=mask, other=0.0)
+        nans += tl.load(row + 5, mask=mask, other=0.0)
+        infs += tl.load(row + 6, mask=mask, other=0.0)
+    n_nans = tl.sum(nans, 0)
+    low = tl.min(lo, 0)
+    high = tl.max(hi, 0)
+    low = tl.where(n_nans > 0, float("nan"), low)  # as torch.aminmax: a NaN anywhere is the min and the max
+    high = tl.where(n_nans > 0, float("nan"), high)
+    result = out + t * 8
+    zero = 0.0
+    if NORM:
+        tl.store(result + 0, tl.sqrt(tl.sum(sq, 0)))
+    else:
+        tl.store(result + 0, zero)
+    if SUM:
+        tl.store(result + 1, tl.sum(sm, 0))
+    else:
+        tl.store(result + 1, zero)
+    tl.store(result + 2, low)
+    tl.store(result + 3, high)
+    if ZEROS:
+        tl.store(result + 4, tl.sum(zeros, 0))
+    else:
+        tl.store(result + 4, zero)
+    if NANS:
+        tl.store(result + 5, n_nans)
+    else:
+        tl.store(result + 5, zero)
+    if INFS:
+        tl.store(result + 6, tl.sum(infs, 0))
+    else:
+        tl.store(result + 6, zero)
+    tl.store(result + 7, tl.load(numels + t).to(tl.float32))
+
+
+def _spans(numels: list[int]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """Elements per program (a power of two: few programs for big groups) and the span tables."""
+    total = sum(numels)
+    per = max(BLOCK * 16, min(1 << 20, 1 << max(0, math.ceil(math.log2(max(total, 1) / 4096)))))
+    counts = np.array([max(1, -(-n // per)) for n in numels], np.int64)
+    first = np.concatenate([[0], np.cumsum(counts)])
+    owner = np.repeat(np.arange(len(numels), dtype=np.int64), counts)
+    start = (np.arange(int(first[-1]), dtype=np.int64) - first[owner]) * per
+    return per, owner, start, first
+
+
+def _table(columns: list[np.ndarray], device: torch.device) -> torch.Tensor:
+    table = torch.from_numpy(np.concatenate(columns).astype(np.int64))
+    # pageable host memory, non-blocking: staged at once, the device is not waited for (no sync)
+    return table.to(device, non_blocking=True)
+
+
+def _flag_kwargs(flags: Sequence[int]) -> dict[str, bool]:
+    norm, total, zeros, nans, infs = (bool(f) for f in flags)
+    return {"NORM": norm, "SUM": total, "ZEROS": zeros, "NANS": nans, "INFS": infs}
+
+
+def partials_triton(tensors: list[torch.Tensor], flags: list[int], eps: float) -> torch.Tensor:
+    """Flat ``[8 N]`` partials of contiguous float16/bfloat16/float32 tensors of one dtype: two launches."""
+    device, dtype = tensors[0].device, tensors[0].dtype
+    numels = [t.numel() for t in tensors]
+    per, owner, start, first = _spans(numels)
+    n, spans = len(tensors), len(owner)
+    addresses = np.array([t.data_ptr() for t in tensors], np.int64)  # host metadata: no sync
+    table = _table([addresses, np.array(numels, np.int64), owner, start, first], device)
+    partial = torch.empty(spans * 8, dtype=torch.float32, device=device)
+    threshold = zero_threshold(eps, dtype)
+    _span_partials[(spans,)](table, n, spans, partial, threshold, DTYPE=DTYPES[dtype], BLOCK=BLOCK,
+                             ITERS=per // BLOCK)
+    out = torch.empty(PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
+    _combine_spans[(n,)](table[2 * n + 2 * spans:], table[n:2 * n], partial, out, STRIDE=8, ROWS=_ROWS,
+                         **_flag_kwargs(flags))
+    return out
+
+
+def adam_triton(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
+                coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
+                eps: float) -> torch.Tensor:
+    """Flat ``[2, N, 8]`` update and ratio partials: three launches, ``m``, ``v`` (and ``p``) read once."""
+    device = exp_avg[0].device
+    ratio = bool(ratio_flags)
+    numels = [t.numel() for t in exp_avg]
+    per, owner, start, first = _spans(numels)
+    n, spans = len(exp_avg), len(owner)
+    p_list = params if ratio else exp_avg
+    columns = [np.array([t.data_ptr() for t in group], np.int64) for group in (exp_avg, exp_avg_sq, p_list)]
+    table = _table([*columns, np.array(numels, np.int64), owner, start, first], device)
+    partial = torch.empty(spans * 16, dtype=torch.float32, device=device)
+    threshold = zero_threshold(eps, torch.float32)
+    _adam_span_partials[(spans,)](table, coefficients, n, spans, partial, threshold,
+                                  M_DTYPE=DTYPES[exp_avg[0].dtype], V_DTYPE=DTYPES[exp_avg_sq[0].dtype],
+                                  P_DTYPE=DTYPES[p_list[0].dtype], RATIO=ratio, BLOCK=BLOCK, ITERS=per // BLOCK)
+    out = torch.zeros(2 * PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
+    first_spans, numel_column = table[4 * n + 2 * spans:], table[3 * n:4 * n]
+    for half, flags in enumerate((update_flags, ratio_flags)):
+        if flags:
+            _combine_spans[(n,)](first_spans, numel_column, partial[8 * half:], out[PARTIAL_SLOTS * n * half:],
+                                 STRIDE=16, ROWS=_ROWS, **_flag_kwargs(flags))
+    return out
+
+
+@partials_op.register_kernel("cuda")
+def _partials_cuda(tensors: list[torch.Tensor], flags: list[int], eps: float) -> torch.Tensor:
+    return partials_triton(tensors, flags, eps)
+
+
+@adam_partials_op.register_kernel("cuda")
+def _adam_partials_cuda(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
+                        coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
+                        eps: float) -> torch.Tensor:
+    return adam_triton(exp_avg, exp_avg_sq, params, coefficients, update_flags, ratio_flags, eps)
