@@ -284,9 +284,8 @@ class Session:
 # doing nothing silently.
 _UNSUPPORTED = {
     "grad_probe": ("deepspeed", "megatron", "mindspore", "fsdp"),
-    "communication": ("mindspore",),
-    "dump": ("megatron", "mindspore", "fsdp"),
-    "free_benchmark": ("megatron", "mindspore", "fsdp"),
+    "dump": ("fsdp",),
+    "free_benchmark": ("fsdp",),
 }
 
 

@@ -159,13 +159,13 @@ def test_nan_at_step5_dumps_layer2_at_step6(tmp_path: Path) -> None:
     assert_stats(act_bwd["input"][0], d_a2)   # gradient w.r.t. the forward output
     assert_stats(act_bwd["output"][0], d_z2)  # gradient w.r.t. the forward input
     grads = data["Module.layers.2.fc.Linear.parameters_grad"]
-    assert_stats(grads["weight"], d_z2.T @ h1)
-    assert_stats(grads["bias"], d_z2.sum(0))
+    assert_stats(grads["weight"][0], d_z2.T @ h1)  # msprobe's layout: {param: [description]}
+    assert_stats(grads["bias"][0], d_z2.sum(0))
 
     # Tensor files: plain tensors loadable with weights_only=True, equal to the reference.
     loaded = torch.load(out / "dump_tensor_data" / fc["output"][0]["data_name"], weights_only=True)
     np.testing.assert_allclose(loaded.double().numpy(), z2, rtol=1e-5, atol=1e-6)
-    loaded = torch.load(out / "dump_tensor_data" / grads["weight"]["data_name"], weights_only=True)
+    loaded = torch.load(out / "dump_tensor_data" / grads["weight"][0]["data_name"], weights_only=True)
     np.testing.assert_allclose(loaded.double().numpy(), d_z2.T @ h1, rtol=1e-4, atol=1e-7)
 
     construct = json.loads((out / "construct.json").read_text())
@@ -329,7 +329,7 @@ def test_dump_of_modules_modified_in_place_only_observes(tmp_path: Path) -> None
     torch.testing.assert_close(load(relu["input"][0]), d_a)       # w.r.t. the ReLU's output
     torch.testing.assert_close(load(relu["output"][0]), d_z)      # w.r.t. its input, before the in-place op
     assert_stats(relu["output"][0], d_z.double().numpy())
-    torch.testing.assert_close(load(data["Module.0.Linear.parameters_grad"]["weight"]), d_w0)
+    torch.testing.assert_close(load(data["Module.0.Linear.parameters_grad"]["weight"][0]), d_w0)
     construct = json.loads((out / "construct.json").read_text())
     assert construct["Module.0.Linear.backward.0"] is None
 

@@ -1,14 +1,19 @@
 """What a dump step captures: msprobe-style descriptions of module arguments, device statistics
-(copied to the host once per dump step) and, in ``tensor``/``md5`` modes, host copies within a byte budget."""
+(copied to the host once per dump step) and, in ``tensor``/``md5`` modes, host copies within a byte budget.
+
+The framework (torch or MindSpore) comes in through :class:`trainmon.actions.frameworks.Framework`."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainmon.actions.naming import safe_file_name
+
+if TYPE_CHECKING:
+    from trainmon.actions.frameworks import Framework
 
 logger = logging.getLogger("trainmon")
 
@@ -31,25 +36,33 @@ def tensor_statistics(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 class Capture:
-    """What one dump step captured; filled by hooks on the training thread."""
+    """What one dump step captured; filled by hooks on the training thread.
 
-    def __init__(self, step: int, mode: str, max_bytes: int) -> None:
+    Args:
+        step: the dumped step.
+        mode: ``statistics``, ``tensor`` or ``md5``.
+        max_bytes: host bytes the step may copy (tensor and md5 modes).
+        framework: describes, measures and copies the framework's tensors.
+    """
+
+    def __init__(self, step: int, mode: str, max_bytes: int, framework: Framework) -> None:
         self.step = step
         self.mode = mode
         self.max_bytes = max_bytes
+        self.framework = framework
         self.data: dict[str, dict[str, Any]] = {}
         self.stack: dict[str, list[str]] = {}
         self.construct: dict[str, str | None] = {}
         self.stats: list[torch.Tensor] = []
         self.stat_targets: list[dict[str, Any]] = []
-        self.files: dict[str, torch.Tensor] = {}
-        self.hashes: list[tuple[dict[str, Any], torch.Tensor]] = []
+        self.files: dict[str, Any] = {}
+        self.hashes: list[tuple[dict[str, Any], Any]] = []
         self.bytes = 0
         self.budget_hit = False
 
     def describe(self, value: Any, stem: str) -> Any:
         """msprobe's description of an argument; tensors get statistics (filled in later)."""
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, self.framework.tensor_type):
             return self._tensor(value, stem)
         if isinstance(value, (list, tuple)):
             return [self.describe(item, f"{stem}.{i}") for i, item in enumerate(value)]
@@ -59,25 +72,23 @@ class Capture:
             return None
         if isinstance(value, (bool, int, float, str)):
             return {"type": type(value).__name__, "value": value}
-        if isinstance(value, (torch.dtype, torch.device, torch.Size, slice)):
-            return {"type": type(value).__name__, "value": str(value)}
-        return {"type": type(value).__name__}
+        other = self.framework.describe_other(value)
+        return other if other is not None else {"type": type(value).__name__}
 
-    def _tensor(self, tensor: torch.Tensor, stem: str) -> dict[str, Any]:
-        desc: dict[str, Any] = {"type": "torch.Tensor", "dtype": str(tensor.dtype), "shape": list(tensor.shape),
-                                "Max": None, "Min": None, "Mean": None, "Norm": None,
-                                "requires_grad": bool(tensor.requires_grad)}
-        stats = tensor_statistics(tensor)
+    def _tensor(self, tensor: Any, stem: str) -> dict[str, Any]:
+        framework = self.framework
+        desc = framework.describe_tensor(tensor)
+        stats = framework.statistics(tensor)
         if stats is not None:
             self.stats.append(stats)
             self.stat_targets.append(desc)
         if self.mode == "statistics":
             return desc
-        file_name = safe_file_name(stem, ".pt")
+        file_name = safe_file_name(stem, framework.file_suffix)
         previous = self.files.pop(file_name, None)  # a parameter grad re-captured at a later micro-step
         if previous is not None:
-            self.bytes -= previous.numel() * previous.element_size()
-        nbytes = tensor.numel() * tensor.element_size()
+            self.bytes -= previous.nbytes
+        nbytes = framework.nbytes(tensor)
         if self.bytes + nbytes > self.max_bytes:
             if not self.budget_hit:
                 logger.warning("trainmon dump: step %d reached dump.max_bytes=%d; later tensors keep their "
@@ -86,7 +97,7 @@ class Capture:
             self.budget_hit = True
             return desc
         self.bytes += nbytes
-        host = tensor.detach().to("cpu", copy=True)  # sync: the dump's host copy (dump steps only)
+        host = framework.host_copy(tensor)  # sync: the dump's host copy (dump steps only)
         if self.mode == "tensor":
             self.files[file_name] = host
             desc["data_name"] = file_name

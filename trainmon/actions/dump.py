@@ -1,38 +1,41 @@
-"""Targeted msprobe-style dump of the modules implicated by an anomaly.
+"""Targeted msprobe-style dump of the modules implicated by an anomaly (torch, Megatron-Core, MindSpore).
 
 Only the requested modules are hooked, and only during the requested step; every other step
 runs with no hook of ours. The layout and the ``dump.json`` schema follow msprobe's L0 dump::
 
-    rank{R}/dump/step{S}/dump.json  stack.json  construct.json  dump_tensor_data/*.pt
+    rank{R}/dump/step{S}/dump.json  stack.json  construct.json  dump_tensor_data/*.pt (*.npy for MindSpore)
 
 Statistics are computed on the device in the hooks and copied to the host once at the end of
 the dump step; files are written by a background thread. ``tensor`` and ``md5`` modes copy
 tensors to the host in the hooks (that is the point of a dump; it only happens on dump steps).
-Backward gradients are recorded with tensor hooks, which only observe (a module backward hook
-breaks training when a dumped output is later modified in place). No hook body can raise into
-training: a failure is logged once and the dump goes on without that entry.
+torch backward gradients are recorded with tensor hooks, which only observe (a module backward hook
+breaks training when a dumped output is later modified in place); MindSpore's come from cell backward
+hooks. Recompute re-runs of checkpointed forwards (Megatron, ``torch.utils.checkpoint``) are not dumped
+again; the gradients of a checkpointed region are read from the re-run's tensors. No hook body can
+raise into training: a failure is logged once and the dump goes on without that entry.
+
+When the first-origin event of an anomaly names no module (the loss, with activations off), the
+dump first localises the module that makes the non-finite value (:mod:`trainmon.actions.localise`).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
+import json
 import logging
 import traceback
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from trainmon.actions.capture import Capture, to_host
-from trainmon.actions.naming import is_within, module_parents, modules_for_events
+from trainmon.actions.capture import Capture
+from trainmon.actions.dump_writer import is_plumbing, write_dump
+from trainmon.actions.frameworks import framework_for, megatron_layout
+from trainmon.actions.localise import Localisation, NonfiniteLocaliser
+from trainmon.actions.modules import Key, ModuleTable
 from trainmon.actions.schedule import StepRequests
 from trainmon.collect.hooks import HookRegistry
-from trainmon.rundir import write_json
 from trainmon.safe_io import make_dirs, open_output
 from trainmon.sinks.base import OutputThread
-from trainmon.targets import select
 
 if TYPE_CHECKING:
     from trainmon.config import DumpConfig
@@ -40,28 +43,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("trainmon")
 _GROUP = "dump"
 _MAX_PENDING = 4  # dumps queued for the writer (each holds its host copies) before one is dropped
-_MAX_NAMES = 100  # dump directories tried for one step (a resumed run dumping the same step again)
-
-
-@functools.lru_cache(maxsize=1)
-def _package_dirs() -> tuple[Path, ...]:
-    """The resolved directories of the installed trainmon and torch packages (their frames are plumbing)."""
-    import trainmon
-
-    return tuple(Path(package.__file__).resolve().parent for package in (trainmon, torch))
-
-
-@functools.lru_cache(maxsize=4096)
-def _is_plumbing(filename: str) -> bool:
-    """Whether a frame's file lies inside the trainmon or torch package (not: a folder that happens to be
-    called ``trainmon``, such as a clone of the repository or a user's project)."""
-    if filename.startswith("<"):  # <frozen ...>, <string>: not a package file
-        return False
-    try:
-        path = Path(filename).resolve()
-    except (OSError, RuntimeError, ValueError):
-        return False
-    return any(path.is_relative_to(directory) for directory in _package_dirs())
 
 
 class TargetedDump:
@@ -73,7 +54,8 @@ class TargetedDump:
     (the ``dump`` anomaly action) and apply to a step that has not begun yet.
 
     Args:
-        model: the root module (inside any DDP wrapper).
+        model: the root module (inside any DDP wrapper), the list of Megatron-Core model chunks, or a
+            MindSpore cell.
         rank_dir: ``{output_dir}/{run_name}/rank{R}``; dumps go to ``rank_dir/dump/step{S}``.
         config: the ``dump`` section.
 
@@ -82,14 +64,19 @@ class TargetedDump:
         >>> dump.request(["layers.2"], steps=[6])  # doctest: +SKIP
     """
 
-    def __init__(self, model: torch.nn.Module, rank_dir: Path, config: DumpConfig) -> None:
+    def __init__(self, model: Any, rank_dir: Path, config: DumpConfig) -> None:
         self.model = model
         self.rank_dir = Path(rank_dir)
         self.config = config
-        self.parents = module_parents(model)
-        self._modules = {name: module for name, module in model.named_modules() if name}
+        self.framework = framework_for(model)
+        self.table = ModuleTable(model, self.framework)
+        self.parents = self.table.parents[0]
+        self.layout = megatron_layout() if getattr(self.framework, "megatron", False) else None
+        self._plumbing = ("torch",) if self.framework.name == "pytorch" else ("torch", "mindspore")
         self._registry = HookRegistry()
         self._requests = StepRequests("dump")
+        self._localiser = NonfiniteLocaliser(self.table)
+        self._quiet_until = -1
         self._step: int | None = None
         self._capture: Capture | None = None
         self._dumps = 0
@@ -97,13 +84,18 @@ class TargetedDump:
         self._output: OutputThread | None = None
         self.written: list[Path] = []
         """Dump directories written so far (complete once :meth:`flush` returns)."""
-        self._calls: dict[str, int] = {}
-        self._open: list[tuple[str, str]] = []
+        self.localisations: list[Localisation] = []
+        """What the localiser found for anomalies whose first origin named no module."""
+        self._calls: dict[Key, int] = {}
+        self._reruns: dict[Key, int] = {}
+        self._backwards: dict[Key, int] = {}
+        self._open: list[tuple[Key, str, bool]] = []
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ requests
     def request(self, modules: Iterable[str], steps: Iterable[int] | None = None) -> list[str]:
-        """Dump ``modules`` (exact names, globs or ``re:`` regexes) on ``steps`` (default: the next step).
+        """Dump ``modules`` (exact names, globs or ``re:`` regexes; in every model chunk) on ``steps``
+        (default: the next step).
 
         Returns:
             The module names that will be dumped (none when ``dump.enabled`` is false).
@@ -111,35 +103,49 @@ class TargetedDump:
         Raises:
             TargetError: a pattern matches no module.
         """
-        names = select(list(self._modules), list(modules), "dump.modules")
+        keys = self.table.select(list(modules), "dump.modules")
+        names = list(dict.fromkeys(name for _, name in keys))
         if not self.config.enabled:
             logger.warning("trainmon dump: dump.enabled is false; the request for %s is ignored", names)
             return []
-        self._requests.add(names, steps, self._step)
+        self._requests.add(keys, steps, self._step)
         return names
 
     def on_anomaly(self, events: Iterable[Any]) -> list[str]:
         """The ``dump`` action: dump the first-origin event's module and its neighbours next step.
 
+        When no event names a module and the first origin is non-finite (the loss with activations
+        off), the modules are first checked on the next step(s) to find where the value is made, and
+        that module's neighbourhood is dumped on the step after (see :mod:`trainmon.actions.localise`).
+
         Args:
-            events: the step's anomaly events, first-origin first (objects with ``name``/``family``).
+            events: the step's anomaly events, first-origin first (objects with ``name``/``family``,
+                and ``vpp_stage``, ``step``, ``detector``, ``value`` when they are ``AnomalyEvent``).
 
         Returns:
             The module names requested (empty when no event implicates a module).
         """
-        names = modules_for_events(events, self.parents, self.config.depth)
-        if names and self.config.enabled:
-            self._requests.add(names)
-        return names
+        events = list(events)
+        keys = self.table.for_events(events, self.config.depth)
+        if self.config.enabled and keys:
+            self._requests.add(keys)
+        elif self.config.enabled and events and _nonfinite(events[0]) and self.table.entries:
+            step = int(getattr(events[0], "step", self._step or 0))
+            # One localisation at a time, none for the anomalies of the steps it checks and dumps, and
+            # none once no dump is left.
+            if step > self._quiet_until and self._dumps < self.config.max_dumps:
+                self._localiser.request(step, str(getattr(events[0], "name", "")))
+        return list(dict.fromkeys(name for _, name in keys))
 
     # ------------------------------------------------------------------ step lifecycle
     def begin_step(self, step: int) -> None:
         """Arm hooks on the modules requested for ``step``; costs a dict lookup otherwise."""
-        if self._capture is not None:
+        if self._capture is not None or self._localiser.armed:
             self.end_step()
         self._step = step
-        names = self._requests.pop(step)
-        if not names or not self.config.enabled:
+        self._localiser.begin_step(step)
+        keys = self._requests.pop(step)
+        if not keys or not self.config.enabled:
             return
         if self._dumps >= self.config.max_dumps:
             if not self._refused:
@@ -147,16 +153,19 @@ class TargetedDump:
                                self.config.max_dumps)
             self._refused = True
             return
-        self._capture = Capture(step, self.config.mode, self.config.max_bytes)
-        self._calls, self._open = {}, []
-        for name in (n for n in self._modules if n in names):
-            module = self._modules[name]
-            self._registry.add(_GROUP, module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-            self._registry.add(_GROUP, module.register_forward_hook(self._forward_hook(name), with_kwargs=True))
-            for param_name, param in module.named_parameters(recurse=False):
+        self._capture = Capture(step, self.config.mode, self.config.max_bytes, self.framework)
+        self._calls, self._reruns, self._backwards, self._open = {}, {}, {}, []
+        framework = self.framework
+        wanted = set(keys)
+        for key in (k for k in self.table.entries if k in wanted):
+            module = self.table.entries[key].module
+            self._registry.add(_GROUP, framework.forward_pre_hook(module, self._pre_hook(key)))
+            self._registry.add(_GROUP, framework.forward_hook(module, self._forward_hook(key)))
+            if not framework.tensor_gradients:
+                self._registry.add(_GROUP, framework.backward_hook(module, self._module_backward_hook(key)))
+            for param_name, param in framework.own_parameters(module):
                 if param.requires_grad:
-                    hook = self._grad_hook(name, param_name)
-                    self._registry.add(_GROUP, param.register_post_accumulate_grad_hook(hook))
+                    self._registry.add(_GROUP, framework.param_grad_hook(param, self._grad_hook(key, param_name, param)))
 
     def end_step(self) -> Path | None:
         """Remove the hooks and hand the step's dump to its writer thread (never waits for the disk).
@@ -166,15 +175,14 @@ class TargetedDump:
             dumped that step), or None when this step was not dumped.
         """
         self._registry.remove(_GROUP)
+        self._localised(self._localiser.end_step())
         capture, self._capture = self._capture, None
         if capture is None:
             return None
         self._dumps += 1
-        values = to_host(capture.stats)
+        values = self.framework.to_host(capture.stats)
         directory = self.rank_dir / "dump" / f"step{capture.step}"
-        if self._output is None:
-            self._output = OutputThread("dump", self._write_job, max_pending=_MAX_PENDING, disable_on_error=False)
-        self._output.submit((capture, values, directory))
+        self._submit(("dump", capture, values, directory))
         return directory
 
     def flush(self, timeout: float = 60.0) -> bool:
@@ -194,91 +202,130 @@ class TargetedDump:
         if self._capture is not None:
             self.end_step()
         self._registry.remove_all()
+        self._localiser.close()
         if self._output is not None:
             self._output.close()
             self._output.report()
 
-    # ------------------------------------------------------------------ hooks
-    def _prefix(self, name: str) -> str:
-        return f"Module.{name}.{type(self._modules[name]).__name__}"
+    def _localised(self, found: Localisation | None) -> None:
+        """Log what the localiser found and dump that module's neighbourhood on the next step."""
+        if found is None:
+            return
+        self._quiet_until = max(self._quiet_until, self._step or 0)
+        if found.found:
+            keys = self.table.neighbourhood(found.key, self.config.depth)
+            found.dump_step = (self._step or 0) + 1
+            self._requests.add(keys)
+            found.message += f"; dumping it and its neighbours at step {found.dump_step}"
+            self._quiet_until = found.dump_step
+        logger.warning("%s", found.message)
+        self.localisations.append(found)
+        record = {k: v for k, v in vars(found).items() if k != "key"}
+        self._submit(("localisation", record, None, None))
 
-    def _pre_hook(self, name: str):  # noqa: ANN202 - hook closure
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def _submit(self, item: tuple[str, Any, Any, Any]) -> None:
+        if self._output is None:
+            self._output = OutputThread("dump", self._write_job, max_pending=_MAX_PENDING, disable_on_error=False)
+        self._output.submit(item)
+
+    # ------------------------------------------------------------------ hooks
+    def _pre_hook(self, key: Key):  # noqa: ANN202 - hook closure
+        framework = self.framework
+        prefix = self.table.prefix(key)
+
+        def hook(module: Any, args: tuple, kwargs: dict) -> None:
             capture = self._capture
             if capture is None:
                 return
             try:
-                call = self._calls.get(name, 0)
-                self._calls[name] = call + 1
-                node = f"{self._prefix(name)}.forward.{call}"
+                if framework.is_rerun():  # a recompute re-run: only its gradients are recorded
+                    call = self._reruns.get(key, 0)
+                    self._reruns[key] = call + 1
+                    node = f"{prefix}.forward.{call}"
+                    self._open.append((key, node, True))
+                    if framework.tensor_gradients:
+                        self._watch_gradients(capture, node, "output", _tensors(framework, args, kwargs))
+                    return
+                call = self._calls.get(key, 0)
+                self._calls[key] = call + 1
+                node = f"{prefix}.forward.{call}"
                 capture.data[node] = {
                     "input_args": capture.describe(list(args), f"{node}.input"),
                     "input_kwargs": capture.describe(dict(kwargs), f"{node}.input"),
                     "parameters": {pn: capture.describe(p, f"{node}.parameters.{pn}")
-                                   for pn, p in module.named_parameters(recurse=False)},
+                                   for pn, p in framework.own_parameters(module)},
                 }
-                capture.construct[node] = self._open[-1][1] if self._open else None
+                parent = next((n for _, n, rerun in reversed(self._open) if not rerun), None)
+                capture.construct[node] = parent
                 if self.config.stack:
                     frames = traceback.extract_stack()[:-1]
                     capture.stack[node] = [f"File {f.filename}, line {f.lineno}, in {f.name}, \n {f.line}"
-                                           for f in frames if not _is_plumbing(f.filename)]
-                self._open.append((name, node))
-                # Registered now, before the forward runs: a module that modifies its input in
-                # place (ReLU(inplace=True)) leaves the hook on the old version, whose gradient it sees.
-                inputs = _tensors(args, kwargs)
-                self._watch_gradients(capture, node, "output", inputs)
+                                           for f in frames if not is_plumbing(f.filename, self._plumbing)]
+                self._open.append((key, node, False))
+                if framework.tensor_gradients:
+                    # Registered now, before the forward runs: a module that modifies its input in
+                    # place (ReLU(inplace=True)) leaves the hook on the old version, whose gradient it sees.
+                    self._watch_gradients(capture, node, "output", _tensors(framework, args, kwargs))
             except Exception as exc:  # noqa: BLE001 - a dump must never stop training
                 self._warn_once("hook", "trainmon dump: the forward pre-hook of %s failed (%r); the dump of step "
-                                "%d may be incomplete", name, exc, capture.step)
+                                "%d may be incomplete", self.table.label(key), exc, capture.step)
 
         return hook
 
-    def _forward_hook(self, name: str):  # noqa: ANN202 - hook closure
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _forward_hook(self, key: Key):  # noqa: ANN202 - hook closure
+        framework = self.framework
+
+        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
             capture = self._capture
-            if capture is None or not self._open or self._open[-1][0] != name:
+            if capture is None or not self._open or self._open[-1][0] != key:
                 return
             try:
-                _, node = self._open.pop()
+                _, node, rerun = self._open.pop()
                 outputs = list(output) if isinstance(output, (list, tuple)) else [output]
-                capture.data[node]["output"] = capture.describe(outputs, f"{node}.output")
-                # msprobe convention: a backward's input is the gradient w.r.t. the forward output.
-                self._watch_gradients(capture, node, "input", _tensors(outputs, {}))
+                if not rerun:
+                    capture.data[node]["output"] = capture.describe(outputs, f"{node}.output")
+                if framework.tensor_gradients:
+                    # msprobe convention: a backward's input is the gradient w.r.t. the forward output.
+                    self._watch_gradients(capture, node, "input", _tensors(framework, outputs, {}))
             except Exception as exc:  # noqa: BLE001 - a dump must never stop training
                 self._warn_once("hook", "trainmon dump: the forward hook of %s failed (%r); the dump of step %d "
-                                "may be incomplete", name, exc, capture.step)
+                                "may be incomplete", self.table.label(key), exc, capture.step)
 
         return hook
 
-    def _watch_gradients(self, capture: Capture, forward_node: str, side: str,
-                         tensors: list[torch.Tensor | None]) -> None:
-        """Record the gradients of ``tensors`` under ``backward.{call}[side][i]`` with tensor hooks.
+    def _watch_gradients(self, capture: Capture, forward_node: str, side: str, tensors: list[Any]) -> None:
+        """Record the gradients of ``tensors`` under ``backward.{call}[side][i]`` with tensor hooks (torch).
 
         Tensor hooks only observe (unlike ``register_full_backward_hook``, whose view outputs break
         a later in-place modification). Only non-leaf tensors that are part of the graph get a hook:
         parameters and user inputs are leaves and keep no hook of ours.
         """
-        if not torch.is_grad_enabled():
+        if not self.framework.grad_enabled():
             return
         node = _as_backward(forward_node)
         for index, tensor in enumerate(tensors):
-            if tensor is None or tensor.grad_fn is None:
+            if tensor is None:
                 continue
-            hook = self._gradient_hook(capture, node, forward_node, side, index, len(tensors))
-            self._registry.add(_GROUP, tensor.register_hook(hook))
+            handle = self.framework.tensor_hook(tensor, self._gradient_hook(capture, node, forward_node, side,
+                                                                              index, len(tensors)))
+            if handle is not None:
+                self._registry.add(_GROUP, handle)
+
+    def _backward_entry(self, capture: Capture, node: str, forward_node: str) -> dict[str, Any]:
+        entry = capture.data.get(node)
+        if entry is None:
+            entry = capture.data[node] = {"input": [], "output": []}
+            parent = capture.construct.get(forward_node)
+            capture.construct[node] = _as_backward(parent) if parent else None
+        return entry
 
     def _gradient_hook(self, capture: Capture, node: str, forward_node: str, side: str, index: int,
                        count: int):  # noqa: ANN202 - hook closure
-        def hook(grad: torch.Tensor) -> None:
+        def hook(grad: Any) -> None:
             if self._capture is not capture:  # a backward after the dump step ended
                 return
             try:
-                entry = capture.data.get(node)
-                if entry is None:
-                    entry = capture.data[node] = {"input": [], "output": []}
-                    parent = capture.construct.get(forward_node)
-                    capture.construct[node] = _as_backward(parent) if parent else None
-                slots = entry[side]
+                slots = self._backward_entry(capture, node, forward_node)[side]
                 slots.extend([None] * (count - len(slots)))
                 slots[index] = capture.describe(grad, f"{node}.{side}.{index}")
             except Exception as exc:  # noqa: BLE001 - a dump must never stop training
@@ -287,18 +334,47 @@ class TargetedDump:
 
         return hook
 
-    def _grad_hook(self, name: str, param_name: str):  # noqa: ANN202 - hook closure
-        def hook(param: torch.Tensor) -> None:
+    def _module_backward_hook(self, key: Key):  # noqa: ANN202 - hook closure
+        """MindSpore: ``(cell, grad_input, grad_output)``; the k-th backward of a cell in the step is
+        ``backward.{k}`` (msprobe's numbering)."""
+        prefix = self.table.prefix(key)
+
+        def hook(module: Any, grad_input: Any, grad_output: Any) -> None:
             capture = self._capture
-            if capture is None or param.grad is None:
+            if capture is None:
                 return
             try:
-                node = f"{self._prefix(name)}.parameters_grad"
-                capture.data.setdefault(node, {})[param_name] = capture.describe(param.grad,
-                                                                                 f"{node}.{param_name}")
+                call = self._backwards.get(key, 0)
+                self._backwards[key] = call + 1
+                forward_node = f"{prefix}.forward.{call}"
+                node = _as_backward(forward_node)
+                entry = self._backward_entry(capture, node, forward_node)
+                entry["input"] = capture.describe(list(grad_output), f"{node}.input")
+                entry["output"] = capture.describe(list(grad_input), f"{node}.output")
+            except Exception as exc:  # noqa: BLE001 - a dump must never stop training
+                self._warn_once("hook", "trainmon dump: the backward hook of %s failed (%r); the dump of step %d "
+                                "may be incomplete", self.table.label(key), exc, capture.step)
+
+        return hook
+
+    def _grad_hook(self, key: Key, param_name: str, param: Any):  # noqa: ANN202 - hook closure
+        partition_dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) \
+            else None
+        node = f"{self.table.prefix(key)}.parameters_grad"
+
+        def hook(grad: Any) -> None:
+            capture = self._capture
+            if capture is None:
+                return
+            try:
+                desc = capture.describe(grad, f"{node}.{param_name}")
+                if partition_dim is not None:
+                    desc["tp_partition_dim"] = int(partition_dim)
+                # msprobe's layout: {param: [description]}; the last micro-step's call wins
+                capture.data.setdefault(node, {})[param_name] = [desc]
             except Exception as exc:  # noqa: BLE001 - a dump must never stop training
                 self._warn_once("hook", "trainmon dump: the gradient hook of %s.%s failed (%r); the dump of step "
-                                "%d may be incomplete", name, param_name, exc, capture.step)
+                                "%d may be incomplete", self.table.label(key), param_name, exc, capture.step)
 
         return hook
 
@@ -308,52 +384,35 @@ class TargetedDump:
             logger.warning(message, *args)
 
     # ------------------------------------------------------------------ writer thread
-    def _write_job(self, item: tuple[Capture, list[list[float]], Path]) -> None:
-        self.written.append(self._write(*item))
-
-    def _new_directory(self, directory: Path) -> Path:
-        """``directory``, or ``{directory}-{n}`` when it exists: an earlier dump is never overwritten."""
-        root = self.rank_dir.parent
-        for n in range(_MAX_NAMES):
-            candidate = directory if n == 0 else directory.with_name(f"{directory.name}-{n}")
-            try:
-                make_dirs(candidate, root, exist_ok=False)
-            except FileExistsError:
-                continue
-            return candidate
-        raise FileExistsError(f"{directory}: {_MAX_NAMES} dumps of this step already exist")
-
-    def _write(self, capture: Capture, values: list[list[float]], directory: Path) -> Path:
+    def _write_job(self, item: tuple[str, Any, Any, Any]) -> None:
+        kind, payload, values, directory = item
         root = self.rank_dir.parent  # the run directory: nothing below it is followed if it is a symlink
-        directory = self._new_directory(directory)
-        for desc, (hi, lo, mean, norm) in zip(capture.stat_targets, values):
-            desc.update(Max=hi, Min=lo, Mean=mean, Norm=norm)
-        for desc, host in capture.hashes:
-            desc["md5"] = hashlib.md5(host.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()  # host copy, writer thread: no sync
-        tensor_dir = directory / "dump_tensor_data"
-        for file_name, host in capture.files.items():
-            path = tensor_dir / file_name
-            if not is_within(tensor_dir, path):  # safe_file_name guarantees this; checked regardless
-                raise AssertionError(f"dump file {file_name!r} escapes {tensor_dir}")
-            with open_output(path, "xb", root) as handle:
-                torch.save(host.contiguous().clone(), handle)
-        task = "tensor" if capture.mode == "tensor" else "statistics"
-        write_json(directory / "dump.json", {
-            "task": task, "level": "L0", "framework": "pytorch",
-            "dump_data_dir": str(tensor_dir) if capture.mode == "tensor" else None,
-            "summary_mode": "md5" if capture.mode == "md5" else "statistics",
-            "data": capture.data,
-        }, root)
-        write_json(directory / "stack.json", capture.stack, root)
-        write_json(directory / "construct.json", capture.construct, root)
-        return directory
+        if kind == "localisation":
+            make_dirs(self.rank_dir / "dump", root)
+            with open_output(self.rank_dir / "dump" / "localisation.jsonl", "a", root) as handle:
+                handle.write(json.dumps(payload) + "\n")
+            return
+        extra = {"parallel": self.layout} if self.layout else None
+        self.written.append(write_dump(payload, values, directory, root, extra))
 
 
-def _tensors(args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor | None]:
+def _nonfinite(event: Any) -> bool:
+    """Whether an anomaly event reports a non-finite value (the ``nonfinite`` detector, or a NaN/Inf value)."""
+    if getattr(event, "detector", None) == "nonfinite":
+        return True
+    value = getattr(event, "value", 0.0)
+    try:
+        return value != value or abs(float(value)) == float("inf")
+    except (TypeError, ValueError):
+        return False
+
+
+def _tensors(framework: Any, args: Any, kwargs: dict[str, Any]) -> list[Any]:
     """The top-level positional arguments (or outputs) and keyword arguments that are tensors, in order;
     None for every other positional argument so indices match ``input_args``."""
-    out: list[torch.Tensor | None] = [a if isinstance(a, torch.Tensor) else None for a in args]
-    out += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    tensor_type = framework.tensor_type
+    out: list[Any] = [a if isinstance(a, tensor_type) else None for a in args]
+    out += [v for v in kwargs.values() if isinstance(v, tensor_type)]
     return out
 
 
@@ -361,3 +420,4 @@ def _as_backward(node: str) -> str:
     head, kind, call = node.rsplit(".", 2)
     assert kind == "forward", node
     return f"{head}.backward.{call}"
+

@@ -2,11 +2,16 @@
 
 On an armed step the module's forward pre-hook saves the RNG states and a copy of the inputs;
 its forward hook re-runs a hook-free copy of the module (see :func:`shadow_module`) on perturbed
-inputs under ``torch.no_grad()`` from the saved RNG states, then restores every RNG state, so
+inputs without gradients from the saved RNG states, then restores every RNG state, so
 training is not disturbed (weights stay bit-identical). The comparison stays on the device;
 :meth:`FreeBenchmark.end_step` copies the step's results to the host once and appends
 failures to ``rank{R}/free_benchmark.csv`` on a writer thread of its own (a full or slow disk never
 reaches training; what could not be written is counted and reported at close).
+
+torch (plain, DDP, DeepSpeed, Megatron-Core chunks) and MindSpore cells are served through
+:class:`~trainmon.actions.perturb.RerunOps`. Recompute re-runs of checkpointed forwards are not
+checked; in a multi-rank job a module whose forward communicates (a tensor-parallel all-reduce) is
+not re-run on one rank alone: the collective is refused before it is sent and the module is skipped.
 """
 
 from __future__ import annotations
@@ -14,23 +19,17 @@ from __future__ import annotations
 import csv
 import logging
 from collections.abc import Iterable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-import torch
-
-from trainmon.actions.naming import module_parents, modules_for_events
+from trainmon.actions.frameworks import framework_for
+from trainmon.actions.modules import Key, ModuleTable
+from trainmon.actions.perturb import CollectiveInRerun, converts_precision
 from trainmon.actions.schedule import StepRequests
-from trainmon.actions.perturb import (
-    RATIO_LIMIT, chain_tensors, converts_precision, device_rng_states, flat_tensors, max_ratio, perturb_value,
-    replace_tensors, run_with_rng, shadow_module, straight_through,
-)
 from trainmon.collect.hooks import HookRegistry
 from trainmon.sinks.base import OutputThread
 from trainmon.sinks.csv import open_csv_table
-from trainmon.targets import select
 
 if TYPE_CHECKING:
     from trainmon.config import FreeBenchmarkConfig
@@ -77,7 +76,8 @@ class FreeBenchmark:
     modules in one step. With ``handler: fix`` requested modules stay fixed on later steps.
 
     Args:
-        model: the root module (inside any DDP wrapper).
+        model: the root module (inside any DDP wrapper), the list of Megatron-Core model chunks, or a
+            MindSpore cell. A name selects the module in every chunk that has it.
         rank_dir: ``{output_dir}/{run_name}/rank{R}``.
         config: the ``free_benchmark`` section.
         rank: written in the CSV's ``rank`` column.
@@ -87,23 +87,25 @@ class FreeBenchmark:
         ValueError: ``handler: fix`` with a mode other than improve_precision or to_cpu.
     """
 
-    def __init__(self, model: torch.nn.Module, rank_dir: Path, config: FreeBenchmarkConfig, *, rank: int = 0) -> None:
+    def __init__(self, model: Any, rank_dir: Path, config: FreeBenchmarkConfig, *, rank: int = 0) -> None:
         if config.handler == "fix" and not converts_precision(config.pert_mode):
             raise ValueError("free_benchmark.handler: fix needs pert_mode improve_precision or to_cpu, "
                              f"got {config.pert_mode!r}")
         self.config = config
         self.rank = rank
         self.csv_path = Path(rank_dir) / "free_benchmark.csv"
-        self.parents = module_parents(model)
-        self._modules = {name: module for name, module in model.named_modules() if name}
-        self._targets = select(list(self._modules), config.targets, "free_benchmark.targets") if config.targets else []
+        self.framework = framework_for(model)
+        self.ops = self.framework.rerun_ops()
+        self.table = ModuleTable(model, self.framework)
+        self.parents = self.table.parents[0]
+        self._targets = self.table.select(config.targets, "free_benchmark.targets") if config.targets else []
         self._registry = HookRegistry()
         self._requests = StepRequests("free_benchmark")
-        self._fixed: list[str] = []
+        self._fixed: list[Key] = []
         self._step: int | None = None
-        self._done: set[str] = set()
-        self._saved: dict[str, list[tuple[torch.Tensor, Any, Any, Any]]] = {}
-        self._pending: list[tuple[int, str, int, str, torch.Tensor, float, str, tuple[int, ...]]] = []
+        self._done: set[Key] = set()
+        self._saved: dict[Key, list[tuple[Any, Any, Any]]] = {}
+        self._pending: list[tuple[int, str, int, str, Any, float, str, tuple[int, ...]]] = []
         self._warned: set[str] = set()
         self._csv: TextIO | None = None  # opened, written and closed on the writer thread only
         self._output: OutputThread | None = None
@@ -122,19 +124,20 @@ class FreeBenchmark:
         Raises:
             TargetError: a pattern matches no module.
         """
-        names = select(list(self._modules), list(modules), "free_benchmark.modules")
+        keys = self.table.select(list(modules), "free_benchmark.modules")
+        names = list(dict.fromkeys(name for _, name in keys))
         if not self.config.enabled:
             self._warn_once("disabled", "free_benchmark.enabled is false; the request for %s is ignored", names)
             return []
-        self._requests.add(names, steps, self._step)
+        self._requests.add(keys, steps, self._step)
         return names
 
     def on_anomaly(self, events: Iterable[Any]) -> list[str]:
         """The ``free_benchmark`` action: check the first-origin event's module on the next step."""
-        names = modules_for_events(events, self.parents, 0)
-        if names and self.config.enabled:
-            self.request(names)
-        return names
+        keys = self.table.for_events(events, 0)
+        if keys and self.config.enabled:
+            self._requests.add(keys)
+        return [name for _, name in keys]
 
     # ------------------------------------------------------------------ step lifecycle
     def begin_step(self, step: int) -> None:
@@ -144,22 +147,23 @@ class FreeBenchmark:
         self._step = step
         requested = self._requests.pop(step)
         if self.config.handler == "fix":
-            self._fixed.extend(n for n in requested if n not in self._fixed)
+            self._fixed.extend(k for k in requested if k not in self._fixed)
         due = requested + self._fixed
         if self._targets and step % self.config.interval == 0:
             due += self._targets
         if not due or not self.config.enabled:
             return
-        names = list(dict.fromkeys(due))
-        if len(names) > self.config.max_per_step:
+        keys = list(dict.fromkeys(due))
+        if len(keys) > self.config.max_per_step:
             self._warn_once("budget", "free_benchmark.max_per_step=%d: checking %d of %d modules this step",
-                            self.config.max_per_step, self.config.max_per_step, len(names))
-            names = names[: self.config.max_per_step]
+                            self.config.max_per_step, self.config.max_per_step, len(keys))
+            keys = keys[: self.config.max_per_step]
         self._done = set()
-        for name in names:
-            module = self._modules[name]
-            self._registry.add(_GROUP, module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-            self._registry.add(_GROUP, module.register_forward_hook(self._forward_hook(name), with_kwargs=True))
+        framework = self.framework
+        for key in keys:
+            module = self.table.entries[key].module
+            self._registry.add(_GROUP, framework.forward_pre_hook(module, self._pre_hook(key)))
+            self._registry.add(_GROUP, framework.forward_hook(module, self._forward_hook(key)))
 
     def end_step(self) -> list[CheckResult]:
         """Remove the hooks, copy the step's results to the host and append failures to the CSV.
@@ -172,8 +176,7 @@ class FreeBenchmark:
         pending, self._pending = self._pending, []
         if not pending:
             return []
-        values = torch.stack([p[4].to(torch.float64 if p[4].device.type in ("cpu", "cuda") else torch.float32)
-                              .to("cpu") for p in pending]).tolist()  # sync: one transfer per checked step
+        values = self.ops.to_host([p[4] for p in pending])  # sync: one transfer per checked step
         results = [CheckResult(step, name, index, mode, value, limit, dtype, shape)
                    for (step, name, index, mode, _, limit, dtype, shape), value in zip(pending, values)]
         self.results.extend(results)
@@ -199,76 +202,71 @@ class FreeBenchmark:
             self._output.report()
 
     # ------------------------------------------------------------------ hooks
-    def _pre_hook(self, name: str):  # noqa: ANN202 - hook closure
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-            if name in self._done and self.config.handler == "check":
-                return
+    def _pre_hook(self, key: Key):  # noqa: ANN202 - hook closure
+        framework = self.framework
+
+        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+            if (key in self._done and self.config.handler == "check") or framework.is_rerun():
+                return  # checked once per step; a recompute re-run is never checked
             try:
-                tensors = list(chain_tensors(args, kwargs))
-                # Inputs are copied because the forward may modify them in place; RNG states are
-                # taken before the forward so a re-run draws the same dropout masks.
-                saved_args = replace_tensors(args, iter([t.detach().clone() for t in flat_tensors(args)]))
-                saved_kwargs = replace_tensors(kwargs, iter([t.detach().clone() for t in flat_tensors(kwargs)]))
-                self._saved.setdefault(name, []).append(
-                    (torch.get_rng_state(), device_rng_states(iter(tensors)), saved_args, saved_kwargs))
+                self._saved.setdefault(key, []).append(self.ops.save_inputs(args, kwargs))
             except Exception as exc:  # noqa: BLE001 - a check must never stop training
-                self._warn_once(f"check:{name}", "free_benchmark: cannot save the inputs of %s (%r); not checked",
-                                name, exc)
+                self._warn_once(f"check:{key}", "free_benchmark: cannot save the inputs of %s (%r); not checked",
+                                self.table.label(key), exc)
 
         return hook
 
-    def _forward_hook(self, name: str):  # noqa: ANN202 - hook closure
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            saved = self._saved.get(name)
-            if not saved:
+    def _forward_hook(self, key: Key):  # noqa: ANN202 - hook closure
+        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+            saved = self._saved.get(key)
+            if not saved or self.framework.is_rerun():
                 return None
-            cpu_state, device_state, saved_args, saved_kwargs = saved.pop()
-            self._done.add(name)
+            entry = saved.pop()
+            self._done.add(key)
+            label = self.table.label(key)
             try:
-                return self._check(name, module, output, cpu_state, device_state, saved_args, saved_kwargs)
+                return self._check(key, module, output, entry)
+            except CollectiveInRerun as exc:
+                self._warn_once(f"comm:{key}", "free_benchmark: %s communicates in its forward (%s); a re-run on "
+                                "one rank would hang the group, so it is not checked (check its submodules that "
+                                "do not communicate)", label, exc)
             except Exception as exc:  # noqa: BLE001 - a check must never stop training
-                self._warn_once(f"check:{name}", "free_benchmark: checking %s failed (%r); not checked", name, exc)
-                return None
+                self._warn_once(f"check:{key}", "free_benchmark: checking %s failed (%r); not checked", label, exc)
+            return None
 
         return hook
 
-    def _check(self, name: str, module: torch.nn.Module, output: Any, cpu_state: torch.Tensor,
-               device_state: Any, saved_args: Any, saved_kwargs: Any) -> Any:
+    def _check(self, key: Key, module: Any, output: Any, saved: tuple[Any, Any, Any]) -> Any:
         """Re-run ``module`` on perturbed inputs and queue the comparison; the output to use or None."""
         mode = self.config.pert_mode
+        ops = self.ops
+        label = self.table.label(key)
         try:
-            shadow = shadow_module(module, mode)
+            shadow = ops.shadow(module, mode)
         except Exception as exc:  # noqa: BLE001 - an uncopyable module is skipped, never fatal
-            self._warn_once(f"copy:{name}", "free_benchmark: cannot copy module %s (%s); not checked", name, exc)
+            self._warn_once(f"copy:{key}", "free_benchmark: cannot copy module %s (%s); not checked", label, exc)
             return None
-        autocast = _no_autocast(output) if converts_precision(mode) else nullcontext()
-
-        def rerun() -> Any:
-            with torch.no_grad(), autocast:
-                return shadow(*perturb_value(saved_args, mode), **perturb_value(saved_kwargs, mode))
-
-        perturbed = run_with_rng(rerun, cpu_state, device_state)
-        originals = list(flat_tensors(output))
-        others = list(flat_tensors(perturbed))
+        perturbed = ops.rerun(shadow, saved, mode, output)
+        originals = list(ops.flat_tensors(output))
+        others = list(ops.flat_tensors(perturbed))
         if len(others) != len(originals):
-            self._warn_once(f"struct:{name}", "free_benchmark: %s returned a different output structure "
-                            "when perturbed; not compared", name)
+            self._warn_once(f"struct:{key}", "free_benchmark: %s returned a different output structure "
+                            "when perturbed; not compared", label)
             return None
         pending = []
         for index, (orig, pert) in enumerate(zip(originals, others)):
-            limit = RATIO_LIMIT.get(orig.dtype)
+            limit = ops.ratio_limit(orig)
             if limit is None:
                 continue
-            pending.append((self._step or 0, name, index, mode, max_ratio(orig, pert), limit,
-                            str(orig.dtype), tuple(orig.shape)))
+            dtype, shape = ops.describe(orig)
+            pending.append((self._step or 0, key[1], index, mode, ops.max_ratio(orig, pert), limit, dtype, shape))
         fixed = None
         if self.config.handler == "fix":
-            fixed = replace_tensors(output, iter([straight_through(o, p) if o.is_floating_point() else o
-                                                  for o, p in zip(originals, others)]))
+            fixed = ops.replace_tensors(output, iter([ops.straight_through(o, p) if ops.is_floating(o) else o
+                                                      for o, p in zip(originals, others)]))
         self._pending.extend(pending)  # only once everything above succeeded
         return fixed
 
-    # ------------------------------------------------------------------ helpers
     # ------------------------------------------------------------------ writer thread
     def _write_rows(self, rows: list[list[Any]]) -> None:
         if self._csv is None:
@@ -290,12 +288,6 @@ class FreeBenchmark:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message, *args)
-
-
-def _no_autocast(output: Any) -> Any:
-    tensors = list(flat_tensors(output))
-    device_type = tensors[0].device.type if tensors else "cpu"
-    return torch.autocast(device_type=device_type, enabled=False)
 
 
 def _fmt(value: float) -> str:

@@ -2,16 +2,21 @@
 
 Everything here runs on the device and never synchronises with the host: the comparison
 returns a 0-d tensor that the free benchmark copies to the host once at the end of the step.
+:class:`TorchRerunOps` bundles them for :class:`~trainmon.actions.free_benchmark.FreeBenchmark`
+(``trainmon.integrations.mindspore.actions`` has the MindSpore counterpart).
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Protocol
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 PERT_MODES: tuple[str, ...] = ("improve_precision", "add_noise", "bit_noise", "change_value", "no_change", "to_cpu")
 LOW_PRECISION: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
@@ -212,3 +217,174 @@ def run_with_rng(fn: Callable[[], Any], cpu_state: torch.Tensor,
 def chain_tensors(*values: Any) -> Iterator[torch.Tensor]:
     """Every tensor in several nested values."""
     return itertools.chain.from_iterable(flat_tensors(v) for v in values)
+
+
+def shallow_shadow(module: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """A hook-free copy of ``module`` built without ``copy.deepcopy`` (Megatron modules hold process
+    groups and configs that cannot be deep-copied).
+
+    Each module of the tree is a new object sharing the original's plain attributes (configs, groups);
+    it has its own parameter, buffer and submodule dicts: parameters shared or converted as in
+    :func:`shadow_module`, buffers copied, submodules copied the same way, no hooks.
+    """
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        out = perturb_tensor(t, mode) if mode == "to_cpu" or (mode == "improve_precision" and t.dtype in LOW_PRECISION) \
+            else t.detach().clone()
+        return out.clone() if out.data_ptr() == t.data_ptr() else out
+
+    def copy_tree(original: torch.nn.Module, seen: dict[int, torch.nn.Module]) -> torch.nn.Module:
+        if id(original) in seen:
+            return seen[id(original)]
+        shadow = copy.copy(original)
+        seen[id(original)] = shadow
+        params = {}
+        for name, param in original._parameters.items():
+            if param is None:
+                params[name] = None
+                continue
+            changed = mode == "to_cpu" or (mode == "improve_precision" and param.dtype in LOW_PRECISION)
+            params[name] = torch.nn.Parameter(convert(param), requires_grad=False) if changed else param
+        shadow.__dict__["_parameters"] = params
+        shadow.__dict__["_buffers"] = {name: None if b is None else convert(b) for name, b in original._buffers.items()}
+        shadow.__dict__["_modules"] = {name: None if m is None else copy_tree(m, seen)
+                                       for name, m in original._modules.items()}
+        for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+                     "_backward_pre_hooks"):
+            if attr in original.__dict__:
+                shadow.__dict__[attr] = type(original.__dict__[attr])()
+        return shadow
+
+    return copy_tree(module, {})
+
+
+class CollectiveInRerun(RuntimeError):
+    """A re-run tried to communicate: only this rank re-runs, so the collective would never complete."""
+
+
+class _RefuseCollectives(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if getattr(func, "namespace", "") == "c10d":
+            raise CollectiveInRerun(f"the forward runs the collective {func}")
+        return func(*args, **(kwargs or {}))
+
+
+class RerunOps(Protocol):
+    """What the free benchmark needs from a framework to re-run a module and compare its outputs."""
+
+    tensor_type: type
+
+    def save_inputs(self, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]: ...
+    def shadow(self, module: Any, mode: str) -> Any: ...
+    def rerun(self, shadow: Any, saved: tuple[Any, Any, Any], mode: str, output: Any) -> Any: ...
+    def flat_tensors(self, value: Any) -> Iterator[Any]: ...
+    def replace_tensors(self, value: Any, new: Iterator[Any]) -> Any: ...
+    def ratio_limit(self, tensor: Any) -> float | None: ...
+    def max_ratio(self, original: Any, perturbed: Any) -> Any: ...
+    def straight_through(self, original: Any, better: Any) -> Any: ...
+    def is_floating(self, tensor: Any) -> bool: ...
+    def describe(self, tensor: Any) -> tuple[str, tuple[int, ...]]: ...
+    def to_host(self, values: list[Any]) -> list[float]: ...
+
+
+class TorchRerunOps:
+    """The torch re-run: a hook-free shadow, ``no_grad``, the RNG states of the original forward.
+
+    Args:
+        megatron: also restore Megatron's tensor-parallel RNG tracker (dropout inside
+            ``get_cuda_rng_tracker().fork()``) around the re-run.
+    """
+
+    tensor_type = torch.Tensor
+
+    def __init__(self, megatron: bool = False) -> None:
+        self.megatron = megatron
+
+    def save_inputs(self, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+        """Copies of the inputs (the forward may modify them in place) and the RNG states before the forward."""
+        tensors = list(chain_tensors(args, kwargs))
+        saved_args = replace_tensors(args, iter([t.detach().clone() for t in flat_tensors(args)]))
+        saved_kwargs = replace_tensors(kwargs, iter([t.detach().clone() for t in flat_tensors(kwargs)]))
+        rng = (torch.get_rng_state(), device_rng_states(iter(tensors)), _tracker_states())
+        return rng, saved_args, saved_kwargs
+
+    def shadow(self, module: torch.nn.Module, mode: str) -> torch.nn.Module:
+        try:
+            return shadow_module(module, mode)
+        except Exception:  # noqa: BLE001 - e.g. a process group attribute: copy the tree without deepcopy
+            return shallow_shadow(module, mode)
+
+    def rerun(self, shadow: torch.nn.Module, saved: tuple[Any, Any, Any], mode: str, output: Any) -> Any:
+        (cpu_state, device_state, tracker), saved_args, saved_kwargs = saved
+        autocast = _no_autocast(output) if converts_precision(mode) else nullcontext()
+
+        def run() -> Any:
+            with torch.no_grad(), autocast, _refuse_collectives(), _tracker_restored(tracker):
+                return shadow(*perturb_value(saved_args, mode), **perturb_value(saved_kwargs, mode))
+
+        return run_with_rng(run, cpu_state, device_state)
+
+    def flat_tensors(self, value: Any) -> Iterator[torch.Tensor]:
+        return flat_tensors(value)
+
+    def replace_tensors(self, value: Any, new: Iterator[torch.Tensor]) -> Any:
+        return replace_tensors(value, new)
+
+    def ratio_limit(self, tensor: torch.Tensor) -> float | None:
+        return RATIO_LIMIT.get(tensor.dtype)
+
+    def max_ratio(self, original: torch.Tensor, perturbed: torch.Tensor) -> torch.Tensor:
+        return max_ratio(original, perturbed)
+
+    def straight_through(self, original: torch.Tensor, better: torch.Tensor) -> torch.Tensor:
+        return straight_through(original, better)
+
+    def is_floating(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_floating_point()
+
+    def describe(self, tensor: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+        return str(tensor.dtype), tuple(tensor.shape)
+
+    def to_host(self, values: list[torch.Tensor]) -> list[float]:
+        stacked = torch.stack([v.to(torch.float64 if v.device.type in ("cpu", "cuda") else torch.float32).to("cpu")
+                               for v in values])
+        return stacked.tolist()  # sync: one transfer per checked step
+
+
+def _no_autocast(output: Any) -> AbstractContextManager[Any]:
+    tensors = list(flat_tensors(output))
+    device_type = tensors[0].device.type if tensors else "cpu"
+    return torch.autocast(device_type=device_type, enabled=False)
+
+
+def _refuse_collectives() -> AbstractContextManager[Any]:
+    """In a multi-rank job, a collective in a re-run raises :class:`CollectiveInRerun` before it is sent."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return _RefuseCollectives()
+    return nullcontext()
+
+
+def _tracker_states() -> dict[str, Any] | None:
+    """Megatron's tensor-parallel RNG tracker states (a shallow copy), when it is initialised."""
+    module = sys.modules.get("megatron.core.tensor_parallel.random")
+    tracker = getattr(module, "_CUDA_RNG_STATE_TRACKER", None) if module is not None else None
+    if tracker is None or not hasattr(tracker, "get_states") or not getattr(tracker, "is_initialized", lambda: 0)():
+        return None
+    return dict(tracker.get_states())
+
+
+@contextmanager
+def _tracker_restored(saved: dict[str, Any] | None) -> Iterator[None]:
+    """Run from the tracker states the original forward started from; put the current ones back after."""
+    if saved is None:
+        yield
+        return
+    tracker = sys.modules["megatron.core.tensor_parallel.random"]._CUDA_RNG_STATE_TRACKER
+    current = dict(tracker.get_states())
+    tracker.set_states(dict(saved))
+    try:
+        yield
+    finally:
+        tracker.set_states(current)

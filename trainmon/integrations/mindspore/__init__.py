@@ -91,6 +91,11 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         chosen = select_params(params, config)
         collectors.append(MindSporeOptimizerCollector(ctx, chosen, optimizer, config, registry))
+    if config.communication.enabled:
+        from trainmon.integrations.mindspore.comm import MindSporeCommCollector
+
+        # First, as torch's: collectives of the other collectors at the end of the step are not measured.
+        collectors.insert(0, MindSporeCommCollector(ctx, config.communication, root=model, optimizer=optimizer))
     rank, world_size = dist_layout()
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_cells,
                       optimizer=OptimizerStepHooks(optimizer) if optimizer is not None else None,

@@ -1,0 +1,234 @@
+"""What the anomaly actions need from a framework: tensor descriptions and statistics, module hooks.
+
+The dump, the free benchmark and the non-finite localiser are written once against
+:class:`Framework`; :class:`TorchFramework` serves plain torch, DDP, DeepSpeed, FSDP and Megatron-Core
+models, and ``trainmon.integrations.mindspore.actions.MindSporeFramework`` serves MindSpore cells.
+:func:`framework_for` picks one from the model, importing MindSpore only for a MindSpore cell.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from trainmon.collect.context import in_backward
+
+if TYPE_CHECKING:
+    from trainmon.actions.perturb import RerunOps
+
+Hook = Callable[..., Any]
+
+
+class Framework(Protocol):
+    """The framework-specific half of the anomaly actions (everything else is shared)."""
+
+    name: str
+    """``framework`` in ``dump.json``: ``pytorch`` or ``mindspore``."""
+    module_prefix: str
+    """First part of a dump key: ``Module`` (torch) or ``Cell`` (MindSpore), as msprobe writes them."""
+    file_suffix: str
+    """Tensor files of ``tensor`` mode: ``.pt`` (torch.save) or ``.npy`` (numpy.save)."""
+    tensor_type: type
+    tensor_gradients: bool
+    """True: backward entries come from gradient hooks on the tensors (torch); False: from a module
+    backward hook that gets ``(module, grad_input, grad_output)`` (MindSpore)."""
+
+    # ---- module tree and hooks
+    def named_modules(self, root: Any) -> Iterable[tuple[str, Any]]: ...
+    def children(self, module: Any) -> Iterable[tuple[str, Any]]: ...
+    def own_parameters(self, module: Any) -> list[tuple[str, Any]]: ...
+    def forward_pre_hook(self, module: Any, hook: Hook) -> Any: ...
+    def forward_hook(self, module: Any, hook: Hook) -> Any: ...
+    def backward_hook(self, module: Any, hook: Hook) -> Any: ...
+    def tensor_hook(self, tensor: Any, hook: Hook) -> Any: ...
+    def param_grad_hook(self, param: Any, hook: Hook) -> Any: ...
+    def grad_enabled(self) -> bool: ...
+    def is_rerun(self) -> bool: ...
+
+    # ---- tensors
+    def describe_tensor(self, tensor: Any) -> dict[str, Any]: ...
+    def describe_other(self, value: Any) -> dict[str, Any] | None: ...
+    def statistics(self, tensor: Any) -> Any | None: ...
+    def extremes(self, tensor: Any) -> Any | None: ...
+    def nonfinite_rows(self, extremes: list[Any]) -> list[bool]: ...
+    def to_host(self, stats: list[Any]) -> list[list[float]]: ...
+    def nbytes(self, tensor: Any) -> int: ...
+    def host_copy(self, tensor: Any) -> Any: ...
+    def save(self, host: Any, handle: io.BufferedWriter) -> None: ...
+    def host_bytes(self, host: Any) -> bytes: ...
+
+    # ---- free benchmark
+    def rerun_ops(self) -> RerunOps: ...
+
+
+def framework_for(model: Any) -> Framework:
+    """The adapter for ``model`` (a module, a list of Megatron chunks, a MindSpore cell)."""
+    first = model[0] if isinstance(model, (list, tuple)) and model else model
+    if any(cls.__module__.split(".")[0] == "mindspore" for cls in type(first).__mro__):
+        from trainmon.integrations.mindspore.actions import MindSporeFramework
+
+        return MindSporeFramework()
+    return TorchFramework(megatron=any(cls.__module__.split(".")[0] == "megatron" for cls in type(first).__mro__))
+
+
+class TorchFramework:
+    """torch modules (also inside DDP, DeepSpeed and Megatron-Core wrappers).
+
+    Args:
+        megatron: the model is Megatron-Core: a forward inside ``tensor_parallel.checkpoint`` with
+            grad enabled is a recompute re-run, and a parameter's gradient is ``main_grad`` plus the
+            micro-step's ``grad`` (what it has accumulated before the data-parallel reduction).
+    """
+
+    name = "pytorch"
+    module_prefix = "Module"
+    file_suffix = ".pt"
+    tensor_type = torch.Tensor
+    tensor_gradients = True
+
+    def __init__(self, megatron: bool = False) -> None:
+        self.megatron = megatron
+        self._is_checkpointing: Callable[[], bool] | None = None
+        if megatron:
+            from megatron.core.tensor_parallel.random import is_checkpointing
+
+            self._is_checkpointing = is_checkpointing
+
+    # ------------------------------------------------------------------ module tree and hooks
+    def named_modules(self, root: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
+        return root.named_modules()
+
+    def children(self, module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
+        return module.named_children()
+
+    def own_parameters(self, module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+        return list(module.named_parameters(recurse=False))
+
+    def forward_pre_hook(self, module: torch.nn.Module, hook: Hook) -> Any:
+        return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+    def forward_hook(self, module: torch.nn.Module, hook: Hook) -> Any:
+        return module.register_forward_hook(hook, with_kwargs=True)
+
+    def backward_hook(self, module: torch.nn.Module, hook: Hook) -> Any:
+        raise NotImplementedError("torch backward entries come from tensor hooks")
+
+    def tensor_hook(self, tensor: torch.Tensor, hook: Hook) -> Any:
+        """A gradient hook on a non-leaf tensor of the graph (None for leaves: parameters, user data)."""
+        if tensor.grad_fn is None:
+            return None
+        return tensor.register_hook(hook)
+
+    def param_grad_hook(self, param: torch.nn.Parameter, hook: Hook) -> Any:
+        """``hook(gradient)`` once the parameter's gradient is accumulated (each backward)."""
+        megatron = self.megatron
+
+        def on_accumulated(tensor: torch.Tensor) -> None:
+            grad = _accumulated_grad(tensor) if megatron else tensor.grad
+            if grad is not None:
+                hook(grad)
+
+        return param.register_post_accumulate_grad_hook(on_accumulated)
+
+    def grad_enabled(self) -> bool:
+        return torch.is_grad_enabled()
+
+    def is_rerun(self) -> bool:
+        """A recompute re-run of a checkpointed forward (it runs inside autograd's backward pass, or,
+        in Megatron's ``tensor_parallel.checkpoint``, with grad enabled while checkpointing)."""
+        if in_backward():
+            return True
+        checkpointing = self._is_checkpointing
+        return checkpointing is not None and torch.is_grad_enabled() and checkpointing()
+
+    # ------------------------------------------------------------------ tensors
+    def describe_tensor(self, tensor: torch.Tensor) -> dict[str, Any]:
+        desc: dict[str, Any] = {"type": "torch.Tensor", "dtype": str(tensor.dtype), "shape": list(tensor.shape),
+                                "Max": None, "Min": None, "Mean": None, "Norm": None,
+                                "requires_grad": bool(tensor.requires_grad)}
+        if self.megatron and getattr(tensor, "tensor_model_parallel", False):
+            desc["tp_partition_dim"] = int(getattr(tensor, "partition_dim", -1))
+        return desc
+
+    def describe_other(self, value: Any) -> dict[str, Any] | None:
+        if isinstance(value, (torch.dtype, torch.device, torch.Size, slice)):
+            return {"type": type(value).__name__, "value": str(value)}
+        return None
+
+    def statistics(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        from trainmon.actions.capture import tensor_statistics
+
+        return tensor_statistics(tensor)
+
+    def extremes(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """``[min, max]`` on the device (one kernel; NaN propagates): non-finite exactly when the tensor is."""
+        x = tensor.detach()
+        if x.numel() == 0 or not (x.is_floating_point() or x.is_complex()):
+            return None
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        lo, hi = torch.aminmax(x)
+        return torch.stack([lo, hi]).to(torch.float32)
+
+    def nonfinite_rows(self, extremes: list[torch.Tensor]) -> list[bool]:
+        if not extremes:
+            return []
+        by_device: dict[torch.device, list[int]] = {}
+        for i, pair in enumerate(extremes):
+            by_device.setdefault(pair.device, []).append(i)
+        out = [False] * len(extremes)
+        for indices in by_device.values():
+            flags = ~torch.isfinite(torch.stack([extremes[i] for i in indices])).all(dim=1)
+            for i, flag in zip(indices, flags.cpu().tolist()):  # sync: the localiser's one transfer per step
+                out[i] = bool(flag)
+        return out
+
+    def to_host(self, stats: list[torch.Tensor]) -> list[list[float]]:
+        from trainmon.actions.capture import to_host
+
+        return to_host(stats)
+
+    def nbytes(self, tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to("cpu", copy=True)  # sync: the dump's host copy (dump steps only)
+
+    def save(self, host: torch.Tensor, handle: io.BufferedWriter) -> None:
+        torch.save(host.contiguous().clone(), handle)
+
+    def host_bytes(self, host: torch.Tensor) -> bytes:
+        return host.contiguous().view(torch.uint8).numpy().tobytes()
+
+    # ------------------------------------------------------------------ free benchmark
+    def rerun_ops(self) -> RerunOps:
+        from trainmon.actions.perturb import TorchRerunOps
+
+        return TorchRerunOps(megatron=self.megatron)
+
+
+def _accumulated_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """Megatron: the gradient accumulated so far on this rank, before the data-parallel reduction."""
+    from trainmon.integrations.megatron_collect import _unreduced_grad
+
+    return _unreduced_grad(param)
+
+
+def megatron_layout() -> dict[str, int] | None:
+    """``{tp_rank, tp_size, pp_rank, pp_size}`` from Megatron's ``parallel_state`` when it is initialised."""
+    state = sys.modules.get("megatron.core.parallel_state")
+    if state is None or not state.model_parallel_is_initialized():
+        return None
+    return {"tp_rank": state.get_tensor_model_parallel_rank(), "tp_size": state.get_tensor_model_parallel_world_size(),
+            "pp_rank": state.get_pipeline_model_parallel_rank(),
+            "pp_size": state.get_pipeline_model_parallel_world_size()}
+
+
+def no_grad_context(framework: Framework) -> AbstractContextManager[Any]:
+    """The framework's ``no_grad`` (for re-runs)."""
+    return framework.rerun_ops().no_grad()
