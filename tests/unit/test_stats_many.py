@@ -13,7 +13,13 @@ import torch
 from tests.reference import METRICS, np_stats
 from trainmon.collect import kernels, stats
 from trainmon.collect.context import StepContext
-from trainmon.collect.optimizer import _CHUNK, _adam_fused, _adam_items, _adam_torch, adam_partials_many
+from trainmon.collect.adam import (
+    _CHUNK,
+    _adam_fused,
+    _adam_items,
+    _adam_torch,
+    adam_partials_many,
+)
 from trainmon.collect.stats import StatsSpec, partial_stats, partial_stats_many
 
 SPEC = StatsSpec.from_metrics(METRICS, eps=1e-8)

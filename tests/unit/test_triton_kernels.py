@@ -23,7 +23,7 @@ CHECK = textwrap.dedent('''
     import numpy as np, torch
     from tests.reference import METRICS, np_stats
     from trainmon.collect import kernels, triton_kernels
-    from trainmon.collect.optimizer import _adam_items, _adam_torch
+    from trainmon.collect.adam import _adam_items, _adam_torch
     from trainmon.collect.stats import StatsSpec
 
     def close(got, want, label):

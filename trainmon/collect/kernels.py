@@ -12,14 +12,13 @@ Two torch operators, registered with ``torch.library`` so that they dispatch lik
 
 Kernels: CPU (numpy over cache-sized chunks; bfloat16 is widened chunk by chunk from its bits) and
 CUDA (Triton, :mod:`trainmon.collect.triton_kernels`, where Triton is installed). Devices without
-a kernel use the plain torch ops of :func:`trainmon.collect.stats._partials_torch`.
+a kernel use the plain torch ops of :func:`trainmon.collect.stats.partials_torch`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 import logging
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch

@@ -131,7 +131,8 @@ def fused_kernel(device: torch.device) -> Callable[[Sequence[torch.Tensor], Stat
     """The fused single-pass group kernel for ``device`` (:mod:`trainmon.collect.kernels`), or None."""
     if not fused_enabled:
         return None
-    from trainmon.collect import kernels  # lazily: registers the torch operators on first use
+    # imported lazily: registers the torch operators on first use
+    from trainmon.collect import kernels
 
     return kernels.partials_kernel(device.type)
 

@@ -1,0 +1,238 @@
+"""The Adam update ``m_hat / (sqrt(v_hat) + eps)`` and its ratio to the parameter, and their statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainmon.collect import kernels
+from trainmon.collect.kernels import ratio_into as _ratio_into
+from trainmon.collect.kernels import update_into as _update_into
+from trainmon.collect.stats import StatsSpec, combine_partials_torch, fused_kernel, partials_torch
+from trainmon.records import PARTIAL_SLOTS
+
+
+def adam_update(state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor | None:
+    """The bias-corrected Adam update ``m_hat / (sqrt(v_hat) + eps)`` of one parameter.
+
+    Returns None when ``state`` is not Adam-like. Bias corrections are computed in float64
+    on the step counter's device (a CPU tensor in torch's Adam), as torch's Adam does, so
+    reading them needs no host synchronisation.
+    """
+    exp_avg, exp_avg_sq = state.get("exp_avg"), state.get("exp_avg_sq")
+    step = state.get("step")
+    if exp_avg is None or exp_avg_sq is None or step is None:
+        return None
+    exp_avg_sq = state.get("max_exp_avg_sq", exp_avg_sq) if group.get("amsgrad") else exp_avg_sq
+    beta1, beta2 = group.get("betas", (0.9, 0.999))
+    eps = group.get("eps", 1e-8)
+    on_cpu = exp_avg.device.type == "cpu" and exp_avg.dtype == exp_avg_sq.dtype == torch.float32
+    if on_cpu and (not isinstance(step, torch.Tensor) or step.device.type == "cpu"):
+        return _adam_update_cpu(exp_avg, exp_avg_sq, step, beta1, beta2, eps)
+    if isinstance(step, torch.Tensor):
+        step = step.to(torch.float64 if step.device.type in ("cpu", "cuda") else torch.float32)
+        bias1, bias2 = 1 - torch.pow(beta1, step), 1 - torch.pow(beta2, step)
+    else:
+        bias1, bias2 = 1 - beta1 ** step, 1 - beta2 ** step
+    denom = (exp_avg_sq / bias2).sqrt_().add_(eps)
+    return (exp_avg / bias1).div_(denom)
+
+
+def _adam_update_cpu(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: Any, beta1: float, beta2: float,
+                     eps: float) -> torch.Tensor:
+    """CPU float32: numpy's SIMD loops on views (3-4x faster than torch's CPU kernels), one allocation."""
+    update = torch.empty_like(exp_avg)
+    constants = _adam_constants(step, beta1, beta2, eps)
+    _update_into(exp_avg.numpy(), exp_avg_sq.numpy(), update.numpy(), *constants)  # CPU views: no sync
+    return update
+
+
+def _adam_constants(step: Any, beta1: float, beta2: float, eps: float) -> tuple[float, float]:
+    """``(scale, eps')`` with m̂/(√v̂+eps) = m·scale / (√v + eps'): scale = √b2/b1, eps' = eps·√b2."""
+    count = float(step.numpy()) if isinstance(step, torch.Tensor) else float(step)  # CPU view: no sync
+    root_bias2 = float(np.sqrt(1 - beta2 ** count))
+    return root_bias2 / (1 - beta1 ** count), eps * root_bias2
+
+
+_CHUNK = kernels.CHUNK
+"""Elements per chunk of the CPU kernels (:mod:`trainmon.collect.kernels`)."""
+
+
+def adam_partials_cpu(state: dict[str, Any], group: dict[str, Any], param: torch.Tensor,
+                      update_spec: StatsSpec | None, ratio_spec: StatsSpec | None
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """Partial statistics of ``update`` and ``ratio`` for one CPU parameter, chunk by chunk.
+
+    The same values as :func:`adam_update` and :func:`update_ratio` (same arithmetic, in float32),
+    but neither full-size tensor is ever allocated: each chunk of the update and of the ratio is
+    computed into a cache-resident buffer, measured there, and the chunk partials are combined.
+    None when the state is not Adam's (or has a step counter on another device).
+    """
+    items = _adam_items([(param, state, group)])
+    if not items or param.device.type != "cpu":
+        return None
+    (m, v, _, scale, eps), = items
+    rows = np.zeros((2, PARTIAL_SLOTS), np.float32)
+    kernels.adam_partial_into(m, v, param if ratio_spec is not None else None, float(scale), float(eps),
+                              update_spec, ratio_spec, rows[0], rows[1])
+    return (None if update_spec is None else torch.from_numpy(rows[0]),
+            None if ratio_spec is None else torch.from_numpy(rows[1]))
+
+
+def _adam_items(entries: Sequence[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]
+                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]]:
+    """``(m, v, param, scale, eps')`` with update = m * scale / (sqrt(v) + eps'), for Adam-like states.
+
+    ``scale`` and ``eps'`` are host floats where the step counter is a number or a CPU tensor
+    (torch's Adam: the counters are read together, one CPU op, no sync), else 0-d tensors on the
+    counter's device. Entries whose state is not Adam's are left out.
+    """
+    adam = [(param, state, group) for param, state, group in entries
+            if state.get("exp_avg") is not None and state.get("exp_avg_sq") is not None
+            and state.get("step") is not None]
+    on_host = [isinstance(state["step"], torch.Tensor) and state["step"].device.type == "cpu"
+               for _, state, _ in adam]
+    host_steps = [state["step"] for (_, state, _), host in zip(adam, on_host) if host]
+    counts = iter(torch.stack(host_steps).to(torch.float64).numpy().tolist() if host_steps else [])  # CPU: no sync
+    items = []
+    for (param, state, group), host in zip(adam, on_host):
+        exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        if group.get("amsgrad") and state.get("max_exp_avg_sq") is not None:
+            exp_avg_sq = state["max_exp_avg_sq"]
+        beta1, beta2 = group.get("betas", (0.9, 0.999))
+        eps = group.get("eps", 1e-8)
+        if host or not isinstance(step, torch.Tensor):
+            scale, eps = _adam_constants(next(counts) if host else step, beta1, beta2, eps)
+        else:  # a step counter on the device (capturable or fused Adam): constants stay there
+            count = step.to(torch.float64 if step.device.type == "cuda" else torch.float32)
+            root_bias2 = (1 - torch.pow(beta2, count)).sqrt()
+            scale, eps = root_bias2 / (1 - torch.pow(beta1, count)), root_bias2 * eps
+        items.append((exp_avg, exp_avg_sq, param, scale, eps))
+    return items
+
+
+_TEMPORARY_ELEMENTS = 1 << 22
+"""Plain torch fallback: elements of update (and ratio) temporaries alive at once (16 MiB each in float32)."""
+
+
+def adam_partials_many(entries: Sequence[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]],
+                       update_spec: StatsSpec | None, ratio_spec: StatsSpec | None
+                       ) -> tuple[list[int], list[tuple[list[int], torch.Tensor, torch.Tensor]]]:
+    """Partials of the Adam ``update`` and ``ratio`` of many parameters, without full-size temporaries.
+
+    Args:
+        entries: ``(param, state, param_group)`` per parameter.
+
+    Returns:
+        ``(adam, blocks)``: the indices of the entries whose state is Adam's, and per group of
+        them (same device and dtypes) ``(indices, update_block, ratio_block)``, flat ``[8 k]``
+        float32 on the device (a block of zeros where its spec is None). A fused kernel reads
+        ``m``, ``v`` (and the parameter) once per group; the plain torch fallback computes the
+        update in float32 chunks of bounded size. Never synchronises with the host.
+    """
+    items = _adam_items(entries)
+    adam = [i for i, (_, state, _) in enumerate(entries)
+            if state.get("exp_avg") is not None and state.get("exp_avg_sq") is not None
+            and state.get("step") is not None]  # the entries _adam_items kept
+    groups: dict[tuple, list[int]] = {}
+    for j, (m, v, p, _, _) in enumerate(items):
+        groups.setdefault((m.device, m.dtype, v.dtype, p.dtype, p.device), []).append(j)
+    blocks = []
+    with torch.no_grad():
+        for (device, *_), members in groups.items():
+            chosen = [items[j] for j in members]
+            fused = None
+            if fused_kernel(device) is not None and kernels.adam_kernel_takes([t for item in chosen for t in item[:3]]):
+                fused = _adam_fused(chosen, update_spec, ratio_spec, device)
+            update, ratio = fused if fused is not None else _adam_torch(chosen, update_spec, ratio_spec, device)
+            blocks.append(([adam[j] for j in members], update, ratio))
+    return adam, blocks
+
+
+def _adam_fused(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One ``trainmon::adam_partials`` for the group: ``m``, ``v`` (and ``p``) read once."""
+    scales, epses = [item[3] for item in items], [item[4] for item in items]
+    if all(isinstance(x, float) for x in scales + epses):
+        coefficients = torch.tensor([scales, epses], dtype=torch.float64).t().contiguous()
+        if device.type != "cpu":  # pageable host memory, non-blocking: the device is not waited for
+            coefficients = coefficients.to(device, non_blocking=True)
+    else:
+        coefficients = torch.stack([torch.stack([torch.as_tensor(a, dtype=torch.float64, device=device),
+                                                 torch.as_tensor(b, dtype=torch.float64, device=device)])
+                                    for a, b in zip(scales, epses)])
+    out = kernels.adam_partials([item[0] for item in items], [item[1] for item in items],
+                                [item[2] for item in items] if ratio_spec is not None else [],
+                                coefficients, update_spec, ratio_spec)
+    if out is None:
+        return None
+    half = PARTIAL_SLOTS * len(items)
+    return out[:half], out[half:]
+
+
+def _adam_torch(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch ops: float32 update (and ratio) chunks of at most ``_TEMPORARY_ELEMENTS`` at a time."""
+    pieces: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]] = []
+    for i, (m, v, p, scale, eps) in enumerate(items):
+        if m.is_contiguous() and v.is_contiguous() and p.is_contiguous() and m.numel() > _TEMPORARY_ELEMENTS:
+            for chunk in zip(m.view(-1).split(_TEMPORARY_ELEMENTS), v.view(-1).split(_TEMPORARY_ELEMENTS),
+                             p.view(-1).split(_TEMPORARY_ELEMENTS)):
+                pieces.append((i, *chunk, scale, eps))
+        else:
+            pieces.append((i, m, v, p, scale, eps))
+    updates, ratios, owners = [], [], []
+    batch_elements = 0
+    parts_u: list[torch.Tensor] = []
+    parts_r: list[torch.Tensor] = []
+
+    def flush() -> None:
+        if updates:
+            if update_spec is not None:
+                parts_u.append(partials_torch(updates, update_spec))
+            if ratio_spec is not None:
+                parts_r.append(partials_torch(ratios, ratio_spec))
+            updates.clear()
+            ratios.clear()
+
+    for i, m, v, p, scale, eps in pieces:
+        if batch_elements + m.numel() > _TEMPORARY_ELEMENTS:
+            flush()
+            batch_elements = 0
+        batch_elements += m.numel()
+        update = v.to(torch.float32, copy=True).sqrt_().add_(eps)  # the one float32 temporary
+        torch.div(m, update, out=update).mul_(scale)
+        updates.append(update)
+        owners.append(i)
+        if ratio_spec is not None:
+            ratios.append(torch.div(update, p).masked_fill_(p == 0, 0.0))
+    flush()
+    n = len(items)
+    return (_combine_pieces(parts_u, owners, n, device), _combine_pieces(parts_r, owners, n, device))
+
+
+def _combine_pieces(parts: list[torch.Tensor], owners: list[int], n: int, device: torch.device) -> torch.Tensor:
+    """Flat ``[8 n]`` partials of ``n`` tensors from the flat partials of their pieces (``owners[k]``: piece k's)."""
+    if not parts:
+        return torch.zeros(PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
+    block = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if len(owners) == n:  # one piece per tensor, in order
+        return block
+    rows = block.view(-1, PARTIAL_SLOTS)
+    combined = [combine_partials_torch(rows[[k for k, owner in enumerate(owners) if owner == i]][:, None, :])
+                for i in range(n)]
+    return torch.cat(combined).view(-1)
+
+
+def update_ratio(update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``update / param``; elements where the parameter is exactly 0 give 0
+    (a zero-initialised bias would otherwise report a false Inf)."""
+    param = param.detach()
+    if param.device.type == "cpu" and update.dtype == param.dtype == torch.float32:
+        ratio = torch.empty_like(update)
+        _ratio_into(update.numpy(), param.numpy(), ratio.numpy())  # CPU views: no sync
+        return ratio
+    return torch.where(param != 0, update / param, 0.0)
