@@ -188,9 +188,22 @@ def _read_file(path: Path, layouts: set[str]) -> Any:
         raise CsvFormatError(f"{path}: {exc}") from None
 
 
+MAX_FIELD = 131072
+"""Longest CSV field read (a row name is a module path: far shorter). Checked here, not through
+``csv.field_size_limit``, a process-wide setting that other libraries change (MindSpore raises it)."""
+
+
+def _bounded_rows(handle: Any) -> Any:
+    """``csv.reader`` rows, each field at most :data:`MAX_FIELD` characters (else ``csv.Error``)."""
+    for row in csv.reader(handle):
+        if row and max(map(len, row)) > MAX_FIELD:
+            raise csv.Error(f"a field longer than {MAX_FIELD} characters")
+        yield row
+
+
 def _read_scalars(path: Path, family: str, layouts: set[str]) -> Any:
     with open_regular(path, text=True, newline="") as handle:
-        reader = csv.reader(handle)
+        reader = _bounded_rows(handle)
         header = next(reader, None)
         if header is None:
             return

@@ -257,7 +257,9 @@ def test_two_ranks_analyse_names_the_bad_rank_step_and_module(tmp_path, capsys):
     assert code == 0
     assert ("first origin: first non-finite value at step 3, micro-step 0, rank 1: forward output of "
             "layers.2") in printed
-    table = printed.splitlines()[2:4]  # after the summary line and the table header
+    lines = printed.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["rank", "step"])
+    table = lines[header + 1:header + 3]
     assert table[0].split()[:4] == ["1", "3", "0", "forward"] and table[0].split()[4].endswith("layers.2.output")
     assert table[1].split()[:2] == ["0", "3"]  # rank 0 later in the same step
     assert json.loads(out.read_text())["first_origin"] == first

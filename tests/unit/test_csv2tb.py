@@ -89,3 +89,21 @@ def test_unwritable_output_is_one_line(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert main(["csv2tb", str(run_dir), "-o", str(tmp_path / "afile" / "tb")]) == 2
     _one_line_error(capsys)
+
+
+def test_a_huge_field_is_refused_whatever_the_process_wide_csv_limit(tmp_path):
+    """MindSpore raises ``csv.field_size_limit`` for the whole process when it is imported."""
+    import csv
+
+    import pytest
+
+    from trainmon.csv2tb import CsvFormatError, read_scalars
+
+    path = tmp_path / "grad_reduced.csv"
+    path.write_text("vpp_stage,name,step,micro_step,norm\n0," + "w" * 200_000 + ",1,0,2\n")
+    previous = csv.field_size_limit(10 * 1024 * 1024)
+    try:
+        with pytest.raises(CsvFormatError, match="grad_reduced.csv"):
+            list(read_scalars(path))
+    finally:
+        csv.field_size_limit(previous)
