@@ -114,28 +114,34 @@ class TargetedDump:
     def on_anomaly(self, events: Iterable[Any]) -> list[str]:
         """The ``dump`` action: dump the first-origin event's module and its neighbours next step.
 
-        When no event names a module and the first origin is non-finite (the loss with activations
-        off), the modules are first checked on the next step(s) to find where the value is made, and
-        that module's neighbourhood is dumped on the step after (see :mod:`trainmon.actions.localise`).
+        When the first origin is a non-finite value that does not say which module made it (the loss,
+        a collective, or a weight gradient: with activations off every gradient is non-finite once the
+        loss is), the modules are first checked on the next step(s) to find where the value is made,
+        and that module's neighbourhood is dumped on the step after (:mod:`trainmon.actions.localise`);
+        if the checks find nothing, the module the first origin names (if any) is dumped instead.
 
         Args:
             events: the step's anomaly events, first-origin first (objects with ``name``/``family``,
-                and ``vpp_stage``, ``step``, ``detector``, ``value`` when they are ``AnomalyEvent``).
+                and ``vpp_stage``, ``step``, ``phase``, ``detector``, ``value`` when they are ``AnomalyEvent``).
 
         Returns:
-            The module names requested (empty when no event implicates a module).
+            The module names the events implicate (what is dumped unless the localiser finds another).
         """
         events = list(events)
         keys = self.table.for_events(events, self.config.depth)
-        if self.config.enabled and keys:
-            self._requests.add(keys)
-        elif self.config.enabled and events and _nonfinite(events[0]) and self.table.entries:
-            step = int(getattr(events[0], "step", self._step or 0))
+        names = list(dict.fromkeys(name for _, name in keys))
+        if not self.config.enabled or not events:
+            return names
+        first = events[0]
+        if _nonfinite(first) and getattr(first, "family", "") not in _ACTIVATION_FAMILIES and self.table.entries:
+            step = int(getattr(first, "step", self._step or 0))
             # One localisation at a time, none for the anomalies of the steps it checks and dumps, and
             # none once no dump is left.
             if step > self._quiet_until and self._dumps < self.config.max_dumps:
-                self._localiser.request(step, str(getattr(events[0], "name", "")))
-        return list(dict.fromkeys(name for _, name in keys))
+                self._localiser.request(step, _where(first), fallback=keys)
+        elif keys:
+            self._requests.add(keys)
+        return names
 
     # ------------------------------------------------------------------ step lifecycle
     def begin_step(self, step: int) -> None:
@@ -212,15 +218,18 @@ class TargetedDump:
         if found is None:
             return
         self._quiet_until = max(self._quiet_until, self._step or 0)
-        if found.found:
-            keys = self.table.neighbourhood(found.key, self.config.depth)
+        keys = self.table.neighbourhood(found.key, self.config.depth) if found.found else list(found.fallback)
+        if keys:
             found.dump_step = (self._step or 0) + 1
             self._requests.add(keys)
-            found.message += f"; dumping it and its neighbours at step {found.dump_step}"
+            found.message += (f"; dumping it and its neighbours at step {found.dump_step}" if found.found else
+                              f"; dumping the module the first origin names at step {found.dump_step}")
             self._quiet_until = found.dump_step
+        else:
+            found.message += "; nothing is dumped"
         logger.warning("%s", found.message)
         self.localisations.append(found)
-        record = {k: v for k, v in vars(found).items() if k != "key"}
+        record = {k: v for k, v in vars(found).items() if k not in ("key", "fallback")}
         self._submit(("localisation", record, None, None))
 
     def _submit(self, item: tuple[str, Any, Any, Any]) -> None:
@@ -394,6 +403,16 @@ class TargetedDump:
             return
         extra = {"parallel": self.layout} if self.layout else None
         self.written.append(write_dump(payload, values, directory, root, extra))
+
+
+_ACTIVATION_FAMILIES = frozenset({"actv", "actv_grad"})
+
+
+def _where(event: Any) -> str:
+    """``loss``, ``backward weight gradient of layers.0.weight``: the first origin in words."""
+    from trainmon.anomaly.ordering import describe
+
+    return describe(str(getattr(event, "family", "")), str(getattr(event, "name", "")), str(getattr(event, "phase", "")))
 
 
 def _nonfinite(event: Any) -> bool:

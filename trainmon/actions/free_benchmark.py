@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("trainmon")
 _GROUP = "free_benchmark"
 CSV_HEADER: tuple[str, ...] = ("rank", "pert_mode", "stage", "step", "name", "max_rel", "dtype", "shape",
-                               "output_index")
+                               "output_index", "vpp_stage")
 
 
 @dataclass
@@ -46,6 +46,7 @@ class CheckResult:
 
     Attributes:
         step, name, output_index: where (``output_index`` is the tensor's position in the output).
+        vpp_stage: the model chunk of the module (Megatron virtual pipeline stages; 0 otherwise).
         pert_mode: the perturbation.
         max_rel: largest elementwise ratio (``inf`` for a sign flip or a one-sided NaN/Inf).
         limit: the pass threshold for ``dtype``.
@@ -60,6 +61,7 @@ class CheckResult:
     limit: float
     dtype: str
     shape: tuple[int, ...]
+    vpp_stage: int = 0
 
     @property
     def passed(self) -> bool:
@@ -105,7 +107,7 @@ class FreeBenchmark:
         self._step: int | None = None
         self._done: set[Key] = set()
         self._saved: dict[Key, list[tuple[Any, Any, Any]]] = {}
-        self._pending: list[tuple[int, str, int, str, Any, float, str, tuple[int, ...]]] = []
+        self._pending: list[tuple[int, str, int, str, Any, float, str, tuple[int, ...], int]] = []
         self._warned: set[str] = set()
         self._csv: TextIO | None = None  # opened, written and closed on the writer thread only
         self._output: OutputThread | None = None
@@ -177,11 +179,11 @@ class FreeBenchmark:
         if not pending:
             return []
         values = self.ops.to_host([p[4] for p in pending])  # sync: one transfer per checked step
-        results = [CheckResult(step, name, index, mode, value, limit, dtype, shape)
-                   for (step, name, index, mode, _, limit, dtype, shape), value in zip(pending, values)]
+        results = [CheckResult(step, name, index, mode, value, limit, dtype, shape, chunk)
+                   for (step, name, index, mode, _, limit, dtype, shape, chunk), value in zip(pending, values)]
         self.results.extend(results)
         failures = [[self.rank, r.pert_mode, "forward", r.step, r.name, _fmt(r.max_rel), r.dtype, list(r.shape),
-                     r.output_index] for r in results if not r.passed]
+                     r.output_index, r.vpp_stage] for r in results if not r.passed]
         if failures:
             if self._output is None:
                 self._output = OutputThread("free_benchmark.csv", self._write_rows, self._flush_csv, self._close_csv)
@@ -259,7 +261,8 @@ class FreeBenchmark:
             if limit is None:
                 continue
             dtype, shape = ops.describe(orig)
-            pending.append((self._step or 0, key[1], index, mode, ops.max_ratio(orig, pert), limit, dtype, shape))
+            pending.append((self._step or 0, key[1], index, mode, ops.max_ratio(orig, pert), limit, dtype, shape,
+                            key[0]))
         fixed = None
         if self.config.handler == "fix":
             fixed = ops.replace_tensors(output, iter([ops.straight_through(o, p) if ops.is_floating(o) else o

@@ -10,11 +10,13 @@ the host with one transfer at its end. The first module call in execution order 
 non-finite (forward), else the first non-finite gradient (backward), is the answer:
 
 - ``output``: the module produced it from finite inputs and parameters (the usual answer);
-- ``input``: its input was already non-finite, made by the enclosing module's own code (or the model's
-  input when there is no enclosing module): the enclosing module is reported;
+- ``input``: its input was already non-finite, made by the enclosing module's own code (outside its
+  submodules): the enclosing module is reported;
+- ``model_input``: the model's input was already non-finite; ``model_code``: the model's own forward
+  code made it outside any submodule (the first module that received it is reported);
 - ``parameters``: its own parameters were non-finite (an earlier step wrote them);
-- ``output_grad``: the gradient arriving at its output was non-finite (made by the loss or by code
-  that is no module);
+- ``output_grad``: the gradient w.r.t. the output of a submodule arrived non-finite: made by the reported
+  module's own backward code (or, for a module no other module encloses, by the loss or the model's code);
 - ``input_grad``: its backward made the gradient w.r.t. its input non-finite from finite gradients.
 
 A step where nothing is non-finite is tried again on the next one, at most ``max_steps`` times.
@@ -22,7 +24,9 @@ A step where nothing is non-finite is tried again on the next one, at most ``max
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -38,11 +42,14 @@ _GROUP = "localise"
 MAX_STEPS = 3
 """Steps checked before the localiser gives up on an anomaly (the non-finite value did not come back)."""
 _WORDS = {"output": "its forward made a non-finite output from finite inputs and parameters",
-          "input": "the input of {child} was already non-finite (made by its own code, outside its submodules)",
+          "input": "its own code (outside its submodules) made the non-finite input of {child}",
           "model_input": "its input (the model's input) was already non-finite",
+          "model_code": "its input was made non-finite by the model's own code, outside any submodule",
           "parameters": "its parameters were already non-finite (written by an earlier step)",
-          "output_grad": "the gradient w.r.t. its output arrived non-finite (from the loss or from code outside "
-                         "any module)",
+          "output_grad": "its own backward code (outside its submodules) made the gradient w.r.t. the output of "
+                         "{child} non-finite",
+          "loss_grad": "the gradient w.r.t. its output arrived non-finite (from the loss or from code outside "
+                       "any module)",
           "input_grad": "its backward made the gradient w.r.t. its input non-finite from finite gradients"}
 
 
@@ -57,8 +64,10 @@ class Localisation:
         found: whether a non-finite value was seen on that step.
         phase: ``forward`` or ``backward``.
         module: the module's name; ``vpp_stage``: its model chunk.
-        kind: ``output``, ``input``, ``model_input``, ``parameters``, ``output_grad`` or ``input_grad``.
-        seen_at: the module whose hook saw it first (``kind`` ``input``: a submodule of ``module``).
+        kind: ``output``, ``input``, ``model_input``, ``model_code``, ``parameters``, ``output_grad`` or
+            ``input_grad``.
+        seen_at: the module whose hook saw it first (for ``input`` and ``output_grad`` a submodule of
+            ``module``).
         message: one line for people.
         dump_step: the step its neighbourhood is dumped on (None when nothing is dumped).
     """
@@ -75,6 +84,8 @@ class Localisation:
     message: str = ""
     dump_step: int | None = None
     key: Any = field(default=None, repr=False)
+    fallback: list[Any] = field(default_factory=list, repr=False)
+    """The modules the first origin names (dumped when nothing is found)."""
 
 
 @dataclass
@@ -84,7 +95,7 @@ class _Call:
     inputs: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
     params: list[int] = field(default_factory=list)
-    done: bool = False
+    root_inputs: list[int] = field(default_factory=list)
 
 
 class NonfiniteLocaliser:
@@ -105,9 +116,13 @@ class NonfiniteLocaliser:
         self._armed_step: int | None = None
         self._extremes: list[Any] = []
         self._calls: list[_Call] = []
+        self._completed: list[int] = []  # indices into _calls, in the order the calls returned
         self._stack: list[int] = []
-        self._backward: list[tuple[Key, str, int, int]] = []  # (module, side, extreme index, gradient id)
+        self._backward: list[tuple[Key, str, int, int]] = []  # (module, side, extreme index, tensor number)
+        self._numbers = itertools.count()
+        self._tensors: dict[int, tuple[weakref.ref, int]] = {}  # id -> (tensor, number): hooks on one tensor
         self._params_seen: set[Key] = set()
+        self._root_inputs: list[int] = []
 
     @property
     def pending(self) -> bool:
@@ -119,10 +134,16 @@ class NonfiniteLocaliser:
         """The checks are on the modules (the current step is checked)."""
         return self._armed_step is not None
 
-    def request(self, anomaly_step: int, origin: str) -> None:
-        """Check the next step(s) for the anomaly of ``anomaly_step`` (ignored while one is pending)."""
+    def request(self, anomaly_step: int, origin: str, fallback: list[Any] | None = None) -> None:
+        """Check the next step(s) for the anomaly of ``anomaly_step`` (ignored while one is pending).
+
+        Args:
+            anomaly_step: the step of the anomaly.
+            origin: its first origin, in words (for messages).
+            fallback: the modules to dump when no non-finite value is found.
+        """
         if self._pending is None:
-            self._pending = Localisation(anomaly_step, origin, step=-1)
+            self._pending = Localisation(anomaly_step, origin, step=-1, fallback=list(fallback or []))
             self._tries = 0
 
     # ------------------------------------------------------------------ step lifecycle
@@ -132,6 +153,8 @@ class NonfiniteLocaliser:
             return
         self._armed_step = step
         framework = self.framework
+        for root in self.table.roots:  # the model's input: told apart from the model's own code
+            self._registry.add(_GROUP, framework.forward_pre_hook(root, self._root_hook))
         for key, entry in self.table.entries.items():
             module = entry.module
             self._registry.add(_GROUP, framework.forward_pre_hook(module, self._pre_hook(key)))
@@ -152,10 +175,8 @@ class NonfiniteLocaliser:
             return None
         flags = self.framework.nonfinite_rows(self._extremes)  # sync: one transfer on a checked step
         result = self._analyse(flags)
-        calls, backward = self._calls, self._backward
-        self._extremes, self._calls, self._stack, self._backward = [], [], [], []
-        self._params_seen = set()
-        del calls, backward
+        self._extremes, self._calls, self._completed, self._stack, self._backward = [], [], [], [], []
+        self._params_seen, self._root_inputs, self._tensors = set(), [], {}
         pending = self._pending
         pending.step = step
         self._tries += 1
@@ -164,7 +185,7 @@ class NonfiniteLocaliser:
                 return None
             self._pending = None
             pending.message = (f"trainmon dump: no module produced a non-finite value in {self._tries} step(s) after "
-                               f"step {pending.anomaly_step} (first origin: {pending.origin}); nothing is dumped")
+                               f"step {pending.anomaly_step} (first origin: {pending.origin})")
             return pending
         self._pending = None
         phase, kind, key, seen_at = result
@@ -172,6 +193,8 @@ class NonfiniteLocaliser:
         pending.key, pending.module, pending.vpp_stage = key, key[1], key[0]
         pending.seen_at = seen_at[1]
         words = _WORDS[kind].format(child=self.table.label(seen_at))
+        if kind == "output_grad" and seen_at == key:
+            pending.kind, words = "output_grad", _WORDS["loss_grad"]
         pending.message = (f"trainmon dump: step {pending.anomaly_step}'s non-finite value (first origin: "
                            f"{pending.origin}) localised at step {step} to the {phase} of {self.table.label(key)}: "
                            f"{words}")
@@ -179,7 +202,8 @@ class NonfiniteLocaliser:
 
     def close(self) -> None:
         self._registry.remove_all()
-        self._extremes, self._calls, self._stack, self._backward = [], [], [], []
+        self._extremes, self._calls, self._completed, self._stack, self._backward = [], [], [], [], []
+        self._tensors = {}
 
     # ------------------------------------------------------------------ hooks (training thread, no sync)
     def _measure(self, value: Any) -> list[int]:
@@ -191,6 +215,10 @@ class NonfiniteLocaliser:
                 self._extremes.append(pair)
         return indices
 
+    def _root_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if not self.framework.is_rerun():
+            self._root_inputs = self._measure((args, kwargs))
+
     def _pre_hook(self, key: Key) -> Callable[..., None]:
         framework = self.framework
 
@@ -200,6 +228,7 @@ class NonfiniteLocaliser:
             else:
                 call = _Call(key, self._stack[-1] if self._stack and self._stack[-1] >= 0 else None)
                 call.inputs = self._measure((args, kwargs))
+                call.root_inputs = self._root_inputs
                 if key not in self._params_seen:
                     self._params_seen.add(key)
                     call.params = self._measure([p for _, p in framework.own_parameters(module)])
@@ -218,9 +247,8 @@ class NonfiniteLocaliser:
                 return
             index = self._stack.pop()
             if index >= 0:
-                call = self._calls[index]
-                call.outputs = self._measure(output)
-                call.done = True
+                self._calls[index].outputs = self._measure(output)
+                self._completed.append(index)
             if framework.tensor_gradients and framework.grad_enabled():
                 self._watch(key, "output_grad", output)
 
@@ -229,17 +257,22 @@ class NonfiniteLocaliser:
     def _watch(self, key: Key, side: str, value: Any) -> None:
         framework = self.framework
         for _, tensor in named_tensors(value, "", framework.tensor_type):
-            handle = framework.tensor_hook(tensor, self._gradient_hook(key, side))
+            if tensor.grad_fn is None:
+                continue
+            seen = self._tensors.get(id(tensor))
+            if seen is None or seen[0]() is not tensor:
+                seen = self._tensors[id(tensor)] = (weakref.ref(tensor), next(self._numbers))
+            handle = framework.tensor_hook(tensor, self._gradient_hook(key, side, seen[1]))
             if handle is not None:
                 self._registry.add(_GROUP, handle)
 
-    def _gradient_hook(self, key: Key, side: str) -> Callable[[Any], None]:
+    def _gradient_hook(self, key: Key, side: str, number: int) -> Callable[[Any], None]:
         def hook(grad: Any) -> None:
             if self._armed_step is None:
                 return
             pair = self.framework.extremes(grad)
             if pair is not None:
-                self._backward.append((key, side, len(self._extremes), id(grad)))
+                self._backward.append((key, side, len(self._extremes), number))
                 self._extremes.append(pair)
 
         return hook
@@ -252,7 +285,7 @@ class NonfiniteLocaliser:
                 for _, grad in named_tensors(grads, "", self.framework.tensor_type):
                     pair = self.framework.extremes(grad)
                     if pair is not None:
-                        self._backward.append((key, side, len(self._extremes), id(grad)))
+                        self._backward.append((key, side, len(self._extremes), next(self._numbers)))
                         self._extremes.append(pair)
 
         return hook
@@ -261,16 +294,21 @@ class NonfiniteLocaliser:
     def _analyse(self, flags: list[bool]) -> tuple[str, str, Key, Key] | None:
         """``(phase, kind, module to dump, module whose hook saw it)`` of the first non-finite value."""
         bad = lambda indices: any(flags[i] for i in indices)  # noqa: E731
-        for call in (c for c in self._calls if c.done):  # completion order: a submodule before its parent
+        calls = self._calls
+        for call in (calls[i] for i in self._completed):  # a submodule returns before its parent
             if not bad(call.outputs):
                 continue
             if bad(call.params):
                 return "forward", "parameters", call.key, call.key
-            if bad(call.inputs):
-                if call.parent is None:
-                    return "forward", "model_input", call.key, call.key
-                return "forward", "input", self._calls[call.parent].key, call.key
-            return "forward", "output", call.key, call.key
+            if not bad(call.inputs):
+                return "forward", "output", call.key, call.key
+            # Its input was non-finite already: climb to the outermost call that received it.
+            top = call
+            while top.parent is not None and bad(calls[top.parent].inputs):
+                top = calls[top.parent]
+            if top.parent is not None:
+                return "forward", "input", calls[top.parent].key, top.key
+            return "forward", "model_input" if bad(top.root_inputs) else "model_code", top.key, top.key
         first: list[tuple[Key, str, int, int]] = []
         for record in self._backward:  # firing order
             if first and record[3] != first[0][3]:
@@ -279,10 +317,21 @@ class NonfiniteLocaliser:
                 first.append(record)
         if not first:
             return None
-        # Hooks on one tensor fire together (a block's input is its first submodule's input): the
-        # deepest module is the most precise answer.
-        key, side, _, _ = max(first, key=lambda record: self._depth(record[0]))
-        return "backward", side, key, key
+        # Hooks on one tensor fire together (a block's input is also its first submodule's input, a
+        # submodule's output may be its parent's output): a consumer's input gradient is the most precise
+        # answer (the deepest such module made it); gradients w.r.t. outputs only say that it arrived
+        # there, made by the code of the module enclosing the outermost of them.
+        inputs = [record[0] for record in first if record[1] == "input_grad"]
+        if inputs:
+            key = max(inputs, key=self._depth)
+            return "backward", "input_grad", key, key
+        outer = min((record[0] for record in first), key=self._depth)
+        # A module whose output gradient is non-finite too received it from further out (MindSpore's cell
+        # hooks fire when a cell's backward ends, so an enclosing cell's come after its submodules').
+        arrived = {record[0] for record in self._backward if record[1] == "output_grad" and flags[record[2]]}
+        while (parent := self.table.parent(outer)) is not None and parent in arrived:
+            outer = parent
+        return "backward", "output_grad", parent or outer, outer
 
     def _depth(self, key: Key) -> int:
         depth, parent = 0, self.table.parent(key)
