@@ -59,6 +59,31 @@ def new_directory(directory: Path, root: Path) -> Path:
     raise FileExistsError(f"{directory}: {_MAX_NAMES} dumps of this step already exist")
 
 
+def canonical_order(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the forward entries in call order, then the backward entries and the parameter
+    gradients in reverse call order: the same order for two dumps of the same modules, whatever order
+    the gradient hooks fired in (a NaN injected into a module's output changes it), so msprobe's
+    order-sensitive compare matches them."""
+    def kind(key: str) -> str:  # Module.{name}.{Class}.{forward|backward}.{call} or ...parameters_grad
+        parts = key.rsplit(".", 2)
+        return parts[1] if len(parts) == 3 else ""
+
+    forward = [key for key in data if kind(key) == "forward"]
+    position = {key: i for i, key in enumerate(forward)}
+    first_call: dict[str, int] = {}
+    for key in forward:
+        first_call.setdefault(key.rsplit(".", 2)[0], position[key])
+
+    def forward_of(key: str) -> str:
+        head, _, call = key.rsplit(".", 2)
+        return f"{head}.forward.{call}"
+
+    backward = sorted((key for key in data if kind(key) == "backward"), key=lambda key: -position.get(forward_of(key), -1))
+    rest = sorted((key for key in data if kind(key) not in ("forward", "backward")),
+                  key=lambda key: -first_call.get(key.rsplit(".", 1)[0], -1))
+    return {key: data[key] for key in forward + backward + rest}
+
+
 def write_dump(capture: Capture, values: list[list[float]], directory: Path, root: Path,
                extra: dict[str, Any] | None = None) -> Path:
     """Write ``dump.json``, ``stack.json``, ``construct.json`` and the tensor files of one dump step.
@@ -92,7 +117,7 @@ def write_dump(capture: Capture, values: list[list[float]], directory: Path, roo
         "dump_data_dir": str(tensor_dir) if capture.mode == "tensor" else None,
         "summary_mode": "md5" if capture.mode == "md5" else "statistics",
         **(extra or {}),
-        "data": capture.data,
+        "data": canonical_order(capture.data),
     }, root)
     write_json(directory / "stack.json", capture.stack, root)
     write_json(directory / "construct.json", capture.construct, root)

@@ -3,17 +3,17 @@
 ``OMP_NUM_THREADS=1 torchrun --nproc_per_node=2 mcore_actions_run.py OUT CASE [CASE ...]``
 
 - ``tp2``: TP=2, the monitor's default families (activations off), ``anomaly.actions: [jsonl, dump,
-  free_benchmark]``. A hand-made dump of ``decoder.layers.1`` and its neighbours at step 0 (the clean
+  free_benchmark]``. A hand-made dump of ``decoder.layers.1`` and its neighbours at step 1 (the clean
   reference for msprobe's compare) and a hand-made free benchmark at step 1; from step 2 on a NaN is
   injected into the output of ``decoder.layers.1.mlp`` on both TP ranks (Megatron skips those steps: a
   constant loss scale), so the first origin is the loss, the dump localises the MLP at step 3 and dumps
   it at step 4.
 - ``vpp2``: PP=2 with two virtual stages and full activation recomputation: a hand-made dump of
-  ``decoder.layers.0`` in both chunks and a free benchmark of its MLP at step 0.
+  ``decoder.layers.0`` in both chunks and a free benchmark of its MLP at step 1.
 
 Per rank the script writes ``OUT/CASE/info_rank{R}.json``: its parallel ranks, the warnings trainmon
 logged, the free-benchmark results, and float64 references of the tensors the dump describes (captured
-by the script's own hooks): the MLP's output and its fc1 weight shard at step 0.
+by the script's own hooks): the MLP's output and its fc1 weight shard at step 1.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def run_case(name: str, out: Path, tp: int, pp: int, steps: int, vpp: int | None
     for handle in handles:
         handle.remove()
     bench = monitor._session.actions["free_benchmark"]
-    results = [(r.step, r.name, r.max_rel, r.passed) for r in bench.results]
+    results = [(r.step, r.name, r.vpp_stage, r.output_index, r.max_rel, r.passed) for r in bench.results]
     localisations = [vars(found) | {"key": None} for found in monitor._session.actions["dump"].localisations]
     monitor.close()
     logging.getLogger("trainmon").removeHandler(catch)
