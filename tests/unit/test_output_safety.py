@@ -151,8 +151,12 @@ def test_full_disk_warns_once_per_output_counts_what_it_lost_and_keeps_what_was_
         rows = [row for row in csv.reader(handle) if len(row) == 6][1:]
     steps = sorted({int(row[2]) for row in rows})
     assert steps == list(range(len(steps))) and len(steps) >= 10
-    for name, counts in writer.stats().items():
-        assert counts["written"] + counts["dropped"] == 300 and counts["written"] <= len(steps) + 1, name
+    stats = writer.stats()
+    for name, counts in stats.items():
+        assert counts["written"] + counts["dropped"] == 300, name
+    # the CSV sink counts as written only what reached its file (each output has its own thread, so
+    # which one fills the disk first, and how many records the others wrote, depends on scheduling)
+    assert stats["csv"]["written"] <= len(steps) + 1
 
 
 # ------------------------------------------------------------------ slow, stuck and dead outputs
