@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -210,6 +211,9 @@ def test_layer_gradient_spike_fires_before_the_loss():
 
 
 @pytest.mark.parametrize("spec", [{"type": "nonfinite"}, {"type": "loss_spike", "warmup": 3},
+                                  {"type": "loss_spike", "warmup": 3, "range_window": 8, "trend_window": 10},
+                                  {"type": "spike", "series": ["loss", "actv/*/norm"], "method": "log",
+                                   "range_window": 8},
                                   {"type": "spike", "series": ["loss", "actv/*/norm"], "method": "ema"},
                                   {"type": "spike", "series": ["actv/re:^l/norm"], "method": "mad", "window": 5},
                                   {"type": "spike", "series": ["loss"], "method": "relative"}])
@@ -274,3 +278,151 @@ def test_a_skip_without_loss_scaling_and_a_nonfinite_loss_are_still_alarms():
     skipped_with_nan_loss.scalars["loss"] = NAN
     (event,) = run(detectors, [skipped_with_nan_loss])
     assert event.name == "loss"
+
+
+# --------------------------------------------------------------------------- loss_spike's rules
+def log_rules_reference(values, threshold=6.0, min_rel=0.5, early=2.0, warmup=10, window=50, level_window=7,
+                        min_spread=0.02, range_factor=1.5, range_window=100, trend_factor=2.0, trend_window=200,
+                        persist=1):
+    """Independent float64 reference of loss_spike / spike method log (upward): returns ``{step: rule}``."""
+    fed, ratios, levels, fired, streak = [], [], [], {}, 0
+
+    def feed(x):
+        if fed:
+            ratios.append(math.log(x / fed[-1]))
+        fed.append(x)
+        levels.append(float(np.median(fed[-window:])))
+        del levels[:-trend_window]
+
+    for step, x in enumerate(values):
+        if not math.isfinite(x) or x <= 0:
+            continue
+        if len(ratios) < 2:
+            feed(x)
+            continue
+        level = float(np.median(fed[-level_window:]))
+        r = np.array(ratios[-window:])
+        spread = max(1.4826 * float(np.median(np.abs(r - np.median(r)))) / math.sqrt(2), min_spread)
+        young = len(fed) < range_window
+        edge = level * math.exp(max(threshold * spread, math.log1p(early if young else min_rel)))
+        upper = edge
+        if range_factor and not young:
+            upper = min(edge, range_factor * max(fed[-(range_window + level_window):-level_window]))
+        out = len(fed) >= warmup and x > upper
+        streak = streak + 1 if out else 0
+        if out and streak < persist:
+            continue  # held back
+        if out:
+            fired[step] = "noise" if x > edge else "range"
+            feed(upper)
+            continue
+        feed(x)
+        if trend_factor and len(fed) > warmup and levels[-1] > trend_factor * min(levels):
+            fired[step] = "trend"
+            levels[:] = levels[-1:]
+    return fired
+
+
+def _rules_fired(detector, values, scalar="loss"):
+    fired = {}
+    for step, value in enumerate(values):
+        for event in detector.update(record(step, **{scalar: float(value)}), "t"):
+            fired[step] = event.message.split("(")[1].split(")")[0].split(", ")[-1]
+    return fired
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_loss_spike_matches_numpy_reference_on_spikes_plateaus_and_divergence(seed):
+    rng = np.random.default_rng(seed)
+    steps = 900
+    t = np.arange(steps)
+    losses = (2.0 * np.exp(-t / 150) + 0.4) * np.exp(rng.uniform(0.02, 0.3) * rng.standard_normal(steps))
+    for at in rng.integers(20, 600, 8):
+        losses[at] *= rng.choice([1.5, 2.0, 3.0, 4.0, 10.0])
+    losses[300:320] *= 3.0  # a plateau
+    losses[650:] *= 2.0 ** ((t[650:] - 650) / 50)  # a divergence
+    losses[[100, 400]] = [NAN, -1.0]  # skipped
+    fired = _rules_fired(build_detectors([{"type": "loss_spike"}])[0], losses)
+    assert fired == log_rules_reference(losses)
+    assert {"noise", "range", "trend"} >= set(fired.values()) and "trend" in fired.values()
+
+
+def test_loss_spike_range_rule_catches_a_jump_the_noise_rule_misses():
+    # A small-batch-like loss whose log is skewed down: a 4x batch is 2x the largest of the last 100
+    # losses, but only z ~ 5 against the step-to-step noise (the held-out case of the benchmark).
+    rng = np.random.default_rng(0)
+    losses = 0.6 * np.exp(-np.abs(0.55 * rng.standard_normal(200)))
+    losses[150] = 4 * np.median(losses[143:150])
+    assert losses[150] > 2 * losses[43:143].max()
+    (event,) = run(build_detectors([{"type": "loss_spike"}]), [record(s, loss=float(v)) for s, v in enumerate(losses)])
+    assert event.step == 150 and "loss_spike (range)" in event.message and "(z=4.956, threshold 6)" in event.message
+    assert event.baseline == pytest.approx(losses[43:143].max())  # the range before the level window
+    old = [{"type": "loss_spike", "min_relative_change": 1.0, "early_relative_change": 1.0, "range_factor": 0,
+            "trend_factor": 0}]  # the rule before the range existed
+    assert run(build_detectors(old), [record(s, loss=float(v)) for s, v in enumerate(losses)]) == []
+
+
+def test_loss_spike_trend_rule_fires_once_per_doubling_of_a_slow_divergence():
+    rng = np.random.default_rng(8)
+    t = np.arange(600)
+    losses = np.exp(0.05 * rng.standard_normal(600)) * np.where(t < 300, 1.0, 2.0 ** ((t - 300) / 50))
+    events = run(build_detectors([{"type": "loss_spike"}]), [record(s, loss=float(v)) for s, v in enumerate(losses)])
+    trend = [e.step for e in events if "loss_spike (trend)" in e.message]
+    assert len(trend) >= 4 and 300 < trend[0] < 400
+    assert all(b - a >= 40 for a, b in itertools.pairwise(trend))  # once per rise, not every step
+    assert "rose to" in events[[e.step for e in events].index(trend[0])].message
+
+
+def test_loss_spike_young_run_ignores_a_smooth_descent_turning_noisy_but_not_a_3x_jump():
+    rng = np.random.default_rng(9)
+    losses = list(np.geomspace(2.0, 0.5, 30)) + list(0.5 * np.exp(0.35 * rng.standard_normal(60)))
+    detectors = build_detectors([{"type": "loss_spike"}])
+    assert run(detectors, [record(s, loss=float(v)) for s, v in enumerate(losses)]) == []
+    losses[70] = 10 * float(np.median(losses[63:70]))  # young: only a 3x jump with z > 6 fires
+    (event,) = run(build_detectors([{"type": "loss_spike"}]), [record(s, loss=float(v)) for s, v in enumerate(losses)])
+    assert event.step == 70 and "(noise)" in event.message
+
+
+def test_loss_spike_loads_a_state_saved_before_the_range_and_trend_rules():
+    old_state = {"count": 12, "values": [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0], "log_ratios": [0.1, -0.2, 0.1] * 3}
+    detector = build_detectors([{"type": "loss_spike"}])[0]
+    detector.load_state_dict(json.loads(json.dumps(old_state)))
+    assert detector.state_dict()["count"] == 12 and detector.state_dict()["streak"] == 0
+    assert run([detector], [record(12, loss=5.0)])[0].step == 12
+    with pytest.raises(ValueError):
+        detector.load_state_dict({**old_state, "levels": [1.0, NAN]})
+
+
+def test_spike_log_method_persist_ignores_one_step_outliers_and_catches_a_growing_norm():
+    rng = np.random.default_rng(10)
+    norms = np.exp(0.2 * rng.standard_normal(400))
+    norms[[150, 220]] *= 30  # one odd batch each: ignored with persist 3
+    norms[300:] *= 1.3 ** np.arange(100)  # a blow-up
+    spec = {"type": "spike", "series": ["grad_reduced/*/norm"], "method": "log", "persist": 3}
+    rows = [[row(s, "grad_reduced", "fc.weight", 0, norm=float(v))] for s, v in enumerate(norms)]
+    events = run(build_detectors([spec]), [record(s, r) for s, r in enumerate(rows)])
+    expected = log_rules_reference(norms, min_rel=1.0, range_factor=2.0, trend_factor=0, persist=3)
+    assert [e.step for e in events] == sorted(expected)
+    assert 300 < events[0].step < 312 and events[0].name == "fc.weight" and "spike (log, " in events[0].message
+    single = run(build_detectors([{**spec, "persist": 1}]), [record(s, r) for s, r in enumerate(rows)])
+    assert {150, 220} <= {e.step for e in single}
+    first = build_detectors([spec])  # a checkpoint in the middle of a streak resumes it
+    resumed = run(first, [record(s, r) for s, r in enumerate(rows[:306])])
+    again = build_detectors([spec])
+    again[0].load_state_dict(json.loads(json.dumps(first[0].state_dict())))
+    resumed += run(again, [record(s, r) for s, r in enumerate(rows) if s >= 306])
+    assert [e.to_dict() for e in resumed] == [e.to_dict() for e in events]
+
+
+@pytest.mark.parametrize("spec, key", [
+    ({"type": "loss_spike", "range_factor": 0.5}, "anomaly.detectors[0].range_factor"),
+    ({"type": "loss_spike", "trend_factor": 1.0}, "anomaly.detectors[0].trend_factor"),
+    ({"type": "loss_spike", "range_window": 0}, "anomaly.detectors[0].range_window"),
+    ({"type": "spike", "method": "log", "range_factor": 1.0}, "anomaly.detectors[0].range_factor"),
+    ({"type": "spike", "method": "log", "persist": 0}, "anomaly.detectors[0].persist"),
+    ({"type": "spike", "method": "logarithmic"}, "anomaly.detectors[0].method"),
+])
+def test_new_detector_fields_are_validated_at_config_construction(spec, key):
+    with pytest.raises(ConfigError) as info:
+        load_config({"anomaly": {"detectors": [spec]}})
+    assert info.value.key == key

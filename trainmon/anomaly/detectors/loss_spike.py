@@ -1,19 +1,34 @@
-"""``loss_spike``: the loss against its short recent level, scaled by its step-to-step noise.
+"""``loss_spike``: the loss against its recent level, its step-to-step noise and its recent range.
 
 A long-window median lags a loss that still falls fast (a 4x jump can stay below the median of the
 last 50 losses), and a z-score on raw values fires late in training, where the loss is tiny and
-its relative noise large. So this preset works on the log of the loss:
+its relative noise large. So this preset works on the log of the loss, with three rules:
 
-- ``level``: the median of the last ``level_window`` losses (a few steps: it follows the trend);
-- ``spread``: the robust standard deviation of the loss around its level, estimated from the
-  log-ratios of consecutive losses over the last ``window`` steps (``1.4826 * MAD / sqrt(2)``:
-  consecutive ratios hold the noise of two losses), never below ``min_spread``;
-- fires when ``|log(loss / level)| > threshold * spread`` **and** the loss differs from its level by
-  at least the factor ``1 + min_relative_change`` (2x by default), in the configured direction.
+- **noise**: ``|log(loss / level)| > threshold * spread`` and the loss differs from its level by at
+  least the factor ``1 + min_relative_change``. ``level`` is the median of the last ``level_window``
+  losses (a few steps: it follows the trend); ``spread`` the robust standard deviation of the loss
+  around it, from the log-ratios of consecutive losses over the last ``window`` steps
+  (``1.4826 * MAD / sqrt(2)``: consecutive ratios hold the noise of two losses), at least ``min_spread``.
+- **range**: the loss is more than ``range_factor`` times the largest of the ``range_window`` losses
+  before the level window (below their smallest divided by it, going down). The spread of
+  step-to-step ratios overstates how far a small-batch loss strays upwards (its log is skewed down);
+  the range measures that tail directly. Leaving out the last ``level_window`` losses lets a steady
+  rise leave the range too.
+- **trend** (upward only): the median of the last ``window`` losses rose above ``trend_factor`` times
+  its lowest value over the last ``trend_window`` steps: a slow divergence that each step hides
+  from the other rules. It fires once per such rise (the reference restarts from the new level).
 
-Scale-free: the same settings work at loss 5 and at loss 1e-3. A firing value enters the state
-clipped to the threshold band, so one spike neither inflates the spread nor hides the next one.
-NaN, Inf and non-positive losses are skipped (the ``nonfinite`` detector reports the former).
+A young run (its first ``range_window`` losses) has no range yet and a noise estimate that may have
+seen only a smooth descent, so the range rule waits and the noise rule needs the factor
+``1 + early_relative_change`` (3x). Tuned and checked on ``benchmarks/anomaly_detectors.py``
+(docs/anomaly.md has the table).
+
+Scale-free: the same settings work at loss 5 and at loss 1e-3. A value that fires the noise or
+range rule enters the state clipped to the largest (smallest) value that would not have fired, so
+one spike neither inflates the spread or range nor hides the next one, while a lasting level shift
+is absorbed. NaN, Inf and non-positive values are skipped (the ``nonfinite`` detector reports the
+former). :class:`LogLevelSeries` holds the state of one series; the ``spike`` detector's
+``method: log`` applies the noise and range rules to any positive series (gradient norms).
 """
 
 from __future__ import annotations
@@ -21,8 +36,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 from trainmon.anomaly.detectors.base import Detector, scalar_event
@@ -35,29 +50,184 @@ _MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its standard 
 _SERIES = "loss"
 
 
-@dataclass
-class LossSpikeConfig:
-    """Spec of the ``loss_spike`` preset (log-loss against its recent level, upward by default)."""
+@dataclass(frozen=True)
+class LogRules:
+    """The settings :class:`LogLevelSeries` scores with (the fields of :class:`LossSpikeConfig`, plus
+    ``persist``: out-of-band values in a row needed before one fires)."""
 
     threshold: float = 6.0
-    """Robust z-score of ``log(loss / level)`` the loss must exceed."""
-    min_relative_change: float = 1.0
-    """The loss must also differ from its level by the factor ``1 + this`` (1.0: twice, or half going down)."""
+    min_relative_change: float = 0.5
+    warmup: int = 10
+    window: int = 50
+    level_window: int = 7
+    min_spread: float = 0.02
+    range_factor: float = 1.5
+    range_window: int = 100
+    trend_factor: float = 2.0
+    trend_window: int = 200
+    early_relative_change: float = 2.0
+    persist: int = 1
+    direction: str = "up"
+
+
+@dataclass
+class Verdict:
+    """What one value did: ``rule`` is ``noise``, ``range``, ``trend`` or ``""`` (no alarm);
+    ``baseline`` is what it was compared with (the level, the range's edge, the lowest level)."""
+
+    rule: str
+    level: float
+    score: float
+    baseline: float
+
+
+class LogLevelSeries:
+    """The state of one positive series (never holds a non-finite or non-positive value)."""
+
+    __slots__ = ("count", "levels", "log_ratios", "rules", "streak", "values")
+
+    def __init__(self, rules: LogRules) -> None:
+        self.rules = rules
+        self.count = 0
+        self.streak = 0  # consecutive out-of-band values: > 0 above, < 0 below
+        kept = max(rules.level_window + (rules.range_window if rules.range_factor else 0),
+                   rules.window if rules.trend_factor else 1)
+        self.values: deque[float] = deque(maxlen=kept)  # recent values as fed
+        self.log_ratios: deque[float] = deque(maxlen=rules.window)  # log(value[t] / value[t-1])
+        self.levels: deque[float] = deque(maxlen=rules.trend_window if rules.trend_factor else 1)
+
+    def _median_of_last(self, n: int) -> float:
+        values = self.values
+        return statistics.median(values if len(values) <= n else list(values)[-n:])
+
+    @staticmethod
+    def _spread(ratios: Sequence[float]) -> float:
+        center = statistics.median(ratios)
+        return _MAD_TO_STD * statistics.median(abs(r - center) for r in ratios) / math.sqrt(2.0)
+
+    def observe(self, value: float) -> Verdict:
+        """Score a positive finite ``value`` against the state, then feed it."""
+        rules = self.rules
+        if len(self.log_ratios) < 2:
+            verdict = Verdict("", self._median_of_last(rules.level_window) if self.values else math.nan, 0.0, math.nan)
+            self._feed(value)
+            return verdict
+        level = self._median_of_last(rules.level_window)
+        spread = max(self._spread(self.log_ratios), rules.min_spread)
+        score = math.log(value / level) / spread
+        young = self.count < rules.range_window
+        factor = 1 + (rules.early_relative_change if young else rules.min_relative_change)
+        band = math.exp(max(rules.threshold * spread, math.log(factor)))
+        upper, lower = level * band, level / band  # the quiet band of the noise rule
+        high = low = math.nan
+        if rules.range_factor and not young and len(self.values) > rules.level_window:
+            older = list(self.values)[-(rules.range_window + rules.level_window):-rules.level_window]
+            high, low = max(older), min(older)
+            upper, lower = min(upper, high * rules.range_factor), max(lower, low / rules.range_factor)
+        rule, baseline, side = "", level, 0
+        if self.count >= rules.warmup:
+            if value > upper and rules.direction != "down":
+                rule, baseline, side = ("noise", level, 1) if value > level * band else ("range", high, 1)
+            elif value < lower and rules.direction != "up":
+                rule, baseline, side = ("noise", level, -1) if value < level / band else ("range", low, -1)
+        self.streak = self.streak + side if side and self.streak * side > 0 else side
+        if rule and abs(self.streak) < rules.persist:
+            return Verdict("", level, score, baseline)  # held back (not fed) until persist in a row
+        self._feed(min(max(value, lower), upper) if rule else value)  # winsorised: the edge of the quiet band
+        if not rule and rules.trend_factor and self.count > rules.warmup and rules.direction != "down":
+            new_level, lowest = self.levels[-1], min(self.levels)
+            if new_level > rules.trend_factor * lowest:
+                self.levels.clear()  # once per rise: the next alarm needs another rise of trend_factor
+                self.levels.append(new_level)
+                return Verdict("trend", new_level, math.log(new_level / lowest) / spread, lowest)
+        return Verdict(rule, level, score, baseline)
+
+    def _feed(self, value: float) -> None:
+        if self.values:
+            self.log_ratios.append(math.log(value / self.values[-1]))
+        self.values.append(value)
+        self.count += 1
+        if self.rules.trend_factor:
+            self.levels.append(self._median_of_last(self.rules.window))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "values": list(self.values), "log_ratios": list(self.log_ratios),
+                "levels": list(self.levels), "streak": self.streak}
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any], rules: LogRules) -> LogLevelSeries:
+        """Restore :meth:`to_dict` output (a state saved before ``levels`` and ``streak`` existed loads too)."""
+        series = cls(rules)
+        count = int(state["count"])
+        values = [float(v) for v in state["values"]]
+        log_ratios = [float(r) for r in state["log_ratios"]]
+        levels = [float(v) for v in state.get("levels", [])]
+        if count < 0 or not all(math.isfinite(v) and v > 0 for v in values + levels) \
+                or not all(math.isfinite(r) for r in log_ratios):
+            raise ValueError(f"corrupt log-level state {dict(state)}"[:300])
+        series.count = count
+        series.values.extend(values)
+        series.log_ratios.extend(log_ratios)
+        series.levels.extend(levels)
+        series.streak = int(state.get("streak", 0))
+        return series
+
+
+def describe_verdict(what: str, step: int, value: float, verdict: Verdict, rules: LogRules) -> str:
+    """The event message for a verdict with a rule."""
+    if verdict.rule == "trend":
+        return (f"{what} at step {step}: its median of the last {rules.window} rose to "
+                f"{format_number(verdict.level)}, {format_number(verdict.level / verdict.baseline)}x its lowest "
+                f"{format_number(verdict.baseline)} of the last {rules.trend_window} steps (trend_factor "
+                f"{format_number(rules.trend_factor)})")
+    text = (f"{what} at step {step} is {format_number(value)}, {format_number(value / verdict.level)}x its recent "
+            f"level {format_number(verdict.level)} (z={format_number(verdict.score)}, threshold "
+            f"{format_number(rules.threshold)})")
+    if verdict.rule == "range":
+        side = "largest" if value > verdict.level else "smallest"
+        text += (f"; {format_number(value / verdict.baseline)}x the {side} ({format_number(verdict.baseline)}) of "
+                 f"the {rules.range_window} before (range_factor {format_number(rules.range_factor)})")
+    return text
+
+
+@dataclass
+class LossSpikeConfig:
+    """Spec of the ``loss_spike`` preset (log-loss against its recent level and range, upward by default)."""
+
+    threshold: float = 6.0
+    """Noise rule: robust z-score of ``log(loss / level)`` the loss must exceed."""
+    min_relative_change: float = 0.5
+    """Noise rule: the loss must also differ from its level by the factor ``1 + this`` (0.5: 1.5x, or
+    1/1.5 going down)."""
     warmup: int = 10
     """Losses seen before it may fire."""
     window: int = 50
-    """Consecutive log-ratios the noise (spread) is estimated over."""
+    """Consecutive log-ratios the noise (spread) is estimated over; the trend rule's median too."""
     level_window: int = 7
     """Recent losses whose median is the level a new loss is compared with."""
     min_spread: float = 0.02
     """Floor of the spread in log units (0.02: the loss is never assumed steadier than about 2%)."""
+    range_factor: float = 1.5
+    """Range rule: fires when the loss is more than this times the largest of the ``range_window``
+    losses before the level window (less than their smallest over this, going down); 0 turns it off."""
+    range_window: int = 100
+    """Losses the range rule compares with; also the length of the young phase."""
+    trend_factor: float = 2.0
+    """Trend rule: fires when the median of the last ``window`` losses rises above this times its
+    lowest value of the last ``trend_window`` steps (once per such rise); 0 turns it off."""
+    trend_window: int = 200
+    """Steps the trend rule looks back over."""
+    early_relative_change: float = 2.0
+    """Noise rule during the first ``range_window`` losses: the factor is ``1 + this`` (3x) instead, as
+    a young run's noise and range are not known yet (a smooth descent that turns noisy is no spike)."""
     direction: str = "up"
-    """up, down or both."""
+    """up, down or both (the trend rule only looks up)."""
 
 
 class LossSpikeDetector(Detector):
-    """Loss spikes: fires when the loss is far from (robust z > 6) and at least twice its median of the
-    last 7 steps, the noise measured from the step-to-step log-ratios of the last 50, after 10 steps.
+    """Loss spikes and divergence: fires when the loss is far from its median of the last 7 steps
+    (robust z > 6 and 1.5x), or more than 1.5x the largest of the 100 losses before those; and when
+    the median of the last 50 losses doubles within 200 steps. After 10 losses (3x jumps only until 100).
 
     Example:
         >>> d = LossSpikeDetector(LossSpikeConfig(warmup=3))
@@ -69,70 +239,37 @@ class LossSpikeDetector(Detector):
     config_class = LossSpikeConfig
     choices = {"direction": ("up", "down", "both")}
     minimum = {"threshold": 0.0, "warmup": 0, "window": 3, "level_window": 1, "min_relative_change": 0.0,
-               "min_spread": 0.0}
-    maximum = {"window": 10_000, "level_window": 10_000}  # larger windows only make every step's median slower
+               "min_spread": 0.0, "range_factor": 0.0, "range_window": 1, "trend_factor": 0.0, "trend_window": 1,
+               "early_relative_change": 0.0}
+    # larger windows only make every step's median slower
+    maximum = {"window": 10_000, "level_window": 10_000, "range_window": 10_000, "trend_window": 10_000}
 
     def __init__(self, config: LossSpikeConfig, path: str = "anomaly.detectors[0]") -> None:
         super().__init__(config)
         if not config.min_spread > 0:
             raise ConfigError(f"{path}.min_spread", f"must be > 0, got {config.min_spread}")
-        self.count = 0
-        self.values: deque[float] = deque(maxlen=config.level_window)  # recent losses (as fed), > 0
-        self.log_ratios: deque[float] = deque(maxlen=config.window)  # log(loss[t] / loss[t-1])
-
-    def _score(self, value: float) -> tuple[bool, float, float, float]:
-        """``(fires, level, z, spread)`` of a positive finite loss against the current state."""
-        config = self.config
-        if not self.values:
-            return False, math.nan, 0.0, 0.0
-        level = statistics.median(self.values)
-        if len(self.log_ratios) < 2:
-            return False, level, 0.0, 0.0
-        center = statistics.median(self.log_ratios)
-        mad = statistics.median(abs(r - center) for r in self.log_ratios)
-        spread = max(_MAD_TO_STD * mad / math.sqrt(2.0), config.min_spread)
-        distance = math.log(value / level)
-        score = distance / spread
-        fires = False
-        if self.count >= config.warmup and abs(distance) > math.log1p(config.min_relative_change):
-            fires = ((score > config.threshold and config.direction != "down")
-                     or (score < -config.threshold and config.direction != "up"))
-        return fires, level, score, spread
-
-    def _feed(self, value: float, fires: bool, level: float, score: float, spread: float) -> None:
-        if fires:  # winsorise: the spike enters at the edge of the threshold band
-            value = level * math.exp(math.copysign(self.config.threshold * spread, score))
-        if self.values:
-            self.log_ratios.append(math.log(value / self.values[-1]))
-        self.values.append(value)
-        self.count += 1
+        for name in ("range_factor", "trend_factor"):
+            factor = getattr(config, name)
+            if factor and factor <= 1:
+                raise ConfigError(f"{path}.{name}", f"must be 0 (off) or > 1, got {factor}")
+        self.rules = LogRules(**{f.name: getattr(config, f.name) for f in fields(LossSpikeConfig)})
+        self.series = LogLevelSeries(self.rules)
 
     def update(self, record: StepRecord, time: str) -> list[AnomalyEvent]:
         value = record.scalars.get(_SERIES)
         if value is None or not math.isfinite(value) or value <= 0:
             return []
-        fires, level, score, spread = self._score(value)
-        self._feed(value, fires, level, score, spread)
-        if not fires:
+        verdict = self.series.observe(value)
+        if not verdict.rule:
             return []
-        message = (f"loss_spike: loss at step {record.step} is {format_number(value)}, {format_number(value / level)}x "
-                   f"its recent level {format_number(level)} (z={format_number(score)}, threshold "
-                   f"{format_number(self.config.threshold)})")
-        return [scalar_event(record, _SERIES, value=value, baseline=level, detector=self.type_name,
+        message = f"loss_spike ({verdict.rule}): " + describe_verdict("loss", record.step, value, verdict, self.rules)
+        return [scalar_event(record, _SERIES, value=value, baseline=verdict.baseline, detector=self.type_name,
                              message=message, time=time)]
 
     # ----------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "values": list(self.values), "log_ratios": list(self.log_ratios)}
+        return self.series.to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        count = int(state["count"])
-        values = [float(v) for v in state["values"]]
-        log_ratios = [float(r) for r in state["log_ratios"]]
-        if count < 0 or not all(math.isfinite(v) and v > 0 for v in values) \
-                or not all(math.isfinite(r) for r in log_ratios):
-            raise ValueError(f"corrupt loss_spike state {dict(state)}")
-        self.count = count
-        self.values = deque(values, maxlen=self.config.level_window)
-        self.log_ratios = deque(log_ratios, maxlen=self.config.window)
+        self.series = LogLevelSeries.from_dict(state, self.rules)

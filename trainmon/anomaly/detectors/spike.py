@@ -1,8 +1,12 @@
 """``spike``: robust spike detection on chosen series (loss, grad norms, activation norms, ...).
 
-Three methods, each per series and NaN-proof (a non-finite value is never fed to the state; the
+Four methods, each per series and NaN-proof (a non-finite value is never fed to the state; the
 ``nonfinite`` detector reports it):
 
+- ``log``: ``loss_spike``'s noise and range rules (:mod:`trainmon.anomaly.detectors.loss_spike`) on
+  any positive series: scale-free, for gradient and activation norms (non-positive values are
+  skipped). With ``persist: 3`` single-step outliers (one odd batch) are ignored and a norm that keeps
+  growing fires on its third step out of band: the per-layer early warning of docs/anomaly.md.
 - ``ema``: exponentially weighted mean and variance; fires when ``|z| > threshold``.
 - ``mad``: median and median absolute deviation of the last ``window`` values; robust z-score.
 - ``relative``: msprobe ``AnomalyTurbulence``: fires when ``value > mean * (1 + threshold)``
@@ -26,13 +30,15 @@ from fnmatch import translate
 from typing import Any
 
 from trainmon.anomaly.detectors.base import Detector, row_event, scalar_event
+from trainmon.anomaly.detectors.loss_spike import LogLevelSeries, LogRules, describe_verdict
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.ordering import describe, format_number
 from trainmon.errors import ConfigError
 from trainmon.records import FAMILIES, METRICS, StepRecord
 
-_DEFAULT_THRESHOLD = {"ema": 6.0, "mad": 6.0, "relative": 0.5}
-_DEFAULT_WARMUP = {"ema": 10, "mad": 10, "relative": 1}
+_DEFAULT_THRESHOLD = {"ema": 6.0, "mad": 6.0, "relative": 0.5, "log": 6.0}
+_DEFAULT_WARMUP = {"ema": 10, "mad": 10, "relative": 1, "log": 10}
+_DEFAULT_RELATIVE_CHANGE = {"ema": 0.0, "mad": 0.0, "relative": 0.0, "log": 1.0}
 _MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
 
@@ -44,9 +50,9 @@ class SpikeConfig:
     """Scalars by name (``loss``, ``grad_norm``, ``lr/group0``; globs allowed) or rows as
     ``family/name/metric`` (``grad_reduced/layers.*/norm``; name glob or ``re:`` regex)."""
     method: str = "ema"
-    """ema, mad or relative (msprobe AnomalyTurbulence)."""
+    """ema, mad, log (loss_spike's rules on any positive series) or relative (msprobe AnomalyTurbulence)."""
     threshold: float | None = None
-    """z-score for ema/mad (default 6), relative rise for relative (default 0.5)."""
+    """z-score for ema/mad/log (default 6), relative rise for relative (default 0.5)."""
     warmup: int | None = None
     """Finite values a series must have seen before it may fire (default 10; 1 for relative)."""
     direction: str = "up"
@@ -54,9 +60,20 @@ class SpikeConfig:
     alpha: float = 0.1
     """ema: weight of the newest value."""
     window: int = 50
-    """mad: number of recent values kept."""
-    min_relative_change: float = 0.0
-    """ema/mad: also require ``|value - baseline| > min_relative_change * |baseline|``."""
+    """mad: number of recent values kept; log: consecutive log-ratios the noise is estimated over."""
+    min_relative_change: float | None = None
+    """ema/mad: also require ``|value - baseline| > min_relative_change * |baseline|`` (default 0);
+    log: the noise rule's factor ``1 + this`` between a value and its level (default 1.0: 2x)."""
+    level_window: int = 7
+    """log: recent values whose median is the level."""
+    range_factor: float = 2.0
+    """log: fires when a value is more than this times the largest of the ``range_window`` values before
+    the level window (less than their smallest over this, going down); 0 turns the range rule off."""
+    range_window: int = 100
+    """log: values the range rule compares with; also the length of the young phase (3x jumps only)."""
+    persist: int = 1
+    """log: fire only when this many values in a row are out of band (the earlier ones are held back
+    from the state meanwhile): 3 ignores one-step outliers and still catches a growing norm."""
 
 
 class _Selector:
@@ -127,9 +144,11 @@ class SpikeDetector(Detector):
 
     type_name = "spike"
     config_class = SpikeConfig
-    choices = {"method": ("ema", "mad", "relative"), "direction": ("up", "down", "both")}
-    minimum = {"threshold": 0.0, "warmup": 0, "alpha": 1e-6, "window": 3, "min_relative_change": 0.0}
-    maximum = {"alpha": 1.0, "window": 10_000}  # a larger window only makes every step's median slower
+    choices = {"method": ("ema", "mad", "relative", "log"), "direction": ("up", "down", "both")}
+    minimum = {"threshold": 0.0, "warmup": 0, "alpha": 1e-6, "window": 3, "min_relative_change": 0.0,
+               "level_window": 1, "range_factor": 0.0, "range_window": 1, "persist": 1}
+    # a larger window only makes every step's median slower
+    maximum = {"alpha": 1.0, "window": 10_000, "level_window": 10_000, "range_window": 10_000, "persist": 10_000}
 
     def __init__(self, config: SpikeConfig, path: str = "anomaly.detectors[0]") -> None:
         super().__init__(config)
@@ -138,10 +157,18 @@ class SpikeDetector(Detector):
         if not config.series:
             raise ConfigError(f"{path}.series", "must name at least one series")
         self.selectors = [_Selector(text, f"{path}.series[{i}]") for i, text in enumerate(config.series)]
+        if config.range_factor and config.range_factor <= 1:
+            raise ConfigError(f"{path}.range_factor", f"must be 0 (off) or > 1, got {config.range_factor}")
         self.threshold = config.threshold if config.threshold is not None else _DEFAULT_THRESHOLD[config.method]
         self.warmup = config.warmup if config.warmup is not None else _DEFAULT_WARMUP[config.method]
         self.warmup = max(self.warmup, 1)  # a baseline needs at least one earlier value
-        self.series: dict[tuple[str, str, str, int, int], _Series] = {}
+        self.min_relative_change = (config.min_relative_change if config.min_relative_change is not None
+                                    else _DEFAULT_RELATIVE_CHANGE[config.method])
+        self.rules = LogRules(threshold=self.threshold, min_relative_change=self.min_relative_change,
+                              warmup=self.warmup, window=config.window, level_window=config.level_window,
+                              range_factor=config.range_factor, range_window=config.range_window,
+                              trend_factor=0.0, persist=config.persist, direction=config.direction)
+        self.series: dict[tuple[str, str, str, int, int], _Series | LogLevelSeries] = {}
         self._wanted: dict[tuple[str, str], list[str]] = {}  # (family, name) -> metrics (cache)
 
     # ----------------------------------------------------------------- selection
@@ -182,7 +209,7 @@ class SpikeDetector(Detector):
         if state.count >= self.warmup:
             direction = self.config.direction
             fires = (score > threshold and direction != "down") or (score < -threshold and direction != "up")
-            fires = fires and abs(value - baseline) > self.config.min_relative_change * abs(baseline)
+            fires = fires and abs(value - baseline) > self.min_relative_change * abs(baseline)
         # Winsorise: a firing value enters the state at the edge of the threshold band.
         fed = min(max(value, baseline - threshold * spread), baseline + threshold * spread) if fires else value
         state.count += 1
@@ -195,16 +222,29 @@ class SpikeDetector(Detector):
             state.window.append(fed)
         return fires, baseline, score
 
-    def _observe(self, key: tuple[str, str, str, int, int], value: float) -> tuple[bool, float, float]:
+    def _observe(self, key: tuple[str, str, str, int, int], value: float, where: str,
+                 step: int) -> tuple[float, str] | None:
+        """``(baseline, message)`` when ``value`` fires, else None; updates the series' state."""
         state = self.series.get(key)
+        if self.config.method == "log":
+            if value <= 0:
+                return None  # no log level for it; not fed
+            if state is None:
+                state = self.series[key] = LogLevelSeries(self.rules)
+            verdict = state.observe(value)
+            if not verdict.rule:
+                return None
+            return verdict.level, f"{self.type_name} (log, {verdict.rule}): " + describe_verdict(
+                where, step, value, verdict, self.rules)
         if state is None:
             state = self.series[key] = _Series(self.config.window)
-        return self._check(state, value)
-
-    def _message(self, where: str, step: int, value: float, baseline: float, score: float) -> str:
+        fires, baseline, score = self._check(state, value)
+        if not fires:
+            return None
         kind = "relative change" if self.config.method == "relative" else "z"
-        return (f"{self.type_name}: {where} at step {step} is {format_number(value)}, baseline "
-                f"{format_number(baseline)} ({kind}={format_number(score)}, threshold {format_number(self.threshold)})")
+        return baseline, (f"{self.type_name}: {where} at step {step} is {format_number(value)}, baseline "
+                          f"{format_number(baseline)} ({kind}={format_number(score)}, threshold "
+                          f"{format_number(self.threshold)})")
 
     def update(self, record: StepRecord, time: str) -> list[AnomalyEvent]:
         events: list[AnomalyEvent] = []
@@ -214,21 +254,19 @@ class SpikeDetector(Detector):
                 value = row.values.get(metric)
                 if value is None or not math.isfinite(value):
                     continue
-                fires, baseline, score = self._observe((key.family, key.name, metric, key.vpp_stage,
-                                                        key.micro_step), value)
-                if fires:
-                    where = f"{describe(key.family, key.name, key.phase)} ({metric})"
-                    events.append(row_event(record, row, metric=metric, value=value, baseline=baseline,
-                                            detector=self.type_name, time=time,
-                                            message=self._message(where, record.step, value, baseline, score)))
+                where = f"{describe(key.family, key.name, key.phase)} ({metric})"
+                fired = self._observe((key.family, key.name, metric, key.vpp_stage, key.micro_step), value,
+                                      where, record.step)
+                if fired:
+                    events.append(row_event(record, row, metric=metric, value=value, baseline=fired[0],
+                                            detector=self.type_name, time=time, message=fired[1]))
         for name, value in record.scalars.items():
             if not self._metrics_for("", name) or not math.isfinite(value):
                 continue
-            fires, baseline, score = self._observe(("", name, "value", 0, 0), value)
-            if fires:
-                events.append(scalar_event(record, name, value=value, baseline=baseline, detector=self.type_name,
-                                           time=time, message=self._message(describe("scalars", name, ""),
-                                                                            record.step, value, baseline, score)))
+            fired = self._observe(("", name, "value", 0, 0), value, describe("scalars", name, ""), record.step)
+            if fired:
+                events.append(scalar_event(record, name, value=value, baseline=fired[0], detector=self.type_name,
+                                           time=time, message=fired[1]))
         return events
 
     # ----------------------------------------------------------------- checkpointing
@@ -237,9 +275,10 @@ class SpikeDetector(Detector):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        series: dict[tuple[str, str, str, int, int], _Series] = {}
+        series: dict[tuple[str, str, str, int, int], _Series | LogLevelSeries] = {}
         for key, data in state.get("series", []):
             family, name, metric, vpp_stage, micro_step = key
-            series[(str(family), str(name), str(metric), int(vpp_stage), int(micro_step))] = \
-                _Series.from_dict(data, self.config.window)
+            series[(str(family), str(name), str(metric), int(vpp_stage), int(micro_step))] = (
+                LogLevelSeries.from_dict(data, self.rules) if self.config.method == "log"
+                else _Series.from_dict(data, self.config.window))
         self.series = series
