@@ -40,7 +40,7 @@ def test_msrun_collectives_match_float64_references(tmp_path: Path) -> None:
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     cmd = ["msrun", "--worker_num=2", "--local_worker_num=2", f"--master_port={_free_port()}",
            f"--log_dir={logs}", "--join=True", str(ROOT / "tests/distributed/scripts/mindspore_comm_run.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     worker_logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(logs.glob("worker_*.log")))
     assert proc.returncode == 0, worker_logs or proc.stderr[-3000:]
     checked = 0

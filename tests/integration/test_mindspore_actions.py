@@ -7,14 +7,13 @@ msprobe's MindSpore L0 dump (``Cell.{name}.{Class}.forward.{n}``, ``"framework":
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 ms = pytest.importorskip("mindspore")
-from mindspore import Tensor, nn, ops  # noqa: E402
+from mindspore import Tensor, nn  # noqa: E402
 
 from trainmon import TrainerMonitor  # noqa: E402
 from trainmon.actions.free_benchmark import FreeBenchmark  # noqa: E402
@@ -138,7 +137,7 @@ class Variance(nn.Cell):
         return (x * x).mean(-1, keep_dims=True) - x.mean(-1, keep_dims=True) ** 2
 
 
-def test_free_benchmark_checks_only_and_fix(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_free_benchmark_checks_only_and_fix(tmp_path: Path) -> None:
     def run(bench_config: FreeBenchmarkConfig | None) -> tuple[list[np.ndarray], FreeBenchmark | None]:
         ms.set_seed(0)
         net = Net()

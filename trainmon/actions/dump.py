@@ -32,6 +32,7 @@ from trainmon.actions.dump_writer import is_plumbing, write_dump
 from trainmon.actions.frameworks import framework_for, megatron_layout
 from trainmon.actions.localise import Localisation, NonfiniteLocaliser
 from trainmon.actions.modules import Key, ModuleTable
+from trainmon.actions.naming import describe_event, is_nonfinite_event, names_activation
 from trainmon.actions.schedule import StepRequests
 from trainmon.collect.hooks import HookRegistry
 from trainmon.safe_io import make_dirs, open_output
@@ -133,12 +134,12 @@ class TargetedDump:
         if not self.config.enabled or not events:
             return names
         first = events[0]
-        if _nonfinite(first) and getattr(first, "family", "") not in _ACTIVATION_FAMILIES and self.table.entries:
+        if is_nonfinite_event(first) and not names_activation(first) and self.table.entries:
             step = int(getattr(first, "step", self._step or 0))
             # One localisation at a time, none for the anomalies of the steps it checks and dumps, and
             # none once no dump is left.
             if step > self._quiet_until and self._dumps < self.config.max_dumps:
-                self._localiser.request(step, _where(first), fallback=keys)
+                self._localiser.request(step, describe_event(first), fallback=keys)
         elif keys:
             self._requests.add(keys)
         return names
@@ -403,27 +404,6 @@ class TargetedDump:
             return
         extra = {"parallel": self.layout} if self.layout else None
         self.written.append(write_dump(payload, values, directory, root, extra))
-
-
-_ACTIVATION_FAMILIES = frozenset({"actv", "actv_grad"})
-
-
-def _where(event: Any) -> str:
-    """``loss``, ``backward weight gradient of layers.0.weight``: the first origin in words."""
-    from trainmon.anomaly.ordering import describe
-
-    return describe(str(getattr(event, "family", "")), str(getattr(event, "name", "")), str(getattr(event, "phase", "")))
-
-
-def _nonfinite(event: Any) -> bool:
-    """Whether an anomaly event reports a non-finite value (the ``nonfinite`` detector, or a NaN/Inf value)."""
-    if getattr(event, "detector", None) == "nonfinite":
-        return True
-    value = getattr(event, "value", 0.0)
-    try:
-        return value != value or abs(float(value)) == float("inf")
-    except (TypeError, ValueError):
-        return False
 
 
 def _tensors(framework: Any, args: Any, kwargs: dict[str, Any]) -> list[Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import sys
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -228,7 +227,3 @@ def megatron_layout() -> dict[str, int] | None:
             "pp_rank": state.get_pipeline_model_parallel_rank(),
             "pp_size": state.get_pipeline_model_parallel_world_size()}
 
-
-def no_grad_context(framework: Framework) -> AbstractContextManager[Any]:
-    """The framework's ``no_grad`` (for re-runs)."""
-    return framework.rerun_ops().no_grad()

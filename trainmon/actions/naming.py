@@ -6,6 +6,7 @@ Framework-free (no torch import): the module tree is passed in as ``name -> pare
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
@@ -127,6 +128,29 @@ def modules_for_events(events: Iterable[Any], parent_of: Mapping[str, str | None
         if module is not None:
             return neighbourhood(module, parent_of, depth)
     return []
+
+
+def names_activation(event: Any) -> bool:
+    """Whether an event is an activation row (``actv``/``actv_grad``): the module it names made the value."""
+    return getattr(event, "family", None) in _ACTIVATION_SUFFIXES
+
+
+def is_nonfinite_event(event: Any) -> bool:
+    """Whether an anomaly event reports a non-finite value (the ``nonfinite`` detector, or a NaN/Inf value)."""
+    if getattr(event, "detector", None) == "nonfinite":
+        return True
+    try:
+        value = float(getattr(event, "value", 0.0))
+    except (TypeError, ValueError):
+        return False
+    return not math.isfinite(value)
+
+
+def describe_event(event: Any) -> str:
+    """``loss``, ``backward weight gradient of layers.0.weight``: where an event was observed, in words."""
+    from trainmon.anomaly.ordering import describe
+
+    return describe(str(getattr(event, "family", "")), str(getattr(event, "name", "")), str(getattr(event, "phase", "")))
 
 
 def safe_file_name(name: str, suffix: str = "") -> str:

@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 
 import mindspore as ms
+import mindspore.mint.distributed as dist
+import mindspore.nn.wrap.grad_reducer as grad_reducer
 import numpy as np
 from mindspore import Tensor, nn, ops
 from mindspore.communication import get_group_size, get_rank, init
 
-import mindspore.mint.distributed as dist
-import mindspore.nn.wrap.grad_reducer as grad_reducer
 from trainmon import TrainerMonitor
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
