@@ -61,7 +61,7 @@ def test_msrun_collectives_match_float64_references(tmp_path: Path) -> None:
                     checked += 1
         scalars = read_family(out / "comm" / f"rank{rank}", "scalars")
         calls = scalars[(scalars.step == 0) & (scalars.name == "comm/all_reduce.g0-1/calls")]["value"]
-        assert calls.tolist() == [3.0]  # two mint.distributed calls (one async) and the primitive
+        assert calls.tolist() == [4.0]  # two mint.distributed calls (one async), the primitive, ops.all_reduce
     assert checked > 200
     # the NaN rank 1 sends at step 1 is in its pre row and in both ranks' post rows
     for rank in (0, 1):

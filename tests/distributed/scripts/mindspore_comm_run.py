@@ -4,8 +4,9 @@ Usage (by tests/distributed/test_mindspore_actions.py):
     msrun --worker_num=2 --local_worker_num=2 --master_port=P --log_dir=D --join=True this.py OUT_DIR
 
 Each step every rank sends known tensors (a function of rank and step) through
-``mindspore.mint.distributed`` (``all_reduce``, also async, ``broadcast``, ``all_gather``) and through the
-``AllReduce`` and ``AllGather`` primitives (created after ``attach``), trains through a
+``mindspore.mint.distributed`` (``all_reduce``, also async, ``broadcast``, ``all_gather``), through
+``mindspore.ops.all_reduce`` and ``ops.broadcast``, and through the ``AllReduce`` and ``AllGather``
+primitives (created after ``attach``), trains through a
 ``DistributedGradReducer`` (its ``construct`` is compiled with ``@jit``: not measured), and writes what it
 sent and received as float64 numpy statistics to ``OUT_DIR/refs_rank{R}.json``.
 After ``close()`` it records whether every original function and primitive class is back.
@@ -33,6 +34,7 @@ rank, world = get_rank(), get_group_size()
 out = Path(sys.argv[1])
 ms.set_seed(0)
 ORIGINALS = {"mint.all_reduce": dist.all_reduce, "mint.broadcast": dist.broadcast, "mint.all_gather": dist.all_gather,
+             "ops.all_reduce": ops.all_reduce, "ops.broadcast": ops.broadcast,
              "ops.AllReduce": ops.AllReduce, "ops.AllGather": ops.AllGather,
              "grad_reducer.AllReduce": grad_reducer.AllReduce}
 
@@ -92,6 +94,13 @@ for step in range(3):
     rows["all_gather_into_tensor.g0-1.call0.pre.0"] = stats(sent(step, 5, (2, 2)))
     rows["all_gather_into_tensor.g0-1.call0.post.0"] = stats(np.concatenate([sent(step, 5, (2, 2), r)
                                                                              for r in range(world)]))
+    ops.all_reduce(c := Tensor(sent(step, 7, (3, 2))))     # in place (MindSpore's in-place mode)
+    rows["all_reduce.g0-1.call3.pre.0"] = stats(sent(step, 7, (3, 2)))
+    rows["all_reduce.g0-1.call3.post.0"] = stats(sum(sent(step, 7, (3, 2), r).astype(np.float64) for r in range(world)))
+    ops.broadcast(d := Tensor(sent(step, 8, (4,)) if rank == 1 else np.zeros(4, np.float32)), 1)
+    if rank == 1:
+        rows["broadcast.g0-1.call1.pre.0"] = stats(sent(step, 8, (4,)))
+    rows["broadcast.g0-1.call1.post.0"] = stats(sent(step, 8, (4,), 1))
     x = Tensor(sent(step, 6, (2, 4)))
     loss, grads = grad_fn(x)
     opt(reducer(grads))                                   # compiled (@jit): no Python-level call to measure

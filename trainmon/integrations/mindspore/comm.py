@@ -5,7 +5,8 @@ is attached:
 
 - the functions of ``mindspore.mint.distributed`` (torch-like, in-place: ``all_reduce``,
   ``broadcast``, ``all_gather``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``reduce``,
-  ``gather``, ``scatter``, ``send``, ``recv``, ...) and of ``mindspore.communication.comm_func``
+  ``gather``, ``scatter``, ``send``, ``recv``, ...), of ``mindspore.ops`` (``ops.all_reduce``, ...: the
+  same signatures, in place or returning the result) and of ``mindspore.communication.comm_func``
   (functional: they return the result) are replaced by thin wrappers in the modules that hold them;
 - the collective primitives ``AllReduce``, ``AllGather``, ``ReduceScatter`` and ``Broadcast`` are
   replaced, in the MindSpore modules that export them (``mindspore.ops``, ``mindspore.ops.operations``,
@@ -56,6 +57,8 @@ class _Plan:
     async_op: bool = False
     result_is_post: bool = False
     """Functional collectives (``comm_func``, primitives): the returned value is what was received."""
+    result_may_be_post: bool = False
+    """``mindspore.ops``' collectives work in place or return the result, by MindSpore's own setting."""
 
 
 def _one(tensor: Any) -> list[tuple[int, Tensor]]:
@@ -97,6 +100,16 @@ def _p2p(sends: bool, asynchronous: bool) -> Callable[..., _Plan]:
     return plan
 
 
+def _either(planner: Callable[..., _Plan]) -> Callable[..., _Plan]:
+    """``planner``'s plan, whose received tensors are the returned ones when a value is returned."""
+    def plan(args: dict[str, Any], rank: int, ranks: Callable[[Any], list[int]]) -> _Plan:
+        result = planner(args, rank, ranks)
+        result.result_may_be_post = True
+        return result
+
+    return plan
+
+
 def _functional(args: dict[str, Any], rank: int, ranks: Callable[[Any], list[int]]) -> _Plan:
     return _Plan(args.get("group"), _one(args["tensor"]), [], bool(args.get("async_op")), result_is_post=True)
 
@@ -120,6 +133,10 @@ _COMM_FUNC: dict[str, Callable[..., _Plan]] = {
     "all_reduce": _functional, "all_gather_into_tensor": _functional, "reduce_scatter_tensor": _functional,
 }
 """``mindspore.communication.comm_func`` functions that return what they received."""
+_OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
+        "reduce", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv")
+"""``mindspore.ops`` (``mindspore.ops.function.comm_func``) collectives: torch's signatures, as
+``mint.distributed``'s, but in place or returning the result depending on MindSpore's mode."""
 _PRIMITIVES: dict[str, str] = {"AllReduce": "all_reduce", "AllGather": "all_gather_into_tensor",
                                "ReduceScatter": "reduce_scatter_tensor", "Broadcast": "broadcast"}
 """Collective primitives and their names in rows (torch's vocabulary)."""
@@ -250,8 +267,10 @@ class MindSporeCommCollector:
     def _install(self) -> None:
         import mindspore.communication.comm_func as comm_func
         import mindspore.mint.distributed as mint_distributed
+        from mindspore.ops.function import comm_func as ops_comm_func
 
-        for planners, package in ((_MINT, mint_distributed), (_COMM_FUNC, comm_func)):
+        ops_planners = {name: _either(_MINT[name]) for name in _OPS if name in _MINT}
+        for planners, package in ((_MINT, mint_distributed), (_COMM_FUNC, comm_func), (ops_planners, ops_comm_func)):
             for name, planner in planners.items():
                 original = getattr(package, name, None)
                 if original is None or name not in self._ops:
@@ -330,23 +349,20 @@ class MindSporeCommCollector:
             row = f"{prefix}.call{index}"
             self._measure(row, "pre", plan.pre)
             result = run()
-            post = plan.post
-            if plan.result_is_post:
-                value = result[0] if plan.async_op and isinstance(result, tuple) else result
+            post, handle = plan.post, result
+            paired = plan.async_op and isinstance(result, tuple) and len(result) >= 2  # (output, handle)
+            value = result[0] if paired else result
+            if plan.result_is_post or (plan.result_may_be_post and isinstance(value, (Tensor, tuple, list))):
                 post = _many(value) if isinstance(value, (tuple, list)) else _one(value)
+                handle = result[1] if paired else None
             traffic = self._traffic.setdefault(prefix, [0, 0])
             traffic[0] += 1
             traffic[1] += max(sum(int(t.nbytes) for _, t in plan.pre), sum(int(t.nbytes) for _, t in post))
-            if not plan.async_op:
+            if not plan.async_op or handle is None or not hasattr(handle, "wait"):
                 self._measure(row, "post", post)
                 return result
-            handle = result[1] if plan.result_is_post and isinstance(result, tuple) else result
-            if handle is None or not hasattr(handle, "wait"):
-                return result
             measured = _MeasuredHandle(handle, lambda: self._measure_if_current(buffer, row, post))
-            if plan.result_is_post and isinstance(result, tuple):
-                return (result[0], measured) + tuple(result[2:])
-            return measured
+            return (result[0], measured) + tuple(result[2:]) if paired else measured
         finally:
             self._local.depth -= 1
 
