@@ -18,6 +18,7 @@ from trainmon.inputs import INT64_MAX, describe_os_error, find_runs, is_dir, ope
 from trainmon.msprobe_output import ANOMALY_FOLDER, csv_family, layout_of, msprobe_rows, rank_folders
 from trainmon.progress import progress
 from trainmon.records import FAMILIES
+from trainmon.sinks import tensorboard as board
 
 _FIXED = ("vpp_stage", "name", "step", "micro_step")
 _MSPROBE_FAMILIES = ("other", "param_origin", "param_updated")
@@ -30,7 +31,9 @@ class CsvFormatError(ValueError):
 def add_parser(sub: Any) -> None:
     parser = sub.add_parser("csv2tb", help="convert CSV output to TensorBoard event files",
                             description="Convert every rank's CSV files of a run to TensorBoard event files "
-                                        "at full resolution (tags {family}/{name}/{metric}). Also reads msprobe's "
+                                        "at full resolution (tags 0_overview/{loss,grad_norm,lr,...}, "
+                                        "{family}/{name}/{metric}[/vpp{v}][/micro{m}], anomalies as text). "
+                                        "Also reads msprobe's "
                                         "CSV output (MONITOR_OUTPUT_DIR or one of its {time}-rank{R}-{id} folders).")
     parser.add_argument("run_dir", help="a run directory (with rank*/ folders), one rank directory, "
                                         "or msprobe's output folder")
@@ -121,6 +124,7 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None, wor
     """:func:`convert`, also returning the layouts read (``trainmon CSV``, ``msprobe 1.2 CSV``, ...)."""
     from tensorboardX import FileWriter
     from tensorboardX.proto.summary_pb2 import Summary
+    from tensorboardX.summary import custom_scalars, text
 
     ranks = rank_dirs(run_dir)
     output = output or run_dir / "tensorboard"
@@ -139,6 +143,7 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None, wor
         # no warning per NaN (tensorboardX's add_scalar logs one; a monitor reports NaN quietly).
         writer = FileWriter(str(output / rank_dir.name), flush_secs=3600)
         count = 0
+        tags: set[str] = set()
         try:
             for path in wanted:
                 values: list[Any] = []
@@ -149,15 +154,33 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None, wor
                         values = []
                     current = step
                     values.append(Summary.Value(tag=tag, simple_value=value))
+                    tags.add(tag)
                     count += 1
                 if values:
                     writer.add_summary(Summary(value=values), current)
+            if families is None:  # anomalies as the TensorBoard sink writes them: counts and text at their step
+                for step, (counts, texts) in board.anomaly_summaries(_anomaly_events(rank_dir)).items():
+                    values = [Summary.Value(tag=tag, simple_value=n) for tag, n in counts.items()]
+                    values += [v for tag, lines in texts.items() for v in text(tag, lines).value]
+                    writer.add_summary(Summary(value=values), step)
+                    count += len(counts)
+            if tags:
+                writer.add_summary(custom_scalars(board.custom_scalar_layout(sorted(tags))), 0)
         finally:
             writer.close()
         return count
 
     with ThreadPoolExecutor(max_workers=min(workers, len(ranks))) as pool:
         return sum(progress(pool.map(one, ranks), len(ranks), "csv2tb")), layouts
+
+
+def _anomaly_events(rank_dir: Path) -> list[dict[str, Any]]:
+    """The events of ``rank_dir/anomalies.jsonl`` (none when there is no such file)."""
+    try:
+        with open_regular(rank_dir / board.ANOMALIES_FILE) as handle:
+            return board.read_anomaly_lines(handle.read())
+    except FileNotFoundError:
+        return []
 
 
 def family_of(path: Path) -> str:
@@ -224,12 +247,15 @@ def _read_scalars(path: Path, family: str, layouts: set[str]) -> Any:
                 raise CsvFormatError(f"{path}:{line}: expected {len(header)} fields, got {len(row)}")
             try:
                 if scalars:
-                    yield f"scalars/{row[1]}", float(row[2]), _step(row[0])
+                    value, step = float(row[2]), _step(row[0])
+                    for tag in board.scalar_tags(row[1]):
+                        yield tag, value, step
                     continue
                 step = _step(row[2])
+                micro_step, vpp_stage = _index(row[3], "micro_step"), _index(row[0], "vpp_stage")
                 for metric, text in zip(header[4:], row[4:]):
                     value = float(text)
-                    yield f"{family}/{row[1]}/{metric}", value, step
+                    yield board.row_tag(family, row[1], metric, micro_step, vpp_stage), value, step
             except ValueError as exc:
                 raise CsvFormatError(f"{path}:{line}: {exc}") from None
 
@@ -244,6 +270,14 @@ def _read_msprobe(path: Path, family: str, header: list[str], reader: Any) -> An
                 yield f"{family}/{name}/{metric}", float(text), _step(step)
         except ValueError as exc:
             raise CsvFormatError(f"{path}:{line}: {exc}") from None
+
+
+def _index(text: str, column: str) -> int:
+    """A micro-step or VPP stage: a small non-negative integer."""
+    digits = text.strip()
+    if not digits.isdigit() or len(digits) > 9:
+        raise ValueError(f"{column} must be a non-negative integer, got {text[:30]!r}")
+    return int(digits)
 
 
 def _step(text: str) -> int:

@@ -36,7 +36,8 @@ def _tags(directory: Path) -> dict[str, list[float]]:
 def test_round_trip_every_family_and_nan(tmp_path, capsys):
     run_dir = _run(tmp_path)
     assert main(["csv2tb", str(run_dir)]) == 0
-    assert "wrote 90 scalars" in capsys.readouterr().out  # 2 ranks x 3 steps x (7 rows x 2 metrics + loss)
+    # 2 ranks x 3 steps x (7 rows x 2 metrics + loss twice: 0_overview/loss and scalars/loss)
+    assert "wrote 96 scalars" in capsys.readouterr().out
     tags = _tags(run_dir / "tensorboard" / "rank1")
     assert tags["grad_reduced/fc.weight/norm"] == [1.0, 2.0, 3.0]
     assert tags["exp_avg_sq/fc.weight/norm"] == pytest.approx([1.3, 2.3, 3.3])
@@ -107,3 +108,34 @@ def test_a_huge_field_is_refused_whatever_the_process_wide_csv_limit(tmp_path):
             list(read_scalars(path))
     finally:
         csv.field_size_limit(previous)
+
+
+def test_csv2tb_writes_the_tags_the_tensorboard_sink_writes(tmp_path):
+    """Same tags live and offline: overview, micro-step/VPP suffixes, anomaly counts and text, the layout."""
+    import json
+
+    from trainmon.sinks.tensorboard import TensorBoardSink
+
+    rank_dir = tmp_path / "run" / "rank0"
+    rank_dir.mkdir(parents=True)
+    sinks = [CsvSink(rank_dir), TensorBoardSink(rank_dir)]
+    for step in range(3):
+        rows = [Row(RowKey("actv", "fc.output", micro, vpp, micro), step, {"norm": micro + step / 10}, False)
+                for vpp in (0, 2) for micro in (0, 1)]
+        record = StepRecord(step=step, rank=0, rows=rows, scalars={"loss": 1.0, "grad_norm": 2.0, "x": 3.0})
+        for sink in sinks:
+            sink.write(record)
+        if step == 1:
+            event = {"step": 1, "detector": "nonfinite", "message": "fc.output has nan"}
+            (rank_dir / "anomalies.jsonl").write_text(json.dumps(event) + "\n")
+    for sink in sinks:
+        sink.close()
+    assert main(["csv2tb", str(tmp_path / "run")]) == 0
+    live = EventAccumulator(str(rank_dir), size_guidance={"tensors": 0}).Reload()
+    offline = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "rank0"), size_guidance={"tensors": 0}).Reload()
+    assert live.Tags()["scalars"] and sorted(live.Tags()["scalars"]) == sorted(offline.Tags()["scalars"])
+    assert sorted(live.Tags()["tensors"]) == sorted(offline.Tags()["tensors"]) == [
+        "anomalies/nonfinite/text_summary", "custom_scalars__config__"]
+    for tag in live.Tags()["scalars"]:
+        assert [(e.step, e.value) for e in live.Scalars(tag)] == [(e.step, e.value) for e in offline.Scalars(tag)]
+    assert "actv/fc.output/norm/vpp2/micro1" in live.Tags()["scalars"]

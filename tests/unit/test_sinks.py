@@ -95,3 +95,46 @@ def test_tensorboard_on_a_full_disk_warns_once_and_prints_no_traceback(tmp_path,
     lost = [r.getMessage() for r in caplog.records if "output tensorboard did not write" in r.getMessage()]
     assert len(lost) == 1 and "did not write 4 of 4 records" in lost[0]
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_tensorboard_overview_micro_steps_anomaly_text_and_layout(tmp_path):
+    """Run-level series sort first (``0_overview/``), each micro-step/VPP chunk has its own tag, anomalies
+    from ``anomalies.jsonl`` show as counts and text at their step, and the Custom Scalars layout is written."""
+    import json
+
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    from trainmon.sinks.tensorboard import row_tag
+
+    old = {"step": 0, "detector": "nonfinite", "message": "from an earlier attach"}
+    (tmp_path / "anomalies.jsonl").write_text(json.dumps(old) + "\n")
+    sink = TensorBoardSink(tmp_path)
+    for step in (0, 1, 2):
+        rows = [Row(RowKey("actv", "fc.output", micro, vpp, micro), step, {"norm": 10.0 * micro + step}, False)
+                for vpp in (0, 1) for micro in (0, 1)]
+        sink.write(StepRecord(step=step, rank=0, rows=rows, scalars={"loss": 1.0, "lr/group0": 0.1, "tokens": 5.0}))
+        if step == 1:
+            with open(tmp_path / "anomalies.jsonl", "a") as handle:
+                handle.writelines(json.dumps({"step": 1, "detector": "nonfinite", "message": f"{name} is nan"}) + "\n"
+                                  for name in ("a", "b"))
+                handle.write(json.dumps({"step": 1, "detector": "loss_spike", "message": "loss x4"}) + "\n")
+                handle.write('{"step": 2, "detector": "nonfinite", "mess')  # a line being written: not read yet
+    sink.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0}).Reload()
+    tags = events.Tags()["scalars"]
+    assert sorted(tags)[:3] == ["0_overview/anomalies/loss_spike", "0_overview/anomalies/nonfinite", "0_overview/loss"]
+    assert {"0_overview/lr/group0", "scalars/loss", "scalars/tokens"} <= set(tags)
+    assert "0_overview/tokens" not in tags
+    for vpp in (0, 1):
+        for micro in (0, 1):
+            assert [e.value for e in events.Scalars(row_tag("actv", "fc.output", "norm", micro, vpp))] == \
+                [10.0 * micro + s for s in (0, 1, 2)]
+    assert "actv/fc.output/norm" in tags and "actv/fc.output/norm/vpp1/micro1" in tags
+    assert [(e.step, e.value) for e in events.Scalars("0_overview/anomalies/nonfinite")] == [(1, 2.0)]
+    (text,) = events.Tensors("anomalies/nonfinite/text_summary")
+    assert text.step == 1 and text.tensor_proto.string_val[0].decode() == "- a is nan\n- b is nan"
+    (config,) = events.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0])
+    charts = {(c.title, ch.title): list(ch.multiline.tag) for c in layout.category for ch in c.chart}
+    assert charts[("actv", "norm")] == [r"^actv/.*/norm(/vpp\d+)?(/micro\d+)?$"]
+    assert ("overview", "loss") in charts

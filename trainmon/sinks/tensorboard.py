@@ -1,18 +1,117 @@
-"""TensorBoard sink (tensorboardX protos): tags ``{family}/{name}/{metric}`` and ``scalars/{name}``."""
+"""TensorBoard sink (tensorboardX protos).
+
+Tags (shared with ``trainmon csv2tb`` through :func:`row_tag` and :func:`scalar_tags`):
+
+- ``0_overview/{loss, grad_norm, lr/group{i}, loss_scale, step_skipped}``: the run at a glance, in the
+  group TensorBoard lists first (also written as ``scalars/{name}``, the tag earlier versions used);
+- ``0_overview/anomalies/{detector}``: anomaly events per step and detector, with the events' messages as
+  text at their step (tag ``anomalies/{detector}/text_summary`` as ``add_text`` names it, Text tab), read from ``anomalies.jsonl``;
+- ``{family}/{name}/{metric}``, with ``/vpp{v}`` and ``/micro{m}`` appended only when not 0, so each tag
+  has one value per step under gradient accumulation and virtual pipelining;
+- ``scalars/{name}`` for the other scalars;
+- a custom-scalars layout (Custom Scalars tab): one multi-line chart per family and metric, across modules.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import socket
 import struct
 import time
 import warnings
+from collections import Counter, defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
+from trainmon.inputs import open_regular
 from trainmon.records import StepRecord
 from trainmon.safe_io import open_output
 
 _MAX_NAMES = 100  # event files tried per second before giving up (another writer in the same directory)
+
+OVERVIEW = "0_overview"
+"""Tag group of the run-level series; ``0`` so that TensorBoard, which sorts groups by name, lists it first."""
+_OVERVIEW_SCALARS = frozenset({"loss", "grad_norm", "loss_scale", "step_skipped"})
+_OVERVIEW_PREFIXES = ("lr/", "loss/micro")
+
+
+def row_tag(family: str, name: str, metric: str, micro_step: int = 0, vpp_stage: int = 0) -> str:
+    """The tag of one statistic: ``{family}/{name}/{metric}[/vpp{v}][/micro{m}]`` (suffixes only when not 0).
+
+    Example:
+        >>> row_tag("actv", "fc.output", "norm"), row_tag("actv", "fc.output", "norm", micro_step=1)
+        ('actv/fc.output/norm', 'actv/fc.output/norm/micro1')
+    """
+    tag = f"{family}/{name}/{metric}"
+    if vpp_stage:
+        tag += f"/vpp{vpp_stage}"
+    if micro_step:
+        tag += f"/micro{micro_step}"
+    return tag
+
+
+def scalar_tags(name: str) -> list[str]:
+    """Tags of one step scalar: ``scalars/{name}``, and ``0_overview/{name}`` for the run-level ones.
+
+    Example:
+        >>> scalar_tags("loss"), scalar_tags("lr/group0"), scalar_tags("tokens")
+        (['0_overview/loss', 'scalars/loss'], ['0_overview/lr/group0', 'scalars/lr/group0'], ['scalars/tokens'])
+    """
+    if name in _OVERVIEW_SCALARS or name.startswith(_OVERVIEW_PREFIXES):
+        return [f"{OVERVIEW}/{name}", f"scalars/{name}"]
+    return [f"scalars/{name}"]
+
+
+def anomaly_summaries(events: Iterable[dict[str, Any]]) -> dict[int, tuple[dict[str, int], dict[str, str]]]:
+    """Per step: ``({count tag: events}, {text tag: markdown lines})`` of anomaly event dicts (``anomalies.jsonl``).
+
+    Example:
+        >>> anomaly_summaries([{"step": 3, "detector": "nonfinite", "message": "loss is nan"}])
+        {3: ({'0_overview/anomalies/nonfinite': 1}, {'anomalies/nonfinite': '- loss is nan'})}
+    """
+    counts: dict[int, Counter[str]] = defaultdict(Counter)
+    texts: dict[int, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for event in events:
+        step, detector = event.get("step"), str(event.get("detector", "unknown"))
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            continue
+        counts[step][f"{OVERVIEW}/anomalies/{detector}"] += 1
+        texts[step][f"anomalies/{detector}"].append("- " + str(event.get("message", "")).replace("\n", " "))
+    return {step: (dict(counts[step]), {tag: "\n".join(lines) for tag, lines in texts[step].items()})
+            for step in sorted(counts)}
+
+
+def read_anomaly_lines(data: bytes) -> list[dict[str, Any]]:
+    """Anomaly event dicts of complete JSONL lines (corrupt lines skipped)."""
+    events = []
+    for line in data.splitlines():
+        try:
+            event = json.loads(line)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def custom_scalar_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
+    """tensorboardX ``custom_scalars`` layout: the overview, then one chart per family and metric (regex over modules)."""
+    layout: dict[str, dict[str, list[Any]]] = {
+        "overview": {"loss": ["Multiline", [f"^{OVERVIEW}/loss($|/)"]],
+                     "grad_norm": ["Multiline", [f"^{OVERVIEW}/grad_norm$"]],
+                     "lr": ["Multiline", [f"^{OVERVIEW}/lr/"]],
+                     "anomalies": ["Multiline", [f"^{OVERVIEW}/anomalies/"]]}}
+    for tag in tags:
+        parts = tag.split("/")
+        if len(parts) < 3 or parts[0] in (OVERVIEW, "scalars"):
+            continue
+        metric = next((p for p in reversed(parts[2:]) if not re.fullmatch(r"(vpp|micro)\d+", p)), parts[-1])
+        layout.setdefault(parts[0], {})[metric] = [
+            "Multiline", [f"^{re.escape(parts[0])}/.*/{re.escape(metric)}(/vpp\\d+)?(/micro\\d+)?$"]]
+    return layout
 
 
 class TensorBoardSink:
@@ -54,6 +153,13 @@ class TensorBoardSink:
         self.root = Path(root) if root is not None else self.rank_dir.parent
         self.path: Path | None = None
         self._file: IO[bytes] | None = None
+        from tensorboardX.summary import custom_scalars, text
+
+        self._text = text
+        self._custom_scalars = custom_scalars
+        # Anomalies of earlier attaches (a resumed run) are in earlier event files: start at the current end.
+        self._anomalies = self.rank_dir / ANOMALIES_FILE
+        self._anomaly_offset = _size(self._anomalies)
 
     def _open(self) -> IO[bytes]:
         """Create a new event file (``events.out.tfevents.{seconds}.{host}[.{n}]``) with its version event."""
@@ -79,17 +185,61 @@ class TensorBoardSink:
     def write(self, record: StepRecord) -> None:
         if self._file is None:
             self._open()
+            first = True
+        else:
+            first = False
         value = self._summary.Value
-        values = [value(tag=f"{row.family}/{row.name}/{metric}", simple_value=v)
+        values = [value(tag=row_tag(row.family, row.name, metric, row.key.micro_step, row.key.vpp_stage),
+                        simple_value=v)
                   for row in record.rows for metric, v in row.values.items()]
-        values += [value(tag=f"scalars/{name}", simple_value=v) for name, v in record.scalars.items()]
-        self._write_event(self._event(wall_time=time.time(), step=record.step, summary=self._summary(value=values)))
+        values += [value(tag=tag, simple_value=v) for name, v in record.scalars.items() for tag in scalar_tags(name)]
+        if first:  # the Custom Scalars tab's charts, from the tags of the first step
+            self._write_summary(0, self._custom_scalars(custom_scalar_layout(v.tag for v in values)))
+        self._write_summary(record.step, self._summary(value=values))
+        self._write_anomalies()
+
+    def _write_summary(self, step: int, summary: Any) -> None:
+        self._write_event(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def _write_anomalies(self) -> None:
+        """Anomaly events appended to ``anomalies.jsonl`` since the last call (complete lines only): per step, a
+        count per detector and the messages as text. That file is written by its own thread, so the events of a
+        step usually arrive with the next step's record (TensorBoard places them by their step)."""
+        try:
+            with open_regular(self._anomalies) as handle:
+                handle.seek(self._anomaly_offset)
+                data = handle.read(_MAX_ANOMALY_BYTES)
+        except OSError:  # no anomaly yet, or no jsonl action: nothing to show
+            return
+        end = data.rfind(b"\n") + 1
+        if not end:
+            return
+        self._anomaly_offset += end
+        for step, (counts, texts) in anomaly_summaries(read_anomaly_lines(data[:end])).items():
+            values = [self._summary.Value(tag=tag, simple_value=n) for tag, n in counts.items()]
+            values += [v for tag, lines in texts.items() for v in self._text(tag, lines).value]
+            self._write_summary(step, self._summary(value=values))
 
     def flush(self) -> None:
         if self._file is not None:
             self._file.flush()
 
     def close(self) -> None:
-        handle, self._file = self._file, None
-        if handle is not None:
-            handle.close()
+        try:
+            if self._file is not None:
+                self._write_anomalies()
+        finally:
+            handle, self._file = self._file, None
+            if handle is not None:
+                handle.close()
+
+
+ANOMALIES_FILE = "anomalies.jsonl"
+_MAX_ANOMALY_BYTES = 16 * 1024 * 1024  # read per step at most (the rest comes with the next steps)
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except (OSError, ValueError):
+        return 0
