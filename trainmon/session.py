@@ -283,7 +283,7 @@ class Session:
 # Features an integration does not provide yet: enabling them warns once at attach instead of
 # doing nothing silently.
 _UNSUPPORTED = {
-    "grad_probe": ("deepspeed", "megatron", "mindspore", "fsdp"),
+    "grad_probe": ("megatron", "mindspore", "fsdp"),
     "dump": ("fsdp",),
     "free_benchmark": ("fsdp",),
 }

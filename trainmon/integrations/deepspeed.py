@@ -21,6 +21,7 @@ is never patched.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -201,6 +202,46 @@ def _is_lowest_selected(group: Any, ranks: list[int] | None) -> bool:
     return bool(selected) and min(selected) == dist.get_rank()
 
 
+def _grad_probe(ctx: StepContext, config: MonitorConfig, engine: Any, params: list[tuple[str, torch.nn.Parameter, int]],
+                registry: HookRegistry, hooks: StepWrapper, options: AttachOptions) -> Collector:
+    """The grad probe on the gradient DeepSpeed steps with (read at the start of ``engine.step()`` on a boundary).
+
+    ZeRO-0 (replicated): ``param.grad``, the whole averaged gradient on every rank (no gather).
+    ZeRO 1/2/3 with one data-parallel rank: the local shard (``layout.grad``) is the whole
+    gradient, reshaped to the parameter's shape. ZeRO 1/2/3 with more ranks is refused: exact
+    direction bits and content hashes would need the shards' bits gathered.
+
+    Raises:
+        ConfigError: ZeRO 1/2/3 with a data-parallel group of more than one rank.
+    """
+    from trainmon.errors import ConfigError
+    from trainmon.probe.collector import GradProbe
+
+    layout = layout_for(engine, [p for _, p, _ in params] or engine.module.parameters())
+    dp_group = options.dp_group if options.dp_group is not None else getattr(engine, "data_parallel_group", None)
+    _, dp_world = _group_layout(dp_group)
+    if not layout.replicated and dp_world > 1:
+        raise ConfigError(
+            f"grad_probe with DeepSpeed ZeRO stage {engine.zero_optimization_stage()} needs whole gradients, but "
+            f"each of the {dp_world} data-parallel ranks holds only a shard: combining the shards' sign bits and "
+            "content hashes across ranks is not implemented yet. Use ZeRO-0 or one data-parallel rank, "
+            "or disable grad_probe")
+
+    def grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+        grad = layout.grad(param)
+        if grad is None or layout.replicated:
+            return grad
+        shape = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3: (0,) outside forward
+        return grad.reshape(shape) if grad.numel() == math.prod(shape) else None
+
+    def exp_avg_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+        return layout.state(param, "exp_avg")
+
+    # The step wrapper's pre-hooks run on accumulation boundaries only, before DeepSpeed steps
+    # (and, under ZeRO 1/2/3, before it frees the gradient partitions).
+    return GradProbe(ctx, params, config, registry, hooks, grad_of=grad_of, exp_avg_of=exp_avg_of)
+
+
 def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
            options: AttachOptions) -> Attachment:
     """Build the collectors for a ``DeepSpeedEngine``.
@@ -242,6 +283,8 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
         dp_group = options.dp_group if options.dp_group is not None else getattr(engine, "data_parallel_group", None)
         shard_collector = DeepSpeedShardCollector(ctx, engine, chosen, config, hooks, dp_group)
         collectors.append(shard_collector)
+    if config.grad_probe.enabled:
+        collectors.append(_grad_probe(ctx, config, engine, select_params(params, config), registry, hooks, options))
     rank, world_size = dist_layout()
     return Attachment(collectors=collectors, roots=[(module, 0)], modules=named_modules, optimizer=hooks,
                       registry=registry, rank=rank, world_size=world_size,

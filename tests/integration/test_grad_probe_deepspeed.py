@@ -1,0 +1,143 @@
+"""Grad probe under DeepSpeed in one process (gloo, CPU): ZeRO 0/1/2/3 summaries and direction files
+equal those of a plain torch run of the same model, data and optimizer, and ``grad-compare`` of the two
+runs gives similarity 1.0.
+
+Each DeepSpeed case trains in a process of its own (``tests/launch.py``); this file is also the script
+those processes run (``python test_grad_probe_deepspeed.py OUT CASE_JSON``). DeepSpeed's full-gather
+accessor ``safe_get_full_grad`` is made to raise there: the probe must read the local gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+STEPS = 3
+BOUNDS = [-0.01, 0.0, 0.01]
+STATS = ["max", "min", "norm", "sign_agree_prev", "cos_prev", "sign_agree_exp_avg", "cos_exp_avg",
+         "(-inf, -0.01]", "(-0.01, 0]", "(0, 0.01]", "(0.01, inf)", "zero_fraction"]
+CASES = [{"name": f"z{stage}", "stage": stage} for stage in range(4)]
+
+
+def _config(out: Path, name: str) -> dict:
+    return {"output_dir": str(out), "run_name": name, "sinks": ["csv"], "weight_grads": {"enabled": False},
+            "optimizer_states": {"enabled": False},
+            "grad_probe": {"enabled": True, "level": "L2", "bounds": BOUNDS, "scalars": "param"}}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 3))  # 13, 39: sizes not multiples of 8
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return torch.randn(STEPS, 4, 8, generator=generator), torch.randn(STEPS, 4, 3, generator=generator)
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+
+
+def _train_torch(out: Path, name: str) -> None:
+    from trainmon import TrainerMonitor
+
+    model = _model()
+    optimizer = _optimizer(model)
+    x, y = _data()
+    with TrainerMonitor(_config(out, name)).attach(model, optimizer) as monitor:
+        for step in range(STEPS):
+            nn.functional.mse_loss(model(x[step]), y[step]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step()
+
+
+def _train_deepspeed(out: Path, case: dict) -> None:
+    """The case's process: one DeepSpeed rank, writes ``OUT/<name>/rank0/grad_probe``."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.utils
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skip the slow JIT build (ENV.md)
+
+    def _refuse(*args, **kwargs):
+        raise AssertionError("the grad probe must not gather full gradients")
+
+    deepspeed.utils.safe_get_full_grad = _refuse
+    from trainmon import TrainerMonitor
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = _model()
+    # gradient_clipping: DeepSpeed clips at 1.0 by default; the torch run does not clip
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": case["stage"]}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
+    x, y = _data()
+    monitor = TrainerMonitor(_config(out, case["name"])).attach(engine)
+    for step in range(STEPS):
+        loss = nn.functional.mse_loss(engine(x[step]), y[step])
+        engine.backward(loss)
+        engine.step()
+        monitor.step(loss=loss)
+    monitor.close()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _train_deepspeed(Path(sys.argv[1]), json.loads(sys.argv[2]))
+
+
+pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from tests.launch import DeepSpeedCases
+
+    out = tmp_path_factory.mktemp("gp_ds")
+    cases = DeepSpeedCases(Path(__file__).resolve(), CASES, out, world_size=1)
+    _train_torch(out, "torch")
+    yield out, cases
+    cases.close()
+
+
+def _summary(run: Path) -> pd.DataFrame:
+    table = pd.read_csv(run / "rank0" / "grad_probe" / "grad_summary.csv", keep_default_na=False, na_values=["nan"])
+    return table.set_index(["name", "step"]).sort_index()
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in CASES])
+def test_deepspeed_probe_equals_torch(runs, case, capsys):
+    from trainmon.cli import main as cli_main
+
+    out, cases = runs
+    run = cases[case]
+    want, got = _summary(out / "torch"), _summary(run)
+    assert list(got.index) == list(want.index) and len(got) == 4 * STEPS
+    assert (got["shape"] == want["shape"]).all() and (got["numel"] == want["numel"]).all()
+    for column in STATS:
+        assert column in got.columns, column
+        np.testing.assert_allclose(got[column].to_numpy(float), want[column].to_numpy(float), rtol=1e-5, atol=1e-7,
+                                   equal_nan=True, err_msg=f"{case} {column}")
+    # in-run similarities exist where they should: exp_avg from step 1 on, prev from step 1 on
+    later = got.xs(1, level="step")
+    assert later[["sign_agree_prev", "sign_agree_exp_avg", "cos_exp_avg"]].notna().all().all()
+    compare = out / f"cmp_{case}"
+    assert cli_main(["grad-compare", str(out / "torch"), str(run), "-o", str(compare), "--no-plots"]) == 0
+    sims = pd.read_csv(compare / "similarities.csv")
+    params = sims[sims["kind"] == "param"]
+    assert len(params) == 4 * STEPS and (sims["similarity"] == 1.0).all()
+    assert not (compare / "problems.txt").exists()
+    scalars = pd.read_csv(run / "rank0" / "scalars.csv")
+    assert "grad_probe/sign_agree_exp_avg" in set(scalars["name"])
+    capsys.readouterr()
