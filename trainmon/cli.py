@@ -1,4 +1,4 @@
-"""The ``trainmon`` command: ``csv2tb``, ``analyse``, ``grad-compare``.
+"""The ``trainmon`` command: ``csv2tb``, ``analyse``, ``grad-compare``; ``trainmon --version``.
 
 Exit codes: 0 on success, 2 on bad usage or bad input (one line on stderr: ``trainmon COMMAND:
 error: ...`` naming the argument, file or folder at fault), 130 on Ctrl-C. Bad input never ends in
@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from trainmon import __version__
 from trainmon.errors import UsageError
 
 _SUBCOMMANDS = ("trainmon.csv2tb", "trainmon.anomaly.analyse", "trainmon.probe.compare")
@@ -38,6 +39,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="trainmon", description="trainmon offline tools",
                      epilog="Exit codes: 0 success, 2 bad usage or bad input (one line on stderr), 130 interrupted.")
+    parser.add_argument("--version", action="version", version=f"trainmon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in _SUBCOMMANDS:
         try:
