@@ -109,7 +109,9 @@ class Session:
     # ----------------------------------------------------------------------------- set-up
     def _attach(self, config: MonitorConfig) -> Attachment:
         attachment = self.integration.attach(self.ctx, config, self.model, self.optimizer, self.options)
-        if config.communication.enabled and _supports(self.framework, "communication"):
+        # torch.distributed collectives; MindSpore's integration brings its own collector
+        if config.communication.enabled and _supports(self.framework, "communication") \
+                and self.framework != "mindspore":
             from trainmon.collect.comm import CommCollector
 
             # First in the list: once it has flushed, collectives run by the other collectors at the
@@ -283,7 +285,7 @@ class Session:
 # Features an integration does not provide yet: enabling them warns once at attach instead of
 # doing nothing silently.
 _UNSUPPORTED = {
-    "grad_probe": ("megatron", "mindspore", "fsdp"),
+    "grad_probe": ("megatron", "fsdp"),
     "dump": ("fsdp",),
     "free_benchmark": ("fsdp",),
 }
