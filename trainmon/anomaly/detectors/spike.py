@@ -130,7 +130,8 @@ class _Series:
 
 
 class SpikeDetector(Detector):
-    """Rolling z-score (EMA or median/MAD) or msprobe-style relative spike detection.
+    """Rolling z-score (EMA or median/MAD), loss_spike's log-level rules, or msprobe-style relative
+    spike detection.
 
     Args:
         config: the detector's spec.
