@@ -248,7 +248,8 @@ class GradProbe:
             packed = dev.pack_positive(values)
             count = values.numel()
         else:
-            values = flat.to(_F32) if sample_size is not None else None
+            # a copy: the gradient may be zeroed or reused in place before the next collected step
+            values = flat.to(_F32, copy=True) if sample_size is not None else None
             packed = packed_full = dev.pack_positive(flat)
             count = flat.numel()
         if values is not None:

@@ -64,6 +64,7 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
 
     Raises:
         TypeError: ``model`` is not a Cell or ``optimizer`` not an ``nn.Optimizer``.
+        ValueError: ``grad_probe`` is enabled without an optimizer.
         RuntimeError: MindSpore is not in PyNative mode (cell hooks do not run in graph mode).
         TargetError: a target pattern matches no cell or parameter.
     """
@@ -91,6 +92,10 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         chosen = select_params(params, config)
         collectors.append(MindSporeOptimizerCollector(ctx, chosen, optimizer, config, registry))
+    if config.grad_probe.enabled:
+        from trainmon.integrations.mindspore.probe import grad_probe
+
+        collectors.append(grad_probe(ctx, select_params(params, config), config, registry, optimizer))
     if config.communication.enabled:
         from trainmon.integrations.mindspore.comm import MindSporeCommCollector
 
