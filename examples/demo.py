@@ -10,7 +10,9 @@ NaN first appeared, instead of the hundreds of downstream NaNs.
 from __future__ import annotations
 
 import argparse
+import csv
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
 
 from trainmon import TrainerMonitor  # noqa: E402
 
+COUNTS = ("nans", "infs")  # metrics that count elements: printed as integers
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,6 +56,8 @@ def main() -> int:
         "anomaly": {"detectors": [{"type": "nonfinite"}, {"type": "loss_spike"}], "actions": ["log", "jsonl", "callback"]},
     }
     events = []
+    print(f"training a 4-layer d=64 GPT on CPU for {args.steps} steps with the monitor (every family, 6 metrics; "
+          f"a 0/0 bug fires at step {args.bad_step}); output under {args.output_dir}", flush=True)
     start = time.perf_counter()
     with TrainerMonitor(config) as monitor:
         monitor.on_anomaly(events.append)
@@ -74,26 +79,27 @@ def main() -> int:
     for path in sorted((run_dir / "rank0").iterdir()):
         print(f"  {path.relative_to(run_dir)}")
     _summary(run_dir / "rank0", events)
-    print(f"\nTensorBoard: tensorboard --logdir {run_dir}   |   cross-rank analysis: trainmon analyse {run_dir}")
+    print(f"\ncross-rank analysis: trainmon analyse {run_dir}")
+    print(f"monitor output (monitor.run_dir): {run_dir}")
+    print(f"look at it in TensorBoard:        tensorboard --logdir {run_dir}")
     return 0
 
 
 def _summary(rank_dir: Path, events: list) -> None:
-    import pandas as pd
-
-    grads = pd.read_csv(rank_dir / "grad_reduced.csv")
-    first = grads[grads["step"] == 0].nlargest(3, "norm")[["name", "norm"]]
+    with open(rank_dir / "grad_reduced.csv", newline="") as handle:
+        first = [row for row in csv.DictReader(handle) if row["step"] == "0"]
     print("\nlargest gradient norms at step 0:")
-    for _, row in first.iterrows():
-        print(f"  {row['name']:<28} {row['norm']:.4g}")
+    for row in sorted(first, key=lambda row: float(row["norm"]), reverse=True)[:3]:
+        print(f"  {row['name']:<28} {float(row['norm']):.4g}")
     if not events:
         print("\nno anomaly found")
         return
     steps = sorted({e.step for e in events})
     print(f"\n{len(events)} anomaly events over steps {steps[0]}..{steps[-1]}; the first in execution order:")
     e = events[0]
+    value = int(e.value) if e.metric in COUNTS and math.isfinite(e.value) else e.value
     print(f"  step {e.step}, micro-step {e.micro_step}, rank {e.rank}, {e.phase} of {e.name} "
-          f"({e.metric} = {e.value}) [{e.detector}]")
+          f"({e.metric} = {value}) [{e.detector}]")
 
 
 if __name__ == "__main__":
