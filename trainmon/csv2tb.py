@@ -153,9 +153,11 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None, wor
                         writer.add_summary(Summary(value=values), current)
                         values = []
                     current = step
-                    values.append(Summary.Value(tag=tag, simple_value=value))
-                    tags.add(tag)
-                    count += 1
+                    # a run-level scalar also goes to 0_overview/, as the TensorBoard sink writes it
+                    for alias in board.scalar_tags(tag[8:]) if tag.startswith("scalars/") else [tag]:
+                        values.append(Summary.Value(tag=alias, simple_value=value))
+                        tags.add(alias)
+                        count += 1
                 if values:
                     writer.add_summary(Summary(value=values), current)
             if families is None:  # anomalies as the TensorBoard sink writes them: counts and text at their step
@@ -247,9 +249,7 @@ def _read_scalars(path: Path, family: str, layouts: set[str]) -> Any:
                 raise CsvFormatError(f"{path}:{line}: expected {len(header)} fields, got {len(row)}")
             try:
                 if scalars:
-                    value, step = float(row[2]), _step(row[0])
-                    for tag in board.scalar_tags(row[1]):
-                        yield tag, value, step
+                    yield f"scalars/{row[1]}", float(row[2]), _step(row[0])
                     continue
                 step = _step(row[2])
                 micro_step, vpp_stage = _index(row[3], "micro_step"), _index(row[0], "vpp_stage")
