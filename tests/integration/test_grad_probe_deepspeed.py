@@ -38,21 +38,21 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 3))  # 13, 39: sizes not multiples of 8
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
+def _data(batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(5)
-    return torch.randn(STEPS, 4, 8, generator=generator), torch.randn(STEPS, 4, 3, generator=generator)
+    return torch.randn(STEPS, batch, 8, generator=generator), torch.randn(STEPS, batch, 3, generator=generator)
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
 
 
-def _train_torch(out: Path, name: str) -> None:
+def _train_torch(out: Path, name: str, batch: int = 4) -> None:
     from trainmon import TrainerMonitor
 
     model = _model()
     optimizer = _optimizer(model)
-    x, y = _data()
+    x, y = _data(batch)
     with TrainerMonitor(_config(out, name)).attach(model, optimizer) as monitor:
         for step in range(STEPS):
             nn.functional.mse_loss(model(x[step]), y[step]).backward()
@@ -74,14 +74,27 @@ def _train_deepspeed(out: Path, case: dict) -> None:
 
     deepspeed.utils.safe_get_full_grad = _refuse
     from trainmon import TrainerMonitor
+    from trainmon.errors import ConfigError
 
     deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = _model()
     # gradient_clipping: DeepSpeed clips at 1.0 by default; the torch run does not clip
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": case["stage"]}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
-    x, y = _data()
-    monitor = TrainerMonitor(_config(out, case["name"])).attach(engine)
+    x, y = _data(4 * world)  # rank r trains on rows 4r..4r+3: the averaged gradient is the whole batch's
+    x, y = x[:, 4 * rank:4 * rank + 4], y[:, 4 * rank:4 * rank + 4]
+    hooks_before = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+    try:
+        monitor = TrainerMonitor(_config(out, case["name"])).attach(engine)
+    except ConfigError as exc:  # ZeRO 1/2/3 with more than one data-parallel rank
+        (out / case["name"]).mkdir(parents=True, exist_ok=True)
+        hooks_after = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+        hooked = "step" in engine.__dict__ or hooks_after != hooks_before
+        (out / case["name"] / f"refused_rank{rank}.txt").write_text(str(exc) + ("\nHOOKED" if hooked else ""))
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return
     for step in range(STEPS):
         loss = nn.functional.mse_loss(engine(x[step]), y[step])
         engine.backward(loss)
@@ -141,3 +154,48 @@ def test_deepspeed_probe_equals_torch(runs, case, capsys):
     scalars = pd.read_csv(run / "rank0" / "scalars.csv")
     assert "grad_probe/sign_agree_exp_avg" in set(scalars["name"])
     capsys.readouterr()
+
+
+CASES_2 = [{"name": "z0_2r", "stage": 0}, {"name": "z1_2r", "stage": 1}]
+
+
+@pytest.fixture(scope="module")
+def runs2(tmp_path_factory):
+    from tests.launch import DeepSpeedCases
+
+    out = tmp_path_factory.mktemp("gp_ds2")
+    cases = DeepSpeedCases(Path(__file__).resolve(), CASES_2, out, world_size=2)
+    _train_torch(out, "torch8", batch=8)
+    yield out, cases
+    cases.close()
+
+
+def test_two_ranks_zero0_probe_is_the_whole_batch_gradient(runs2, capsys):
+    """ZeRO-0 on 2 ranks, 4 rows each: every rank's probe equals a torch run on all 8 rows."""
+    from trainmon.cli import main as cli_main
+
+    out, cases = runs2
+    run = cases["z0_2r"]
+    want = _summary(out / "torch8")
+    for rank in (0, 1):
+        got = pd.read_csv(run / f"rank{rank}" / "grad_probe" / "grad_summary.csv", keep_default_na=False,
+                          na_values=["nan"]).set_index(["name", "step"]).sort_index()
+        assert list(got.index) == list(want.index)
+        for column in STATS:
+            np.testing.assert_allclose(got[column].to_numpy(float), want[column].to_numpy(float), rtol=1e-5,
+                                       atol=1e-6, equal_nan=True, err_msg=f"rank {rank} {column}")
+    compare = out / "cmp_2r"
+    assert cli_main(["grad-compare", str(run), str(run), "-o", str(compare), "--no-plots"]) == 0
+    sims = pd.read_csv(compare / "similarities.csv")
+    assert set(sims.loc[sims["kind"] == "param", "rank"]) == {0, 1} and (sims["similarity"] == 1.0).all()
+    capsys.readouterr()
+
+
+def test_two_ranks_zero1_is_refused_at_attach_with_the_reason(runs2):
+    _, cases = runs2
+    run = cases["z1_2r"]
+    for rank in (0, 1):
+        message = (run / f"refused_rank{rank}.txt").read_text()
+        assert "ZeRO stage 1" in message and "2 data-parallel ranks" in message and "sign bits" in message
+        assert "HOOKED" not in message  # refused before the engine or a module was hooked
+    assert not (run / "rank0" / "grad_probe").exists()

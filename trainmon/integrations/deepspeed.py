@@ -202,6 +202,26 @@ def _is_lowest_selected(group: Any, ranks: list[int] | None) -> bool:
     return bool(selected) and min(selected) == dist.get_rank()
 
 
+def _probe_layout(engine: Any, params: list[tuple[str, torch.nn.Parameter, int]], options: AttachOptions) -> ShardLayout:
+    """The shard layout the grad probe reads; called at the start of ``attach``, before any hook exists.
+
+    Raises:
+        ConfigError: ZeRO 1/2/3 with a data-parallel group of more than one rank.
+    """
+    from trainmon.errors import ConfigError
+
+    layout = layout_for(engine, [p for _, p, _ in params] or engine.module.parameters())
+    dp_group = options.dp_group if options.dp_group is not None else getattr(engine, "data_parallel_group", None)
+    _, dp_world = _group_layout(dp_group)
+    if not layout.replicated and dp_world > 1:
+        raise ConfigError(
+            "grad_probe", f"grad_probe with DeepSpeed ZeRO stage {engine.zero_optimization_stage()} needs whole "
+            f"gradients, but each of the {dp_world} data-parallel ranks holds only a shard: combining the shards' "
+            "sign bits and content hashes across ranks is not implemented yet. Use ZeRO-0 or one data-parallel "
+            "rank, or disable grad_probe")
+    return layout
+
+
 def _grad_probe(ctx: StepContext, config: MonitorConfig, engine: Any, params: list[tuple[str, torch.nn.Parameter, int]],
                 registry: HookRegistry, hooks: StepWrapper, options: AttachOptions) -> Collector:
     """The grad probe on the gradient DeepSpeed steps with (read at the start of ``engine.step()`` on a boundary).
@@ -214,18 +234,9 @@ def _grad_probe(ctx: StepContext, config: MonitorConfig, engine: Any, params: li
     Raises:
         ConfigError: ZeRO 1/2/3 with a data-parallel group of more than one rank.
     """
-    from trainmon.errors import ConfigError
     from trainmon.probe.collector import GradProbe
 
-    layout = layout_for(engine, [p for _, p, _ in params] or engine.module.parameters())
-    dp_group = options.dp_group if options.dp_group is not None else getattr(engine, "data_parallel_group", None)
-    _, dp_world = _group_layout(dp_group)
-    if not layout.replicated and dp_world > 1:
-        raise ConfigError(
-            f"grad_probe with DeepSpeed ZeRO stage {engine.zero_optimization_stage()} needs whole gradients, but "
-            f"each of the {dp_world} data-parallel ranks holds only a shard: combining the shards' sign bits and "
-            "content hashes across ranks is not implemented yet. Use ZeRO-0 or one data-parallel rank, "
-            "or disable grad_probe")
+    layout = _probe_layout(engine, params, options)
 
     def grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
         grad = layout.grad(param)
@@ -265,6 +276,8 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
     if optimizer is not None and optimizer is not engine.optimizer:
         raise TypeError("pass only the engine to attach(): DeepSpeed owns the optimizer")
     module = engine.module
+    if config.grad_probe.enabled:  # refuse before anything is hooked
+        _probe_layout(engine, select_params([(name, p, 0) for name, p in module.named_parameters()], config), options)
     ctx.grad_acc_steps = engine.gradient_accumulation_steps()
     if options.start_step == 0:
         ctx.step = engine.global_steps
