@@ -25,6 +25,7 @@ BOUNDS = [-0.01, 0.0, 0.01]
 STATS = ["max", "min", "norm", "sign_agree_prev", "cos_prev", "sign_agree_exp_avg", "cos_exp_avg",
          "(-inf, -0.01]", "(-0.01, 0]", "(0, 0.01]", "(0.01, inf)", "zero_fraction"]
 CASES = [{"name": f"z{stage}", "stage": stage} for stage in range(4)]
+CASES_GAS = [{"name": f"z{stage}_gas2", "stage": stage, "gas": 2} for stage in (0, 2, 3)]
 
 
 def _config(out: Path, name: str) -> dict:
@@ -80,10 +81,14 @@ def _train_deepspeed(out: Path, case: dict) -> None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = _model()
     # gradient_clipping: DeepSpeed clips at 1.0 by default; the torch run does not clip
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": case["stage"]}}
+    gas = case.get("gas", 1)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": case["stage"]}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
-    x, y = _data(4 * world)  # rank r trains on rows 4r..4r+3: the averaged gradient is the whole batch's
-    x, y = x[:, 4 * rank:4 * rank + 4], y[:, 4 * rank:4 * rank + 4]
+    # rank r, micro-step i trains on rows 4 * (gas * r + i) + 0..3: the gradient DeepSpeed steps with
+    # (averaged over ranks, accumulated with the loss scaled by 1/gas) is the whole batch's
+    x, y = _data(4 * world * gas)
+    x, y = x[:, 4 * gas * rank:4 * gas * (rank + 1)], y[:, 4 * gas * rank:4 * gas * (rank + 1)]
     hooks_before = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
     try:
         monitor = TrainerMonitor(_config(out, case["name"])).attach(engine)
@@ -96,10 +101,12 @@ def _train_deepspeed(out: Path, case: dict) -> None:
         torch.distributed.destroy_process_group()
         return
     for step in range(STEPS):
-        loss = nn.functional.mse_loss(engine(x[step]), y[step])
-        engine.backward(loss)
-        engine.step()
-        monitor.step(loss=loss)
+        for micro in range(gas):
+            rows = slice(4 * micro, 4 * micro + 4)
+            loss = nn.functional.mse_loss(engine(x[step, rows]), y[step, rows])
+            engine.backward(loss)
+            engine.step()
+            monitor.step(loss=loss)
     monitor.close()
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -118,8 +125,9 @@ def runs(tmp_path_factory):
     from tests.launch import DeepSpeedCases
 
     out = tmp_path_factory.mktemp("gp_ds")
-    cases = DeepSpeedCases(Path(__file__).resolve(), CASES, out, world_size=1)
+    cases = DeepSpeedCases(Path(__file__).resolve(), CASES + CASES_GAS, out, world_size=1)
     _train_torch(out, "torch")
+    _train_torch(out, "torch8", batch=8)
     yield out, cases
     cases.close()
 
@@ -129,13 +137,14 @@ def _summary(run: Path) -> pd.DataFrame:
     return table.set_index(["name", "step"]).sort_index()
 
 
-@pytest.mark.parametrize("case", [c["name"] for c in CASES])
+@pytest.mark.parametrize("case", [c["name"] for c in CASES + CASES_GAS])
 def test_deepspeed_probe_equals_torch(runs, case, capsys):
     from trainmon.cli import main as cli_main
 
     out, cases = runs
     run = cases[case]
-    want, got = _summary(out / "torch"), _summary(run)
+    reference = out / ("torch8" if case.endswith("_gas2") else "torch")
+    want, got = _summary(reference), _summary(run)
     assert list(got.index) == list(want.index) and len(got) == 4 * STEPS
     assert (got["shape"] == want["shape"]).all() and (got["numel"] == want["numel"]).all()
     for column in STATS:
@@ -146,7 +155,7 @@ def test_deepspeed_probe_equals_torch(runs, case, capsys):
     later = got.xs(1, level="step")
     assert later[["sign_agree_prev", "sign_agree_exp_avg", "cos_exp_avg"]].notna().all().all()
     compare = out / f"cmp_{case}"
-    assert cli_main(["grad-compare", str(out / "torch"), str(run), "-o", str(compare), "--no-plots"]) == 0
+    assert cli_main(["grad-compare", str(reference), str(run), "-o", str(compare), "--no-plots"]) == 0
     sims = pd.read_csv(compare / "similarities.csv")
     params = sims[sims["kind"] == "param"]
     assert len(params) == 4 * STEPS and (sims["similarity"] == 1.0).all()
