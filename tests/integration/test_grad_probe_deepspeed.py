@@ -26,6 +26,7 @@ STATS = ["max", "min", "norm", "sign_agree_prev", "cos_prev", "sign_agree_exp_av
          "(-inf, -0.01]", "(-0.01, 0]", "(0, 0.01]", "(0.01, inf)", "zero_fraction"]
 CASES = [{"name": f"z{stage}", "stage": stage} for stage in range(4)]
 CASES_GAS = [{"name": f"z{stage}_gas2", "stage": stage, "gas": 2} for stage in (0, 2, 3)]
+CASES_BF16 = [{"name": f"z{stage}_bf16", "stage": stage, "bf16": True} for stage in (0, 2, 3)]
 
 
 def _config(out: Path, name: str) -> dict:
@@ -83,11 +84,13 @@ def _train_deepspeed(out: Path, case: dict) -> None:
     # gradient_clipping: DeepSpeed clips at 1.0 by default; the torch run does not clip
     gas = case.get("gas", 1)
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": case["stage"]}}
+              "zero_optimization": {"stage": case["stage"]}, "bf16": {"enabled": bool(case.get("bf16"))}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=_optimizer(model), config=config)
     # rank r, micro-step i trains on rows 4 * (gas * r + i) + 0..3: the gradient DeepSpeed steps with
     # (averaged over ranks, accumulated with the loss scaled by 1/gas) is the whole batch's
     x, y = _data(4 * world * gas)
+    if case.get("bf16"):
+        x, y = x.bfloat16(), y.bfloat16()
     x, y = x[:, 4 * gas * rank:4 * gas * (rank + 1)], y[:, 4 * gas * rank:4 * gas * (rank + 1)]
     hooks_before = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
     try:
@@ -125,7 +128,7 @@ def runs(tmp_path_factory):
     from tests.launch import DeepSpeedCases
 
     out = tmp_path_factory.mktemp("gp_ds")
-    cases = DeepSpeedCases(Path(__file__).resolve(), CASES + CASES_GAS, out, world_size=1)
+    cases = DeepSpeedCases(Path(__file__).resolve(), CASES + CASES_GAS + CASES_BF16, out, world_size=1)
     _train_torch(out, "torch")
     _train_torch(out, "torch8", batch=8)
     yield out, cases
@@ -208,3 +211,23 @@ def test_two_ranks_zero1_is_refused_at_attach_with_the_reason(runs2):
         assert "ZeRO stage 1" in message and "2 data-parallel ranks" in message and "sign bits" in message
         assert "HOOKED" not in message  # refused before the engine or a module was hooked
     assert not (run / "rank0" / "grad_probe").exists()
+
+
+@pytest.mark.parametrize("case", [c["name"] for c in CASES_BF16])
+def test_bf16_probe_reads_the_bf16_gradient(runs, case):
+    """bf16 (DeepSpeed's BF16 optimizer under ZeRO-0, ZeRO 2/3): the probe reads the bf16 gradient of
+    the step; at step 0 (same weights, rounded to bf16) it agrees with the fp32 torch run at bf16 precision."""
+    out, cases = runs
+    got, want = _summary(cases[case]), _summary(out / "torch")
+    assert list(got.index) == list(want.index)
+    first = got.xs(0, level="step")
+    np.testing.assert_allclose(first["norm"], want.xs(0, level="step")["norm"], rtol=3e-2)
+    assert np.isfinite(got[["max", "min", "norm"]].to_numpy(float)).all()
+    later = got.xs(1, level="step")
+    assert later[["sign_agree_prev", "sign_agree_exp_avg", "cos_exp_avg"]].notna().all().all()
+    from trainmon.probe.storage import read_direction_header
+
+    files = sorted((cases[case] / "rank0" / "grad_probe" / "step0").glob("*.bits"))
+    # ZeRO-3 keeps (and steps with) fp32 gradient partitions; ZeRO-0's BF16 optimizer and ZeRO-2 bf16 ones
+    dtype = "float32" if case.startswith("z3") else "bfloat16"
+    assert len(files) == 4 and {read_direction_header(f).header["dtype"] for f in files} == {dtype}
