@@ -124,7 +124,7 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None, wor
     """:func:`convert`, also returning the layouts read (``trainmon CSV``, ``msprobe 1.2 CSV``, ...)."""
     from tensorboardX import FileWriter
     from tensorboardX.proto.summary_pb2 import Summary
-    from tensorboardX.summary import custom_scalars, text
+    from tensorboardX.summary import custom_scalars
 
     ranks = rank_dirs(run_dir)
     output = output or run_dir / "tensorboard"
@@ -162,9 +162,7 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None, wor
                     writer.add_summary(Summary(value=values), current)
             if families is None:  # anomalies as the TensorBoard sink writes them: counts and text at their step
                 for step, (counts, texts) in board.anomaly_summaries(_anomaly_events(rank_dir)).items():
-                    values = [Summary.Value(tag=tag, simple_value=n) for tag, n in counts.items()]
-                    values += [v for tag, lines in texts.items() for v in text(tag, lines).value]
-                    writer.add_summary(Summary(value=values), step)
+                    writer.add_summary(board.anomaly_summary(counts, texts), step)
                     count += len(counts)
             if tags:
                 writer.add_summary(custom_scalars(board.custom_scalar_layout(sorted(tags))), 0)

@@ -135,7 +135,11 @@ def test_csv2tb_writes_the_tags_the_tensorboard_sink_writes(tmp_path):
     offline = EventAccumulator(str(tmp_path / "run" / "tensorboard" / "rank0"), size_guidance={"tensors": 0}).Reload()
     assert live.Tags()["scalars"] and sorted(live.Tags()["scalars"]) == sorted(offline.Tags()["scalars"])
     assert sorted(live.Tags()["tensors"]) == sorted(offline.Tags()["tensors"]) == [
-        "anomalies/nonfinite/text_summary", "custom_scalars__config__"]
+        "0_overview/anomalies/nonfinite", "anomalies/nonfinite/text_summary", "custom_scalars__config__"]
+    for tag in live.Tags()["tensors"]:
+        if tag != "custom_scalars__config__":
+            assert [(e.step, e.tensor_proto) for e in live.Tensors(tag)] == \
+                [(e.step, e.tensor_proto) for e in offline.Tensors(tag)]
     for tag in live.Tags()["scalars"]:
         assert [(e.step, e.value) for e in live.Scalars(tag)] == [(e.step, e.value) for e in offline.Scalars(tag)]
     assert "actv/fc.output/norm/vpp2/micro1" in live.Tags()["scalars"]

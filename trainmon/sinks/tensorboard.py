@@ -84,6 +84,21 @@ def anomaly_summaries(events: Iterable[dict[str, Any]]) -> dict[int, tuple[dict[
             for step in sorted(counts)}
 
 
+def anomaly_summary(counts: dict[str, int], texts: dict[str, str]) -> Any:
+    """One step's anomaly ``Summary``: counts as scalars in the tensor form (TensorBoard's scalar plugin, as TF2's
+    ``tf.summary.scalar`` writes them: a series only where events happened, apart from the ``simple_value``
+    series that carry one value at every collected step), and the messages as ``add_text`` records."""
+    from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboardX.proto.tensor_pb2 import TensorProto
+    from tensorboardX.summary import text
+
+    scalar = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="scalars"))
+    values = [Summary.Value(tag=tag, metadata=scalar, tensor=TensorProto(dtype="DT_FLOAT", float_val=[float(n)]))
+              for tag, n in counts.items()]
+    values += [value for tag, lines in texts.items() for value in text(tag, lines).value]
+    return Summary(value=values)
+
+
 def read_anomaly_lines(data: bytes) -> list[dict[str, Any]]:
     """Anomaly event dicts of complete JSONL lines (corrupt lines skipped)."""
     events = []
@@ -153,9 +168,8 @@ class TensorBoardSink:
         self.root = Path(root) if root is not None else self.rank_dir.parent
         self.path: Path | None = None
         self._file: IO[bytes] | None = None
-        from tensorboardX.summary import custom_scalars, text
+        from tensorboardX.summary import custom_scalars
 
-        self._text = text
         self._custom_scalars = custom_scalars
         # Anomalies of earlier attaches (a resumed run) are in earlier event files: start at the current end.
         self._anomalies = self.rank_dir / ANOMALIES_FILE
@@ -216,9 +230,7 @@ class TensorBoardSink:
             return
         self._anomaly_offset += end
         for step, (counts, texts) in anomaly_summaries(read_anomaly_lines(data[:end])).items():
-            values = [self._summary.Value(tag=tag, simple_value=n) for tag, n in counts.items()]
-            values += [v for tag, lines in texts.items() for v in self._text(tag, lines).value]
-            self._write_summary(step, self._summary(value=values))
+            self._write_summary(step, anomaly_summary(counts, texts))
 
     def flush(self) -> None:
         if self._file is not None:
