@@ -21,7 +21,8 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
   say "installing torch 2.13.0 (CPU build) into $VENV; this can take a minute"
   "$VENV/bin/pip" install -q -c constraints.txt torch==2.13.0
 fi
-if ! "$VENV/bin/python" -c "import trainmon, tensorboard, crc32c" 2>/dev/null; then
+# (the trainmon command is the sign of trainmon's install: `import trainmon` would also find ./trainmon)
+if [ ! -x "$VENV/bin/trainmon" ] || ! "$VENV/bin/python" -c "import tensorboard, crc32c" 2>/dev/null; then
   say "installing trainmon (editable) and tensorboard into $VENV"
   "$VENV/bin/pip" install -q -c constraints.txt -e ".[view,fast-tensorboard]"
 fi
