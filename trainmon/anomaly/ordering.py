@@ -13,6 +13,8 @@ the phase they ran in), so it is ordered by its ``order`` among the rows of that
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable
 from typing import Any
 
@@ -84,7 +86,10 @@ def describe(family: str, name: str, phase: str) -> str:
 
 
 def format_number(value: float) -> str:
-    """Compact number for messages (``nan``, ``inf``, ``3.2e+04``, ``0.125``)."""
+    """Compact number for messages: counts as whole numbers (``32768``), else 4 significant digits
+    (``nan``, ``inf``, ``3.2e+04``, ``0.125``)."""
+    if math.isfinite(value) and value == int(value) and abs(value) < 1e15:
+        return str(int(value))
     return f"{value:.4g}"
 
 
