@@ -202,7 +202,8 @@ class TorchFramework:
         torch.save(host.contiguous().clone(), handle)
 
     def host_bytes(self, host: torch.Tensor) -> bytes:
-        return host.contiguous().view(torch.uint8).numpy().tobytes()
+        # no sync: a host tensor, on a dump step (an action, not the hot path)
+        return host.contiguous().view(torch.uint8).numpy().tobytes()  # CPU view, no sync
 
     # ------------------------------------------------------------------ free benchmark
     def rerun_ops(self) -> RerunOps:

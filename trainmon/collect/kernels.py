@@ -116,10 +116,10 @@ def _numpy_source(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
     if x.is_complex():
         x = torch.view_as_real(x)
     if x.dtype in _NUMPY_DTYPES:
-        return x.numpy(), False
+        return x.numpy(), False  # CPU view, no sync
     if x.dtype == torch.bfloat16:
-        return x.view(torch.int16).numpy(), True  # the same bits; widened per chunk
-    return x.to(_F32).numpy(), False  # integer/bool tensors are rare (indices)
+        return x.view(torch.int16).numpy(), True  # CPU view, no sync: the same bits, widened per chunk
+    return x.to(_F32).numpy(), False  # CPU, no sync; integer/bool tensors are rare (indices)
 
 
 def partial_into(tensor: torch.Tensor, spec: StatsSpec, out: np.ndarray) -> None:

@@ -109,7 +109,7 @@ def partial_stats_many(tensors: Sequence[torch.Tensor], spec: StatsSpec
             block = torch.zeros(PARTIAL_SLOTS * len(indices), dtype=_F32)
             rows = block.numpy().reshape(-1, PARTIAL_SLOTS)  # CPU view: no sync
             for row, i in zip(rows, indices):
-                partial_numpy(xs[i].detach().numpy(), spec, row)
+                partial_numpy(xs[i].detach().numpy(), spec, row)  # CPU view, no sync
         else:
             block = device_partials([xs[i] for i in indices], spec)
         out.append((indices, block))
@@ -208,7 +208,7 @@ def partial_numpy(values: np.ndarray, spec: StatsSpec, out: np.ndarray) -> np.nd
             flat = values.reshape(-1)  # contiguous: a view
             out[0] = np.sqrt(np.dot(flat, flat))
         else:
-            out[0] = _norm(torch.from_numpy(values)).numpy()  # from_numpy and .numpy(): CPU views
+            out[0] = _norm(torch.from_numpy(values)).numpy()  # CPU views, no sync
     if spec.sum:
         out[1] = torch.from_numpy(values).sum(dtype=_F32).numpy()  # torch's CPU sum (4x numpy's); CPU view: no sync
     lo, hi = values.min(), values.max()

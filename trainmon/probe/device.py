@@ -86,7 +86,7 @@ def differing_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     if a.device.type == "cpu":  # numpy's unpackbits + count_nonzero: 2x the SWAR kernels on CPU
         # CPU views, CPU result: no sync
-        return torch.tensor(np.count_nonzero(np.unpackbits(np.bitwise_xor(a.numpy(), b.numpy()))))
+        return torch.tensor(np.count_nonzero(np.unpackbits(np.bitwise_xor(a.numpy(), b.numpy()))))  # CPU view, no sync
     return _differing_torch(a, b)
 
 
