@@ -179,13 +179,20 @@ class TorchOptimizerCollector:
                 rows["grad_reduced"].append((name, param.grad, vpp_stage))
             rows["param"].append((name, param, vpp_stage))
         self._record_interleaved(rows)
+        self._finish_step_measurement(optimizer)
+
+    def _finish_step_measurement(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the step's gradients were read: settle ``grad_norm`` and record the learning rates."""
         if self._norm is None:  # no backward pass was seen (gradients set by hand): the norm as it stands
-            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            if grads:
-                self._norm = global_grad_norm(grads)
+            self._norm = self._norm_as_it_stands(optimizer)
         self._norm_final = True
         for i, group in enumerate(optimizer.param_groups):
-            ctx.buffer.add_scalar(f"lr/group{i}", group["lr"])
+            self.ctx.buffer.add_scalar(f"lr/group{i}", group["lr"])
+
+    def _norm_as_it_stands(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """The global norm of the optimizer's gradients now (subclasses with sharded gradients override it)."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return global_grad_norm(grads) if grads else None
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Optimizer states, ``update`` and ``ratio`` after the step, each family measured at once."""

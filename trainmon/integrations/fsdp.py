@@ -239,11 +239,10 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
             if param.grad is not None:
                 self._shard("grad_reduced", name, vpp_stage, param.grad)
             self._shard("param", name, vpp_stage, param)
-        if self._norm is None:  # no backward pass was seen (gradients set by hand): the norm as it stands
-            self._norm = self._local_norm()
-        self._norm_final = True
-        for i, group in enumerate(optimizer.param_groups):
-            ctx.buffer.add_scalar(f"lr/group{i}", group["lr"])
+        self._finish_step_measurement(optimizer)
+
+    def _norm_as_it_stands(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        return self._local_norm()  # this rank's shards; combined with the rows in the step's one collective
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         ctx = self.ctx
