@@ -239,7 +239,7 @@ class StepLifecycle:
 
         Lightning calls ``training_step``/``validation_step``, not the module's ``forward``, so the
         root's forward hooks may never fire; its callback calls :meth:`micro_step_begins`,
-        :meth:`micro_step_ends`, :meth:`backward_ended`, :meth:`suspend` and :meth:`resume`.
+        :meth:`backward_ended`, :meth:`suspend` and :meth:`resume`.
         """
         self.registry.remove(_ROOTS)
         if self.optimizer is not None:
@@ -248,9 +248,6 @@ class StepLifecycle:
     def micro_step_begins(self) -> None:
         """A training micro-step (one batch, forward and backward) begins."""
         self._forward_pre_plain(self, None)
-
-    def micro_step_ends(self) -> None:
-        """Nothing to settle yet: kept so that a trainer's callback reads as begin/end pairs."""
 
     def suspend(self) -> None:
         """An evaluation loop begins: nothing is recorded until :meth:`resume`."""

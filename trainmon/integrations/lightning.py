@@ -93,7 +93,6 @@ class TrainmonCallback(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self.monitor is None:
             return
-        self._lifecycle().micro_step_ends()
         loss = outputs if isinstance(outputs, torch.Tensor) else output_loss(outputs)
         if loss is not None:
             self._losses.append(loss.detach().float().reshape(()))
