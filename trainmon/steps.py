@@ -235,7 +235,7 @@ class StepLifecycle:
 
     # ------------------------------------------------------------------ driven by a trainer's callbacks
     def drive_by_callbacks(self) -> None:
-        """A trainer (Lightning) tells where micro-steps begin and end: root forwards no longer count.
+        """A trainer (Lightning) tells where micro-steps begin: root forwards no longer count.
 
         Lightning calls ``training_step``/``validation_step``, not the module's ``forward``, so the
         root's forward hooks may never fire; its callback calls :meth:`micro_step_begins`,

@@ -6,7 +6,7 @@ What the callback does (see docs/lightning.md):
   (first) optimizer, with ``grad_acc_steps = trainer.accumulate_grad_batches`` and the precision
   plugin's ``GradScaler`` (16-mixed) when there is one;
 - Lightning calls ``training_step``, not the module's ``forward``, so the callback tells the step
-  model where micro-steps begin and end (``on_train_batch_start``/``_end``), when the gradients
+  model where micro-steps begin (``on_train_batch_start``), when the gradients
   are final (``on_after_backward``: after the backward, before Lightning clips), and that
   validation records nothing (``on_validation_start``/``_end``, and the sanity check);
 - automatic optimisation calls ``optimizer.step(closure)``: trainmon reads ``grad_reduced`` after
