@@ -284,19 +284,20 @@ class Session:
 
 # Features an integration does not provide yet: enabling them warns once at attach instead of
 # doing nothing silently.
-_UNSUPPORTED = {
-    "grad_probe": ("megatron", "fsdp"),
-    "dump": ("fsdp",),
-    "free_benchmark": ("fsdp",),
+_UNSUPPORTED = {  # (section, framework): one line each
+    ("grad_probe", "megatron"),
+    ("grad_probe", "fsdp"),
+    ("dump", "fsdp"),
+    ("free_benchmark", "fsdp"),
 }
 
 
 def _supports(framework: str, section: str) -> bool:
-    return framework not in _UNSUPPORTED.get(section, ())
+    return (section, framework) not in _UNSUPPORTED
 
 
 def _warn_unsupported(config: MonitorConfig, framework: str) -> None:
-    for section in _UNSUPPORTED:
+    for section in sorted({section for section, _ in _UNSUPPORTED}):
         if not _supports(framework, section) and getattr(config, section).enabled:
             logger.warning("trainmon: %s is not supported with %s yet and is off for this run", section, framework)
 
