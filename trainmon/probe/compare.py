@@ -13,6 +13,7 @@ import argparse
 import csv
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +74,7 @@ def _main(args: argparse.Namespace) -> int:
         raise UsageError(f"nothing in common to compare: {result.problems[0] if result.problems else 'no data'}")
     out = Path(args.output)
     try:
-        write_outputs(result, out, plots=not args.no_plots)
+        written = write_outputs(result, out, plots=not args.no_plots)
     except OSError as exc:  # an unwritable -o, or -o naming a file
         where = "" if exc.filename in (None, str(out)) else f"{exc.filename}: "
         raise UsageError(f"cannot write to {out}: {where}{exc.strerror or exc}") from None
@@ -82,7 +83,9 @@ def _main(args: argparse.Namespace) -> int:
     if len(result.problems) > 10:
         print(f"warning: ... and {len(result.problems) - 10} more, see {out / 'problems.txt'}", file=sys.stderr)
     params = sum(1 for row in result.rows if row["kind"] == "param")
-    print(f"compared {params} parameter-steps; wrote {out / 'similarities.csv'}")
+    print(f"compared {params} parameter-steps; wrote {len(written)} files to {out}:")
+    for path in written:
+        print(f"  {path}".translate(_CONTROL))
     return 0
 
 
@@ -157,7 +160,7 @@ def compare(tree_a: Tree, tree_b: Tree, show_progress: bool | None = None) -> Co
             result.problems.append(f"rank {rank}: step {step} only in run {'A' if step in steps_a else 'B'}")
         for step in sorted(set(steps_a) & set(steps_b)):
             pairs.append((rank, step, steps_a[step], steps_b[step]))
-    for rank, step, params_a, params_b in progress(pairs, len(pairs), "grad-compare", show_progress):
+    for rank, step, params_a, params_b in progress(pairs, len(pairs), "grad-compare", show_progress, unit="step"):
         for key in sorted(set(params_a) ^ set(params_b)):
             result.problems.append(f"rank {rank} step {step}: parameter {_label(key)} only in run "
                                    f"{'A' if key in params_a else 'B'}")
@@ -204,63 +207,115 @@ def _summaries(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def write_outputs(result: Comparison, out: Path, plots: bool = True) -> None:
-    """``similarities.csv``, ``problems.txt`` (when there are any) and, with ``plots``, PNG files."""
+def write_outputs(result: Comparison, out: Path, plots: bool = True) -> list[Path]:
+    """``similarities.csv``, ``problems.txt`` (when there are any) and, with ``plots``, PNG files.
+
+    Returns:
+        the files written, in that order.
+    """
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "similarities.csv", "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=SIMILARITY_COLUMNS)
         writer.writeheader()
         for row in result.rows:
             writer.writerow({**row, "similarity": repr(float(row["similarity"]))})
+    written = [out / "similarities.csv"]
     problems = out / "problems.txt"
     if result.problems:
         problems.write_text("\n".join(result.problems) + "\n", encoding="utf-8")
+        written.append(problems)
     elif problems.exists():
         problems.unlink()
     if plots:
-        plot(result, out)
+        written.extend(plot(result, out))
+    return written
 
 
-def plot(result: Comparison, out: Path) -> list[Path]:
-    """Per rank: ``similarity_lines_rank{R}.png`` (one line per parameter over steps) and
-    ``similarity_heatmap_rank{R}.png`` (parameter x step). Returns the written paths."""
+LABELLED_LINES = 10
+"""At most this many parameters get a line and a legend entry of their own in the lines plot."""
+
+
+def _grid(rows: Sequence[dict[str, Any]]) -> tuple[list[int], list[str], np.ndarray, np.ndarray]:
+    """Steps, parameter labels, and the parameter x step similarity and element-count grids of one rank."""
+    steps = sorted({r["step"] for r in rows})
+    names = sorted({(r["vpp_stage"], r["name"]) for r in rows})
+    name_index = {key: i for i, key in enumerate(names)}
+    step_index = {step: i for i, step in enumerate(steps)}
+    grid = np.full((len(names), len(steps)), np.nan)
+    counts = np.zeros((len(names), len(steps)))
+    for r in rows:
+        at = name_index[(r["vpp_stage"], r["name"])], step_index[r["step"]]
+        grid[at], counts[at] = r["similarity"], r["count"]
+    return steps, [_label(k) for k in names], grid, counts
+
+
+def lines_figure(rows: Sequence[dict[str, Any]], rank: int) -> Any:
+    """The lines plot of one rank's ``param`` rows (a matplotlib Figure).
+
+    The :data:`LABELLED_LINES` parameters with the lowest mean similarity (those that differ most)
+    get a labelled line each; every other parameter is folded into one median line with its min-max
+    band; the rank's element-weighted similarity is the thick black line.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    steps, labels, grid, counts = _grid(rows)
+    means = np.array([np.nanmean(line) if not np.isnan(line).all() else np.inf for line in grid])
+    order = np.argsort(means, kind="stable")
+    shown, rest = order[:LABELLED_LINES], order[LABELLED_LINES:]
+    fig = Figure(figsize=(10, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if len(rest):
+        with warnings.catch_warnings():  # a step where none of the others was compared: NaN, quietly
+            warnings.simplefilter("ignore", RuntimeWarning)
+            low, mid, high = (np.nanmin(grid[rest], axis=0), np.nanmedian(grid[rest], axis=0),
+                              np.nanmax(grid[rest], axis=0))
+        ax.fill_between(steps, low, high, color="0.85", label=f"other {len(rest)} parameters: min-max")
+        ax.plot(steps, mid, color="0.5", linewidth=1.5, label=f"other {len(rest)} parameters: median")
+    for i in shown:
+        ax.plot(steps, grid[i], marker="o", markersize=3, linewidth=1, label=labels[i])
+    with np.errstate(all="ignore"):
+        weighted = np.nansum(grid * counts, axis=0) / np.where(np.isnan(grid), 0, counts).sum(axis=0)
+    ax.plot(steps, weighted, color="black", linewidth=2.5, label="all parameters: element-weighted")
+    title = f"rank {rank}: gradient-sign agreement of run A and run B, {len(labels)} parameters"
+    ax.set(xlabel="step", ylabel="fraction of equal gradient signs",
+           title=title + (f" ({len(shown)} lowest labelled)" if len(rest) else ""), ylim=(-0.02, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    return fig
+
+
+def heatmap_figure(rows: Sequence[dict[str, Any]], rank: int) -> Any:
+    """Parameter x step heatmap of one rank's ``param`` rows with a labelled colour bar (a matplotlib
+    Figure; at most ~30 step and ~60 parameter names on the axes)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps, labels, grid, _ = _grid(rows)
+    fig = Figure(figsize=(min(0.4 * len(steps), 16) + 4, min(0.25 * len(labels), 16) + 1.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    image = ax.imshow(grid, aspect="auto", vmin=0.0, vmax=1.0, cmap="viridis", interpolation="nearest")
+    x_every, y_every = max(1, -(-len(steps) // 30)), max(1, -(-len(labels) // 60))
+    ax.set_xticks(range(0, len(steps), x_every), [str(s) for s in steps[::x_every]], fontsize=7)
+    ax.set_yticks(range(0, len(labels), y_every), labels[::y_every], fontsize=7)
+    ax.set(xlabel="step", ylabel="parameter", title=f"rank {rank}: fraction of equal gradient signs per parameter")
+    fig.colorbar(image, ax=ax, label="fraction of equal gradient signs")
+    return fig
+
+
+def plot(result: Comparison, out: Path) -> list[Path]:
+    """Per rank: ``similarity_lines_rank{R}.png`` (:func:`lines_figure`) and ``similarity_heatmap_rank{R}.png``
+    (:func:`heatmap_figure`). Returns the written paths."""
     written = []
     by_rank: dict[int, list[dict[str, Any]]] = {}
     for row in result.rows:
         if row["kind"] == "param":
             by_rank.setdefault(row["rank"], []).append(row)
     for rank, rows in sorted(by_rank.items()):
-        steps = sorted({r["step"] for r in rows})
-        names = sorted({(r["vpp_stage"], r["name"]) for r in rows})
-        grid = np.full((len(names), len(steps)), np.nan)
-        for r in rows:
-            grid[names.index((r["vpp_stage"], r["name"])), steps.index(r["step"])] = r["similarity"]
-        labels = [_label(k) for k in names]
-
-        fig = Figure(figsize=(8, 4.5))
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        for i, label in enumerate(labels):
-            ax.plot(steps, grid[i], marker="o", markersize=3, label=label)
-        ax.set(xlabel="step", ylabel="fraction of equal gradient signs", title=f"rank {rank}", ylim=(-0.02, 1.02))
-        if len(labels) <= 12:
-            ax.legend(fontsize=7, loc="lower left")
-        path = out / f"similarity_lines_rank{rank}.png"
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        written.append(path)
-
-        fig = Figure(figsize=(max(6, 0.4 * len(steps) + 4), max(3, 0.25 * len(labels) + 1.5)))
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        image = ax.imshow(grid, aspect="auto", vmin=0.0, vmax=1.0, cmap="viridis", interpolation="nearest")
-        ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7)
-        ax.set_yticks(range(len(labels)), labels, fontsize=7)
-        ax.set(xlabel="step", title=f"rank {rank}: fraction of equal gradient signs")
-        fig.colorbar(image, ax=ax)
-        path = out / f"similarity_heatmap_rank{rank}.png"
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        written.append(path)
+        for kind, figure in (("lines", lines_figure), ("heatmap", heatmap_figure)):
+            path = out / f"similarity_{kind}_rank{rank}.png"
+            figure(rows, rank).savefig(path, dpi=100, bbox_inches="tight")
+            written.append(path)
     return written
