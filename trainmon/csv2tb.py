@@ -16,7 +16,7 @@ from typing import Any
 from trainmon.errors import UsageError
 from trainmon.inputs import INT64_MAX, describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
 from trainmon.msprobe_output import ANOMALY_FOLDER, csv_family, layout_of, msprobe_rows, rank_folders
-from trainmon.progress import progress
+from trainmon.progress import Bar
 from trainmon.records import FAMILIES
 from trainmon.sinks import tensorboard as board
 
@@ -136,9 +136,11 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None, wor
         raise FileNotFoundError(f"{run_dir}: no CSV files in {', '.join(p.name for p in ranks[:5])}"
                                 f"{', ...' if len(ranks) > 5 else ''}{hint}")
     layouts: set[str] = set()
+    wanted_files = {rank_dir: [f for f in files if families is None or family_of(f) in families]
+                    for rank_dir, files in csv_files.items()}
 
     def one(rank_dir: Path) -> int:
-        wanted = [f for f in csv_files[rank_dir] if families is None or family_of(f) in families]
+        wanted = wanted_files[rank_dir]
         # One Summary per (file, step), as the TensorBoard sink writes them: no per-value event, and
         # no warning per NaN (tensorboardX's add_scalar logs one; a monitor reports NaN quietly).
         writer = FileWriter(str(output / rank_dir.name), flush_secs=3600)
@@ -160,6 +162,7 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None, wor
                         count += 1
                 if values:
                     writer.add_summary(Summary(value=values), current)
+                bar.advance()
             if families is None:  # anomalies as the TensorBoard sink writes them: counts and text at their step
                 for step, (counts, texts) in board.anomaly_summaries(_anomaly_events(rank_dir)).items():
                     writer.add_summary(board.anomaly_summary(counts, texts), step)
@@ -170,8 +173,9 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None, wor
             writer.close()
         return count
 
-    with ThreadPoolExecutor(max_workers=min(workers, len(ranks))) as pool:
-        return sum(progress(pool.map(one, ranks), len(ranks), "csv2tb")), layouts
+    with Bar(sum(map(len, wanted_files.values())), "csv2tb") as bar, \
+            ThreadPoolExecutor(max_workers=min(workers, len(ranks))) as pool:
+        return sum(pool.map(one, ranks)), layouts
 
 
 def _anomaly_events(rank_dir: Path) -> list[dict[str, Any]]:

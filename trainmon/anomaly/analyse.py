@@ -26,6 +26,7 @@ from trainmon.anomaly.ordering import PHASE_RANK, sort_key_fields
 from trainmon.errors import UsageError
 from trainmon.inputs import INT64_MAX, find_runs, is_dir, rank_dirs_of, read_regular, runs_hint
 from trainmon.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders
+from trainmon.progress import Bar
 
 OUTPUT_NAME = "anomaly_analyse.json"
 MSPROBE_OUTPUT_NAME = "trainmon_anomaly_analyse.json"
@@ -303,7 +304,7 @@ def analyse_run(run_dir: str | Path, top: int = 20, steps: StepRanges | Iterable
         run_dir: ``{output_dir}/{run_name}``, holding ``rank{R}/anomalies.jsonl``.
         top: how many earliest events to keep.
         steps: only these steps (None: all): a :class:`StepRanges` (see :func:`parse_steps`) or ints.
-        progress: print a file counter on stderr.
+        progress: draw a progress bar (files, rate, ETA, events) on stderr when it is a terminal.
 
     Returns:
         ``{"run_dir", "files", "events", "steps", "first_origin", "top", "first_by_step",
@@ -328,13 +329,10 @@ def analyse_run(run_dir: str | Path, top: int = 20, steps: StepRanges | Iterable
         steps = StepRanges.of(steps)
     files = find_files(root)
     merger = _Merger(top, steps)
-    tty = progress and sys.stderr.isatty()
-    for i, path in enumerate(files, start=1):
-        merger.scan(path, str(path.relative_to(root)))
-        if tty and (i % 32 == 0 or i == len(files)):
-            print(f"\ranalyse: {i}/{len(files)} files, {merger.events} events", end="", file=sys.stderr)
-    if tty and files:
-        print(file=sys.stderr)
+    with Bar(len(files), "analyse", enabled=None if progress else False) as bar:
+        for path in files:
+            merger.scan(path, str(path.relative_to(root)))
+            bar.advance(events=merger.events)
     ordered = [event for _, _, event in sorted(merger.heap, reverse=True)]
     return {
         "run_dir": str(root),
