@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.hooks import HookRegistry, QuietOutputOnlyBackward
 
 logger = logging.getLogger("trainmon")
 
@@ -99,6 +99,7 @@ class ActivationCollector:
         self.tensor_type = tensor_type
         self.backward_hook = backward_hook
         self.grad_hooks = config.grad_hooks if tensor_type is torch.Tensor else "module"
+        self._quiet = QuietOutputOnlyBackward()
 
     def arm(self) -> None:
         if self.registry.count(self.HOOK_GROUP):
@@ -121,6 +122,9 @@ class ActivationCollector:
             elif backward:
                 handle = getattr(module, self.backward_hook)(self._backward_hook(name, vpp_stage))
                 self.registry.add(self.HOOK_GROUP, handle)
+                if self.tensor_type is torch.Tensor:  # torch's "no inputs require gradients" warning
+                    for quiet in self._quiet.hooks(module, handle):
+                        self.registry.add(self.HOOK_GROUP, quiet)
 
     def _avoid_in_place_targets(self) -> None:
         """Switches to tensor hooks (with a warning) when a target module works in place.
@@ -139,10 +143,12 @@ class ActivationCollector:
     def disarm(self) -> None:
         self.registry.remove(self.HOOK_GROUP)
         self.registry.remove(self.TENSOR_HOOK_GROUP)
+        self._quiet.reset()
 
     def before_transfer(self) -> None:
         # The step's backward passes are over: drop the handles of its tensor hooks.
         self.registry.remove(self.TENSOR_HOOK_GROUP)
+        self._quiet.reset()
 
     def close(self) -> None:
         self.disarm()
@@ -164,6 +170,7 @@ class ActivationCollector:
 
     def _backward_hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
         def hook(module: Any, grad_input: tuple, grad_output: tuple) -> None:
+            self._quiet.lift()  # torch has just warned (or not): our filter, if any, comes out at once
             if not self.ctx.collecting:
                 return
             # One entry per output/input tensor, None where no gradient flowed: keep the positions
