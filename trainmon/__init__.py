@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
-
 from trainmon.config import MonitorConfig, load_config
 from trainmon.errors import AnomalyError, ConfigError, TargetError
 from trainmon.monitor import TrainerMonitor
+from trainmon.version import __version__
 
 if TYPE_CHECKING:
     from trainmon.anomaly.events import AnomalyEvent

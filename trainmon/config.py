@@ -1,29 +1,30 @@
 """Typed monitor configuration, loaded from YAML, JSON, a dict or a :class:`MonitorConfig`.
 
-Each section is a dataclass with a docstring per field. Unknown keys, wrong types and
-out-of-range values fail at construction with the dotted key and what is allowed.
-``docs/config.md`` is generated from these docstrings (``python -m trainmon.config``).
+Each section is a dataclass with a docstring per field; each field's rules (choices, range, a check of
+its own) sit in its :func:`~trainmon.schema.setting`, and :mod:`trainmon.schema` applies them. Unknown
+keys, wrong types and out-of-range values fail at construction with the dotted key and what is allowed.
+``docs/config.md`` is generated from these docstrings (``python -m trainmon.config > docs/config.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import threading
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
+from trainmon import config_doc
+from trainmon.anomaly.detectors import check_specs
+from trainmon.config_files import read_config_file
 from trainmon.errors import ConfigError
 from trainmon.records import METRICS
+from trainmon.schema import each, load, setting, short
+from trainmon.targets import check_pattern
 
-INT64_MAX = 2**63 - 1
+__all__ = ["ConfigError", "MonitorConfig", "check_ranks", "config_reference", "load_config"]
 
-DEFAULT_METRICS: list[str] = list(METRICS)
 SINKS: tuple[str, ...] = ("csv", "tensorboard")
 OPTIMIZER_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "update", "ratio", "momentum")
 ACTIONS: tuple[str, ...] = ("log", "jsonl", "callback", "raise", "dump", "free_benchmark")
@@ -36,17 +37,59 @@ COMM_OPS: tuple[str, ...] = (
 """``torch.distributed`` functions the communication collector can wrap."""
 
 
-def _metrics() -> list[str]:
-    return list(DEFAULT_METRICS)
+GRAD_HOOKS: tuple[str, ...] = ("module", "tensor")
+PROBE_LEVELS: tuple[str, ...] = ("L0", "L1", "L2")
+PROBE_SCALARS: tuple[str, ...] = ("none", "global", "param")
+DUMP_MODES: tuple[str, ...] = ("statistics", "tensor", "md5")
+PERT_MODES: tuple[str, ...] = ("improve_precision", "add_noise", "bit_noise", "change_value", "no_change", "to_cpu")
+FIXING_PERT_MODES: tuple[str, ...] = ("improve_precision", "to_cpu")
+"""The perturbations whose result may replace a module's output (``free_benchmark.handler: fix``)."""
+HANDLERS: tuple[str, ...] = ("check", "fix")
+MAX_DUMP_DEPTH = 64
+"""Deeper than any module tree; a huge ``dump.depth`` would stall every anomalous step."""
+
+
+def _metrics() -> Any:
+    """The ``metrics`` field of a section: any of :data:`~trainmon.records.METRICS`, each once; default all."""
+    return setting(list(METRICS), choices=METRICS, unique=True)
+
+
+def _patterns(default: list[str]) -> Any:
+    """A list of name patterns (:mod:`trainmon.targets`), each checked at construction."""
+    return setting(default, check=each(check_pattern))
+
+
+def _regex(value: str, path: str) -> None:
+    check_pattern("re:" + value, path)
+
+
+def _increasing(bounds: list[float], path: str) -> None:
+    if bounds != sorted(set(bounds)):
+        raise ConfigError(path, f"must be strictly increasing, got {bounds}")
+
+
+def _some_rank(ranks: list[int], path: str) -> None:
+    if not ranks:
+        raise ConfigError(path, "must name at least one rank (null: every rank; enabled: false turns the monitor off)")
+
+
+def _directory_name(name: str, path: str) -> None:
+    if not name or "/" in name or "\\" in name or name in (".", "..") or len(name.encode()) > 255:
+        raise ConfigError(path, f"must be a plain directory name (at most 255 bytes), got {short(name)}")
+
+
+def _timeout(seconds: float, path: str) -> None:
+    if not 0 < seconds <= threading.TIMEOUT_MAX:
+        raise ConfigError(path, f"must be > 0 and <= {threading.TIMEOUT_MAX:g} (seconds), got {seconds:g}")
 
 
 @dataclass
 class TargetsConfig:
     """Which modules and parameters are monitored."""
 
-    modules: list[str] = field(default_factory=lambda: ["*"])
+    modules: list[str] = _patterns(["*"])
     """Module names: exact (``layers.0.mlp``), glob (``layers.*.mlp``) or regex (``re:^layers\\.[01]\\.``). A pattern that matches nothing fails at ``attach``, unless prefixed with ``optional:`` (``optional:re:^layers\\.0\\.``)."""
-    params: list[str] = field(default_factory=lambda: ["*"])
+    params: list[str] = _patterns(["*"])
     """Parameter names, same pattern forms as ``modules``."""
 
 
@@ -56,7 +99,7 @@ class ActivationsConfig:
 
     enabled: bool = False
     """Collect activations (family ``actv``) and activation gradients (``actv_grad``)."""
-    metrics: list[str] = field(default_factory=_metrics)
+    metrics: list[str] = _metrics()
     """Statistics per tensor, any of norm, min, max, mean, zeros, nans, infs."""
     forward: bool = True
     """Measure forward inputs and outputs (msprobe ``backward_only: true`` turns this off)."""
@@ -64,7 +107,7 @@ class ActivationsConfig:
     """Measure gradients w.r.t. module inputs and outputs (how: ``grad_hooks``)."""
     inputs: bool = True
     """Measure module inputs as well as outputs (msprobe ``all_xy``)."""
-    grad_hooks: str = "module"
+    grad_hooks: str = setting("module", choices=GRAD_HOOKS)
     """How gradients are hooked: ``module`` (full backward hooks; ``input_grad`` is the gradient w.r.t. the module's inputs through this module only) or ``tensor`` (hooks on the output and input tensors; ``input_grad`` is the gradient of the input tensor summed over all its consumers, none for leaf tensors). Use ``tensor`` when a target's output or input is modified in place (``nn.ReLU(inplace=True)`` after a target, ``out += x``): torch rejects that under full backward hooks. ``module`` switches to ``tensor`` by itself, with a warning, when a target module has ``inplace=True``. MindSpore always uses cell backward hooks."""
 
 
@@ -74,7 +117,7 @@ class WeightGradsConfig:
 
     enabled: bool = True
     """Collect weight gradients."""
-    metrics: list[str] = field(default_factory=_metrics)
+    metrics: list[str] = _metrics()
     """Statistics per gradient."""
     unreduced: bool = True
     """Family ``grad_unreduced``: the gradient as accumulated on the parameter, before any data-parallel reduction."""
@@ -90,9 +133,9 @@ class OptimizerStatesConfig:
 
     enabled: bool = True
     """Collect optimizer states."""
-    states: list[str] = field(default_factory=lambda: ["exp_avg", "exp_avg_sq", "update", "ratio"])
+    states: list[str] = setting(["exp_avg", "exp_avg_sq", "update", "ratio"], choices=OPTIMIZER_STATES, unique=True)
     """Any of exp_avg, exp_avg_sq, update (m_hat / (sqrt(v_hat) + eps)), ratio (update / param), momentum (SGD)."""
-    metrics: list[str] = field(default_factory=_metrics)
+    metrics: list[str] = _metrics()
     """Statistics per state tensor."""
 
 
@@ -102,7 +145,7 @@ class ParamsConfig:
 
     enabled: bool = False
     """Collect parameter statistics."""
-    metrics: list[str] = field(default_factory=_metrics)
+    metrics: list[str] = _metrics()
     """Statistics per parameter."""
 
 
@@ -112,13 +155,13 @@ class CommunicationConfig:
 
     enabled: bool = False
     """Wrap the collectives while attached and measure their inputs and outputs."""
-    metrics: list[str] = field(default_factory=_metrics)
+    metrics: list[str] = _metrics()
     """Statistics per communicated tensor."""
-    ops: list[str] = field(default_factory=list)
+    ops: list[str] = setting([], choices=COMM_OPS, unique=True)
     """``torch.distributed`` functions to wrap (e.g. all_reduce, reduce_scatter_tensor); empty means all supported."""
     call_sites: bool = False
     """Add the Python call site (``file:function:line``) of each collective to the row name."""
-    call_site_filter: str | None = None
+    call_site_filter: str | None = setting(None, check=_regex)
     """Regex searched in ``path/file.py:line in function``; only matching calls are measured."""
 
 
@@ -128,14 +171,14 @@ class GradProbeConfig:
 
     enabled: bool = False
     """Run the grad probe on collected steps."""
-    level: str = "L1"
+    level: str = setting("L1", choices=PROBE_LEVELS)
     """L0: max, min, norm, shape, hash; L1: plus direction data; L2: plus interval fractions."""
-    bounds: list[float] = field(default_factory=lambda: [-1.0, 0.0, 1.0])
+    bounds: list[float] = setting([-1.0, 0.0, 1.0], check=_increasing)
     """Increasing interval bounds for L2 histograms."""
-    sample_elements: int | None = None
+    sample_elements: int | None = setting(None, minimum=1)
     """Direction bits of at most this many elements per parameter (a fixed stratified subset); null: all.
     Also enables ``cos_prev`` (cosine with the previous collected step's sampled gradient)."""
-    scalars: str = "global"
+    scalars: str = setting("global", choices=PROBE_SCALARS)
     """In-run similarities also sent as scalars (for anomaly detectors, TensorBoard): none;
     global (``grad_probe/{metric}`` over all target parameters); param (also ``grad_probe/{name}/{metric}``)."""
     mg_direction: bool = False
@@ -149,15 +192,15 @@ class GradProbeConfig:
 class AnomalyConfig:
     """Anomaly detectors and what happens when they fire."""
 
-    detectors: list[dict[str, Any]] = field(default_factory=lambda: [
+    detectors: list[dict[str, Any]] = setting([
         {"type": "nonfinite"}, {"type": "loss_spike"},
-        {"type": "spike", "series": ["grad_reduced/*/norm"], "method": "log", "persist": 3}])
+        {"type": "spike", "series": ["grad_reduced/*/norm"], "method": "log", "persist": 3}], check=check_specs)
     """Detector specs, each ``{type: nonfinite|spike|loss_spike, ...}``; see docs/anomaly.md. The default
     third one is the per-layer gradient early warning (it fires a median 13 steps before the loss on the
     benchmark's layer blow-ups, with no false alarm in 108,000 healthy steps)."""
-    actions: list[str] = field(default_factory=lambda: ["log", "jsonl"])
+    actions: list[str] = setting(["log", "jsonl"], choices=ACTIONS, unique=True)
     """Any of log, jsonl, callback, raise, dump, free_benchmark."""
-    log_limit: int = 10
+    log_limit: int = setting(10, minimum=1)
     """At most this many log lines per step (the rest are summarised)."""
 
 
@@ -167,13 +210,13 @@ class DumpConfig:
 
     enabled: bool = False
     """Allow dumps (as the ``dump`` action or through ``monitor.dump``)."""
-    mode: str = "statistics"
+    mode: str = setting("statistics", choices=DUMP_MODES)
     """statistics, tensor or md5."""
-    depth: int = 1
+    depth: int = setting(1, minimum=0, maximum=MAX_DUMP_DEPTH)
     """Also dump the parent and children this many levels around the implicated module (at most 64)."""
-    max_bytes: int = 1 << 30
+    max_bytes: int = setting(1 << 30, minimum=1)
     """Byte budget of one dump."""
-    max_dumps: int = 3
+    max_dumps: int = setting(3, minimum=1)
     """Dumps per run."""
     stack: bool = True
     """Write ``stack.json``: the Python call stack of each dumped forward call."""
@@ -185,17 +228,23 @@ class FreeBenchmarkConfig:
 
     enabled: bool = False
     """Allow free-benchmark checks (as the ``free_benchmark`` action or by hand)."""
-    pert_mode: str = "improve_precision"
+    pert_mode: str = setting("improve_precision", choices=PERT_MODES)
     """improve_precision, add_noise, bit_noise, change_value, no_change or to_cpu."""
-    handler: str = "check"
+    handler: str = setting("check", choices=HANDLERS)
     """check: compare and write failures to ``free_benchmark.csv``; fix: also replace the module's
     output by the improve_precision / to_cpu result (value only; gradients flow through the original)."""
-    targets: list[str] = field(default_factory=list)
+    targets: list[str] = _patterns([])
     """Modules checked every ``interval`` steps (exact names, globs or ``re:`` regexes); empty: only on anomaly or by hand."""
-    interval: int = 1
+    interval: int = setting(1, minimum=1)
     """Check ``targets`` on every N-th step."""
-    max_per_step: int = 4
+    max_per_step: int = setting(4, minimum=1)
     """At most this many modules are re-run per step (a whole network is never re-run by accident)."""
+
+    def cross_check(self, path: str) -> None:
+        """``handler: fix`` needs a perturbation whose result may replace the output."""
+        if self.handler == "fix" and self.pert_mode not in FIXING_PERT_MODES:
+            raise ConfigError(f"{path}.handler", f"fix needs pert_mode improve_precision or to_cpu, "
+                                                 f"got {self.pert_mode!r}")
 
 
 @dataclass
@@ -204,7 +253,7 @@ class DynamicConfig:
 
     watch: bool = False
     """Re-read the config file when it changes; the new config applies from the next step."""
-    poll_seconds: float = 5.0
+    poll_seconds: float = setting(5.0, minimum=0.0)
     """Check the file's modification time at most this often."""
 
 
@@ -216,21 +265,21 @@ class MonitorConfig:
     """Master switch; ``false`` makes every step uncollected."""
     output_dir: str = "./trainmon_output"
     """Directory that receives ``{run_name}/``."""
-    run_name: str | None = None
+    run_name: str | None = setting(None, check=_directory_name)
     """Run directory name; default a UTC timestamp (shared by all ranks)."""
-    sinks: list[str] = field(default_factory=lambda: ["csv", "tensorboard"])
+    sinks: list[str] = setting(["csv", "tensorboard"], choices=SINKS, unique=True)
     """Outputs: csv, tensorboard."""
-    ranks: list[int] | None = None
+    ranks: list[int] | None = setting(None, minimum=0, unique=True, check=_some_rank)
     """Ranks that collect and write (distinct, each below the world size: checked at ``attach``); null means every rank."""
-    start_step: int = 0
+    start_step: int = setting(0, minimum=0)
     """First step that is collected."""
-    step_interval: int = 1
+    step_interval: int = setting(1, minimum=1)
     """Collect every N-th step from ``start_step``."""
-    collect_times: int | None = None
+    collect_times: int | None = setting(None, minimum=1)
     """Stop after this many collected steps; null means no limit."""
-    eps: float = 1e-8
+    eps: float = setting(1e-8, minimum=0.0)
     """``zeros`` counts elements with ``|x| < eps``."""
-    flush_seconds: float = 2.0
+    flush_seconds: float = setting(2.0, check=_timeout)
     """Outputs flush as soon as their writer is idle, and at least this often while it is busy (and on close)."""
     targets: TargetsConfig = field(default_factory=TargetsConfig)
     """Module and parameter selection."""
@@ -257,199 +306,11 @@ class MonitorConfig:
     print_struct: bool = False
     """Write ``module_struct.json`` (module tree with input/output shapes of the first step)."""
 
-
-# --------------------------------------------------------------------------- validation rules
-_CHOICES: dict[str, tuple[Any, ...]] = {
-    "sinks": SINKS,
-    "activations.metrics": METRICS, "activations.grad_hooks": ("module", "tensor"), "weight_grads.metrics": METRICS,
-    "optimizer_states.metrics": METRICS, "params.metrics": METRICS, "communication.metrics": METRICS,
-    "communication.ops": COMM_OPS,
-    "optimizer_states.states": OPTIMIZER_STATES,
-    "grad_probe.level": ("L0", "L1", "L2"),
-    "grad_probe.scalars": ("none", "global", "param"),
-    "anomaly.actions": ACTIONS,
-    "dump.mode": ("statistics", "tensor", "md5"),
-    "free_benchmark.pert_mode": ("improve_precision", "add_noise", "bit_noise", "change_value", "no_change", "to_cpu"),
-    "free_benchmark.handler": ("check", "fix"),
-}
-_MAXIMUM: dict[str, float] = {
-    "dump.depth": 64,  # deeper than any module tree; a huge value would stall every anomalous step
-}
-_UNIQUE = ("ranks",)
-"""Lists without choices that must not repeat an item."""
-_MINIMUM: dict[str, float] = {
-    "start_step": 0, "step_interval": 1, "collect_times": 1, "eps": 0.0,
-    "dump.depth": 0, "dump.max_bytes": 1, "dump.max_dumps": 1, "dynamic.poll_seconds": 0.0,
-    "grad_probe.sample_elements": 1, "anomaly.log_limit": 1, "ranks[]": 0,
-    "free_benchmark.interval": 1, "free_benchmark.max_per_step": 1,
-}
-
-
-def type_name(tp: Any) -> str:
-    """A readable name for a type annotation (error messages, docs/config.md)."""
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def convert_value(value: Any, tp: Any, path: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; return it converted (dataclasses built).
-
-    Raises:
-        ConfigError: the value does not fit; the message names ``path``.
-    """
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ConfigError(path, "must not be null")
-        (inner,) = [a for a in args if a is not type(None)]
-        return convert_value(value, inner, path)
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            value = dataclasses.asdict(value)
-        if not isinstance(value, Mapping):
-            raise ConfigError(path, f"must be a mapping with keys {sorted(f.name for f in dataclasses.fields(tp))}")
-        return _build(tp, value, path)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"must be a list, got {type(value).__name__}")
-        (inner,) = typing.get_args(tp)
-        return [convert_value(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(path, f"must be a mapping, got {type(value).__name__}")
-        return dict(value)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"must be true or false, got {_short(value)}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(path, f"must be an integer, got {_short(value)}")
-        if not -INT64_MAX <= value <= INT64_MAX:
-            raise ConfigError(path, f"must be an integer of at most 19 digits (|x| <= 2**63-1), got {_short(value)}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(path, f"must be a finite number, got {_short(value)}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(path, f"must be a string, got {_short(value)}")
-        if "\0" in value:
-            raise ConfigError(path, "must not contain a NUL character")
-        return value
-    raise AssertionError(f"unsupported annotation {type_name(tp)} at {path}")  # pragma: no cover
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters (a 10,000-digit number or a huge list stays one short line)."""
-    try:
-        text = repr(value)
-    except (ValueError, RecursionError):  # ints beyond the digit limit, self-referencing lists
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _check(path: str, value: Any) -> None:
-    rule_path = path.split("[")[0]
-    items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
-
-    def where(i: int | None) -> str:
-        return path if i is None else f"{path}[{i}]"
-
-    if rule_path in _CHOICES:
-        allowed = _CHOICES[rule_path]
-        for i, item in items:
-            if item not in allowed:
-                raise ConfigError(where(i), f"{item!r} is not allowed; choose from {list(allowed)}")
-        if isinstance(value, list) and len(set(value)) != len(value):
-            raise ConfigError(path, f"has duplicates: {value}")
-    if rule_path in _UNIQUE and isinstance(value, list):
-        seen: set[Any] = set()
-        for i, item in items:
-            if item in seen:
-                raise ConfigError(where(i), f"{item!r} is listed twice")
-            seen.add(item)
-    key = rule_path + "[]" if isinstance(value, list) else rule_path
-    if key in _MINIMUM and value is not None:
-        for i, item in items:
-            if item < _MINIMUM[key]:
-                raise ConfigError(where(i), f"must be >= {_MINIMUM[key]:g}, got {item}")
-    if key in _MAXIMUM and value is not None:
-        for i, item in items:
-            if item > _MAXIMUM[key]:
-                raise ConfigError(where(i), f"must be <= {_MAXIMUM[key]:g}, got {_short(item)}")
-
-
-def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        name = key if isinstance(key, str) and key and key.strip() == key else repr(key)  # '' or ' x' quoted
-        path = f"{prefix}.{name}" if prefix else name
-        if key not in fields:
-            raise ConfigError(path, f"unknown key; valid keys here: {sorted(fields)}")
-        kwargs[key] = convert_value(value, hints[key], path)
-        _check(path, kwargs[key])
-    obj = cls(**kwargs)
-    _cross_check(obj, prefix)
-    return obj
-
-
-def _cross_check(obj: Any, prefix: str) -> None:
-    if isinstance(obj, CommunicationConfig) and obj.call_site_filter is not None:
-        _check_pattern("re:" + obj.call_site_filter, f"{prefix}.call_site_filter")
-    if isinstance(obj, GradProbeConfig) and obj.bounds != sorted(set(obj.bounds)):
-        raise ConfigError(f"{prefix}.bounds", f"must be strictly increasing, got {obj.bounds}")
-    if isinstance(obj, TargetsConfig):
-        for kind in ("modules", "params"):
-            for i, pattern in enumerate(getattr(obj, kind)):
-                _check_pattern(pattern, f"{prefix}.{kind}[{i}]")
-    if isinstance(obj, AnomalyConfig):
-        from trainmon.anomaly.detectors import build_detectors  # validates type and fields
-
-        build_detectors(obj.detectors, path=f"{prefix}.detectors")
-    if isinstance(obj, FreeBenchmarkConfig):
-        for i, pattern in enumerate(obj.targets):
-            _check_pattern(pattern, f"{prefix}.targets[{i}]")
-    if isinstance(obj, FreeBenchmarkConfig) and obj.handler == "fix" and obj.pert_mode not in (
-            "improve_precision", "to_cpu"):
-        raise ConfigError(f"{prefix}.handler", f"fix needs pert_mode improve_precision or to_cpu, got {obj.pert_mode!r}")
-    if isinstance(obj, MonitorConfig):
-        for action, section in (("dump", obj.dump), ("free_benchmark", obj.free_benchmark)):
-            if action in obj.anomaly.actions and not section.enabled:
+    def cross_check(self, path: str) -> None:
+        """The hand-off actions need their sections enabled."""
+        for action, section in (("dump", self.dump), ("free_benchmark", self.free_benchmark)):
+            if action in self.anomaly.actions and not section.enabled:
                 raise ConfigError("anomaly.actions", f"{action!r} needs {action}.enabled: true")
-    if isinstance(obj, MonitorConfig) and not 0 < obj.flush_seconds <= threading.TIMEOUT_MAX:
-        raise ConfigError("flush_seconds", f"must be > 0 and <= {threading.TIMEOUT_MAX:g} (seconds), "
-                                           f"got {obj.flush_seconds:g}")
-    if isinstance(obj, MonitorConfig) and obj.ranks is not None and not obj.ranks:
-        raise ConfigError("ranks", "must name at least one rank (null: every rank; enabled: false turns the monitor off)")
-    if isinstance(obj, MonitorConfig) and obj.run_name is not None:
-        if (not obj.run_name or "/" in obj.run_name or "\\" in obj.run_name or obj.run_name in (".", "..")
-                or len(obj.run_name.encode()) > 255):
-            raise ConfigError("run_name", f"must be a plain directory name (at most 255 bytes), got {_short(obj.run_name)}")
-
-
-def _check_pattern(pattern: str, path: str) -> None:
-    import re
-
-    from trainmon.targets import OPTIONAL, split_optional
-
-    if not pattern:
-        raise ConfigError(path, "must not be empty")
-    pattern, optional = split_optional(pattern)
-    if optional and not pattern:
-        raise ConfigError(path, f"must name a pattern after {OPTIONAL!r}")
-    if pattern.startswith("re:"):
-        try:
-            re.compile(pattern[3:])
-        except re.error as exc:
-            raise ConfigError(path, f"invalid regex {pattern[3:]!r}: {exc}") from None
 
 
 def check_ranks(ranks: list[int] | None, world_size: int) -> None:
@@ -493,150 +354,20 @@ def load_config(source: MonitorConfig | Mapping[str, Any] | str | Path | None) -
         10
     """
     if source is None:
-        return _build(MonitorConfig, {}, "")
+        return load(MonitorConfig, {})
     if isinstance(source, MonitorConfig):
-        return _build(MonitorConfig, dataclasses.asdict(source), "")
+        return load(MonitorConfig, dataclasses.asdict(source))
     if isinstance(source, (str, Path)):
-        return _build(MonitorConfig, read_config_file(Path(source)), "")
+        return load(MonitorConfig, read_config_file(Path(source)))
     if isinstance(source, Mapping):
-        return _build(MonitorConfig, source, "")
+        return load(MonitorConfig, source)
     raise TypeError(f"config must be a MonitorConfig, a dict or a path, got {type(source).__name__}")
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Read a YAML or JSON config file into a dict (no validation).
-
-    Raises:
-        ConfigError: the file has another suffix, cannot be read (missing, a directory, a named
-            pipe), is not UTF-8, cannot be parsed, is nested too deeply, repeats a key (the
-            dotted key is named) or is not a mapping; the message names the file.
-    """
-    if path.suffix not in (".yaml", ".yml", ".json"):
-        raise ConfigError(str(path), "config file must end in .yaml, .yml or .json")
-    text = read_text(path, "config file")
-    data = parse_json(text, path) if path.suffix == ".json" else parse_yaml(text, path)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(str(path), f"top level must be a mapping, got {type(data).__name__}")
-    return data
-
-
-def read_text(path: Path, what: str) -> str:
-    """The UTF-8 text of a regular file (a leading byte-order mark is dropped).
-
-    Raises:
-        ConfigError: unreadable, not a regular file (a named pipe is refused, never waited on) or
-            not UTF-8; the key is the file.
-    """
-    from trainmon.inputs import read_regular
-
-    try:
-        data = read_regular(path)
-    except OSError as exc:
-        raise ConfigError(str(path), f"cannot read {what}: {exc.strerror or exc}") from None
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(str(path), f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-
-
-class _Pairs(list):  # type: ignore[type-arg]
-    """A JSON object as its ``(key, value)`` pairs, so that repeated keys can be found."""
-
-
-def parse_json(text: str, path: Path) -> Any:
-    """Parse JSON config text; an empty text is None.
-
-    Raises:
-        ConfigError: invalid JSON, nested too deeply, or a repeated key (named by its dotted path).
-    """
-    if not text.strip():
-        return None
-    try:
-        return _unique_keys(json.loads(text, object_pairs_hook=_Pairs), "", path)
-    except ConfigError:
-        raise
-    except ValueError as exc:
-        raise ConfigError(str(path), f"cannot parse: {exc}") from None
-    except RecursionError:
-        raise ConfigError(str(path), "cannot parse: nested too deeply") from None
-
-
-def _unique_keys(value: Any, prefix: str, path: Path) -> Any:
-    if isinstance(value, _Pairs):
-        out: dict[str, Any] = {}
-        for key, item in value:
-            dotted = f"{prefix}.{key}" if prefix else key
-            if key in out:
-                raise ConfigError(dotted, f"key repeated in {path} (a mapping may give each key once)")
-            out[key] = _unique_keys(item, dotted, path)
-        return out
-    if isinstance(value, list):
-        return [_unique_keys(item, f"{prefix}[{i}]", path) for i, item in enumerate(value)]
-    return value
-
-
-def parse_yaml(text: str, path: Path) -> Any:
-    """Parse YAML config text with the safe loader.
-
-    Raises:
-        ConfigError: invalid YAML, nested too deeply, or a repeated key (named by its dotted path,
-            with both lines).
-    """
-    import yaml
-
-    loader = None
-    try:
-        loader = yaml.SafeLoader(text)  # checks the characters already
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_yaml_keys(node, path)
-        return loader.construct_document(node)
-    except yaml.YAMLError as exc:
-        raise ConfigError(str(path), f"cannot parse: {exc}") from None
-    except RecursionError:
-        raise ConfigError(str(path), "cannot parse: nested too deeply") from None
-    finally:
-        if loader is not None:
-            loader.dispose()
-
-
-def _check_yaml_keys(root: Any, path: Path) -> None:
-    """Raise for a key given twice in one mapping (PyYAML keeps the last one silently).
-
-    Iterative, and each node is visited once: aliases (``*a``), even self-referencing ones or an
-    exponential "billion laughs" document, cost one visit per distinct node.
-    """
-    import yaml
-
-    stack: list[tuple[Any, str]] = [(root, "")]
-    seen: set[int] = set()
-    while stack:
-        node, prefix = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, yaml.SequenceNode):
-            stack.extend((item, f"{prefix}[{i}]") for i, item in enumerate(node.value))
-        elif isinstance(node, yaml.MappingNode):
-            first: dict[tuple[str, str], int] = {}
-            for key, value in node.value:
-                if key.tag == "tag:yaml.org,2002:merge":  # `<<: *base` merges; its keys may be overridden
-                    stack.append((value, prefix))
-                    continue
-                name = str(key.value) if isinstance(key, yaml.ScalarNode) else f"<{key.id}>"
-                dotted = f"{prefix}.{name}" if prefix else name
-                where = (key.tag, name)
-                if where in first:
-                    raise ConfigError(dotted, f"key repeated in {path} (lines {first[where] + 1} and "
-                                              f"{key.start_mark.line + 1}; a mapping may give each key once)")
-                first[where] = key.start_mark.line
-                stack.append((value, dotted))
+def config_reference() -> str:
+    """docs/config.md: every section and field of :class:`MonitorConfig` (:func:`trainmon.config_doc.reference`)."""
+    return config_doc.reference(MonitorConfig, "python -m trainmon.config > docs/config.md")
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from trainmon.config_doc import config_reference
-
     print(config_reference())

@@ -22,8 +22,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainmon.config import parse_json, read_text
+from trainmon.config_files import parse_json, read_text
 from trainmon.errors import ConfigError
+from trainmon.records import ACTIVATION_KINDS, activation_row
 from trainmon.targets import OPTIONAL
 
 logger = logging.getLogger("trainmon")
@@ -39,6 +40,7 @@ _BOOL_KEYS = ("print_struct", "ur_distribution", "xy_distribution", "all_xy", "f
               "mv_distribution", "wg_distribution", "mg_distribution", "param_distribution", "mg_direction",
               "squash_name", "switch", "dynamic_on", "stack_info", "monitor_mbs_grad", "recording_l2_features")
 _INT_KEYS = ("start_step", "step_interval", "collect_times", "step_count_per_record", "ndigits")
+_KINDS = tuple(kind for kinds in ACTIVATION_KINDS.values() for kind in kinds)  # msprobe's are trainmon's
 _SPEC = re.compile(r"tensor|tuple\[(\d+)\](?::(\d+))?")
 _VPP_KEY = re.compile(r"(\d+):(.*)", re.DOTALL)
 
@@ -116,8 +118,8 @@ def trainmon_row_name(module: str, kind: str, spec: str | None = None) -> str:
     """
     match = _SPEC.fullmatch(spec or "tensor")
     if match is None or match.group(1) is None or int(match.group(1)) <= 1:
-        return f"{module}.{kind}"
-    return f"{module}.{kind}.{int(match.group(2) or 0)}"
+        return activation_row(module, kind)
+    return activation_row(module, kind, int(match.group(2) or 0))
 
 
 # ----------------------------------------------------------------------------------- translation
@@ -232,7 +234,7 @@ class _Translation:
 
     def _check_specs(self, key: str, spec: dict[str, Any]) -> None:
         for kind, value in spec.items():
-            if kind not in ("input", "output", "input_grad", "output_grad"):
+            if kind not in _KINDS:
                 self._cannot(f"targets.{key}.{kind}", "msprobe knows input, output, input_grad and output_grad")
             elif not isinstance(value, str) or _SPEC.fullmatch(value) is None:
                 self._cannot(f"targets.{key}.{kind}", f"spec {str(value)[:40]!r} is neither 'tensor' nor "

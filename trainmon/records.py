@@ -40,6 +40,93 @@ PHASE_OF_FAMILY: dict[str, str] = {
 PHASES: tuple[str, ...] = ("forward", "backward", "communication", "optimizer", "loss")
 
 
+# --------------------------------------------------------------------------- row names
+# The one home of the row-name grammar: ``{module}.{kind}[.{tensor}]`` for activation rows, the full
+# parameter name for the others, and ``{family}/{name}/{metric}[/vpp{v}][/micro{m}]`` as a tag (TensorBoard,
+# csv2tb) or, without the suffixes, as a ``spike`` detector series.
+ACTIVATION_KINDS: dict[str, tuple[str, ...]] = {"actv": ("input", "output"), "actv_grad": ("input_grad", "output_grad")}
+"""The row kinds of each activation family: a row is ``{module}.{kind}``, or ``{module}.{kind}.{i}`` for the
+i-th tensor of a tuple (``.{key}`` for a keyword argument)."""
+_KINDS = frozenset(kind for kinds in ACTIVATION_KINDS.values() for kind in kinds)
+
+
+def activation_row(module: str, kind: str, tensor: int | str | None = None) -> str:
+    """The name of an activation row.
+
+    Example:
+        >>> activation_row("layers.0", "input"), activation_row("layers.0", "output_grad", 1)
+        ('layers.0.input', 'layers.0.output_grad.1')
+    """
+    return f"{module}.{kind}" if tensor is None else f"{module}.{kind}.{tensor}"
+
+
+def split_activation_row(name: str) -> tuple[str, str, str] | None:
+    """``(module, kind, tensor)`` of an activation row name (``tensor`` is ``""`` for a lone tensor), read
+    from the right, so that a module itself named like a kind (HF BERT's ``layer.0.output``) keeps it;
+    None when no part is a kind.
+
+    Example:
+        >>> split_activation_row("layer.0.output.output"), split_activation_row("fc.input.1")
+        (('layer.0.output', 'output', ''), ('fc', 'input', '1'))
+    """
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i] in _KINDS:
+            return ".".join(parts[:i]), parts[i], ".".join(parts[i + 1:])
+    return None
+
+
+def row_tag(family: str, name: str, metric: str, micro_step: int = 0, vpp_stage: int = 0) -> str:
+    """The tag of one statistic: ``{family}/{name}/{metric}[/vpp{v}][/micro{m}]`` (suffixes only when not 0).
+
+    Example:
+        >>> row_tag("actv", "fc.output", "norm"), row_tag("actv", "fc.output", "norm", micro_step=1)
+        ('actv/fc.output/norm', 'actv/fc.output/norm/micro1')
+    """
+    tag = f"{family}/{name}/{metric}"
+    if vpp_stage:
+        tag += f"/vpp{vpp_stage}"
+    if micro_step:
+        tag += f"/micro{micro_step}"
+    return tag
+
+
+def split_row_tag(tag: str) -> tuple[str, str, str, int, int] | None:
+    """``(family, name, metric, micro_step, vpp_stage)`` of a :func:`row_tag` (the name may hold ``/``);
+    None for a tag of fewer than three parts.
+
+    Example:
+        >>> split_row_tag("grad_reduced/fc.weight/norm/vpp1/micro2")
+        ('grad_reduced', 'fc.weight', 'norm', 2, 1)
+    """
+    parts = tag.split("/")
+    indices = {"micro": 0, "vpp": 0}
+    for prefix in ("micro", "vpp"):  # appended in the order vpp, micro
+        last = parts[-1]
+        if len(parts) > 3 and last.startswith(prefix) and last[len(prefix):].isdigit():
+            indices[prefix] = int(last[len(prefix):])
+            parts.pop()
+    if len(parts) < 3:
+        return None
+    return parts[0], "/".join(parts[1:-1]), parts[-1], indices["micro"], indices["vpp"]
+
+
+def split_row_series(text: str) -> tuple[str, str, str] | None:
+    """``(family, name, metric)`` of a series ``family/name/metric`` (a tag without suffixes; the name, a
+    pattern, may hold ``/``), or None when ``text`` starts with no family (a scalar such as ``lr/group0``).
+    Empty parts are returned as they are (the caller says what is wrong).
+
+    Example:
+        >>> split_row_series("grad_reduced/layers.*/norm"), split_row_series("lr/group0")
+        (('grad_reduced', 'layers.*', 'norm'), None)
+    """
+    family, _, rest = text.partition("/")
+    if family not in FAMILIES:
+        return None
+    name, _, metric = rest.rpartition("/")
+    return family, name, metric
+
+
 @dataclass(frozen=True, slots=True)
 class RowKey:
     """Identity of one statistics row, known on the host when the tensor is measured.
@@ -188,11 +275,25 @@ def family_metrics(config: MonitorConfig) -> dict[str, list[str]]:
     return {family: list(metrics) for family, metrics in out.items()}
 
 
+def finalize_many(partials: np.ndarray) -> tuple[dict[str, list[float]], list[bool]]:
+    """:func:`finalize` of ``[N, 8]`` partials at once: ``metric -> N values`` and N non-finite flags."""
+    p = np.asarray(partials, dtype=np.float64).reshape(-1, PARTIAL_SLOTS)
+    numel = p[:, NUMEL]
+    empty = numel == 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_element = np.where(empty, np.nan, 1.0 / np.where(empty, 1.0, numel))
+        columns = {"norm": p[:, NORM], "min": np.where(empty, np.nan, p[:, MIN]),
+                   "max": np.where(empty, np.nan, p[:, MAX]), "mean": p[:, SUM] * per_element,
+                   "zeros": p[:, ZEROS] * per_element, "nans": p[:, NANS], "infs": p[:, INFS]}
+        nonfinite = (~empty & ~(np.isfinite(p[:, MIN]) & np.isfinite(p[:, MAX]))) | (p[:, NANS] > 0) | (p[:, INFS] > 0)
+    return {metric: column.tolist() for metric, column in columns.items()}, nonfinite.tolist()
+
+
 def build_record(step: int, rank: int, pp_stage: int, keys: Sequence[RowKey], partials: Any,
                  scalars: dict[str, float], metrics: dict[str, list[str]]) -> StepRecord:
-    """Finalise the host copy of a step into a :class:`StepRecord` (framework-free)."""
+    """Finalise the host copy of a step into a :class:`StepRecord` (framework-free), all rows at once."""
+    columns, nonfinite = finalize_many(partials) if len(keys) else ({}, [])
     rows = []
-    for key, partial in zip(keys, partials):
-        values, nonfinite = finalize(partial, metrics[key.family])
-        rows.append(Row(key, step, values, nonfinite))
+    for i, key in enumerate(keys):
+        rows.append(Row(key, step, {metric: columns[metric][i] for metric in metrics[key.family]}, nonfinite[i]))
     return StepRecord(step=step, rank=rank, rows=rows, scalars=scalars, pp_stage=pp_stage)

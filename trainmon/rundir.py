@@ -12,6 +12,7 @@ from typing import Any
 
 from trainmon.config import MonitorConfig
 from trainmon.safe_io import write_atomic
+from trainmon.version import __version__
 
 logger = logging.getLogger("trainmon")
 
@@ -22,8 +23,6 @@ def default_run_name(now: float | None = None) -> str:
 
 
 def run_json(config: MonitorConfig, world_size: int, framework: str, versions: dict[str, str]) -> dict[str, Any]:
-    from trainmon import __version__
-
     return {
         "trainmon": __version__,
         "framework": framework,

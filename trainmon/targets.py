@@ -8,7 +8,7 @@ import logging
 import re
 from collections.abc import Iterable, Sequence
 
-from trainmon.errors import TargetError
+from trainmon.errors import ConfigError, TargetError
 
 logger = logging.getLogger("trainmon")
 
@@ -24,10 +24,58 @@ def split_optional(pattern: str) -> tuple[str, bool]:
     return pattern, False
 
 
-def _matcher(pattern: str) -> re.Pattern[str]:
-    if pattern.startswith("re:"):
-        return re.compile(pattern[3:])
-    return re.compile(fnmatch.translate(pattern))
+class NamePattern:
+    """One name pattern: an exact name or a glob (``layers.*.mlp``), which must match the whole name, or
+    ``re:`` and a regex, which is searched (``re.search``: anchor it when needed).
+
+    The one home of name matching: targets, free-benchmark targets and the ``spike`` detector's series.
+
+    Raises:
+        re.error: an invalid ``re:`` regex (:func:`compile_pattern` reports it with its key).
+
+    Example:
+        >>> NamePattern("layers.*.mlp").matches("layers.3.mlp"), NamePattern("re:mlp$").matches("layers.3.mlp")
+        (True, True)
+    """
+
+    __slots__ = ("regex", "search", "text")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.search = text.startswith("re:")
+        self.regex = re.compile(text[3:] if self.search else fnmatch.translate(text))
+
+    def matches(self, name: str) -> bool:
+        """Whether ``name`` is selected."""
+        return bool(self.regex.search(name) if self.search else self.regex.fullmatch(name))
+
+
+def compile_pattern(pattern: str, key: str, error: type[ConfigError] = ConfigError) -> NamePattern:
+    """:class:`NamePattern` of ``pattern`` (no ``optional:`` prefix).
+
+    Raises:
+        ConfigError: (or ``error``) the pattern is empty or an invalid regex; the key is ``key``.
+    """
+    if not pattern:
+        raise error(key, "must not be empty")
+    try:
+        return NamePattern(pattern)
+    except re.error as exc:
+        raise error(key, f"invalid regex {pattern[3:][:60]!r}: {exc}") from None
+
+
+def check_pattern(pattern: str, key: str) -> None:
+    """Check one configured target pattern (``optional:`` prefix allowed) at construction.
+
+    Raises:
+        ConfigError: empty, nothing after ``optional:``, or an invalid regex; the key is ``key``.
+    """
+    if not pattern:
+        raise ConfigError(key, "must not be empty")
+    pattern, optional = split_optional(pattern)
+    if optional and not pattern:
+        raise ConfigError(key, f"must name a pattern after {OPTIONAL!r}")
+    compile_pattern(pattern, key)
 
 
 def select(names: Iterable[str], patterns: Sequence[str], key: str) -> list[str]:
@@ -58,14 +106,8 @@ def select(names: Iterable[str], patterns: Sequence[str], key: str) -> list[str]
         pattern, optional = split_optional(given)
         if not pattern:
             raise TargetError(f"{key}[{i}]", f"must name a pattern after {OPTIONAL!r}")
-        try:
-            matcher = _matcher(pattern)
-        except re.error as exc:
-            raise TargetError(f"{key}[{i}]", f"invalid regex {pattern[3:][:60]!r}: {exc}") from None
-        if pattern.startswith("re:"):
-            hits = {n for n in names if matcher.search(n)}
-        else:
-            hits = {n for n in names if matcher.fullmatch(n)}
+        matcher = compile_pattern(pattern, f"{key}[{i}]", TargetError)
+        hits = {n for n in names if matcher.matches(n)}
         if not hits and not optional:
             close = difflib.get_close_matches(pattern.removeprefix("re:"), names, n=5, cutoff=0.5)
             hint = f"; close names: {close}" if close else f"; some names: {names[:5]}"

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from trainmon import MonitorConfig, TrainerMonitor, load_config
-from trainmon.config import check_ranks
-from trainmon.config_doc import config_reference
+from trainmon.config import check_ranks, config_reference
 from trainmon.errors import ConfigError, TargetError
 from trainmon.msprobe import translate_msprobe
 from trainmon.targets import select

@@ -14,11 +14,11 @@ the phase they ran in), so it is ordered by its ``order`` among the rows of that
 from __future__ import annotations
 
 import math
-
 from collections.abc import Iterable
 from typing import Any
 
 from trainmon.anomaly.events import AnomalyEvent
+from trainmon.records import split_activation_row
 
 PHASE_RANK: dict[str, int] = {"forward": 0, "loss": 1, "backward": 2, "communication": 3, "optimizer": 4}
 """Position of each phase within a micro-step."""
@@ -45,24 +45,17 @@ def order_events(events: Iterable[AnomalyEvent]) -> list[AnomalyEvent]:
     return sorted(events, key=sort_key)
 
 
-_SUFFIXES: tuple[tuple[str, str], ...] = (
-    (".input_grad", "gradient w.r.t. the input of"),
-    (".output_grad", "gradient w.r.t. the output of"),
-    (".input", "input of"),
-    (".output", "output of"),
-)
+_KIND_WORDS: dict[str, str] = {"input_grad": "gradient w.r.t. the input of", "output_grad": "gradient w.r.t. the output of",
+                               "input": "input of", "output": "output of"}
 
 
 def _split_suffix(name: str) -> tuple[str, str]:
     """``layers.2.mlp.output.1`` -> (``output of``, ``layers.2.mlp`` + `` (tensor 1)``)."""
-    for suffix, words in _SUFFIXES:
-        if name.endswith(suffix):
-            return words, name[: -len(suffix)]
-        marker = suffix + "."
-        position = name.rfind(marker)
-        if position > 0:
-            return words, f"{name[:position]} (tensor {name[position + len(marker):]})"
-    return "", name
+    row = split_activation_row(name)
+    if row is None:
+        return "", name
+    module, kind, tensor = row
+    return _KIND_WORDS[kind], f"{module} (tensor {tensor})" if tensor else module
 
 
 def describe(family: str, name: str, phase: str) -> str:

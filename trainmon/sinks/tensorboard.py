@@ -1,6 +1,6 @@
 """TensorBoard sink (tensorboardX protos).
 
-Tags (shared with ``trainmon csv2tb`` through :func:`row_tag` and :func:`scalar_tags`):
+Tags (shared with ``trainmon csv2tb`` through :func:`~trainmon.records.row_tag` and :func:`scalar_tags`):
 
 - ``0_overview/{loss, grad_norm, lr/group{i}, loss_scale, step_skipped}``: the run at a glance, in the
   group TensorBoard lists first (also written as ``scalars/{name}``, the tag earlier versions used);
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from trainmon.inputs import open_regular
-from trainmon.records import StepRecord
+from trainmon.records import StepRecord, row_tag, split_row_tag
 from trainmon.safe_io import open_output
 
 _MAX_NAMES = 100  # event files tried per second before giving up (another writer in the same directory)
@@ -36,21 +36,6 @@ OVERVIEW = "0_overview"
 """Tag group of the run-level series; ``0`` so that TensorBoard, which sorts groups by name, lists it first."""
 _OVERVIEW_SCALARS = frozenset({"loss", "grad_norm", "loss_scale", "step_skipped"})
 _OVERVIEW_PREFIXES = ("lr/", "loss/micro")
-
-
-def row_tag(family: str, name: str, metric: str, micro_step: int = 0, vpp_stage: int = 0) -> str:
-    """The tag of one statistic: ``{family}/{name}/{metric}[/vpp{v}][/micro{m}]`` (suffixes only when not 0).
-
-    Example:
-        >>> row_tag("actv", "fc.output", "norm"), row_tag("actv", "fc.output", "norm", micro_step=1)
-        ('actv/fc.output/norm', 'actv/fc.output/norm/micro1')
-    """
-    tag = f"{family}/{name}/{metric}"
-    if vpp_stage:
-        tag += f"/vpp{vpp_stage}"
-    if micro_step:
-        tag += f"/micro{micro_step}"
-    return tag
 
 
 def scalar_tags(name: str) -> list[str]:
@@ -120,12 +105,12 @@ def custom_scalar_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]
                      "lr": ["Multiline", [f"^{OVERVIEW}/lr/"]],
                      "anomalies": ["Multiline", [f"^{OVERVIEW}/anomalies/"]]}}
     for tag in tags:
-        parts = tag.split("/")
-        if len(parts) < 3 or parts[0] in (OVERVIEW, "scalars"):
+        row = split_row_tag(tag)
+        if row is None or row[0] in (OVERVIEW, "scalars"):
             continue
-        metric = next((p for p in reversed(parts[2:]) if not re.fullmatch(r"(vpp|micro)\d+", p)), parts[-1])
-        layout.setdefault(parts[0], {})[metric] = [
-            "Multiline", [f"^{re.escape(parts[0])}/.*/{re.escape(metric)}(/vpp\\d+)?(/micro\\d+)?$"]]
+        family, _, metric, _, _ = row
+        layout.setdefault(family, {})[metric] = [
+            "Multiline", [f"^{re.escape(family)}/.*/{re.escape(metric)}(/vpp\\d+)?(/micro\\d+)?$"]]
     return layout
 
 

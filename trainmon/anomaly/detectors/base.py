@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from trainmon.anomaly.events import AnomalyEvent
-from trainmon.config import convert_value
 from trainmon.errors import ConfigError
 from trainmon.records import Row, StepRecord
 
@@ -20,18 +17,16 @@ SCALAR_FAMILY = "scalars"
 class Detector(ABC):
     """A host-side detector: floats of one step in, events out.
 
-    Subclasses set :attr:`type_name` and :attr:`config_class` (a dataclass with a docstring
-    per field) and implement :meth:`update`. State must never hold NaN or Inf.
+    Subclasses set :attr:`type_name` and :attr:`config_class` (a dataclass with a docstring and
+    :func:`~trainmon.schema.setting` rules per field: :func:`~trainmon.anomaly.detectors.build_detectors`
+    validates a spec against it) and implement :meth:`update`. State must never hold NaN or Inf.
     """
 
     type_name: ClassVar[str]
     config_class: ClassVar[type]
-    choices: ClassVar[dict[str, tuple[Any, ...]]] = {}
-    minimum: ClassVar[dict[str, float]] = {}
-    maximum: ClassVar[dict[str, float]] = {}
 
-    def __init__(self, config: Any, path: str = "anomaly.detectors[0]") -> None:
-        """Args: config: the parsed spec; path: its dotted config key (for errors)."""
+    def __init__(self, config: Any) -> None:
+        """Args: config: the spec, a :attr:`config_class` object."""
         self.config = config
 
     @abstractmethod
@@ -48,38 +43,11 @@ class Detector(ABC):
             raise ValueError(f"{self.type_name} state must be a mapping, got {type(state).__name__}")
 
 
-# --------------------------------------------------------------------------- spec parsing
-def parse_spec(detector: type[Detector], spec: Mapping[str, Any], path: str) -> Any:
-    """Build ``detector.config_class`` from a spec dict (without ``type``).
-
-    Raises:
-        ConfigError: unknown key, wrong type, value not among the choices, below the minimum or
-            above the maximum; the key is ``{path}.{field}``.
-    """
-    cls = detector.config_class
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs: dict[str, Any] = {}
-    for key, value in spec.items():
-        if key == "type":
-            continue
-        if key not in hints:
-            raise ConfigError(f"{path}.{key}", f"unknown key for detector {detector.type_name!r}; "
-                                               f"allowed: {['type', *names]}")
-        value = convert_value(value, hints[key], f"{path}.{key}")
-        allowed = detector.choices.get(key)
-        if allowed is not None:
-            for item in value if isinstance(value, list) else [value]:
-                if item not in allowed:
-                    raise ConfigError(f"{path}.{key}", f"{item!r} is not allowed; allowed: {list(allowed)}")
-        low = detector.minimum.get(key)
-        if low is not None and value is not None and value < low:
-            raise ConfigError(f"{path}.{key}", f"must be >= {low:g}, got {value}")
-        high = detector.maximum.get(key)
-        if high is not None and value is not None and value > high:
-            raise ConfigError(f"{path}.{key}", f"must be <= {high:g}, got {str(value)[:30]}")
-        kwargs[key] = value
-    return cls(**kwargs)
+# --------------------------------------------------------------------------- spec rules
+def off_or_above_one(factor: float, path: str) -> None:
+    """A factor that is 0 (rule off) or above 1 (:data:`~trainmon.schema.Check` of the log-level rules)."""
+    if factor and factor <= 1:
+        raise ConfigError(path, f"must be 0 (off) or > 1, got {factor}")
 
 
 # --------------------------------------------------------------------------- event helpers

@@ -40,11 +40,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from trainmon.anomaly.detectors.base import Detector, scalar_event
+from trainmon.anomaly.detectors.base import Detector, off_or_above_one, scalar_event
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.ordering import format_number
-from trainmon.errors import ConfigError
 from trainmon.records import StepRecord
+from trainmon.schema import setting
+
+DIRECTIONS: tuple[str, ...] = ("up", "down", "both")
+MAX_WINDOW = 10_000
+"""Largest window of the log-level rules: a larger one only makes every step's median slower."""
 
 _MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its standard deviation
 _SERIES = "loss"
@@ -194,33 +198,33 @@ def describe_verdict(what: str, step: int, value: float, verdict: Verdict, rules
 class LossSpikeConfig:
     """Spec of the ``loss_spike`` preset (log-loss against its recent level and range, upward by default)."""
 
-    threshold: float = 6.0
+    threshold: float = setting(6.0, minimum=0.0)
     """Noise rule: robust z-score of ``log(loss / level)`` the loss must exceed."""
-    min_relative_change: float = 0.5
+    min_relative_change: float = setting(0.5, minimum=0.0)
     """Noise rule: the loss must also differ from its level by the factor ``1 + this`` (0.5: 1.5x, or
     1/1.5 going down)."""
-    warmup: int = 10
+    warmup: int = setting(10, minimum=0)
     """Losses seen before it may fire."""
-    window: int = 50
+    window: int = setting(50, minimum=3, maximum=MAX_WINDOW)
     """Consecutive log-ratios the noise (spread) is estimated over; the trend rule's median too."""
-    level_window: int = 7
+    level_window: int = setting(7, minimum=1, maximum=MAX_WINDOW)
     """Recent losses whose median is the level a new loss is compared with."""
-    min_spread: float = 0.02
+    min_spread: float = setting(0.02, above=0.0)
     """Floor of the spread in log units (0.02: the loss is never assumed steadier than about 2%)."""
-    range_factor: float = 1.5
+    range_factor: float = setting(1.5, minimum=0.0, check=off_or_above_one)
     """Range rule: fires when the loss is more than this times the largest of the ``range_window``
     losses before the level window (less than their smallest over this, going down); 0 turns it off."""
-    range_window: int = 100
+    range_window: int = setting(100, minimum=1, maximum=MAX_WINDOW)
     """Losses the range rule compares with; also the length of the young phase."""
-    trend_factor: float = 2.0
+    trend_factor: float = setting(2.0, minimum=0.0, check=off_or_above_one)
     """Trend rule: fires when the median of the last ``window`` losses rises above this times its
     lowest value of the last ``trend_window`` steps (once per such rise); 0 turns it off."""
-    trend_window: int = 200
+    trend_window: int = setting(200, minimum=1, maximum=MAX_WINDOW)
     """Steps the trend rule looks back over."""
-    early_relative_change: float = 2.0
+    early_relative_change: float = setting(2.0, minimum=0.0)
     """Noise rule during the first ``range_window`` losses: the factor is ``1 + this`` (3x) instead, as
     a young run's noise and range are not known yet (a smooth descent that turns noisy is no spike)."""
-    direction: str = "up"
+    direction: str = setting("up", choices=DIRECTIONS)
     """up, down or both (the trend rule only looks up)."""
 
 
@@ -237,21 +241,9 @@ class LossSpikeDetector(Detector):
 
     type_name = "loss_spike"
     config_class = LossSpikeConfig
-    choices = {"direction": ("up", "down", "both")}
-    minimum = {"threshold": 0.0, "warmup": 0, "window": 3, "level_window": 1, "min_relative_change": 0.0,
-               "min_spread": 0.0, "range_factor": 0.0, "range_window": 1, "trend_factor": 0.0, "trend_window": 1,
-               "early_relative_change": 0.0}
-    # larger windows only make every step's median slower
-    maximum = {"window": 10_000, "level_window": 10_000, "range_window": 10_000, "trend_window": 10_000}
 
-    def __init__(self, config: LossSpikeConfig, path: str = "anomaly.detectors[0]") -> None:
+    def __init__(self, config: LossSpikeConfig) -> None:
         super().__init__(config)
-        if not config.min_spread > 0:
-            raise ConfigError(f"{path}.min_spread", f"must be > 0, got {config.min_spread}")
-        for name in ("range_factor", "trend_factor"):
-            factor = getattr(config, name)
-            if factor and factor <= 1:
-                raise ConfigError(f"{path}.{name}", f"must be 0 (off) or > 1, got {factor}")
         self.rules = LogRules(**{f.name: getattr(config, f.name) for f in fields(LossSpikeConfig)})
         self.series = LogLevelSeries(self.rules)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from trainmon.anomaly.detectors.base import (SCALAR_FAMILY, Detector, row_event, scalar_event,
@@ -13,17 +13,18 @@ from trainmon.anomaly.detectors.base import (SCALAR_FAMILY, Detector, row_event,
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.ordering import describe, format_number, sort_key_fields
 from trainmon.records import FAMILIES, Row, StepRecord
+from trainmon.schema import setting
 
 
 @dataclass
 class NonfiniteConfig:
     """Spec of the ``nonfinite`` detector."""
 
-    scalars: list[str] = field(default_factory=lambda: ["loss", "grad_norm"])
+    scalars: list[str] = setting(["loss", "grad_norm"])
     """Scalars checked besides every monitored tensor (missing scalars are skipped)."""
-    families: list[str] | None = None
+    families: list[str] | None = setting(None, choices=FAMILIES)
     """Row families checked; null means all."""
-    max_skipped_steps: int = 10
+    max_skipped_steps: int = setting(10, minimum=0)
     """Consecutive steps dynamic loss scaling may skip before it is an anomaly. On a step skipped under
     loss scaling (scalar ``step_skipped`` = 1 with ``loss_scale`` > 1) non-finite gradients and
     ``grad_norm`` are the scaler's routine overflow, not an alarm; one event reports a longer run of
@@ -64,10 +65,8 @@ class NonfiniteDetector(Detector):
 
     type_name = "nonfinite"
     config_class = NonfiniteConfig
-    choices = {"families": FAMILIES}
-    minimum = {"max_skipped_steps": 0}
 
-    def __init__(self, config: NonfiniteConfig, path: str = "anomaly.detectors[0]") -> None:
+    def __init__(self, config: NonfiniteConfig) -> None:
         super().__init__(config)
         self.steps_with_nonfinite = 0
         self.skipped_in_a_row = 0

@@ -21,87 +21,87 @@ level shift is absorbed after a while.
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from fnmatch import translate
+from dataclasses import dataclass
 from typing import Any
 
-from trainmon.anomaly.detectors.base import Detector, row_event, scalar_event
-from trainmon.anomaly.detectors.loss_spike import LogLevelSeries, LogRules, describe_verdict
+from trainmon.anomaly.detectors.base import Detector, off_or_above_one, row_event, scalar_event
+from trainmon.anomaly.detectors.loss_spike import DIRECTIONS, MAX_WINDOW, LogLevelSeries, LogRules, describe_verdict
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.ordering import describe, format_number
 from trainmon.errors import ConfigError
-from trainmon.records import FAMILIES, METRICS, StepRecord
+from trainmon.records import METRICS, StepRecord, split_row_series
+from trainmon.schema import setting
+from trainmon.targets import compile_pattern
 
 _DEFAULT_THRESHOLD = {"ema": 6.0, "mad": 6.0, "relative": 0.5, "log": 6.0}
 _DEFAULT_WARMUP = {"ema": 10, "mad": 10, "relative": 1, "log": 10}
 _DEFAULT_RELATIVE_CHANGE = {"ema": 0.0, "mad": 0.0, "relative": 0.0, "log": 1.0}
+METHODS: tuple[str, ...] = ("ema", "mad", "relative", "log")
 _MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its standard deviation
-
-
-@dataclass
-class SpikeConfig:
-    """Spec of the ``spike`` detector."""
-
-    series: list[str] = field(default_factory=lambda: ["loss"])
-    """Scalars by name (``loss``, ``grad_norm``, ``lr/group0``; globs allowed) or rows as
-    ``family/name/metric`` (``grad_reduced/layers.*/norm``; name glob or ``re:`` regex)."""
-    method: str = "ema"
-    """ema, mad, log (loss_spike's rules on any positive series) or relative (msprobe AnomalyTurbulence)."""
-    threshold: float | None = None
-    """z-score for ema/mad/log (default 6), relative rise for relative (default 0.5)."""
-    warmup: int | None = None
-    """Finite values a series must have seen before it may fire (default 10; 1 for relative)."""
-    direction: str = "up"
-    """up, down or both."""
-    alpha: float = 0.1
-    """ema: weight of the newest value."""
-    window: int = 50
-    """mad: number of recent values kept; log: consecutive log-ratios the noise is estimated over."""
-    min_relative_change: float | None = None
-    """ema/mad: also require ``|value - baseline| > min_relative_change * |baseline|`` (default 0);
-    log: the noise rule's factor ``1 + this`` between a value and its level (default 1.0: 2x)."""
-    level_window: int = 7
-    """log: recent values whose median is the level."""
-    range_factor: float = 2.0
-    """log: fires when a value is more than this times the largest of the ``range_window`` values before
-    the level window (less than their smallest over this, going down); 0 turns the range rule off."""
-    range_window: int = 100
-    """log: values the range rule compares with; also the length of the young phase (3x jumps only)."""
-    persist: int = 1
-    """log: fire only when this many values in a row are out of band (the earlier ones are held back
-    from the state meanwhile): 3 ignores one-step outliers and still catches a growing norm."""
 
 
 class _Selector:
     """One entry of ``series``: a scalar name pattern or a ``family/name/metric`` row pattern."""
 
     def __init__(self, text: str, path: str) -> None:
-        head, _, rest = text.partition("/")
+        row = split_row_series(text)
         self.family: str | None = None
-        if head in FAMILIES:
-            name, sep, metric = rest.rpartition("/")
-            if not sep or not name or metric not in METRICS:
+        self.metric = "value"
+        pattern = text
+        if row is not None:
+            self.family, pattern, self.metric = row
+            if not pattern or self.metric not in METRICS:
                 raise ConfigError(path, f"row series must be 'family/name/metric' with a metric in "
                                         f"{list(METRICS)}, got {text!r}")
-            self.family, self.metric = head, metric
-            pattern = name
-        else:
-            self.metric = "value"
-            pattern = text
-        if not pattern:
-            raise ConfigError(path, "must not be empty")
-        try:
-            self.regex = re.compile(pattern[3:]) if pattern.startswith("re:") else re.compile(translate(pattern))
-        except re.error as exc:
-            raise ConfigError(path, f"invalid regex {pattern[3:]!r}: {exc}") from None
-        self.search = pattern.startswith("re:")
+        self.pattern = compile_pattern(pattern, path)
 
     def matches(self, name: str) -> bool:
-        return bool(self.regex.search(name) if self.search else self.regex.fullmatch(name))
+        return self.pattern.matches(name)
+
+
+def check_series(series: list[str], path: str) -> None:
+    """The ``series`` rule: at least one, each a valid selector (:class:`_Selector`)."""
+    if not series:
+        raise ConfigError(path, "must name at least one series")
+    for i, text in enumerate(series):
+        _Selector(text, f"{path}[{i}]")
+
+
+@dataclass
+class SpikeConfig:
+    """Spec of the ``spike`` detector."""
+
+    series: list[str] = setting(["loss"], check=check_series)
+    """Scalars by name (``loss``, ``grad_norm``, ``lr/group0``; globs allowed) or rows as
+    ``family/name/metric`` (``grad_reduced/layers.*/norm``; name glob or ``re:`` regex)."""
+    method: str = setting("ema", choices=METHODS)
+    """ema, mad, log (loss_spike's rules on any positive series) or relative (msprobe AnomalyTurbulence)."""
+    threshold: float | None = setting(None, minimum=0.0)
+    """z-score for ema/mad/log (default 6), relative rise for relative (default 0.5)."""
+    warmup: int | None = setting(None, minimum=0)
+    """Finite values a series must have seen before it may fire (default 10; 1 for relative)."""
+    direction: str = setting("up", choices=DIRECTIONS)
+    """up, down or both."""
+    alpha: float = setting(0.1, minimum=1e-6, maximum=1.0)
+    """ema: weight of the newest value."""
+    window: int = setting(50, minimum=3, maximum=MAX_WINDOW)
+    """mad: number of recent values kept; log: consecutive log-ratios the noise is estimated over."""
+    min_relative_change: float | None = setting(None, minimum=0.0)
+    """ema/mad: also require ``|value - baseline| > min_relative_change * |baseline|`` (default 0);
+    log: the noise rule's factor ``1 + this`` between a value and its level (default 1.0: 2x)."""
+    level_window: int = setting(7, minimum=1, maximum=MAX_WINDOW)
+    """log: recent values whose median is the level."""
+    range_factor: float = setting(2.0, minimum=0.0, check=off_or_above_one)
+    """log: fires when a value is more than this times the largest of the ``range_window`` values before
+    the level window (less than their smallest over this, going down); 0 turns the range rule off."""
+    range_window: int = setting(100, minimum=1, maximum=MAX_WINDOW)
+    """log: values the range rule compares with; also the length of the young phase (3x jumps only)."""
+    persist: int = setting(1, minimum=1, maximum=MAX_WINDOW)
+    """log: fire only when this many values in a row are out of band (the earlier ones are held back
+    from the state meanwhile): 3 ignores one-step outliers and still catches a growing norm."""
 
 
 class _Series:
@@ -145,21 +145,10 @@ class SpikeDetector(Detector):
 
     type_name = "spike"
     config_class = SpikeConfig
-    choices = {"method": ("ema", "mad", "relative", "log"), "direction": ("up", "down", "both")}
-    minimum = {"threshold": 0.0, "warmup": 0, "alpha": 1e-6, "window": 3, "min_relative_change": 0.0,
-               "level_window": 1, "range_factor": 0.0, "range_window": 1, "persist": 1}
-    # a larger window only makes every step's median slower
-    maximum = {"alpha": 1.0, "window": 10_000, "level_window": 10_000, "range_window": 10_000, "persist": 10_000}
 
-    def __init__(self, config: SpikeConfig, path: str = "anomaly.detectors[0]") -> None:
+    def __init__(self, config: SpikeConfig) -> None:
         super().__init__(config)
-        if config.alpha > 1:
-            raise ConfigError(f"{path}.alpha", f"must be <= 1, got {config.alpha}")
-        if not config.series:
-            raise ConfigError(f"{path}.series", "must name at least one series")
-        self.selectors = [_Selector(text, f"{path}.series[{i}]") for i, text in enumerate(config.series)]
-        if config.range_factor and config.range_factor <= 1:
-            raise ConfigError(f"{path}.range_factor", f"must be 0 (off) or > 1, got {config.range_factor}")
+        self.selectors = [_Selector(text, f"series[{i}]") for i, text in enumerate(config.series)]
         self.threshold = config.threshold if config.threshold is not None else _DEFAULT_THRESHOLD[config.method]
         self.warmup = config.warmup if config.warmup is not None else _DEFAULT_WARMUP[config.method]
         self.warmup = max(self.warmup, 1)  # a baseline needs at least one earlier value
