@@ -287,8 +287,6 @@ class Session:
 _UNSUPPORTED = {  # (section, framework): one line each
     ("grad_probe", "megatron"),
     ("grad_probe", "fsdp"),
-    ("dump", "fsdp"),
-    ("free_benchmark", "fsdp"),
 }
 
 

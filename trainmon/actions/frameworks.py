@@ -1,8 +1,9 @@
 """What the anomaly actions need from a framework: tensor descriptions and statistics, module hooks.
 
 The dump, the free benchmark and the non-finite localiser are written once against
-:class:`Framework`; :class:`TorchFramework` serves plain torch, DDP, DeepSpeed, FSDP and Megatron-Core
-models, and ``trainmon.integrations.mindspore.actions.MindSporeFramework`` serves MindSpore cells.
+:class:`Framework`; :class:`TorchFramework` serves plain torch, DDP, DeepSpeed and Megatron-Core
+models, ``trainmon.integrations.fsdp_actions.FSDPFramework`` (a subclass) FSDP2 models, and
+``trainmon.integrations.mindspore.actions.MindSporeFramework`` MindSpore cells.
 :func:`framework_for` picks one from the model, importing MindSpore only for a MindSpore cell.
 """
 
@@ -41,6 +42,9 @@ class Framework(Protocol):
     def named_modules(self, root: Any) -> Iterable[tuple[str, Any]]: ...
     def children(self, module: Any) -> Iterable[tuple[str, Any]]: ...
     def own_parameters(self, module: Any) -> list[tuple[str, Any]]: ...
+    def class_name(self, module: Any) -> str:
+        """The module's class in dump keys (``Module.{name}.{Class}``), as the user's code names it."""
+        ...
     def forward_pre_hook(self, module: Any, hook: Hook) -> Any: ...
     def forward_hook(self, module: Any, hook: Hook) -> Any: ...
     def backward_hook(self, module: Any, hook: Hook) -> Any: ...
@@ -72,6 +76,12 @@ def framework_for(model: Any) -> Framework:
         from trainmon.integrations.mindspore.actions import MindSporeFramework
 
         return MindSporeFramework()
+    from trainmon.integrations.fsdp import contains_fsdp
+
+    if contains_fsdp(first):
+        from trainmon.integrations.fsdp_actions import FSDPFramework
+
+        return FSDPFramework(first)
     return TorchFramework(megatron=any(cls.__module__.split(".")[0] == "megatron" for cls in type(first).__mro__))
 
 
@@ -107,6 +117,9 @@ class TorchFramework:
 
     def own_parameters(self, module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
         return list(module.named_parameters(recurse=False))
+
+    def class_name(self, module: torch.nn.Module) -> str:
+        return type(module).__name__
 
     def forward_pre_hook(self, module: torch.nn.Module, hook: Hook) -> Any:
         return module.register_forward_pre_hook(hook, with_kwargs=True)

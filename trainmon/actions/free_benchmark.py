@@ -245,6 +245,8 @@ class FreeBenchmark:
         label = self.table.label(key)
         try:
             shadow = ops.shadow(module, mode)
+        except CollectiveInRerun:
+            raise  # reported by the forward hook: re-running it would communicate (FSDP: a sharded parameter)
         except Exception as exc:  # noqa: BLE001 - an uncopyable module is skipped, never fatal
             self._warn_once(f"copy:{key}", "free_benchmark: cannot copy module %s (%s); not checked", label, exc)
             return None

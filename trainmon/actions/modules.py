@@ -74,7 +74,7 @@ class ModuleTable:
                     if by_module.get(id(child)) == full:
                         parents.setdefault(full, name)
                 if name:
-                    self.entries[(chunk, name)] = Entry(chunk, name, module, type(module).__name__)
+                    self.entries[(chunk, name)] = Entry(chunk, name, module, framework.class_name(module))
             self.parents.append(parents)
         self.names = list(dict.fromkeys(name for _, name in self.entries))
         """Every module name, in model order (a name shared by chunks once)."""

@@ -219,13 +219,15 @@ def chain_tensors(*values: Any) -> Iterator[torch.Tensor]:
     return itertools.chain.from_iterable(flat_tensors(v) for v in values)
 
 
-def shallow_shadow(module: torch.nn.Module, mode: str) -> torch.nn.Module:
+def shallow_shadow(module: torch.nn.Module, mode: str,
+                   copy_module: Callable[[torch.nn.Module], torch.nn.Module] = copy.copy) -> torch.nn.Module:
     """A hook-free copy of ``module`` built without ``copy.deepcopy`` (Megatron modules hold process
     groups and configs that cannot be deep-copied).
 
     Each module of the tree is a new object sharing the original's plain attributes (configs, groups);
     it has its own parameter, buffer and submodule dicts: parameters shared or converted as in
-    :func:`shadow_module`, buffers copied, submodules copied the same way, no hooks.
+    :func:`shadow_module`, buffers copied, submodules copied the same way, no hooks. ``copy_module``
+    makes the shallow copy of one module (FSDP2 passes one that drops its ``FSDP<Class>`` classes).
     """
     def convert(t: torch.Tensor) -> torch.Tensor:
         out = perturb_tensor(t, mode) if mode == "to_cpu" or (mode == "improve_precision" and t.dtype in LOW_PRECISION) \
@@ -235,7 +237,7 @@ def shallow_shadow(module: torch.nn.Module, mode: str) -> torch.nn.Module:
     def copy_tree(original: torch.nn.Module, seen: dict[int, torch.nn.Module]) -> torch.nn.Module:
         if id(original) in seen:
             return seen[id(original)]
-        shadow = copy.copy(original)
+        shadow = copy_module(original)
         seen[id(original)] = shadow
         params = {}
         for name, param in original._parameters.items():

@@ -59,6 +59,9 @@ class MindSporeFramework:
         # msprobe's naming: the parameter's own name without its cell prefix
         return [(key.split(".")[-1], param) for key, param in cell.parameters_dict(recurse=False).items()]
 
+    def class_name(self, cell: Any) -> str:
+        return type(cell).__name__
+
     def forward_pre_hook(self, cell: Any, hook: Callable[..., Any]) -> Any:
         return cell.register_forward_pre_hook(hook, with_kwargs=True)
 
