@@ -16,9 +16,10 @@ with msprobe's meaning, or warned about once with the reason. The semantics are 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,25 @@ class _Translation:
         metrics = self._metrics(data.get("ops", []))
         for section in ("activations", "weight_grads", "optimizer_states", "params"):
             out[section]["metrics"] = list(metrics)
+        self._activations()
+        self._weight_grads()
+        self._optimizer_states()
+        if data.get("param_distribution"):
+            out["params"]["enabled"] = True
+        if data.get("mg_direction"):
+            out["grad_probe"] = {"enabled": True, "level": "L0", "mg_direction": True, "scalars": "param"}
+        if isinstance(data.get("cc_distribution"), dict) and data["cc_distribution"].get("enable"):
+            out["communication"] = {"enabled": True, "metrics": list(metrics), **self._communication()}
+        self._schedule()
+        self._outputs()
+        out["anomaly"] = self._alert(data.get("alert", {}))
+        self._warn_rest()
+        return out
+
+    # ------------------------------------------------------------------------------- families
+    def _activations(self) -> None:
+        """``xy_distribution``, ``all_xy``, ``forward_only``, ``backward_only`` and the module targets."""
+        data, out = self.data, self.out
         xy = bool(data.get("xy_distribution"))
         targets = data.get("targets") or {"": {}}  # msprobe: no targets is the whole model
         all_xy = bool(data.get("all_xy")) or (xy and not data.get("targets"))
@@ -179,31 +199,28 @@ class _Translation:
             out["activations"]["backward"] = False
         if data.get("backward_only"):
             out["activations"]["forward"] = False
+
+    def _weight_grads(self) -> None:
+        """``wg_distribution`` and ``monitor_mbs_grad``."""
+        data = self.data
         if data.get("wg_distribution"):
-            out["weight_grads"]["enabled"] = True
-            out["weight_grads"]["per_micro_step"] = bool(data.get("monitor_mbs_grad"))
+            self.out["weight_grads"]["enabled"] = True
+            self.out["weight_grads"]["per_micro_step"] = bool(data.get("monitor_mbs_grad"))
         elif data.get("monitor_mbs_grad"):
             self._cannot("monitor_mbs_grad", "it only acts with wg_distribution: true (as in msprobe)")
+
+    def _optimizer_states(self) -> None:
+        """``mv_distribution`` and ``ur_distribution``."""
+        data = self.data
         states = (["exp_avg", "exp_avg_sq"] if data.get("mv_distribution") else []) + (
             ["update"] if data.get("ur_distribution") else [])
         if states:
-            out["optimizer_states"].update(enabled=True, states=states)
+            self.out["optimizer_states"].update(enabled=True, states=states)
         if data.get("ur_distribution"):
             self._differs("ur_distribution", "trainmon writes statistics of the Adam update m_hat/(sqrt(v_hat)+eps) "
                                              "(family update) instead of heatmap images; msprobe's 'ratio' heatmap "
                                              "(m_hat/sqrt(v_hat), the update without eps) has no family of its own "
                                              "(trainmon's ratio family is update/param)")
-        if data.get("param_distribution"):
-            out["params"]["enabled"] = True
-        if data.get("mg_direction"):
-            out["grad_probe"] = {"enabled": True, "level": "L0", "mg_direction": True, "scalars": "param"}
-        if isinstance(data.get("cc_distribution"), dict) and data["cc_distribution"].get("enable"):
-            out["communication"] = {"enabled": True, "metrics": list(metrics), **self._communication()}
-        self._schedule()
-        self._outputs()
-        out["anomaly"] = self._alert(data.get("alert", {}))
-        self._warn_rest()
-        return out
 
     # ------------------------------------------------------------------------------- targets
     def _split(self, key: str) -> str:
@@ -353,37 +370,31 @@ class _Translation:
 
     def _warn_rest(self) -> None:
         data = self.data
-        for key in ("ndigits",):
-            if key in data:
-                self._cannot(key, "trainmon writes every value at full precision")
-        if data.get("step_count_per_record", 1) != 1:
-            self._cannot("step_count_per_record", "trainmon writes one CSV per family; its step column says "
-                                                  "which step a row belongs to")
-        if data.get("append_output"):
-            self._cannot("append_output", "set run_name to the run to continue: trainmon appends to it")
+        dynamic = ("msprobe reads it in dynamic mode (DYNAMIC_MONITOR=true) only; trainmon does not re-read a "
+                   "msprobe file while training: convert it to a trainmon YAML file and set dynamic.watch: true")
+        features = "trainmon computes no attention-entropy, stable-rank or MoE-router features"
+        not_honoured = [
+            ("ndigits", "ndigits" in data, "trainmon writes every value at full precision"),
+            ("step_count_per_record", data.get("step_count_per_record", 1) != 1,
+             "trainmon writes one CSV per family; its step column says which step a row belongs to"),
+            ("append_output", bool(data.get("append_output")), "set run_name to the run to continue: trainmon "
+                                                               "appends to it"),
+            ("switch", "switch" in data, dynamic),
+            ("dynamic_on", "dynamic_on" in data, dynamic),
+            ("mg_distribution", bool(data.get("mg_distribution")), "msprobe itself only checks its type; "
+             "mg_direction is the key that compares gradient and momentum directions"),
+            ("stack_info", bool(data.get("stack_info")), "trainmon records call stacks of the dumped modules only "
+                                                         "(dump.stack)"),
+            *((key, bool(data.get(key)), features) for key in ("recording_l2_features", "l2_targets", "sa_order")),
+            *((key, True, "msprobe 1.2.1 and 26.x have no such monitor key") for key in data if key not in _KNOWN_KEYS),
+        ]
         if data.get("squash_name"):
             self._differs("squash_name", "trainmon writes full module and parameter names; msprobe's squashed "
                                          "name is the part after the first layers. (docs/msprobe.md); targets "
                                          "given as squashed names still select the same modules")
-        for key in ("switch", "dynamic_on"):
-            if key in data:
-                self._cannot(key, "msprobe reads it in dynamic mode (DYNAMIC_MONITOR=true) only; trainmon does not "
-                                  "re-read a msprobe file while training: convert it to a trainmon YAML file and set "
-                                  "dynamic.watch: true")
-        if data.get("mg_distribution"):
-            self._cannot("mg_distribution", "msprobe itself only checks its type; mg_direction is the key "
-                                            "that compares gradient and momentum directions")
-        if data.get("stack_info"):
-            self._cannot("stack_info", "trainmon records call stacks of the dumped modules only (dump.stack)")
-        for key in ("recording_l2_features", "l2_targets", "sa_order"):
-            if data.get(key):
-                self._cannot(key, "trainmon computes no attention-entropy, stable-rank or MoE-router features")
-        known = {"targets", "ops", "eps", "module_ranks", "format", "alert", "cc_distribution", "start_step",
-                 "step_interval", "collect_times", "print_struct", "append_output", "l2_targets", "sa_order",
-                 *_BOOL_KEYS, *_INT_KEYS}
-        for key in data:
-            if key not in known:
-                self._cannot(key, "msprobe 1.2.1 and 26.x have no such monitor key")
+        for key, applies, why in not_honoured:
+            if applies:
+                self._cannot(key, why)
 
     def _cannot(self, key: str, why: str) -> None:
         self._warn_once("trainmon: msprobe config key %s is not honoured (%s)", key, why)
@@ -397,57 +408,60 @@ class _Translation:
             logger.warning(text, key, why)
 
 
-_LIST_OF = {"ops": str, "module_ranks": int}
-"""msprobe keys whose value must be a list of this type."""
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is(kind: type) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, kind)
+
+
+def _list_of(fits: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, list) and all(fits(item) for item in value)
+
+
+_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "ops": ("a list of strings", _list_of(_is(str))),
+    "module_ranks": ("a list of integers", _list_of(_is_int)),
+    **{key: ("a JSON object", _is(dict)) for key in ("targets", "alert", "l2_targets", "cc_distribution")},
+    **{key: ("true or false", _is(bool)) for key in _BOOL_KEYS},
+    **{key: ("an integer", _is_int) for key in _INT_KEYS},
+    "eps": ("a number", _is_number),
+    "format": ("a string", _is(str)),
+    "append_output": ("a list", _is(list)),
+}
+"""The value types msprobe accepts for its top-level keys (``validate_config``): ``(what, test)``."""
+_KNOWN_KEYS = frozenset({*_TYPES, "start_step", "step_interval", "collect_times", "print_struct", "sa_order"})
+
+
+def _nested_values(data: dict[str, Any]) -> Iterator[tuple[str, str, Any, Callable[[Any], bool]]]:
+    """``(key, what, value, test)`` of the nested values msprobe checks, each once the ones above it passed."""
+    for key, spec in data.get("targets", {}).items():
+        yield f"targets.{key}", "a JSON object (e.g. {} or {\"input\": \"tensor\"})", spec, _is(dict)
+    yield ("cc_distribution.cc_codeline", "a list of strings", data.get("cc_distribution", {}).get("cc_codeline", []),
+           _list_of(_is(str)))
+    alert = data.get("alert", {})
+    rules = alert.get("rules") or []
+    yield "alert.rules", "a list of JSON objects", rules, _list_of(_is(dict))
+    for i, rule in enumerate(rules):
+        args = rule.get("args") or {}
+        yield f"alert.rules[{i}].args", "a JSON object", args, _is(dict)
+        yield (f"alert.rules[{i}].args.threshold", "a number >= 0", args.get("threshold", 0.5),
+               lambda value: value is None or (_is_number(value) and value >= 0))
+    if "dump" in alert:
+        yield "alert.dump", "true or false", alert["dump"], _is(bool)
 
 
 def _check_types(data: dict[str, Any], path: Path) -> None:
     """Reject the value types msprobe rejects (``validate_config``); the rest is checked by trainmon's schema."""
-
-    def bad(key: str, what: str, value: Any) -> ConfigError:
-        return ConfigError(str(path), f"msprobe key {key}: must be {what}, got {str(value)[:60]!r}")
-
-    for key, kind in _LIST_OF.items():
-        value = data.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value):
-            raise bad(key, f"a list of {'strings' if kind is str else 'integers'}", value)
-    for key in ("targets", "alert", "l2_targets"):
-        if key in data and not isinstance(data[key], dict):
-            raise bad(key, "a JSON object", data[key])
-    for key, spec in data.get("targets", {}).items():
-        if not isinstance(spec, dict):
-            raise bad(f"targets.{key}", "a JSON object (e.g. {} or {\"input\": \"tensor\"})", spec)
-    for key in _BOOL_KEYS:
-        if key in data and not isinstance(data[key], bool):
-            raise bad(key, "true or false", data[key])
-    for key in _INT_KEYS:
-        if key in data and (isinstance(data[key], bool) or not isinstance(data[key], int)):
-            raise bad(key, "an integer", data[key])
-    if "eps" in data and (isinstance(data["eps"], bool) or not isinstance(data["eps"], (int, float))):
-        raise bad("eps", "a number", data["eps"])
-    if "format" in data and not isinstance(data["format"], str):
-        raise bad("format", "a string", data["format"])
-    if "append_output" in data and not isinstance(data["append_output"], list):
-        raise bad("append_output", "a list", data["append_output"])
-    cc = data.get("cc_distribution", {})
-    if not isinstance(cc, dict):
-        raise bad("cc_distribution", "a JSON object", cc)
-    codelines = cc.get("cc_codeline", [])
-    if not isinstance(codelines, list) or not all(isinstance(line, str) for line in codelines):
-        raise bad("cc_distribution.cc_codeline", "a list of strings", codelines)
-    rules = data.get("alert", {}).get("rules") or []
-    if not isinstance(rules, list) or not all(isinstance(rule, dict) for rule in rules):
-        raise bad("alert.rules", "a list of JSON objects", rules)
-    for i, rule in enumerate(rules):
-        args = rule.get("args") or {}
-        if not isinstance(args, dict):
-            raise bad(f"alert.rules[{i}].args", "a JSON object", args)
-        threshold = args.get("threshold", 0.5)
-        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-                                      or threshold < 0):
-            raise bad(f"alert.rules[{i}].args.threshold", "a number >= 0", threshold)
-    if "dump" in data.get("alert", {}) and not isinstance(data["alert"]["dump"], bool):
-        raise bad("alert.dump", "true or false", data["alert"]["dump"])
+    top = ((key, what, data[key], fits) for key, (what, fits) in _TYPES.items() if key in data)
+    for key, what, value, fits in itertools.chain(top, _nested_values(data)):
+        if not fits(value):
+            raise ConfigError(str(path), f"msprobe key {key}: must be {what}, got {str(value)[:60]!r}")
 
 
 def _codeline_regex(codeline: str) -> str:
