@@ -205,6 +205,7 @@ class StepLifecycle:
 
     def __init__(self, ctx: StepContext, end_step: Callable[[], Any]) -> None:
         self.ctx = ctx
+        ctx.schedule_backward_end = self.backward_started
         self._end_step = end_step
         self.registry = HookRegistry()
         self.optimizer: Any = None
@@ -381,6 +382,8 @@ class StepLifecycle:
         frame = self._pending
         if frame is not None and frame.backward_started and not frame.backward_done:
             self._rollback(frame.mark)
+            for subscriber in self.ctx.backward_failed:
+                subscriber()
             self.forwards[frame.root] = max(0, self.forwards.get(frame.root, 1) - 1)
             self._backward_task = None
         self._pending = None

@@ -217,3 +217,82 @@ def test_step_called_twice_warns_once_and_numbers_stay_dense(tmp_path, caplog):
     warnings = [r for r in caplog.records if "called twice" in r.getMessage()]
     assert len(warnings) == 1
     assert sorted(set(rows(tmp_path, "grad_reduced").step)) == [0, 2, 4]
+
+
+class _RaiseBetween(torch.nn.Module):
+    """fc1 -> (raises in backward when told) -> fc2: fc2's gradient hooks fire before the backward raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.fail_backward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.fail_backward:
+            h = _RaiseInBackward.apply(h)
+        return self.fc2(h)
+
+
+def test_grad_unreduced_of_a_backward_that_raised_half_way_is_not_written(tmp_path):
+    """One process: gradients are noted in their hooks and measured when the pass ends; a pass that
+    raised after some hooks fired leaves no row, and the retried pass's gradients are the rows."""
+    torch.manual_seed(0)
+    model = _RaiseBetween()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMonitor(config(tmp_path)).attach(model, optimizer)
+    used = {}
+    for step in range(3):
+        model.fail_backward = step == 1
+        x, y = data(step)
+        if step == 1:
+            with pytest.raises(RuntimeError, match="simulated"):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            assert model.fc2.weight.grad is not None  # fc2's hooks fired before the raise
+            optimizer.zero_grad()
+            model.fail_backward = False
+            x, y = data(100 + step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        used[step] = grads64(model)
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step()
+    monitor.close()
+    unreduced = rows(tmp_path, "grad_unreduced")
+    for step in range(3):
+        assert_rows_match(unreduced, step, used[step])
+
+
+def test_a_gradient_changed_inside_the_backward_is_skipped_then_read_in_its_hook(tmp_path, caplog):
+    """A user's gradient hook that rewrites the gradient in place after trainmon's hook noted it: the
+    value trainmon would have read is gone, so that row is skipped once (with a warning) and
+    gradients are read in their hooks from then on (values equal what the hooks saw)."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMonitor(config(tmp_path)).attach(model, optimizer)
+    seen: dict[str, np.ndarray] = {}
+
+    def halve(param: torch.Tensor, name: str) -> None:  # runs after trainmon's hook (registered later)
+        seen[name] = param.grad.detach().double().numpy().copy()
+        param.grad.mul_(0.5)
+
+    handles = [p.register_post_accumulate_grad_hook(lambda p, n=n: halve(p, n)) for n, p in model.named_parameters()]
+    per_step = {}
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        for step in range(3):
+            seen.clear()
+            x, y = data(step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            per_step[step] = dict(seen)
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step()
+    monitor.close()
+    for handle in handles:
+        handle.remove()
+    assert caplog.text.count("changed inside the backward pass") == 1
+    unreduced = rows(tmp_path, "grad_unreduced")
+    assert (unreduced.step == 0).sum() == 0
+    for step in (1, 2):
+        assert_rows_match(unreduced, step, per_step[step])

@@ -106,6 +106,11 @@ class StepContext:
     (after data-parallel reduction): see :class:`trainmon.steps.StepLifecycle`."""
     scaler: Any = None
     """The torch ``GradScaler`` of the run, when known: gradients read before ``unscale_`` are divided by its scale."""
+    backward_failed: list[Callable[[], None]] = field(default_factory=list)
+    """Run when a backward pass of a collected step raised (its rows are rolled back)."""
+    schedule_backward_end: Callable[[], None] = lambda: None
+    """Called from inside a backward pass: makes sure :attr:`backward_end` runs when the pass ends
+    (set by :class:`trainmon.steps.StepLifecycle`; idempotent within one pass)."""
     _measured: dict[int, tuple[weakref.ref, int, StatsSpec, torch.Tensor, int | None]] = field(
         default_factory=dict)
     _unmeasurable: set[tuple[str, str]] = field(default_factory=set)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
     from trainmon.config import MonitorConfig
 
+logger = logging.getLogger("trainmon")
 _GRADS = "weight_grads"
 _OPTIMIZER = "optimizer_step"
 
@@ -76,10 +78,16 @@ class TorchOptimizerCollector:
         config: the monitor config.
         registry: where the hook handles live.
         all_params: parameters counted in ``grad_norm`` (default: every optimizer parameter).
+        batch_unreduced: the run has no data-parallel reduction inside the backward (one process):
+            ``grad_unreduced`` is then measured for all parameters at once when the backward pass
+            ends (one group of kernels) instead of tensor by tensor in each hook. The hooks only
+            note the gradient and its version; a gradient changed in place before the pass ends
+            (an optimizer step inside the backward) is measured tensor by tensor from then on.
     """
 
     def __init__(self, ctx: StepContext, params: Sequence[tuple[str, torch.nn.Parameter, int]],
-                 optimizer: torch.optim.Optimizer | None, config: MonitorConfig, registry: HookRegistry) -> None:
+                 optimizer: torch.optim.Optimizer | None, config: MonitorConfig, registry: HookRegistry,
+                 batch_unreduced: bool = False) -> None:
         self.ctx = ctx
         self.params = list(params)
         self.optimizer = optimizer
@@ -88,6 +96,11 @@ class TorchOptimizerCollector:
         self._states = [s for s in config.optimizer_states.states if s in ctx.specs]
         self._norm: torch.Tensor | None = None
         self._norm_final = False
+        self.batch_unreduced = batch_unreduced
+        self._pending: list[tuple[str, torch.Tensor, int, int, int, int]] = []
+        """Gradients noted by the hooks, measured together: ``(name, grad, version, vpp, micro, order)``."""
+        ctx.backward_end.insert(0, self._measure_pending)  # before the norm: both read the same gradients
+        ctx.backward_failed.append(self._drop_pending)
         if optimizer is not None:
             ctx.backward_end.append(self._backward_ended)
 
@@ -109,14 +122,19 @@ class TorchOptimizerCollector:
         self.registry.remove(_OPTIMIZER)
 
     def before_transfer(self) -> None:
+        self._measure_pending()
         if self._norm is not None and self.ctx.collecting:
             self.ctx.buffer.add_scalar("grad_norm", self._norm)
         self._norm, self._norm_final = None, False
 
     def close(self) -> None:
         self.disarm()
-        if self._backward_ended in self.ctx.backward_end:
-            self.ctx.backward_end.remove(self._backward_ended)
+        self._drop_pending()
+        for subscriber in (self._measure_pending, self._backward_ended):
+            if subscriber in self.ctx.backward_end:
+                self.ctx.backward_end.remove(subscriber)
+        if self._drop_pending in self.ctx.backward_failed:
+            self.ctx.backward_failed.remove(self._drop_pending)
 
     def _grad_hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
         per_micro_step = self.config.weight_grads.per_micro_step
@@ -125,9 +143,42 @@ class TorchOptimizerCollector:
             ctx = self.ctx
             if ctx.collecting and param.grad is not None and (
                     per_micro_step or ctx.micro_step >= ctx.grad_acc_steps - 1):
-                ctx.record("grad_unreduced", name, param.grad, vpp_stage, scale=scale_of(ctx.scaler))
+                if self.batch_unreduced:
+                    grad = param.grad
+                    self._pending.append((name, grad, grad._version, vpp_stage, ctx.micro_step,
+                                          ctx.buffer.next_order()))
+                    ctx.schedule_backward_end()
+                else:
+                    ctx.record("grad_unreduced", name, param.grad, vpp_stage, scale=scale_of(ctx.scaler))
 
         return hook
+
+    def _drop_pending(self) -> None:
+        """The noted gradients' backward raised: its rows are rolled back, these are never measured."""
+        self._pending.clear()
+
+    def _measure_pending(self) -> None:
+        """``grad_unreduced`` of the gradients the hooks noted, all at once (see ``batch_unreduced``)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        ctx = self.ctx
+        if not ctx.collecting:
+            return
+        changed = [name for name, grad, version, *_ in pending if grad._version != version]
+        kept = [item for item in pending if item[1]._version == item[2]]
+        if changed:  # changed in place before the pass ended: those values are gone; per tensor from now on
+            self.batch_unreduced = False
+            logger.warning("trainmon: %d gradient(s) changed inside the backward pass before trainmon read them "
+                           "(e.g. %s; an optimizer step in a gradient hook?): their grad_unreduced rows are skipped "
+                           "this step, and gradients are read in their hooks from now on", len(changed), changed[0])
+        by_micro: dict[int, list[tuple[str, torch.Tensor, int, int, int, int]]] = {}
+        for item in kept:
+            by_micro.setdefault(item[4], []).append(item)
+        scale = scale_of(ctx.scaler)
+        for micro, items in by_micro.items():
+            ctx.record_many("grad_unreduced", [i[0] for i in items], [i[1] for i in items], [i[3] for i in items],
+                            micro_step=micro, scale=scale, orders=[i[5] for i in items])
 
     def _backward_ended(self) -> None:
         """End of a backward pass: the pre-clip global norm of the gradients as they stand now."""
@@ -143,6 +194,7 @@ class TorchOptimizerCollector:
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if not self.ctx.collecting:
             return None
+        self._measure_pending()  # a backward whose end was not seen: before unscale_ or the step change them
         self.ctx.forget_measured()  # unscale_ rewrote the gradients without bumping their versions
         # torch passes the step's own arguments, the optimizer first: step(self, closure=None)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)

@@ -87,13 +87,15 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         modules = _outside_compiled(select_modules(named_modules, config), regions)
         collectors.append(ActivationCollector(ctx, modules, config.activations, registry))
     params = [(plain_name(name), p, 0) for name, p in root.named_parameters()]
+    rank, world_size = dist_layout()
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
-        collectors.append(TorchOptimizerCollector(ctx, select_params(params, config), optimizer, config, registry))
+        # one process: no data-parallel reduction can change a gradient inside the backward
+        collectors.append(TorchOptimizerCollector(ctx, select_params(params, config), optimizer, config, registry,
+                                                  batch_unreduced=world_size == 1))
     if config.grad_probe.enabled:
         from trainmon.probe.collector import GradProbe
 
         collectors.append(GradProbe(ctx, select_params(params, config), config, registry, optimizer))
-    rank, world_size = dist_layout()
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_modules, optimizer=optimizer,
                       registry=registry, rank=rank, world_size=world_size, scaler=scaler)
 
