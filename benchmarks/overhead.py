@@ -1,10 +1,11 @@
 """Overhead of trainmon on a small GPT: step time and peak memory against no monitor.
 
     python benchmarks/overhead.py [--steps 8] [--rounds 3] [--device cpu|cuda] [--sinks csv tensorboard]
+                                  [--model gpt|1b] [--dtype float32|bfloat16]
 
 Cases (alternating rounds, same seed and data; per case, the median step of its best round):
   none          no monitor
-  weights       weight grads + optimizer states, 6 metrics, every step
+  weights       weight grads + optimizer states (exp_avg, exp_avg_sq, update, ratio), 6 metrics, every step
   activations   the above + every module's activations and activation grads, every step
   uncollected   everything on, step_interval 100 (measured steps are not collected)
   grad_probe    weights + the grad probe at level L1 (summaries, packed signs, in-run similarity),
@@ -44,19 +45,24 @@ CASES = {
     "grad_probe": {"weight_grads": {"metrics": METRICS6}, "optimizer_states": {"metrics": METRICS6},
                    "grad_probe": {"enabled": True, "level": "L1"}},
 }
-SHAPE = dict(vocab=1024, d=256, layers=4, heads=4, seq=128)
-BATCH = 8
+MODELS = {  # name -> (TinyGPT shape, batch)
+    "gpt": (dict(vocab=1024, d=256, layers=4, heads=4, seq=128), 8),  # 3.7 M parameters: the CPU figures
+    "1b": (dict(vocab=32768, d=2048, layers=20, heads=16, seq=1024), 8),  # 1.14 B parameters: the GPU figures
+}
+SHAPE, BATCH = MODELS["gpt"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def _train(case: str, steps: int, device: str, out: str, clock: str = "wall",
-           sinks: tuple[str, ...] = ("csv",)) -> list[float]:
+           sinks: tuple[str, ...] = ("csv",), dtype: str = "float32") -> list[float]:
     from trainmon import TrainerMonitor
 
     torch.manual_seed(0)
-    model = TinyGPT(**SHAPE).to(device)
+    with torch.device(device):  # built where it trains: a 1B model is not first materialised on the host
+        model = TinyGPT(**SHAPE).to(DTYPES[dtype])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     config = CASES[case]
     monitor = None
@@ -87,15 +93,15 @@ def _rss_mb() -> float:
         return int(handle.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _memory_child(case: str, device: str, out: str) -> None:
+def _memory_child(case: str, device: str, out: str, dtype: str) -> None:
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        _train(case, 3, device, out)
+        _train(case, 3, device, out, dtype=dtype)
         print(json.dumps({"peak_mb": torch.cuda.max_memory_allocated() / 2**20}))
         return
     before = _rss_mb()
-    _train(case, 3, device, out)
+    _train(case, 3, device, out, dtype=dtype)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"peak_mb": peak - before}))
 
@@ -111,12 +117,17 @@ def main() -> int:
     parser.add_argument("--skip-memory", action="store_true", help="do not measure peak memory")
     parser.add_argument("--sinks", nargs="+", default=["csv"], choices=["csv", "tensorboard"],
                         help="the monitor's outputs (default csv; tensorboard adds its writer thread)")
+    parser.add_argument("--model", choices=list(MODELS), default="gpt",
+                        help="gpt: 4-layer d=256 (3.7 M parameters); 1b: 20-layer d=2048 (1.14 B, for a GPU)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="the model's parameter dtype")
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global SHAPE, BATCH
+    SHAPE, BATCH = MODELS[args.model]
     out = args.out or tempfile.mkdtemp(prefix="trainmon_bench_")
     if args.memory_child:
-        _memory_child(args.memory_child, args.device, out)
+        _memory_child(args.memory_child, args.device, out, args.dtype)
         return 0
     torch.set_num_threads(1)
     # Per case: the median step of each round, then the best round. Rounds alternate the cases so
@@ -125,15 +136,19 @@ def main() -> int:
     for _ in range(args.rounds):
         for case in args.cases:
             rounds[case].append(statistics.median(_train(case, args.steps, args.device, out, args.clock,
-                                                         tuple(args.sinks))))
+                                                         tuple(args.sinks), args.dtype)))
     times = {case: [min(values)] for case, values in rounds.items()}
     memory = {}
     for case in [] if args.skip_memory else args.cases:
         result = subprocess.run([sys.executable, __file__, "--memory-child", case, "--device", args.device,
-                                 "--out", out], capture_output=True, text=True, check=True)
+                                 "--model", args.model, "--dtype", args.dtype, "--out", out],
+                                capture_output=True, text=True, check=True)
         memory[case] = json.loads(result.stdout.strip().splitlines()[-1])["peak_mb"]
     base_time = statistics.median(times["none"]) if "none" in times else None
-    print(f"device {args.device}, model {SHAPE}, batch {BATCH}, threads {torch.get_num_threads()}, clock {args.clock}, "
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    params = sum(p.numel() for p in TinyGPT(**SHAPE).to("meta").parameters())
+    print(f"device {args.device} ({name}), torch {torch.__version__}, model {SHAPE} ({params / 1e6:.0f} M parameters, "
+          f"{args.dtype}), batch {BATCH}, threads {torch.get_num_threads()}, clock {args.clock}, "
           f"sinks {'+'.join(args.sinks)}, {args.rounds} rounds x {args.steps} steps (best round's median)")
     print(f"{'case':<12} {'step ms':>15} {'time ratio':>11} {'peak MB':>9} {'memory ratio':>13}")
     for case in args.cases:
