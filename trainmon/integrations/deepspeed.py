@@ -21,7 +21,6 @@ is never patched.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -202,55 +201,41 @@ def _is_lowest_selected(group: Any, ranks: list[int] | None) -> bool:
     return bool(selected) and min(selected) == dist.get_rank()
 
 
-def _probe_layout(engine: Any, params: list[tuple[str, torch.nn.Parameter, int]], options: AttachOptions) -> ShardLayout:
-    """The shard layout the grad probe reads; called at the start of ``attach``, before any hook exists.
-
-    Raises:
-        ConfigError: ZeRO 1/2/3 with a data-parallel group of more than one rank.
-    """
-    from trainmon.errors import ConfigError
-
-    layout = layout_for(engine, [p for _, p, _ in params] or engine.module.parameters())
-    dp_group = options.dp_group if options.dp_group is not None else getattr(engine, "data_parallel_group", None)
-    _, dp_world = _group_layout(dp_group)
-    if not layout.replicated and dp_world > 1:
-        raise ConfigError(
-            "grad_probe", f"grad_probe with DeepSpeed ZeRO stage {engine.zero_optimization_stage()} needs whole "
-            f"gradients, but each of the {dp_world} data-parallel ranks holds only a shard: combining the shards' "
-            "sign bits and content hashes across ranks is not implemented yet. Use ZeRO-0 or one data-parallel "
-            "rank, or disable grad_probe")
-    return layout
-
-
 def _grad_probe(ctx: StepContext, config: MonitorConfig, engine: Any, params: list[tuple[str, torch.nn.Parameter, int]],
                 registry: HookRegistry, hooks: StepWrapper, options: AttachOptions) -> Collector:
     """The grad probe on the gradient DeepSpeed steps with (read at the start of ``engine.step()`` on a boundary).
 
     ZeRO-0 (replicated): ``param.grad``, the whole averaged gradient on every rank (no gather).
-    ZeRO 1/2/3 with one data-parallel rank: the local shard (``layout.grad``) is the whole
-    gradient, reshaped to the parameter's shape. ZeRO 1/2/3 with more ranks is refused: exact
-    direction bits and content hashes would need the shards' bits gathered.
-
-    Raises:
-        ConfigError: ZeRO 1/2/3 with a data-parallel group of more than one rank.
+    ZeRO 1/2/3: each rank's partition of the gradient (``layout.grad``) and of ``exp_avg``, placed in
+    the whole parameter by :meth:`ShardLayout.spec`; the pieces are combined by
+    :class:`~trainmon.probe.sharded.ShardedGradProbe` (one gather to the group's writer per
+    collected step; with one rank, the piece is the whole parameter).
     """
     from trainmon.probe.collector import GradProbe
 
-    layout = _probe_layout(engine, params, options)
-
-    def grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
-        grad = layout.grad(param)
-        if grad is None or layout.replicated:
-            return grad
-        shape = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3: (0,) outside forward
-        return grad.reshape(shape) if grad.numel() == math.prod(shape) else None
+    layout = layout_for(engine, [p for _, p, _ in params] or engine.module.parameters())
 
     def exp_avg_of(param: torch.nn.Parameter) -> torch.Tensor | None:
         return layout.state(param, "exp_avg")
 
     # The step wrapper's pre-hooks run on accumulation boundaries only, before DeepSpeed steps
     # (and, under ZeRO 1/2/3, before it frees the gradient partitions).
-    return GradProbe(ctx, params, config, registry, hooks, grad_of=grad_of, exp_avg_of=exp_avg_of)
+    if layout.replicated:
+        return GradProbe(ctx, params, config, registry, hooks, exp_avg_of=exp_avg_of, grad_of=layout.grad)
+    from trainmon.probe.sharded import ShardedGradProbe
+
+    return ShardedGradProbe(ctx, params, config, registry, hooks, grad_of=layout.grad, spec_of=layout.spec,
+                            exp_avg_of=exp_avg_of, group=_dp_group(engine, params, options))
+
+
+def _dp_group(engine: Any, params: list[tuple[str, torch.nn.Parameter, int]], options: AttachOptions) -> Any:
+    """The group the ZeRO partitions are spread over: ZeRO-3's ``ds_process_group``, else the data-parallel group."""
+    if options.dp_group is not None:
+        return options.dp_group
+    groups = {id(p.ds_process_group): p.ds_process_group for _, p, _ in params if hasattr(p, "ds_process_group")}
+    if len(groups) == 1:
+        return next(iter(groups.values()))
+    return getattr(engine, "data_parallel_group", None)
 
 
 def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
@@ -276,8 +261,6 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
     if optimizer is not None and optimizer is not engine.optimizer:
         raise TypeError("pass only the engine to attach(): DeepSpeed owns the optimizer")
     module = engine.module
-    if config.grad_probe.enabled:  # refuse before anything is hooked
-        _probe_layout(engine, select_params([(name, p, 0) for name, p in module.named_parameters()], config), options)
     ctx.grad_acc_steps = engine.gradient_accumulation_steps()
     if options.start_step == 0:
         ctx.step = engine.global_steps
@@ -296,10 +279,17 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
         dp_group = options.dp_group if options.dp_group is not None else getattr(engine, "data_parallel_group", None)
         shard_collector = DeepSpeedShardCollector(ctx, engine, chosen, config, hooks, dp_group)
         collectors.append(shard_collector)
+    probe = None
     if config.grad_probe.enabled:
-        collectors.append(_grad_probe(ctx, config, engine, select_params(params, config), registry, hooks, options))
+        try:
+            probe = _grad_probe(ctx, config, engine, select_params(params, config), registry, hooks, options)
+        except BaseException:
+            hooks.uninstall()  # a failed attach leaves the engine as it was
+            raise
+        collectors.append(probe)
     rank, world_size = dist_layout()
+    # a collective at the step's end: every rank collects the steps the writers collect
+    collective = (shard_collector is not None and shard_collector.collective) or getattr(probe, "world", 1) > 1
     return Attachment(collectors=collectors, roots=[(module, 0)], modules=named_modules, optimizer=hooks,
-                      registry=registry, rank=rank, world_size=world_size,
-                      collective=shard_collector is not None and shard_collector.collective,
+                      registry=registry, rank=rank, world_size=world_size, collective=collective,
                       micro_steps_by_user=True, on_close=[hooks.uninstall])

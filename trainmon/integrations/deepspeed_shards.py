@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from trainmon.probe.shards import ShardSpec
+
 
 def _inner_optimizer(engine: Any) -> torch.optim.Optimizer | None:
     """The torch optimizer that DeepSpeed's wrapper (ZeRO, FP16/BF16) steps."""
@@ -42,6 +44,10 @@ class ShardLayout:
 
     def grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         """The local shard of the reduced gradient (valid between backward and step)."""
+        raise NotImplementedError
+
+    def spec(self, param: torch.nn.Parameter) -> ShardSpec:
+        """Which elements of the whole parameter :meth:`grad` holds on this rank (static)."""
         raise NotImplementedError
 
     def master(self, param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -89,6 +95,14 @@ class Zero3Layout(ShardLayout):
         valid = max(0, min(part, param.ds_numel - index * part))
         return local.narrow(0, 0, valid)
 
+    def spec(self, param: torch.nn.Parameter) -> ShardSpec:
+        import torch.distributed as dist
+
+        part = param.ds_tensor.ds_numel  # the (padded) partition size, equal on every rank
+        index = dist.get_rank(group=param.ds_process_group) if dist.is_initialized() else 0
+        valid = max(0, min(part, param.ds_numel - index * part))
+        return ShardSpec.flat(tuple(param.ds_shape), index * part if valid else 0, valid)
+
     def grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         from deepspeed.utils import safe_get_local_grad
 
@@ -129,6 +143,13 @@ class FragmentLayout(ShardLayout):
             fragment = fragment.narrow(0, address.start, address.numel)
         return fragment
 
+    def spec(self, param: torch.nn.Parameter) -> ShardSpec:
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:
+            return ShardSpec.flat(tuple(param.shape), 0, 0)
+        address = mapping.lp_fragment_address  # the fragment's offset in the flattened parameter
+        return ShardSpec.flat(tuple(param.shape), address.start, address.numel)
+
     def master(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         mapping = param._hp_mapping
         return None if mapping is None else mapping.get_hp_fragment()
@@ -159,6 +180,9 @@ class ReplicatedLayout(ShardLayout):
 
     def grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         return param.grad
+
+    def spec(self, param: torch.nn.Parameter) -> ShardSpec:
+        return ShardSpec.flat(tuple(param.shape), 0, param.numel())
 
     def master(self, param: torch.nn.Parameter) -> torch.Tensor | None:
         return self._master.get(id(param), param)

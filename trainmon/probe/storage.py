@@ -66,12 +66,14 @@ def vector_width(level: str, bounds: Sequence[float]) -> int:
 
 def content_hash(dtype: str, shape: Sequence[int], stats: Sequence[float], raw_sum: int, sign_sum: int) -> str:
     """The L0 fingerprint of a gradient: 16 hex digits of BLAKE2b over its dtype, shape, float32
-    max/min/norm, the wrapping int32 sum of its raw bit patterns and the position-weighted sum
-    of its packed sign words. Equal gradients give equal hashes on every device; it is a
-    cheap change detector, not a cryptographic digest of every byte."""
+    max/min, the wrapping int32 sum of its raw bit patterns and the position-weighted sum
+    of its packed sign words. Equal gradients give equal hashes on every device, and a gradient
+    kept in shards (ZeRO, tensor parallelism) gives the hash of the whole one: every input is
+    exact under the combination of shards (the norm, a floating-point sum, is left out). It is a
+    cheap change detector, not a cryptographic digest of every byte. ``stats`` starts with max, min."""
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{dtype}|{list(shape)}|".encode())
-    h.update(np.asarray(stats[:3], dtype=np.float32).tobytes())
+    h.update(np.asarray(stats[:2], dtype=np.float32).tobytes())
     h.update(struct.pack("<qq", int(raw_sum), int(sign_sum)))
     return h.hexdigest()
 
