@@ -134,7 +134,8 @@ class CsvSink:
             metrics = tuple(row.values)
             writer = self._writer(row.family, metrics, record.step)
             k = row.key
-            writer.writerow([k.vpp_stage, k.name, record.step, k.micro_step, *map(format_value, row.values.values())])
+            # csv writes a float as str(float): the shortest round-trip text, as format_value
+            writer.writerow([k.vpp_stage, k.name, record.step, k.micro_step, *row.values.values()])
         if record.scalars:
             writer = self._writer("scalars", (), record.step)
             for name, value in record.scalars.items():
