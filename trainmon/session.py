@@ -286,7 +286,6 @@ class Session:
 # doing nothing silently.
 _UNSUPPORTED = {  # (section, framework): one line each
     ("grad_probe", "megatron"),
-    ("grad_probe", "fsdp"),
 }
 
 

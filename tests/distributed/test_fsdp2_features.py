@@ -1,24 +1,31 @@
-"""Dump and free benchmark on FSDP2 (``fully_shard``), for real on 2 gloo CPU ranks.
+"""Dump, free benchmark and grad probe on FSDP2 (``fully_shard``), for real on 2 gloo CPU ranks.
 
 The worker (``scripts/fsdp2_features.py``) trains an FSDP2 model beside a plain unsharded copy of it on each
 rank's data (parameters loaded from ``full_tensor()`` every step): the references are that copy's tensors
 in float64. A dump requested by hand and a dump after a NaN injected into ``blocks.1.fc1`` must hold the
 full tensors the module used (unsharded parameters, this rank's whole gradient); msprobe 1.2.1's compare
 must read them; the free benchmark must re-run FSDP modules on their unsharded parameters and skip, on
-both ranks, the module whose nested FSDP module is resharded when it returns.
+both ranks, the module whose nested FSDP module is resharded when it returns. The grad probe of the
+sharded model (``Shard(0)`` and ``Shard(1)``) must equal float64 statistics of the full gradients the optimizer
+stepped with (``full_tensor()`` in the test's own optimizer hook) and the probe of an unsharded single-process
+run on both ranks' data, with one extra collective per collected step.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
-from tests.launch import RankServers
+from tests.launch import RankServers, child_env
+from tests.reference import read_family
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +34,8 @@ PRELOAD = ("numpy", "torch", "torch.distributed.fsdp", "torch.distributed.tensor
 ACTION_STEP, DUMP_STEP = 1, 4  # the script's: a dump by hand, and the dump after the NaN (step 2) is localised
 FC1 = "Module.blocks.1.fc1.PoisonLinear"
 BLOCK = "Module.blocks.1.Block"
+PROBE_CASES = ("probe", "probe_dim1")  # Shard(0) with every weight family; matrices Shard(1), grad probe only
+PROBE_COLLECTED, BOUNDS = (0, 2, 4), (-0.01, 0.0, 0.01)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +43,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2_features")
     servers = RankServers(2, PRELOAD, out / "_logs")
     try:
-        ok, output = servers.run([SCRIPT, out, "actions"], out / "_logs" / "actions", timeout=300.0)
+        ok, output = servers.run([SCRIPT, out, "actions", *PROBE_CASES, "probe_l0"], out / "_logs" / "run", timeout=300.0)
     finally:
         servers.close()
     assert ok, output[-8000:]
@@ -45,8 +54,8 @@ def _info(runs: Path, rank: int) -> dict:
     return json.loads((runs / "actions" / f"info_rank{rank}.json").read_text())
 
 
-def _refs(runs: Path, rank: int) -> dict[str, np.ndarray]:
-    with np.load(runs / "actions" / f"refs_rank{rank}.npz") as npz:
+def _refs(runs: Path, rank: int, case: str = "actions") -> dict[str, np.ndarray]:
+    with np.load(runs / case / f"refs_rank{rank}.npz") as npz:
         return dict(npz)
 
 
@@ -135,3 +144,92 @@ def test_free_benchmark_reruns_fsdp_modules_on_their_unsharded_parameters(runs: 
     failures = (runs / "actions" / f"rank{rank}" / "free_benchmark.csv").read_text().splitlines()
     assert len(failures) == 1 + sum(not r["passed"] for r in info["results"]) and failures[1].startswith(f"{rank},")
     assert not info["hooks_left"]
+
+
+def _summary(runs: Path, case: str) -> pd.DataFrame:
+    return read_family(runs / case / "rank0" / "grad_probe", "grad_summary")
+
+
+def _expected_summary(grad: np.ndarray, previous: np.ndarray | None, exp_avg: np.ndarray | None) -> dict[str, float]:
+    g = grad.ravel()
+    out = {"max": g.max(), "min": g.min(), "norm": np.sqrt(np.sum(g * g)), "zero_fraction": np.mean(g == 0),
+           "sign_agree_prev": np.mean((g > 0) == (previous.ravel() > 0)) if previous is not None else np.nan,
+           "cos_prev": np.nan}
+    edges = [-np.inf, *BOUNDS, np.inf]
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        out[f"({lo:g}, {hi:g}]".replace("inf]", "inf)")] = np.mean((g > lo) & (g <= hi))
+    if exp_avg is not None:
+        m = exp_avg.ravel()
+        out["sign_agree_exp_avg"] = np.mean((g > 0) == (m > 0))
+        out["cos_exp_avg"] = np.dot(g, m) / (np.linalg.norm(g) * np.linalg.norm(m))
+    else:
+        out["sign_agree_exp_avg"] = out["cos_exp_avg"] = np.nan
+    return out
+
+
+@pytest.mark.parametrize("case", PROBE_CASES)
+def test_grad_probe_equals_float64_statistics_of_the_full_gradients(runs: Path, case: str) -> None:
+    from trainmon.probe.storage import direction_path, read_direction_header
+
+    refs = _refs(runs, 0, case)
+    frame = _summary(runs, case)
+    names = sorted({key.split("|")[2] for key in refs if "|grad|" in key})
+    assert "head.weight" in names  # one row: an empty shard on rank 1
+    assert sorted(set(frame.step)) == list(PROBE_COLLECTED) and sorted(set(frame.name)) == names
+    for i, step in enumerate(PROBE_COLLECTED):
+        for name in names:
+            grad = refs[f"{step}|grad|{name}"]
+            previous = refs[f"{PROBE_COLLECTED[i - 1]}|grad|{name}"] if i else None
+            expected = _expected_summary(grad, previous, refs.get(f"{step}|exp_avg|{name}"))
+            row = frame[(frame.name == name) & (frame.step == step)].iloc[0]
+            assert row["shape"] == str(list(grad.shape)) and row["numel"] == grad.size
+            for column, want in expected.items():
+                got = float(row[column])
+                assert (np.isnan(got) and np.isnan(want)) or np.isclose(got, want, rtol=1e-5, atol=1e-7), \
+                    (case, step, name, column, got, want)
+            direction = read_direction_header(direction_path(runs / case / "rank0" / "grad_probe", step, name, 0))
+            assert direction.header["count"] == grad.size
+            np.testing.assert_array_equal(direction.bits(), np.packbits(grad.ravel() > 0, bitorder="little"))
+
+
+@pytest.mark.parametrize("case", PROBE_CASES)
+def test_grad_probe_equals_an_unsharded_run_and_grad_compare_gives_one(runs: Path, case: str, tmp_path: Path) -> None:
+    sharded, plain = _summary(runs, case), _summary(runs, "probe_plain")
+    assert len(sharded) == len(plain) == 3 * 16
+    merged = sharded.merge(plain, on=["name", "step"], suffixes=("", "_plain"))
+    for column in ("max", "min", "norm", "sign_agree_prev", "sign_agree_exp_avg", "cos_exp_avg", "zero_fraction"):
+        np.testing.assert_allclose(merged[column], merged[f"{column}_plain"], rtol=1e-5, atol=1e-7, err_msg=column)
+    scalars = {run: read_family(runs / run / "rank0", "scalars") for run in (case, "probe_plain")}
+    for metric in ("sign_agree_prev", "sign_agree_exp_avg", "cos_exp_avg"):
+        got, want = (frame[frame.name == f"grad_probe/{metric}"].value.to_numpy() for frame in scalars.values())
+        assert len(got) == 2 and np.allclose(got, want, rtol=1e-5), (metric, got, want)
+    result = subprocess.run([sys.executable, "-m", "trainmon", "grad-compare", str(runs / case),
+                             str(runs / "probe_plain"), "-o", str(tmp_path), "--no-plots"], capture_output=True,
+                            text=True, env=child_env(), timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    similarities = pd.read_csv(tmp_path / "similarities.csv")
+    assert len(similarities[similarities.kind == "param"]) == 3 * 16
+    assert (similarities.similarity == 1.0).all(), similarities[similarities.similarity != 1.0]
+
+
+def test_grad_probe_l0_hash_is_the_hash_of_the_full_gradient(runs: Path) -> None:
+    """Each shard's checksum shares add up to the whole gradient's: the hash is numpy's of ``full_tensor()``."""
+    from tests.integration.test_grad_probe_deepspeed import _numpy_hash
+
+    refs, frame = _refs(runs, 0, "probe_l0"), _summary(runs, "probe_l0")
+    assert len(frame) == 3 * 16 and frame["hash"].nunique() == len(frame)
+    for step in PROBE_COLLECTED:
+        for name in sorted(set(frame.name)):
+            row = frame[(frame.name == name) & (frame.step == step)].iloc[0]
+            assert row["hash"] == _numpy_hash(refs[f"{step}|grad|{name}"]), (step, name)
+
+
+@pytest.mark.parametrize("case", PROBE_CASES + ("probe_l0",))
+def test_grad_probe_adds_one_gather_per_collected_step_written_by_the_lowest_rank(runs: Path, case: str) -> None:
+    # "probe": the FSDP statistics' all_gather and the probe's gather; "probe_dim1": the probe's gather only
+    per_step = 2 if case == "probe" else 1
+    for rank in range(2):
+        info = json.loads((runs / case / f"info_rank{rank}.json").read_text())
+        assert info["collectives"] == [per_step if step in PROBE_COLLECTED else 0 for step in range(5)]
+        assert info["warnings"] == []
+    assert not (runs / case / "rank1" / "grad_probe").exists()  # the combined files are written once

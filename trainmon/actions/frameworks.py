@@ -76,7 +76,7 @@ def framework_for(model: Any) -> Framework:
         from trainmon.integrations.mindspore.actions import MindSporeFramework
 
         return MindSporeFramework()
-    from trainmon.integrations.fsdp import contains_fsdp
+    from trainmon.integrations.fsdp_layout import contains_fsdp
 
     if contains_fsdp(first):
         from trainmon.integrations.fsdp_actions import FSDPFramework

@@ -18,6 +18,9 @@ What is measured where (see ``docs/fsdp.md``):
   that ``ranks`` selects. HSDP (a 2-D replicate x shard mesh): combined over the shard dimension
   only, i.e. once per replica (replicas hold identical values after FSDP's all-reduce).
 
+- ``grad_probe``: :mod:`trainmon.integrations.fsdp_probe` (the local shards' partials and sign bits,
+  one gather per collected step).
+
 Layouts other than ``Shard(d)`` on one mesh dimension (FSDP) or ``(Replicate(), Shard(d))``
 (HSDP) — tensor parallelism, ``_StridedShard``, ``Partial``, parameters FSDP does not manage —
 and FSDP1 (``FullyShardedDataParallel``) are refused at ``attach`` with :class:`FSDPLayoutError`.
@@ -40,6 +43,8 @@ from trainmon.collect.optimizer import (TorchOptimizerCollector, adam_partials_c
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.integrations.base import AttachOptions, Attachment, dist_layout, select_modules, select_params
 from trainmon.integrations.deepspeed import _is_lowest_selected
+from trainmon.integrations.fsdp_layout import (  # noqa: F401 - contains_fsdp: re-exported for integrations
+    FSDPLayoutError, ShardGroup, _local, contains_fsdp, shard_group_of)
 from trainmon.integrations.torch import _outside_compiled, compiled_regions, plain_name, unwrap_model
 from trainmon.steps import scale_of, unwrap_optimizer
 
@@ -51,94 +56,6 @@ logger = logging.getLogger("trainmon")
 
 _UNSHARDED = "fsdp_unsharded_grads"
 _STEP = "fsdp_optimizer_step"
-
-
-class FSDPLayoutError(ValueError):
-    """The model's sharding is not one trainmon can measure exactly (raised at ``attach``)."""
-
-
-def contains_fsdp(model: Any) -> bool:
-    """Whether ``model`` is, or contains, an FSDP2 module (``fully_shard``) or an FSDP1 wrapper.
-
-    Imports nothing: when ``torch.distributed.fsdp`` was never imported, no FSDP module exists.
-    """
-    import sys
-
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is None or not isinstance(model, torch.nn.Module):
-        return False
-    kinds = tuple(k for k in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None)) if k)
-    return any(isinstance(module, kinds) for module in model.modules())
-
-
-@dataclass(frozen=True)
-class ShardGroup:
-    """The process group the parameters are sharded over (the shard mesh dimension).
-
-    Attributes:
-        group: the shard dimension's process group.
-        size: its size; 1 means every rank holds whole tensors (an HSDP mesh ``N x 1``).
-        description: the layout in words, for messages.
-    """
-
-    group: Any
-    size: int
-    description: str
-
-
-def shard_group_of(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> ShardGroup:
-    """Check every parameter's layout and return the one shard group they share.
-
-    Supported: a DTensor on a 1-D mesh with ``Shard(d)`` (FSDP), or on a 2-D mesh with
-    ``(Replicate(), Shard(d))`` (HSDP: replicate dimension first, as FSDP2 builds it).
-
-    Raises:
-        FSDPLayoutError: a parameter is not a DTensor (FSDP does not manage it), or has another
-            layout (tensor parallelism, ``_StridedShard``, ``Partial``, ...), or the parameters
-            are sharded over different process groups.
-    """
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    found: dict[tuple[int, ...], tuple[str, Any, str]] = {}
-    for name, param in named_params:
-        if not isinstance(param, DTensor):
-            raise FSDPLayoutError(
-                f"parameter {name!r} is a plain tensor in a model sharded with fully_shard: FSDP does not "
-                "manage it (outside every fully_shard module, or in ignored_params), so its gradient is "
-                "this rank's own and cannot be combined with the shards of the others. Call fully_shard on "
-                "the root module too (it manages every remaining parameter); see docs/fsdp.md")
-        mesh, placements = param.device_mesh, tuple(param.placements)
-        kinds = [type(p) for p in placements]
-        if mesh.ndim == 1 and kinds == [Shard]:
-            dim, layout = 0, f"FSDP, Shard({placements[0].dim})"
-        elif mesh.ndim == 2 and kinds == [Replicate, Shard]:
-            dim, layout = 1, f"HSDP, (Replicate(), Shard({placements[1].dim}))"
-        else:
-            names = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
-            raise FSDPLayoutError(
-                f"parameter {name!r} has placements {placements} on a {mesh.ndim}-D device mesh{names} of shape "
-                f"{tuple(mesh.shape)}: trainmon measures FSDP2 parameters sharded on one mesh dimension "
-                "(Shard(d)) or HSDP parameters (Replicate(), Shard(d)); tensor parallelism (a tensor-parallel "
-                "mesh dimension), _StridedShard and Partial placements are not supported. Monitor this model "
-                "without weight_grads, optimizer_states and params (activations only), or see docs/fsdp.md")
-        group = mesh.get_group(dim)
-        key = tuple(dist.get_process_group_ranks(group))
-        found.setdefault(key, (name, group, layout))
-    if not found:
-        return ShardGroup(None, 1, "no parameters")
-    if len(found) > 1:
-        shown = "; ".join(f"{name!r} over ranks {list(ranks)}" for ranks, (name, _, _) in list(found.items())[:3])
-        raise FSDPLayoutError(f"the parameters are sharded over different process groups ({shown}): trainmon "
-                              "combines the shards of a step with one collective over one shard group")
-    ranks, (_, group, layout) = next(iter(found.items()))
-    return ShardGroup(group, len(ranks), f"{layout} over ranks {list(ranks)}")
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a view, no communication); a plain tensor as it is."""
-    to_local = getattr(tensor, "to_local", None)
-    return (to_local() if to_local is not None else tensor).detach()
 
 
 class FSDPOptimizerCollector(TorchOptimizerCollector):
@@ -411,7 +328,8 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     weights = config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled
-    if weights:
+    probe = config.grad_probe.enabled
+    if weights or probe:
         _reshard_if_unsharded(root)
     registry = HookRegistry()
     named_modules = list({plain_name(name): (plain_name(name), module, 0)
@@ -419,12 +337,19 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
     params = [(plain_name(name), p, 0) for name, p in root.named_parameters()]
     collectors: list[Collector] = []
     shard_collector: FSDPOptimizerCollector | None = None
-    if weights:
+    shards: ShardGroup | None = None
+    if weights or probe:
         names = {id(p): name for name, p, _ in params}
         extra = [] if optimizer is None else [(f"optimizer parameter {i}", p) for i, p in enumerate(
             p for group in optimizer.param_groups for p in group["params"]) if id(p) not in names]
         shards = shard_group_of([(name, p) for name, p, _ in params] + extra)
         chosen = select_params(params, config)
+    probe_collector = None
+    if probe:  # its layout check may raise: before any other collector exists
+        from trainmon.integrations.fsdp_probe import fsdp_grad_probe
+
+        probe_collector = fsdp_grad_probe(ctx, config, chosen, optimizer, registry, shards)
+    if weights:
         shard_collector = FSDPOptimizerCollector(
             ctx, chosen, optimizer, config, registry, shards,
             _unsharded_owners(root, chosen, _fsdp_modules(root)),
@@ -433,9 +358,8 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         regions = [plain_name(region) for region in compiled_regions(model)]
         modules = _outside_compiled(select_modules(named_modules, config), regions)
         collectors.append(ActivationCollector(ctx, modules, config.activations, registry))
-    if shard_collector is not None:
-        collectors.append(shard_collector)
+    collectors += [c for c in (shard_collector, probe_collector) if c is not None]
     rank, world_size = dist_layout()
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_modules, optimizer=optimizer,
                       registry=registry, rank=rank, world_size=world_size, scaler=scaler,
-                      collective=shard_collector is not None and shard_collector.collective)
+                      collective=shards is not None and shards.size > 1)

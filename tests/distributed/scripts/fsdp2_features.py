@@ -31,6 +31,7 @@ from fsdp2_train import Warnings, data
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
 
 from trainmon import TrainerMonitor
 
@@ -165,15 +166,92 @@ def run_actions(out: Path, warnings: Warnings) -> None:
         "hooks_left": _hook_count(net) != hooks_before}, default=str))
 
 
+PROBE_STEPS, PROBE_INTERVAL, MAX_NORM = 5, 2, 0.5
+PROBE_CONFIG = {"bounds": [-0.01, 0.0, 0.01], "scalars": "param"}
+
+
+def _train_probe(net: nn.Module, monitor: TrainerMonitor, batches, refs: dict[str, np.ndarray] | None,
+                 counter: fsdp2_train.CollectiveCounter | None = None) -> list[int]:
+    """Adam with clipping; the gradients and ``exp_avg`` the optimizer finds (full, float64) into ``refs``."""
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+    names = {id(p): name for name, p in net.named_parameters()}
+    step_of = {"step": 0}
+
+    def pre_hook(opt, args, kwargs):  # registered before attach: runs before the probe's own pre-hook
+        for p in (p for group in opt.param_groups for p in group["params"]):
+            refs[f"{step_of['step']}|grad|{names[id(p)]}"] = fsdp2_train._full64(p.grad)
+            if "exp_avg" in opt.state.get(p, {}):
+                refs[f"{step_of['step']}|exp_avg|{names[id(p)]}"] = fsdp2_train._full64(opt.state[p]["exp_avg"])
+
+    handle = optimizer.register_step_pre_hook(pre_hook) if refs is not None else None
+    monitor.attach(net, optimizer)
+    collectives = []
+    if counter is not None:
+        counter.take()
+    for step in range(PROBE_STEPS):
+        step_of["step"] = step
+        x, y = batches(step)
+        nn.functional.mse_loss(net(x), y).backward()
+        nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step()
+        if counter is not None:
+            collectives.append(counter.take())
+    monitor.close()
+    if handle is not None:
+        handle.remove()
+    return collectives
+
+
+def run_probe(out: Path, warnings: Warnings, case: str, counter: fsdp2_train.CollectiveCounter) -> None:
+    """FSDP2 (``probe``: ``Shard(0)``, every weight family on; ``probe_dim1``: matrices ``Shard(1)``, grad probe
+    only; ``probe_l0``: ``Shard(0)``, level L0) on each rank's 5 rows; then, on rank 0, ``probe_plain``: the
+    unsharded model on both ranks' 10 rows (L2)."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    net = fsdp2_train.Net()
+    placement = (lambda p: Shard(1) if p.ndim == 2 else None) if case == "probe_dim1" else None
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(net, mesh=mesh, shard_placement_fn=placement)
+    weights = case == "probe"
+    config = {"output_dir": str(out), "run_name": case, "sinks": ["csv"], "step_interval": PROBE_INTERVAL,
+              "grad_probe": {"enabled": True, **PROBE_CONFIG, "level": "L0" if case == "probe_l0" else "L2"},
+              "weight_grads": {"enabled": weights},
+              "optimizer_states": {"enabled": weights}, "anomaly": {"actions": []}}
+    refs: dict[str, np.ndarray] = {}
+    collectives = _train_probe(net, TrainerMonitor(config), lambda step: data(1000 * rank + step), refs, counter)
+    case_dir = out / case
+    np.savez(case_dir / f"refs_rank{rank}.npz", **refs)
+    (case_dir / f"info_rank{rank}.json").write_text(json.dumps({"collectives": collectives,
+                                                                 "warnings": warnings.messages}))
+    if rank == 0 and case != "probe_l0" and not (out / "probe_plain").exists():
+        torch.manual_seed(0)
+        plain = fsdp2_train.Net()
+
+        def both(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            parts = [data(1000 * r + step) for r in range(dist.get_world_size())]
+            return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+        _train_probe(plain, TrainerMonitor({**config, "run_name": "probe_plain"}), both, None)
+    dist.barrier()
+
+
 def main() -> None:
     out, cases = Path(sys.argv[1]), sys.argv[2:]
     dist.init_process_group("gloo")
     warnings = Warnings()
     logging.getLogger("trainmon").addHandler(warnings)
+    counter = fsdp2_train.CollectiveCounter()  # counts the collectives issued from trainmon's frames
     try:
         for case in cases:
             warnings.messages.clear()
-            {"actions": run_actions}[case](out, warnings)
+            if case == "actions":
+                run_actions(out, warnings)
+            else:
+                run_probe(out, warnings, case, counter)
     finally:
         dist.barrier()
         dist.destroy_process_group()
