@@ -1,4 +1,4 @@
-"""The ``trainmon`` command: ``csv2tb``, ``analyse``, ``grad-compare``; ``trainmon --version``.
+"""The ``trainmon`` command: ``csv2tb``, ``analyse``, ``grad-compare``, ``report``; ``trainmon --version``.
 
 Exit codes: 0 on success, 2 on bad usage or bad input (one line on stderr: ``trainmon COMMAND:
 error: ...`` naming the argument, file or folder at fault), 130 on Ctrl-C. Bad input never ends in
@@ -17,7 +17,7 @@ from typing import NoReturn
 from trainmon import __version__
 from trainmon.errors import UsageError
 
-_SUBCOMMANDS = ("trainmon.csv2tb", "trainmon.anomaly.analyse", "trainmon.probe.compare")
+_SUBCOMMANDS = ("trainmon.csv2tb", "trainmon.anomaly.analyse", "trainmon.probe.compare", "trainmon.report")
 
 
 _CONTROL = {code: f"\\x{code:02x}" for code in (*range(32), 127)}

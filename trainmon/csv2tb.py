@@ -10,8 +10,12 @@ import argparse
 import csv
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from trainmon.errors import UsageError
 from trainmon.inputs import INT64_MAX, describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
@@ -240,26 +244,168 @@ def _read_scalars(path: Path, family: str, layouts: set[str]) -> Any:
             yield from _read_msprobe(path, family, header, reader)
             return
         layouts.add("trainmon CSV")
-        scalars = family == "scalars"
-        if scalars and header != ["step", "name", "value"]:
-            raise CsvFormatError(f"{path}:1: expected header step,name,value, got {','.join(header)[:80]!r}")
-        if not scalars and tuple(header[:4]) != _FIXED:
-            raise CsvFormatError(f"{path}:1: expected header to start with {','.join(_FIXED)}, "
-                                 f"got {','.join(header)[:80]!r}")
+        scalars = _check_header(path, family, header)
         for line, row in enumerate(reader, 2):
-            if len(row) != len(header):
-                raise CsvFormatError(f"{path}:{line}: expected {len(header)} fields, got {len(row)}")
-            try:
-                if scalars:
-                    yield f"scalars/{row[1]}", float(row[2]), _step(row[0])
-                    continue
-                step = _step(row[2])
-                micro_step, vpp_stage = _index(row[3], "micro_step"), _index(row[0], "vpp_stage")
-                for metric, text in zip(header[4:], row[4:]):
-                    value = float(text)
-                    yield board.row_tag(family, row[1], metric, micro_step, vpp_stage), value, step
-            except ValueError as exc:
-                raise CsvFormatError(f"{path}:{line}: {exc}") from None
+            vpp_stage, name, step, micro_step, values = _parse_row(path, line, header, row, scalars)
+            if scalars:
+                yield f"scalars/{name}", values[0], step
+                continue
+            for metric, value in zip(header[4:], values):
+                yield board.row_tag(family, name, metric, micro_step, vpp_stage), value, step
+
+
+def _check_header(path: Path, family: str, header: list[str]) -> bool:
+    """Raise unless ``header`` is a trainmon header for ``family``; True for ``scalars.csv``."""
+    scalars = family == "scalars"
+    if scalars and header != ["step", "name", "value"]:
+        raise CsvFormatError(f"{path}:1: expected header step,name,value, got {','.join(header)[:80]!r}")
+    if not scalars and tuple(header[:4]) != _FIXED:
+        raise CsvFormatError(f"{path}:1: expected header to start with {','.join(_FIXED)}, "
+                             f"got {','.join(header)[:80]!r}")
+    return scalars
+
+
+def _parse_row(path: Path, line: int, header: list[str], row: list[str],
+               scalars: bool) -> tuple[int, str, int, int, list[float]]:
+    """``(vpp_stage, name, step, micro_step, values)`` of one data row of a trainmon CSV file.
+
+    Raises:
+        CsvFormatError: a malformed row (file and line in the message).
+    """
+    if len(row) != len(header):
+        raise CsvFormatError(f"{path}:{line}: expected {len(header)} fields, got {len(row)}")
+    try:
+        if scalars:
+            return 0, row[1], _step(row[0]), 0, [float(row[2])]
+        step = _step(row[2])
+        micro_step, vpp_stage = _index(row[3], "micro_step"), _index(row[0], "vpp_stage")
+        return vpp_stage, row[1], step, micro_step, [float(text) for text in row[4:]]
+    except ValueError as exc:
+        raise CsvFormatError(f"{path}:{line}: {exc}") from None
+
+
+@dataclass
+class Table:
+    """One CSV file's statistics as columns (:func:`read_table`).
+
+    Attributes:
+        family: the family (``scalars`` for ``scalars.csv``).
+        metrics: the value columns (``["value"]`` for scalars).
+        keys: ``(vpp_stage, name)`` of each row id, in the order of first appearance (execution order).
+        rows: row id of each line (int32).
+        steps, micro_steps: of each line (int64, int32).
+        values: ``[lines, metrics]`` float64 (NaN and Inf as written).
+    """
+
+    family: str
+    metrics: list[str]
+    keys: list[tuple[int, str]]
+    rows: np.ndarray
+    steps: np.ndarray
+    micro_steps: np.ndarray
+    values: np.ndarray
+
+
+_BLOCK = 1 << 16
+
+
+def read_table(path: Path) -> Table:
+    """Read one trainmon (or msprobe) CSV file as columns: the bulk form of :func:`read_scalars`.
+
+    Accepts and rejects exactly what :func:`read_scalars` does (a block that does not parse in bulk
+    is re-read line by line with the same checks, for the message), about 10x faster on big files.
+
+    Raises:
+        CsvFormatError: a malformed or undecodable file (file and line in the message).
+    """
+    family = family_of(path)
+    try:
+        with open_regular(path, text=True, newline="") as handle:
+            reader = _bounded_rows(handle)
+            header = next(reader, None)
+            if header is not None and csv_family(path) is not None and layout_of(header) is not None:
+                return _table_of_tags(path, family)
+            scalars = _check_header(path, family, header) if header is not None else False
+            metrics = ["value"] if scalars else (header or [])[4:]
+            table = _TableBuilder(family, metrics)
+            line = 2
+            while True:
+                block = list(islice(reader, _BLOCK))
+                if not block:
+                    break
+                table.add(path, line, header, block, scalars)
+                line += len(block)
+            return table.build()
+    except UnicodeDecodeError as exc:
+        raise CsvFormatError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except csv.Error as exc:
+        raise CsvFormatError(f"{path}: {exc}") from None
+
+
+class _TableBuilder:
+    def __init__(self, family: str, metrics: list[str]) -> None:
+        self.family, self.metrics = family, metrics
+        self.index: dict[Any, int] = {}
+        self.parts: list[tuple[np.ndarray, ...]] = []
+
+    def add(self, path: Path, line: int, header: list[str], block: list[list[str]], scalars: bool) -> None:
+        try:
+            self.parts.append(self._bulk(header, block, scalars))
+        except (ValueError, OverflowError):  # line by line, as read_scalars reads it: its error, or its values
+            parsed = [_parse_row(path, number, header, row, scalars) for number, row in enumerate(block, line)]
+            rows = [self.index.setdefault((vpp, name), len(self.index)) for vpp, name, _, _, _ in parsed]
+            self.parts.append((np.array(rows, dtype=np.int32), np.array([p[2] for p in parsed], dtype=np.int64),
+                               np.array([p[3] for p in parsed], dtype=np.int32),
+                               np.array([p[4] for p in parsed], dtype=np.float64).reshape(len(parsed), -1)))
+
+    def _bulk(self, header: list[str], block: list[list[str]], scalars: bool) -> tuple[np.ndarray, ...]:
+        width = len(header)
+        if any(len(row) != width for row in block):
+            raise ValueError("field count")
+        columns = list(zip(*block))
+        if scalars:
+            steps_text, names, micro_text, vpp_text, value_columns = columns[0], columns[1], None, None, columns[2:]
+        else:
+            vpp_text, names, steps_text, micro_text = columns[:4]
+            value_columns = columns[4:]
+        for texts, digits in ((steps_text, 19), (micro_text, 9), (vpp_text, 9)):
+            if texts is not None and not ("".join(texts).isdigit() and max(map(len, texts)) <= digits):
+                raise ValueError("not a non-negative integer")
+        steps = np.array(steps_text, dtype=np.int64)  # OverflowError beyond int64
+        micro = np.array(micro_text, dtype=np.int32) if micro_text is not None else np.zeros(len(block), np.int32)
+        index = self.index
+        if vpp_text is None or set(vpp_text) == {"0"}:
+            rows = [index.setdefault((0, name), len(index)) for name in names]
+        else:
+            rows = [index.setdefault((int(v), name), len(index)) for v, name in zip(vpp_text, names)]
+        values = np.empty((len(block), len(value_columns)), dtype=np.float64)
+        for i, texts in enumerate(value_columns):
+            values[:, i] = np.array(texts, dtype=np.float64)
+        return np.array(rows, dtype=np.int32), steps, micro, values
+
+    def build(self) -> Table:
+        parts = self.parts or [(np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int32),
+                                np.zeros((0, len(self.metrics))))]
+        rows, steps, micro, values = (np.concatenate(column) for column in zip(*parts))
+        return Table(self.family, self.metrics, list(self.index), rows, steps, micro, values)
+
+
+def _table_of_tags(path: Path, family: str) -> Table:
+    """A msprobe CSV file as a :class:`Table`, through :func:`read_scalars` (names as msprobe wrote them)."""
+    index: dict[Any, int] = {}
+    metric_index: dict[str, int] = {}
+    lines: dict[tuple[int, int], dict[int, float]] = {}
+    for tag, value, step in read_scalars(path):
+        name, _, metric = tag[len(family) + 1:].rpartition("/")  # {family}/{name}/{metric}
+        row = index.setdefault((0, name), len(index))
+        lines.setdefault((row, step), {})[metric_index.setdefault(metric, len(metric_index))] = value
+    values = np.full((len(lines), len(metric_index)), np.nan)
+    for i, by_metric in enumerate(lines.values()):
+        for column, value in by_metric.items():
+            values[i, column] = value
+    keys = list(lines)
+    return Table(family, list(metric_index), list(index), np.array([k[0] for k in keys], dtype=np.int32),
+                 np.array([k[1] for k in keys], dtype=np.int64), np.zeros(len(keys), np.int32), values)
 
 
 def _read_msprobe(path: Path, family: str, header: list[str], reader: Any) -> Any:
@@ -291,4 +437,4 @@ def _step(text: str) -> int:
     return int(digits)
 
 
-__all__ = ["CsvFormatError", "add_parser", "convert"]
+__all__ = ["CsvFormatError", "Table", "add_parser", "convert", "read_scalars", "read_table"]

@@ -199,6 +199,7 @@ class _Merger:
         self.by_rank: Counter[int] = Counter()
         self.by_step: Counter[int] = Counter()
         self.by_detector: Counter[str] = Counter()
+        self.by_rank_step: Counter[tuple[int, int]] | None = None  # with analyse_run(rank_steps=True)
         self.events = 0
         self.corrupt: list[dict[str, Any]] = []
         self.corrupt_total = 0
@@ -250,6 +251,9 @@ class _Merger:
         for counter, values in ((self.by_rank, rank), (self.by_step, step)):
             unique, counts = np.unique(values, return_counts=True)
             counter.update(dict(zip(unique.tolist(), counts.tolist())))
+        if self.by_rank_step is not None:
+            pairs, counts = np.unique(np.stack([rank, step], axis=1), axis=0, return_counts=True)
+            self.by_rank_step.update(dict(zip(map(tuple, pairs.tolist()), counts.tolist())))
         sign = np.where(phase == PHASE_RANK["backward"], -1, 1)
         keys = np.stack([step, micro, phase, sign * vpp_stage, sign * pp_stage, order, rank], axis=1)
         ranking = np.lexsort(keys.T[::-1])
@@ -297,7 +301,7 @@ class _Merger:
 
 
 def analyse_run(run_dir: str | Path, top: int = 20, steps: StepRanges | Iterable[int] | None = None,
-                progress: bool = False) -> dict[str, Any]:
+                progress: bool = False, rank_steps: bool = False) -> dict[str, Any]:
     """Merge the anomalies of every rank of a run.
 
     Args:
@@ -305,6 +309,8 @@ def analyse_run(run_dir: str | Path, top: int = 20, steps: StepRanges | Iterable
         top: how many earliest events to keep.
         steps: only these steps (None: all): a :class:`StepRanges` (see :func:`parse_steps`) or ints.
         progress: draw a progress bar (files, rate, ETA, events) on stderr when it is a terminal.
+        rank_steps: also count events per (rank, step): ``counts["by_rank_step"]``, a list of
+            ``[rank, step, events]`` (the cross-rank timeline of ``trainmon report``).
 
     Returns:
         ``{"run_dir", "files", "events", "steps", "first_origin", "top", "first_by_step",
@@ -329,6 +335,8 @@ def analyse_run(run_dir: str | Path, top: int = 20, steps: StepRanges | Iterable
         steps = StepRanges.of(steps)
     files = find_files(root)
     merger = _Merger(top, steps)
+    if rank_steps:
+        merger.by_rank_step = Counter()
     with Bar(len(files), "analyse", enabled=None if progress else False) as bar:
         for path in files:
             merger.scan(path, str(path.relative_to(root)))
@@ -344,7 +352,9 @@ def analyse_run(run_dir: str | Path, top: int = 20, steps: StepRanges | Iterable
         "first_by_step": merger.first_events(),
         "counts": {"by_rank": {str(k): v for k, v in sorted(merger.by_rank.items())},
                    "by_step": {str(k): v for k, v in sorted(merger.by_step.items())},
-                   "by_detector": dict(sorted(merger.by_detector.items()))},
+                   "by_detector": dict(sorted(merger.by_detector.items())),
+                   **({"by_rank_step": [[r, s, n] for (r, s), n in sorted(merger.by_rank_step.items())]}
+                      if merger.by_rank_step is not None else {})},
         "corrupt": merger.corrupt,
         "corrupt_total": merger.corrupt_total,
     }

@@ -1,0 +1,263 @@
+"""What ``trainmon report`` shows, as one compact JSON-able dict (framework-free).
+
+Read with the readers of ``csv2tb`` (:func:`trainmon.csv2tb.read_table`, the CSV files of trainmon or
+msprobe) and ``analyse`` (:func:`trainmon.anomaly.analyse.analyse_run`, every rank's ``anomalies.jsonl``).
+
+Heatmaps are module x step grids, one per (rank, family, metric), with at most ``max_columns``
+columns: when a run has more collected steps, each column is a bin of consecutive collected steps
+and a cell holds the value of largest magnitude over the bin and the micro-steps (a NaN or Inf
+anywhere in a cell wins, so binning never hides one). Cells are sent as one byte each: log10 of the
+magnitude quantised to 250 levels between the grid's smallest and largest, plus codes for 0, NaN,
++Inf, -Inf and missing. Curves with more than ``2 * max_columns`` points are sent as the min and
+max of each step bin.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trainmon.csv2tb import CsvFormatError, Table, family_of, rank_dirs, read_table
+from trainmon.inputs import open_regular
+
+LEVELS = 250
+"""Colour levels of a finite non-zero cell (codes 0..249); then the codes below."""
+ZERO, NAN, POS_INF, NEG_INF, MISSING = 250, 251, 252, 253, 255
+CURVES = ("loss", "grad_norm", "loss_scale")
+"""Scalars drawn as curves, besides every ``lr/group{i}``."""
+PROBE_METRICS = {"sign_agree_prev": (0.0, 1.0), "sign_agree_exp_avg": (0.0, 1.0), "cos_prev": (-1.0, 1.0),
+                 "cos_exp_avg": (-1.0, 1.0)}
+"""grad_probe summary columns drawn as direction-similarity heatmaps, with their fixed colour range."""
+_RANK = re.compile(r"rank(\d+)")
+
+
+def rank_of(folder: Path, default: int) -> int:
+    """``rank3`` or msprobe's ``{time}-rank3-{id}`` -> 3."""
+    match = _RANK.search(folder.name)
+    return int(match.group(1)) if match else default
+
+
+def csv_files(run_dir: Path) -> dict[int, list[Path]]:
+    """``rank -> CSV files`` of a run (trainmon or msprobe layout; see :func:`trainmon.csv2tb.rank_dirs`).
+
+    Raises:
+        FileNotFoundError: not a run directory.
+    """
+    out: dict[int, list[Path]] = {}
+    for i, folder in enumerate(rank_dirs(run_dir)):
+        out.setdefault(rank_of(folder, i), []).extend(sorted(folder.glob("*.csv")))
+    return out
+
+
+def probe_files(run_dir: Path, ranks: list[int]) -> dict[int, Path]:
+    """``rank -> rank{R}/grad_probe/grad_summary.csv`` where it exists."""
+    found = {}
+    for rank in ranks:
+        path = run_dir / f"rank{rank}" / "grad_probe" / "grad_summary.csv"
+        if path.is_file():
+            found[rank] = path
+    return found
+
+
+def step_bins(steps: np.ndarray, max_columns: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(bin of each entry, first step of each bin, steps per bin)`` over the distinct sorted ``steps``."""
+    distinct, position = np.unique(steps, return_inverse=True)
+    per_bin = max(1, math.ceil(len(distinct) / max_columns))
+    bins = position // per_bin
+    return bins, distinct[::per_bin], per_bin
+
+
+def encode_grid(cells: np.ndarray, shape: tuple[int, int], values: np.ndarray,
+                scale: tuple[float, float] | None = None, reduce: str = "absmax") -> dict[str, Any]:
+    """One heatmap: the byte codes of a ``shape`` grid from flat cell indices and their values.
+
+    Args:
+        cells: flat index of each value in the grid.
+        values: the values (NaN/Inf allowed).
+        scale: a fixed linear colour range (grad-probe similarities); None: log10 of the magnitude,
+            from the grid's own smallest to largest non-zero magnitude.
+        reduce: ``absmax`` (largest magnitude in a cell) or ``min`` (the lowest value: a drop of a
+            similarity stays visible).
+
+    Returns:
+        ``{"lo", "hi", "scale": "log"|"linear", "data": base64 bytes}``.
+    """
+    size = shape[0] * shape[1]
+    nan = np.zeros(size, bool)
+    pos_inf = np.zeros(size, bool)
+    neg_inf = np.zeros(size, bool)
+    nan[cells[np.isnan(values)]] = True
+    pos_inf[cells[values == np.inf]] = True
+    neg_inf[cells[values == -np.inf]] = True
+    finite = np.isfinite(values)
+    best = np.full(size, np.nan)
+    if reduce == "min":
+        best[:] = np.inf
+        np.minimum.at(best, cells[finite], values[finite])
+        seen = np.isfinite(best)
+    else:
+        best[:] = -1.0
+        np.maximum.at(best, cells[finite], np.abs(values[finite]))
+        seen = best >= 0
+    codes = np.full(size, MISSING, np.uint8)
+    if scale is not None:
+        lo, hi = scale
+        level = (best[seen] - lo) / (hi - lo)
+        codes[seen] = np.clip(np.rint(level * (LEVELS - 1)), 0, LEVELS - 1)
+    else:
+        nonzero = seen & (best > 0)
+        codes[seen & (best == 0)] = ZERO
+        logs = np.log10(best[nonzero])
+        lo, hi = (float(logs.min()), float(logs.max())) if logs.size else (0.0, 0.0)
+        span = hi - lo if hi > lo else 1.0
+        codes[nonzero] = np.clip(np.rint((logs - lo) / span * (LEVELS - 1)), 0, LEVELS - 1)
+    codes[neg_inf] = NEG_INF
+    codes[pos_inf] = POS_INF
+    codes[nan] = NAN
+    return {"lo": lo, "hi": hi, "scale": "linear" if scale is not None else "log",
+            "nonfinite": int((nan | pos_inf | neg_inf).sum()),
+            "data": base64.b64encode(codes.tobytes()).decode("ascii")}
+
+
+def _label(key: tuple[int, str]) -> str:
+    return key[1] if key[0] == 0 else f"{key[1]} (vpp {key[0]})"
+
+
+def merge_tables(tables: list[Table]) -> tuple[list[tuple[int, str]], dict[str, tuple[np.ndarray, ...]]]:
+    """Tables of one family (rotated files, a metric change) -> row keys and ``metric -> (rows, steps, values)``."""
+    keys: dict[tuple[int, str], int] = {}
+    by_metric: dict[str, list[tuple[np.ndarray, ...]]] = {}
+    for table in tables:
+        remap = np.array([keys.setdefault(key, len(keys)) for key in table.keys], dtype=np.int32)
+        rows = remap[table.rows] if len(table.rows) else table.rows
+        for column, metric in enumerate(table.metrics):
+            by_metric.setdefault(metric, []).append((rows, table.steps, table.values[:, column]))
+    merged = {metric: tuple(np.concatenate(part) for part in zip(*parts)) for metric, parts in by_metric.items()}
+    return list(keys), merged
+
+
+def heatmaps(family: str, tables: list[Table], rank: int, max_columns: int,
+             scales: dict[str, tuple[float, float]] | None = None) -> list[dict[str, Any]]:
+    """The heatmaps of one family on one rank, one per metric (with ``scales``: only those metrics,
+    on a fixed linear range, lowest value per cell)."""
+    keys, by_metric = merge_tables(tables)
+    out = []
+    for metric, (rows, steps, values) in by_metric.items():
+        if scales is not None and metric not in scales:
+            continue
+        if not len(steps):
+            continue
+        bins, first_steps, per_bin = step_bins(steps, max_columns)
+        shape = (len(keys), len(first_steps))
+        scale = scales[metric] if scales is not None else None
+        grid = encode_grid(rows.astype(np.int64) * shape[1] + bins, shape, values, scale,
+                           "min" if scales is not None else "absmax")
+        out.append({"family": family, "metric": metric, "rank": rank, "rows": [_label(k) for k in keys],
+                    "steps": first_steps.tolist(), "last_step": int(steps.max()), "per_bin": per_bin,
+                    "reduce": "min" if scales is not None else "absmax", **grid})
+    return out
+
+
+def curves(tables: list[Table], max_points: int) -> dict[str, Any]:
+    """``name -> {"steps", "lo", "hi", "bad"}`` of the run-level scalars (``scalars.csv``) of one rank.
+
+    ``lo``/``hi`` are the min and max over each step bin (equal when not binned; null where a bin
+    has no finite value); ``bad`` lists the steps whose value is NaN or Inf (at most 1,000).
+    """
+    keys, by_metric = merge_tables(tables)
+    if "value" not in by_metric:
+        return {}
+    rows, all_steps, all_values = by_metric["value"]
+    out: dict[str, Any] = {}
+    for row, (_, name) in enumerate(keys):
+        if name not in CURVES and not name.startswith("lr/"):
+            continue
+        mask = rows == row
+        order = np.argsort(all_steps[mask], kind="stable")
+        steps, values = all_steps[mask][order], all_values[mask][order]
+        if not len(steps):
+            continue
+        bad = steps[~np.isfinite(values)]
+        per_bin = max(1, math.ceil(len(steps) / max_points))
+        starts = np.arange(0, len(steps), per_bin)
+        finite = np.where(np.isfinite(values), values, np.nan)
+        with np.errstate(all="ignore"):
+            lo, hi = np.fmin.reduceat(finite, starts), np.fmax.reduceat(finite, starts)
+        out[name] = {"steps": steps[starts].tolist(), "lo": _floats(lo), "hi": _floats(hi),
+                     "per_bin": per_bin, "bad": bad[:1000].tolist(), "bad_total": int(len(bad))}
+    return out
+
+
+def _floats(values: np.ndarray) -> list[float | None]:
+    return [float(v) if math.isfinite(v) else None for v in values.tolist()]
+
+
+def timeline(result: dict[str, Any], max_columns: int) -> dict[str, Any]:
+    """The cross-rank anomaly timeline from :func:`~trainmon.anomaly.analyse.analyse_run`'s
+    ``by_rank_step`` counts: ``[rank, first step of the bin, events]``, steps binned to ``max_columns``."""
+    cells = result["counts"].get("by_rank_step", [])
+    if not cells:
+        return {"cells": [], "per_bin": 1}
+    array = np.array(cells, dtype=np.int64)
+    bins, first_steps, per_bin = step_bins(array[:, 1], max_columns)
+    keyed: dict[tuple[int, int], int] = {}
+    for rank, step_bin, count in zip(array[:, 0].tolist(), bins.tolist(), array[:, 2].tolist()):
+        keyed[(rank, int(first_steps[step_bin]))] = keyed.get((rank, int(first_steps[step_bin])), 0) + count
+    return {"cells": [[rank, step, count] for (rank, step), count in sorted(keyed.items())], "per_bin": per_bin}
+
+
+def markers(events: list[dict[str, Any]], limit: int = 2000) -> list[dict[str, Any]]:
+    """The earliest event of each step (``first_by_step``) as curve markers, at most ``limit``
+    (evenly thinned beyond)."""
+    every = max(1, math.ceil(len(events) / limit))
+    return [{"step": e["step"], "rank": e["rank"], "detector": e["detector"], "message": e["message"]}
+            for e in events[::every]]
+
+
+def read_families(files: list[Path], families: list[str] | None, on_file: Callable[[], None]) -> dict[str, list[Table]]:
+    """``family -> tables`` of one rank's CSV files (``scalars`` included), advancing ``on_file`` per file."""
+    out: dict[str, list[Table]] = {}
+    for path in files:
+        family = family_of(path)
+        if families is None or family in families or family == "scalars":
+            out.setdefault(family, []).append(read_table(path))
+        on_file()
+    return out
+
+
+def read_probe_table(path: Path) -> Table:
+    """``grad_probe/grad_summary.csv`` as a :class:`~trainmon.csv2tb.Table` of its similarity columns."""
+    try:
+        with open_regular(path, text=True, newline="") as handle:
+            reader = csv.reader(handle)
+            header = next(reader, [])
+            if header[:3] != ["vpp_stage", "name", "step"]:
+                raise CsvFormatError(f"{path}:1: expected header to start with vpp_stage,name,step, "
+                                     f"got {','.join(header)[:80]!r}")
+            columns = [i for i, name in enumerate(header) if name in PROBE_METRICS]
+            index: dict[tuple[int, str], int] = {}
+            rows, steps, values = [], [], []
+            for line, row in enumerate(reader, 2):
+                if len(row) != len(header):
+                    raise CsvFormatError(f"{path}:{line}: expected {len(header)} fields, got {len(row)}")
+                try:
+                    key = (int(row[0]), row[1])
+                    steps.append(int(row[2]))
+                    values.append([float(row[i]) for i in columns])
+                except ValueError as exc:
+                    raise CsvFormatError(f"{path}:{line}: {exc}") from None
+                rows.append(index.setdefault(key, len(index)))
+    except UnicodeDecodeError as exc:
+        raise CsvFormatError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except csv.Error as exc:
+        raise CsvFormatError(f"{path}: {exc}") from None
+    return Table("grad_probe", [header[i] for i in columns], list(index), np.array(rows, dtype=np.int32),
+                 np.array(steps, dtype=np.int64), np.zeros(len(rows), np.int32),
+                 np.array(values, dtype=np.float64).reshape(len(rows), len(columns)))
