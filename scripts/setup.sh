@@ -25,6 +25,17 @@ fi
 # numpy<2 (MindSpore), constraints-np2.txt numpy>=2 and pandas>=3.
 "$VENV/bin/pip" install -q -c "$CONSTRAINTS" "${PACKAGES[@]}"
 
+# Chromium, for the browser test of `trainmon report` (tests/integration/test_report_browser.py skips without
+# it): Debian's package, installed once where apt-get is available; a failure only says so.
+if [ "$VENV" = .venv ] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null 2>&1; then
+  SUDO=()
+  if [ "$(id -u)" -ne 0 ]; then SUDO=(sudo -n); fi
+  echo "setup.sh: installing chromium (apt-get) for the report's browser test" >&2
+  { ${SUDO[@]+"${SUDO[@]}"} apt-get update -qq && DEBIAN_FRONTEND=noninteractive ${SUDO[@]+"${SUDO[@]}"} apt-get install -y -qq chromium; } \
+    >/dev/null 2>&1 || echo "setup.sh: chromium not installed; tests/integration/test_report_browser.py will skip" >&2
+fi
+
 # msprobe 1.2.1, the reference the msprobe tests compare with: downloaded and unpacked into .cache/ (cached,
 # never installed into the venv). Without network the msprobe comparison test skips and says why.
 bash scripts/fetch_msprobe.sh || echo "setup.sh: msprobe 1.2.1 not fetched; tests/integration/test_msprobe_compare.py will skip" >&2
