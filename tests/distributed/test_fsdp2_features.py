@@ -34,7 +34,8 @@ PRELOAD = ("numpy", "torch", "torch.distributed.fsdp", "torch.distributed.tensor
 ACTION_STEP, DUMP_STEP = 1, 4  # the script's: a dump by hand, and the dump after the NaN (step 2) is localised
 FC1 = "Module.blocks.1.fc1.PoisonLinear"
 BLOCK = "Module.blocks.1.Block"
-PROBE_CASES = ("probe", "probe_dim1")  # Shard(0) with every weight family; matrices Shard(1), grad probe only
+PROBE_CASES = ("probe", "probe_dim1", "probe_hsdp_2x1")  # Shard(0) with every weight family; matrices Shard(1),
+# grad probe only; HSDP with 2 replicas of whole tensors (each rank writes its own)
 PROBE_COLLECTED, BOUNDS = (0, 2, 4), (-0.01, 0.0, 0.01)
 
 
@@ -146,8 +147,12 @@ def test_free_benchmark_reruns_fsdp_modules_on_their_unsharded_parameters(runs: 
     assert not info["hooks_left"]
 
 
-def _summary(runs: Path, case: str) -> pd.DataFrame:
-    return read_family(runs / case / "rank0" / "grad_probe", "grad_summary")
+def _summary(runs: Path, case: str, rank: int = 0) -> pd.DataFrame:
+    return read_family(runs / case / f"rank{rank}" / "grad_probe", "grad_summary")
+
+
+def _writers(case: str) -> tuple[int, ...]:
+    return (0, 1) if case == "probe_hsdp_2x1" else (0,)  # the lowest selected rank of each shard group
 
 
 def _expected_summary(grad: np.ndarray, previous: np.ndarray | None, exp_avg: np.ndarray | None) -> dict[str, float]:
@@ -169,12 +174,17 @@ def _expected_summary(grad: np.ndarray, previous: np.ndarray | None, exp_avg: np
 
 @pytest.mark.parametrize("case", PROBE_CASES)
 def test_grad_probe_equals_float64_statistics_of_the_full_gradients(runs: Path, case: str) -> None:
+    for rank in _writers(case):
+        _check_probe_rows(runs, case, rank)
+
+
+def _check_probe_rows(runs: Path, case: str, rank: int) -> None:
     from trainmon.probe.storage import direction_path, read_direction_header
 
-    refs = _refs(runs, 0, case)
-    frame = _summary(runs, case)
+    refs = _refs(runs, rank, case)
+    frame = _summary(runs, case, rank)
     names = sorted({key.split("|")[2] for key in refs if "|grad|" in key})
-    assert "head.weight" in names  # one row: an empty shard on rank 1
+    assert "head.weight" in names  # one row: an empty shard on rank 1 (1-D meshes)
     assert sorted(set(frame.step)) == list(PROBE_COLLECTED) and sorted(set(frame.name)) == names
     for i, step in enumerate(PROBE_COLLECTED):
         for name in names:
@@ -187,7 +197,8 @@ def test_grad_probe_equals_float64_statistics_of_the_full_gradients(runs: Path, 
                 got = float(row[column])
                 assert (np.isnan(got) and np.isnan(want)) or np.isclose(got, want, rtol=1e-5, atol=1e-7), \
                     (case, step, name, column, got, want)
-            direction = read_direction_header(direction_path(runs / case / "rank0" / "grad_probe", step, name, 0))
+            direction = read_direction_header(direction_path(runs / case / f"rank{rank}" / "grad_probe", step, name,
+                                                             0))
             assert direction.header["count"] == grad.size
             np.testing.assert_array_equal(direction.bits(), np.packbits(grad.ravel() > 0, bitorder="little"))
 
@@ -227,9 +238,10 @@ def test_grad_probe_l0_hash_is_the_hash_of_the_full_gradient(runs: Path) -> None
 @pytest.mark.parametrize("case", PROBE_CASES + ("probe_l0",))
 def test_grad_probe_adds_one_gather_per_collected_step_written_by_the_lowest_rank(runs: Path, case: str) -> None:
     # "probe": the FSDP statistics' all_gather and the probe's gather; "probe_dim1": the probe's gather only
-    per_step = 2 if case == "probe" else 1
+    per_step = {"probe": 2, "probe_hsdp_2x1": 0}.get(case, 1)
     for rank in range(2):
         info = json.loads((runs / case / f"info_rank{rank}.json").read_text())
         assert info["collectives"] == [per_step if step in PROBE_COLLECTED else 0 for step in range(5)]
         assert info["warnings"] == []
-    assert not (runs / case / "rank1" / "grad_probe").exists()  # the combined files are written once
+    if case != "probe_hsdp_2x1":
+        assert not (runs / case / "rank1" / "grad_probe").exists()  # the combined files are written once

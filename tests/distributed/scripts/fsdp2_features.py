@@ -206,10 +206,14 @@ def _train_probe(net: nn.Module, monitor: TrainerMonitor, batches, refs: dict[st
 
 def run_probe(out: Path, warnings: Warnings, case: str, counter: fsdp2_train.CollectiveCounter) -> None:
     """FSDP2 (``probe``: ``Shard(0)``, every weight family on; ``probe_dim1``: matrices ``Shard(1)``, grad probe
-    only; ``probe_l0``: ``Shard(0)``, level L0) on each rank's 5 rows; then, on rank 0, ``probe_plain``: the
+    only; ``probe_l0``: ``Shard(0)``, level L0; ``probe_hsdp_2x1``: HSDP, 2 replicas of 1 shard) on each rank's
+    5 rows; then, on rank 0, ``probe_plain``: the
     unsharded model on both ranks' 10 rows (L2)."""
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if case == "probe_hsdp_2x1":  # replicas of whole tensors: no shard to combine, each rank writes its own
+        mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     net = fsdp2_train.Net()
     placement = (lambda p: Shard(1) if p.ndim == 2 else None) if case == "probe_dim1" else None
