@@ -28,8 +28,9 @@ from launch_env import single_process_env  # noqa: E402
 single_process_env()
 
 import torch  # noqa: E402
-from benchmarks.overhead import BATCH, CASES, CLOCKS, SHAPE  # noqa: E402
 from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
+
+from benchmarks.overhead import BATCH, CASES, CLOCKS, SHAPE  # noqa: E402
 
 DS_CASES = ("none", "weights")
 

@@ -260,7 +260,8 @@ def nan_inf_options(dtype: torch.dtype) -> None:
         torch._foreach_clamp_min_(infinite, 0.0)
         torch._foreach_norm(infinite, 1, dtype=torch.float32)  # inf count; NaN = numel - finite - inf
 
-    print(f"NaN/Inf counts of the {len(xs)} {str(dtype)[6:]} gradients of `gpt` ({one_read / 1e6:.1f} MB), plain torch:")
+    print(f"NaN/Inf counts of the {len(xs)} {str(dtype)[6:]} gradients of `gpt` ({one_read / 1e6:.1f} MB), "
+          "plain torch:")
     for name, run in (("isnan/isinf per tensor", separate), ("torch.where on 0-d flags", gated),
                       ("_foreach arithmetic", foreach)):
         counter = OpCounter(attribute=False)

@@ -20,8 +20,8 @@ from launch_env import single_process_env  # noqa: E402
 
 single_process_env()
 
-import torch  # noqa: E402
 import deepspeed  # noqa: E402
+import torch  # noqa: E402
 from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
 
 from trainmon import TrainerMonitor  # noqa: E402

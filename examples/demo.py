@@ -53,7 +53,8 @@ def main() -> int:
         "activations": {"enabled": True, "metrics": ["norm", "min", "max", "mean", "nans", "infs"]},
         "weight_grads": {"enabled": True},
         "optimizer_states": {"enabled": True},
-        "anomaly": {"detectors": [{"type": "nonfinite"}, {"type": "loss_spike"}], "actions": ["log", "jsonl", "callback"]},
+        "anomaly": {"detectors": [{"type": "nonfinite"}, {"type": "loss_spike"}],
+                    "actions": ["log", "jsonl", "callback"]},
     }
     events = []
     print(f"training a 4-layer d=64 GPT on CPU for {args.steps} steps with the monitor (every family, 6 metrics; "

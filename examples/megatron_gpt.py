@@ -5,8 +5,8 @@
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 examples/megatron_gpt.py --distributed-optimizer --bf16
 
 Options: --tp, --pp, --vpp (virtual pipeline chunks per stage), --distributed-optimizer, --bf16,
---micro-batches N, --steps N, --out DIR, --no-monitor (plain run, for timing). On a machine without CUDA the script applies
-``examples/mcore_cpu_shim.py``, a **CPU-only test shim** that patches torch and Megatron globally so
+--micro-batches N, --steps N, --out DIR, --no-monitor (plain run, for timing). On a machine without CUDA the
+script applies ``examples/mcore_cpu_shim.py``, a **CPU-only test shim** that patches torch and Megatron globally so
 that Megatron-Core 0.16 runs on CPU with gloo; on GPUs (nccl) nothing is patched.
 The trainmon lines are marked ``# trainmon``.
 """

@@ -88,7 +88,9 @@ class TargetsConfig:
     """Which modules and parameters are monitored."""
 
     modules: list[str] = _patterns(["*"])
-    """Module names: exact (``layers.0.mlp``), glob (``layers.*.mlp``) or regex (``re:^layers\\.[01]\\.``). A pattern that matches nothing fails at ``attach``, unless prefixed with ``optional:`` (``optional:re:^layers\\.0\\.``)."""
+    """Module names: exact (``layers.0.mlp``), glob (``layers.*.mlp``) or regex (``re:^layers\\.[01]\\.``).
+    A pattern that matches nothing fails at ``attach``, unless prefixed with ``optional:``
+    (``optional:re:^layers\\.0\\.``)."""
     params: list[str] = _patterns(["*"])
     """Parameter names, same pattern forms as ``modules``."""
 
@@ -108,7 +110,13 @@ class ActivationsConfig:
     inputs: bool = True
     """Measure module inputs as well as outputs (msprobe ``all_xy``)."""
     grad_hooks: str = setting("module", choices=GRAD_HOOKS)
-    """How gradients are hooked: ``module`` (full backward hooks; ``input_grad`` is the gradient w.r.t. the module's inputs through this module only) or ``tensor`` (hooks on the output and input tensors; ``input_grad`` is the gradient of the input tensor summed over all its consumers, none for leaf tensors). Use ``tensor`` when a target's output or input is modified in place (``nn.ReLU(inplace=True)`` after a target, ``out += x``): torch rejects that under full backward hooks. ``module`` switches to ``tensor`` by itself, with a warning, when a target module has ``inplace=True``. MindSpore always uses cell backward hooks."""
+    """How gradients are hooked: ``module`` (full backward hooks; ``input_grad`` is the gradient w.r.t. the
+    module's inputs through this module only) or ``tensor`` (hooks on the output and input tensors;
+    ``input_grad`` is the gradient of the input tensor summed over all its consumers, none for leaf tensors).
+    Use ``tensor`` when a target's output or input is modified in place (``nn.ReLU(inplace=True)`` after a
+    target, ``out += x``): torch rejects that under full backward hooks. ``module`` switches to ``tensor`` by
+    itself, with a warning, when a target module has ``inplace=True``. MindSpore always uses cell backward
+    hooks."""
 
 
 @dataclass
@@ -234,7 +242,8 @@ class FreeBenchmarkConfig:
     """check: compare and write failures to ``free_benchmark.csv``; fix: also replace the module's
     output by the improve_precision / to_cpu result (value only; gradients flow through the original)."""
     targets: list[str] = _patterns([])
-    """Modules checked every ``interval`` steps (exact names, globs or ``re:`` regexes); empty: only on anomaly or by hand."""
+    """Modules checked every ``interval`` steps (exact names, globs or ``re:`` regexes); empty: only on anomaly
+    or by hand."""
     interval: int = setting(1, minimum=1)
     """Check ``targets`` on every N-th step."""
     max_per_step: int = setting(4, minimum=1)
@@ -270,7 +279,8 @@ class MonitorConfig:
     sinks: list[str] = setting(["csv", "tensorboard"], choices=SINKS, unique=True)
     """Outputs: csv, tensorboard."""
     ranks: list[int] | None = setting(None, minimum=0, unique=True, check=_some_rank)
-    """Ranks that collect and write (distinct, each below the world size: checked at ``attach``); null means every rank."""
+    """Ranks that collect and write (distinct, each below the world size: checked at ``attach``); null means
+    every rank."""
     start_step: int = setting(0, minimum=0)
     """First step that is collected."""
     step_interval: int = setting(1, minimum=1)

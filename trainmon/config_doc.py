@@ -59,7 +59,7 @@ def _section(cls: type, prefix: str, nested: list[tuple[type, str]]) -> list[str
             inner.append((hints[f.name], f"{prefix}.{f.name}" if prefix else f.name))
             continue
         cells = [f"`{f.name}`", f"`{type_name(hints[f.name])}`", f"`{json.dumps(getattr(default, f.name))}`",
-                 docs.get(f.name, "")]
+                 " ".join(docs.get(f.name, "").split())]  # a docstring's lines, one table row
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")  # GFM table cells
     nested[:0] = inner  # depth first, as the sections nest
     return [*lines, ""]

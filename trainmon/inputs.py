@@ -62,7 +62,7 @@ def open_regular(path: str | os.PathLike[str], text: bool = False, encoding: str
             raise NotRegularFileError(code, f"{kind}, not a regular file", str(path))
         if _NONBLOCK:
             os.set_blocking(fd, True)
-        handle: IO[Any] = io.open(fd, "rb", closefd=True)
+        handle: IO[Any] = open(fd, "rb", closefd=True)  # noqa: SIM115 - returned: the caller closes it
     except BaseException:
         os.close(fd)
         raise

@@ -340,8 +340,8 @@ class _Translation:
                                   "series": self._turbulence_series()})
             elif name == "AnomalyNan":
                 if args.get("threshold") is not None:
-                    self._cannot("alert.rules: AnomalyNan threshold", "trainmon has no |value| > threshold "
-                                                                      "detector; its nonfinite detector reports NaN and Inf")
+                    self._cannot("alert.rules: AnomalyNan threshold", "trainmon has no |value| > threshold detector; "
+                                                                      "its nonfinite detector reports NaN and Inf")
             else:
                 self._cannot(f"alert.rules: {str(name)[:40]!r}", "msprobe knows AnomalyTurbulence (with args."
                                                                  "threshold) and AnomalyNan; msprobe skips it too")

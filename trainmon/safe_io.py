@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -76,10 +77,8 @@ def _open_dir(root: Path, directories: tuple[str, ...], create: bool) -> int:
         for name in directories:
             where = where / name
             if create:
-                try:
+                with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o777, dir_fd=fd)
-                except FileExistsError:
-                    pass
             child = _open_dir_at(fd, name, where)
             os.close(fd)
             fd = child
@@ -251,10 +250,8 @@ def write_atomic(path: Path, data: bytes, root: Path | None = None) -> None:
                 pass
             os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp_name, dir_fd=dir_fd)
-            except OSError:
-                pass
             raise
     finally:
         os.close(dir_fd)

@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO 1/2/3 with 2 ranks (gloo, CPU): shard statistics equal ZeRO-0's, rank attribution.
 
 Each case trains in 2 processes of its own (one process group per case, ``tests/launch.py``), on first
-use by a test, so a case that fails fails only the tests that read it. ZeRO-0 is checked against numpy float64 of the full tensors it
-saved, ZeRO 1/2/3 against ZeRO-0 (same seed and data, 1e-5 relative), and bf16 ZeRO 1/2/3 against
+use by a test, so a case that fails fails only the tests that read it. ZeRO-0 is checked against numpy float64 of
+the full tensors it saved, ZeRO 1/2/3 against ZeRO-0 (same seed and data, 1e-5 relative), and bf16 ZeRO 1/2/3 against
 bf16 ZeRO-0 at bf16 precision. The script counts the collectives trainmon issues and makes
 DeepSpeed's full-gather accessors raise for the whole run.
 """
@@ -88,7 +88,8 @@ def test_zero0_matches_numpy(runs):
                 update = adam_update_np(ref[key.format("exp_avg")], ref[key.format("exp_avg_sq")],
                                         float(ref[key.format("step")]), (0.9, 0.999), 1e-8)
                 after = ref[key.format("param_after")]
-                array = update if family == "update" else np.where(after != 0, update / np.where(after != 0, after, 1), 0)
+                ratio = np.where(after != 0, update / np.where(after != 0, after, 1), 0)
+                array = update if family == "update" else ratio
             want = np_stats(array)
             for metric in METRICS:
                 atol = 1e-7 * want["norm"] if metric == "mean" else 1e-7

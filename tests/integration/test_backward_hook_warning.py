@@ -28,8 +28,8 @@ def _train(tmp_path, model, steps=3, grad_acc=1, **activations):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         inner_filters = list(warnings.filters)
-        for step in range(steps):
-            for micro in range(grad_acc):
+        for _step in range(steps):
+            for _micro in range(grad_acc):
                 x, y = torch.randn(4, 6), torch.randn(4, 3)
                 loss = ((model(x) - y) ** 2).mean()
                 loss.backward()

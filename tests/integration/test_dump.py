@@ -15,7 +15,12 @@ from torch import nn
 
 from trainmon.actions.dump import TargetedDump
 from trainmon.actions.naming import (
-    implicated_module, is_within, module_parents, modules_for_events, neighbourhood, safe_file_name,
+    implicated_module,
+    is_within,
+    module_parents,
+    modules_for_events,
+    neighbourhood,
+    safe_file_name,
 )
 from trainmon.anomaly.engine import AnomalyEngine
 from trainmon.collect.activations import ActivationCollector

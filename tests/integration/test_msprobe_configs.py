@@ -71,7 +71,8 @@ SOURCES = {  # file -> where msprobe publishes it (doc blocks by the line their 
     "doc833_line393.json":
         "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:393",
     "doc833_line423.json":
-        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:423 (fragment, wrapped in {} here; // comment removed)",
+        "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:423 "
+        "(fragment, wrapped in {} here; // comment removed)",
     "doc833_line430.json":
         "mindstudio-probe 8.3.3 wheel (PyPI): msprobe/docs/19.monitor.md:430 (fragment, wrapped in {} here)",
     "doc833_line438.json":
@@ -99,7 +100,8 @@ SOURCES = {  # file -> where msprobe publishes it (doc blocks by the line their 
     "docnew_line345.json":
         "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:345",
     "docnew_line375.json":
-        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:375 (fragment, wrapped in {} here; // comment removed)",
+        "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:375 "
+        "(fragment, wrapped in {} here; // comment removed)",
     "docnew_line382.json":
         "newest docs: debug/accuracy_tools/msprobe/docs/zh/monitor_instruct.md:382 (fragment, wrapped in {} here)",
     "docnew_line390.json":

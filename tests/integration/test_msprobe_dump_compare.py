@@ -62,7 +62,8 @@ def test_torch_dump_is_read_by_msprobe_compare(tmp_path: Path) -> None:
     assert json.loads((dumps / "localisation.jsonl").read_text())["dump_step"] == 5
     table = compare_dumps(dumps / "step5", dumps / "step1", tmp_path / "compare")
     check_compare(table, nan_rows={"Module.layers.2.Block.forward.0.output.0"},
-                  finite_rows={"Module.layers.2.Block.forward.0.input.0", "Module.layers.2.fc.Linear.forward.0.output.0",
+                  finite_rows={"Module.layers.2.Block.forward.0.input.0",
+                               "Module.layers.2.fc.Linear.forward.0.output.0",
                                "Module.layers.2.fc.Linear.forward.0.parameters.weight"})
     # the parameter gradients ({param: [description]}) are found in both dumps' tensor files
     grads = table[table["NPU Name"].str.contains("parameters_grad")]

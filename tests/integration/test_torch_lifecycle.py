@@ -144,11 +144,10 @@ def test_targets_glob_regex_and_errors(tmp_path):
 
 def test_close_is_idempotent_and_works_after_an_exception(tmp_path):
     model, optimizer, monitor = _setup(tmp_path, activations={"enabled": True})
-    with pytest.raises(RuntimeError, match="boom"):
-        with monitor:
-            monitor.attach(model, optimizer)
-            loss_fn(model, *batch(0)).backward()
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), monitor:
+        monitor.attach(model, optimizer)
+        loss_fn(model, *batch(0)).backward()
+        raise RuntimeError("boom")
     monitor.close()
     monitor.close()
     with pytest.raises(RuntimeError, match="closed"):

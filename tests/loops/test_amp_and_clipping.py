@@ -89,7 +89,8 @@ def test_amp_gradients_are_what_the_optimizer_uses(tmp_path, user_steps, autocas
     values = scalars(tmp_path)
     # every step is a step, the skipped one included (the scaler's update ends it)
     assert list(values.index) == list(range(STEPS))
-    reduced, unreduced, params = rows(tmp_path, "grad_reduced"), rows(tmp_path, "grad_unreduced"), rows(tmp_path, "param")
+    reduced, unreduced = rows(tmp_path, "grad_reduced"), rows(tmp_path, "grad_unreduced")
+    params = rows(tmp_path, "param")
     for step in range(STEPS):
         assert values.loc[step, "loss_scale"] == ref["scale"][step]
         assert values.loc[step, "step_skipped"] == (1.0 if step == OVERFLOW_STEP else 0.0)

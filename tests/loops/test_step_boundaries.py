@@ -28,7 +28,7 @@ def test_lbfgs_closure_grads_are_those_of_the_first_evaluation(tmp_path):
     for step in range(3):
         x, y = data(step)
 
-        def closure():
+        def closure(x=x, y=y, step=step):
             optimizer.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -59,7 +59,7 @@ def test_lightning_style_accumulation_with_a_closure(tmp_path):
         for micro in range(3):
             x, y = data(10 * step + micro)
 
-            def closure():
+            def closure(x=x, y=y):
                 loss = torch.nn.functional.mse_loss(model(x), y) / 3
                 loss.backward()
                 return loss

@@ -30,7 +30,8 @@ FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 # --------------------------------------------------------------------------- config
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
-                    st.text(max_size=12), st.sampled_from(["norm", "csv", "re:(", "*", "L2", "spike", "log", "", "re:^a"]))
+                    st.text(max_size=12),
+                    st.sampled_from(["norm", "csv", "re:(", "*", "L2", "spike", "log", "", "re:^a"]))
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 
@@ -51,7 +52,8 @@ def _section(cls: type) -> st.SearchStrategy[dict]:
                             max_size=3) | json_values
         return json_values
 
-    entries = st.one_of(*[st.tuples(st.just(k), value_for(k)) for k in keys], st.tuples(st.text(max_size=6), json_values))
+    entries = st.one_of(*[st.tuples(st.just(k), value_for(k)) for k in keys],
+                        st.tuples(st.text(max_size=6), json_values))
     return st.lists(entries, max_size=5).map(dict)
 
 

@@ -306,7 +306,8 @@ def test_a_slow_disk_never_slows_anomaly_processing(tmp_path, monkeypatch):
         start = time.perf_counter()
         for step in range(5):
             assert len(engine.process(StepRecord(step=step, rank=0, scalars={"loss": math.nan}))) == 1
-        assert time.perf_counter() - start < 2.0 and lines == []  # a synchronous write would wait 10 s  # the disk has not taken a single line yet
+        # a synchronous write would wait 10 s; the disk has not taken a single line yet
+        assert time.perf_counter() - start < 2.0 and lines == []
     finally:
         release.set()
         engine.close()

@@ -45,7 +45,8 @@ def order_events(events: Iterable[AnomalyEvent]) -> list[AnomalyEvent]:
     return sorted(events, key=sort_key)
 
 
-_KIND_WORDS: dict[str, str] = {"input_grad": "gradient w.r.t. the input of", "output_grad": "gradient w.r.t. the output of",
+_KIND_WORDS: dict[str, str] = {"input_grad": "gradient w.r.t. the input of",
+                               "output_grad": "gradient w.r.t. the output of",
                                "input": "input of", "output": "output of"}
 
 

@@ -100,6 +100,6 @@ class StepBuffer:
                     else np.empty((0, PARTIAL_SLOTS)))
         scalars = dict(self.host_scalars)
         if self.scalar_values:
-            for (device, indices), piece in zip(scalar_devices.items(), pieces[n_blocks:]):
+            for (_device, indices), piece in zip(scalar_devices.items(), pieces[n_blocks:]):
                 scalars.update((self.scalar_names[i], float(value)) for i, value in zip(indices, piece))
         return HostStep(list(self.keys), partials, scalars)

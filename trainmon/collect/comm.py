@@ -39,8 +39,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from trainmon.collect.comm_ops import PLANNERS, ArgumentBinder, CallPlan, MeasuredWork, group_label, in_coalescing, \
-    payload_bytes
+from trainmon.collect.comm_ops import (
+    PLANNERS,
+    ArgumentBinder,
+    CallPlan,
+    MeasuredWork,
+    group_label,
+    in_coalescing,
+    payload_bytes,
+)
 from trainmon.collect.context import in_backward
 from trainmon.collect.stats import combine_partials_torch, partial_stats
 from trainmon.config import COMM_OPS
@@ -100,9 +107,9 @@ class CommCollector:
         optimizer: the optimizer whose step marks phase ``optimizer`` (step pre/post hooks), or None.
 
     Example:
-        >>> collector = CommCollector(ctx, config.communication)   # wrappers installed
-        >>> dist.all_reduce(tensor)                                  # measured on collected steps
-        >>> collector.before_transfer(); collector.close()          # originals restored
+        >>> collector = CommCollector(ctx, config.communication)   # wrappers installed  # doctest: +SKIP
+        >>> dist.all_reduce(tensor)                                  # measured on collected steps  # doctest: +SKIP
+        >>> collector.before_transfer(); collector.close()          # originals restored  # doctest: +SKIP
     """
 
     def __init__(self, ctx: StepContext, config: CommunicationConfig, roots: Sequence[torch.nn.Module] = (),

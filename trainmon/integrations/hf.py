@@ -43,7 +43,8 @@ class TrainmonCallback(TrainerCallback):
         ...                   callbacks=[TrainmonCallback("monitor.yaml")])
     """
 
-    def __init__(self, config: MonitorConfig | dict[str, Any] | str | Path | None = None, **attach_options: Any) -> None:
+    def __init__(self, config: MonitorConfig | dict[str, Any] | str | Path | None = None,
+                 **attach_options: Any) -> None:
         self.config = config
         self.attach_options = attach_options
         self.monitor: TrainerMonitor | None = None

@@ -49,7 +49,8 @@ class TrainmonCallback(Callback):
         >>> trainer = L.Trainer(max_steps=100, callbacks=[TrainmonCallback("monitor.yaml")])  # doctest: +SKIP
     """
 
-    def __init__(self, config: MonitorConfig | dict[str, Any] | str | Path | None = None, **attach_options: Any) -> None:
+    def __init__(self, config: MonitorConfig | dict[str, Any] | str | Path | None = None,
+                 **attach_options: Any) -> None:
         self.config = config
         self.attach_options = attach_options
         self.monitor: TrainerMonitor | None = None

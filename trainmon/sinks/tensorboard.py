@@ -5,7 +5,8 @@ Tags (shared with ``trainmon csv2tb`` through :func:`~trainmon.records.row_tag` 
 - ``0_overview/{loss, grad_norm, lr/group{i}, loss_scale, step_skipped}``: the run at a glance, in the
   group TensorBoard lists first (also written as ``scalars/{name}``, the tag earlier versions used);
 - ``0_overview/anomalies/{detector}``: anomaly events per step and detector, with the events' messages as
-  text at their step (tag ``anomalies/{detector}/text_summary`` as ``add_text`` names it, Text tab), read from ``anomalies.jsonl``;
+  text at their step (tag ``anomalies/{detector}/text_summary`` as ``add_text`` names it, Text tab), read from
+  ``anomalies.jsonl``;
 - ``{family}/{name}/{metric}``, with ``/vpp{v}`` and ``/micro{m}`` appended only when not 0, so each tag
   has one value per step under gradient accumulation and virtual pipelining;
 - ``scalars/{name}`` for the other scalars;
@@ -98,7 +99,8 @@ def read_anomaly_lines(data: bytes) -> list[dict[str, Any]]:
 
 
 def custom_scalar_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
-    """tensorboardX ``custom_scalars`` layout: the overview, then one chart per family and metric (regex over modules)."""
+    """tensorboardX ``custom_scalars`` layout: the overview, then one chart per family and metric (a regex over
+    the modules)."""
     layout: dict[str, dict[str, list[Any]]] = {
         "overview": {"loss": ["Multiline", [f"^{OVERVIEW}/loss($|/)"]],
                      "grad_norm": ["Multiline", [f"^{OVERVIEW}/grad_norm$"]],

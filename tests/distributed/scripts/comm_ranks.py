@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-
 from torch import nn
 
 from trainmon import TrainerMonitor

@@ -49,7 +49,8 @@ INJECT_FROM = 2
 
 def stats(a: torch.Tensor) -> dict[str, float]:
     x = a.detach().double().numpy().ravel()
-    return {"Max": float(x.max()), "Min": float(x.min()), "Mean": float(x.mean()), "Norm": float(np.sqrt((x * x).sum()))}
+    return {"Max": float(x.max()), "Min": float(x.min()), "Mean": float(x.mean()),
+            "Norm": float(np.sqrt((x * x).sum()))}
 
 
 def run_case(name: str, out: Path, tp: int, pp: int, steps: int, vpp: int | None = None,

@@ -30,9 +30,12 @@ from megatron.core.distributed import DistributedDataParallel as DDP  # noqa: E4
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups  # noqa: E402
-from megatron.core.optimizer import _get_param_groups_and_buffers  # noqa: E402
+from megatron.core.optimizer import (  # noqa: E402
+    OptimizerConfig,
+    _get_megatron_optimizer_based_on_param_groups,
+    _get_param_groups_and_buffers,
+    get_megatron_optimizer,
+)
 from megatron.core.optimizer.optimizer import ChainedOptimizer  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.transformer.module import Float16Module  # noqa: E402
@@ -143,8 +146,8 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
         inner = Float16Module(cfg, gpt) if bf16 else gpt
         gpts.append(gpt)
         chunks.append(DDP(config=cfg, ddp_config=DistributedDataParallelConfig(
-            use_distributed_optimizer=distopt, grad_reduce_in_fp32=grad_fp32, overlap_grad_reduce=overlap), module=inner,
-            disable_bucketing=stage > 0))
+            use_distributed_optimizer=distopt, grad_reduce_in_fp32=grad_fp32, overlap_grad_reduce=overlap),
+            module=inner, disable_bucketing=stage > 0))
     gpt = gpts[0]
     opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, clip_grad=1e6,
                                  use_distributed_optimizer=distopt, adam_eps=EPS, loss_scale=loss_scale)

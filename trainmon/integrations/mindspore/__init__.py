@@ -7,7 +7,7 @@ tensors' device and moved to the host once per step by :class:`MindSporeStepBuff
 
 Example:
     >>> monitor = TrainerMonitor(cfg).attach(network, optimizer)      # doctest: +SKIP
-    >>> grad_fn = ms.value_and_grad(forward_fn, None, optimizer.parameters)
+    >>> grad_fn = ms.value_and_grad(forward_fn, None, optimizer.parameters)  # doctest: +SKIP
     >>> for x, y in data:                                             # doctest: +SKIP
     ...     loss, grads = grad_fn(x, y)
     ...     optimizer(grads)
@@ -24,7 +24,7 @@ from mindspore import nn
 
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
-from trainmon.integrations.base import AttachOptions, Attachment, select_modules, select_params
+from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
 from trainmon.integrations.mindspore.buffer import MindSporeStepBuffer
 from trainmon.integrations.mindspore.context import buffer_of, new_buffer
 from trainmon.integrations.mindspore.optimizer import MindSporeOptimizerCollector
