@@ -1,6 +1,8 @@
 """Launching test scripts in processes of their own: free ports, local ranks, capability checks, and
 DeepSpeed cases run one per process (lazily, each at most once) so one failing case fails only the
-tests that read it.
+tests that read it. The one launcher of the multi-process tests: :func:`run_ranks` (a script on N local
+ranks), :func:`torchrun` and :func:`msrun` (the frameworks' own launchers, on a free port),
+:class:`RankServers` (warm fork servers) and :class:`DeepSpeedCases`.
 
 Nothing here assumes where the repository was cloned: paths come from this file's location and the
 package's own ``__file__``.
@@ -16,7 +18,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -36,6 +40,77 @@ def child_env(**extra: str) -> dict[str, str]:
     """The environment for a child process: one OMP thread, DeepSpeed's CPU accelerator, the repo importable."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p), **extra}
+
+
+def rendezvous_env(rank: int, world_size: int, port: int | str) -> dict[str, str]:
+    """The ``env://`` rendezvous variables of one local rank (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ...)."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
+def run_ranks(args: Sequence[str | Path], world_size: int = 2, timeout: float = 120.0, **env: str) -> list[str]:
+    """Run ``python *args`` as ``world_size`` local ranks (``env://`` on a free port, :func:`child_env` plus
+    ``env``) and wait for every one.
+
+    Fails the test with every rank's output when a rank exits non-zero; the ranks still running
+    ``GRACE_S`` after that (they may wait in a collective) are killed, and all of them after ``timeout``.
+
+    Returns:
+        Each rank's output (stdout and stderr), in rank order.
+    """
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+", errors="replace")) for _ in range(world_size)]
+        procs = [subprocess.Popen([sys.executable, *map(str, args)], stdout=logs[rank], stderr=subprocess.STDOUT,
+                                  env=child_env(**rendezvous_env(rank, world_size, port), **env), text=True)
+                 for rank in range(world_size)]
+        note = _wait_all(procs, timeout)
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+    codes = [proc.returncode for proc in procs]
+    if any(codes) or note:
+        pytest.fail("".join(f"----- rank {rank} (exit {code}) -----\n{output[-3000:]}\n"
+                            for rank, (code, output) in enumerate(zip(codes, outputs))) + note, pytrace=False)
+    return outputs
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> str:
+    """Wait for every process; kill the rest ``GRACE_S`` after one failed, or all after ``timeout`` (then
+    say so)."""
+    deadline, kill_at = time.monotonic() + timeout, None
+    while [proc.poll() for proc in procs].count(None):  # polls every process (sets its returncode)
+        now = time.monotonic()
+        if kill_at is None and any(proc.returncode not in (None, 0) for proc in procs):
+            kill_at = now + GRACE_S
+        if now > deadline or (kill_at is not None and now > kill_at):
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            return f"[launch] killed the ranks still running {'after a failed rank' if kill_at else 'at the timeout'}"
+        time.sleep(0.05)
+    return ""
+
+
+def torchrun(*args: str | Path, nproc: int = 2) -> list[str]:
+    """The command that runs ``python *args`` on ``nproc`` local ranks with ``torch.distributed.run``, on a
+    free port (run it with :func:`child_env`)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}", *map(str, args)]
+
+
+def msrun(*args: str | Path, log_dir: Path, workers: int = 2) -> list[str]:
+    """The command that runs ``python *args`` as ``workers`` local MindSpore workers with ``msrun``, on a free
+    port, waiting for them; each worker writes ``log_dir/worker_{i}.log`` (run it with :func:`msrun_env`)."""
+    return ["msrun", f"--worker_num={workers}", f"--local_worker_num={workers}", f"--master_port={free_port()}",
+            f"--log_dir={log_dir}", "--join=True", *map(str, args)]
+
+
+def msrun_env() -> dict[str, str]:
+    """:func:`child_env` with this interpreter's ``bin`` first on ``PATH`` (where ``msrun`` is installed)."""
+    return child_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
 def fp16_unsupported_reason() -> str | None:
@@ -110,8 +185,7 @@ class RankServers:
         log_dir.mkdir(parents=True, exist_ok=True)
         port, pids = str(free_port()), []
         for rank, server in enumerate(self._servers):
-            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-                   "LOCAL_WORLD_SIZE": str(self.world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            env = rendezvous_env(rank, self.world_size, port)
             request = {"argv": [str(a) for a in args], "env": env, "log": str(log_dir / f"rank{rank}.log")}
             try:
                 server.stdin.write((json.dumps(request) + "\n").encode())
@@ -123,7 +197,8 @@ class RankServers:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 self.close()
-                return False, f"[launch] the fork server of rank {rank} did not start the script (it is restarted next time)"
+                return False, (f"[launch] the fork server of rank {rank} did not start the script "
+                               "(it is restarted next time)")
             pids.append(answer["pid"])
         codes: dict[int, int] = {}
         deadline, kill_at, give_up_at, note = time.monotonic() + timeout, None, None, ""
@@ -139,7 +214,8 @@ class RankServers:
             if kill_at is None and any(code != 0 for code in codes.values()):
                 kill_at = now + GRACE_S
             if give_up_at is None and (now > deadline or (kill_at is not None and now > kill_at)):
-                note += f"\n[launch] killed the ranks still running {'after a failed rank' if kill_at else f'after {timeout:.0f} s'}"
+                when = "after a failed rank" if kill_at else f"after {timeout:.0f} s"
+                note += f"\n[launch] killed the ranks still running {when}"
                 for rank, pid in enumerate(pids):
                     if rank not in codes:
                         with contextlib.suppress(ProcessLookupError):
@@ -149,8 +225,8 @@ class RankServers:
                 note += "\n[launch] the fork servers did not report their killed children: restarting them"
                 self.close()
                 break
-        output = "".join(f"----- rank {r} (exit {codes.get(r)}) -----\n{(log_dir / f'rank{r}.log').read_text(errors='replace')}"
-                         for r in range(self.world_size))
+        output = "".join(f"----- rank {r} (exit {codes.get(r)}) -----\n"
+                         f"{(log_dir / f'rank{r}.log').read_text(errors='replace')}" for r in range(self.world_size))
         return all(codes.get(r) == 0 for r in range(self.world_size)), output + note
 
     def close(self) -> None:

@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.launch import run_ranks
 from tests.reference import METRICS, assert_close, np_stats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,32 +25,9 @@ def _load_script():
     return module
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(script: Path, out_dir: Path, world_size: int = 2, timeout: float = 120) -> list[dict]:
     """Run ``script OUT_DIR`` on ``world_size`` local ranks (env:// rendezvous) and read ``rank{r}.json``."""
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        procs.append(subprocess.Popen([sys.executable, str(script), str(out_dir)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    for proc in procs:
-        try:
-            outputs.append(proc.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise
-    for rank, (proc, output) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{output[-4000:]}"
+    run_ranks([script, out_dir], world_size=world_size, timeout=timeout)
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 

@@ -1,18 +1,15 @@
 """Megatron-Core integration, for real on CPU: 2 processes with gloo, one torchrun for every case.
 
 The script (scripts/mcore_monitor_run.py) trains a tiny GPTModel under TrainerMonitor in nine
-layouts (and a ChainedOptimizer of two optimizers) and writes, next to the monitor's CSVs, independent float64 numpy references computed
-from the full tensors (TP shards concatenated, DP reduction redone in numpy, Adam recomputed).
+layouts (and a ChainedOptimizer of two optimizers) and writes, next to the monitor's CSVs, independent float64
+numpy references computed from the full tensors (TP shards concatenated, DP reduction redone in numpy, Adam recomputed).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +17,8 @@ import pandas as pd
 import pytest
 
 pytest.importorskip("megatron.core")
+
+from tests.launch import child_env, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -36,20 +35,11 @@ PARAM_FAMILIES = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "up
 BF16_RTOL = 0.05  # bf16 has an 8-bit mantissa; measured deviations from fp32 are at most 3.5e-2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("megatron")
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(SCRIPT), str(out), *CASES]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(torchrun(SCRIPT, out, *CASES), env=child_env(), capture_output=True, text=True,
+                          timeout=400)
     assert proc.returncode == 0, _worker_errors(proc)
     return out
 
@@ -310,11 +300,8 @@ def test_virtual_pipeline_and_recompute(runs: Path) -> None:
 
 def test_example_trains_with_the_monitor(tmp_path: Path) -> None:
     """examples/megatron_gpt.py: TP=2 on CPU (torchrun, 2 processes) writes the monitor's outputs."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(ROOT / "examples" / "megatron_gpt.py"), "--tp", "2", "--steps", "2", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    cmd = torchrun(ROOT / "examples" / "megatron_gpt.py", "--tp", "2", "--steps", "2", "--out", tmp_path)
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, _worker_errors(proc)
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     for rank in (0, 1):

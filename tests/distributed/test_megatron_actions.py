@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +20,7 @@ pytest.importorskip("megatron.core")
 
 from tests.integration.msprobe_dump_compare import compare_dumps, require_msprobe  # noqa: E402
 from tests.integration.test_msprobe_dump_compare import check_compare  # noqa: E402
+from tests.launch import child_env, torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -32,20 +30,11 @@ MLP = "Module.decoder.layers.1.mlp.MLP"
 FC1 = "Module.decoder.layers.1.mlp.linear_fc1.ColumnParallelLinear"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("megatron_actions")
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(SCRIPT), str(out), "tp2", "vpp2"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500, check=False)
+    proc = subprocess.run(torchrun(SCRIPT, out, "tp2", "vpp2"), env=child_env(), capture_output=True, text=True,
+                          timeout=500, check=False)
     lines = (proc.stdout + proc.stderr).splitlines()
     assert proc.returncode == 0, "\n".join([line for line in lines if "Error" in line or "[rank" in line][-60:]
                                            or lines[-60:])

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +11,10 @@ import pytest
 
 pytest.importorskip("mindspore")
 
+from tests.launch import msrun, msrun_env  # noqa: E402
 from tests.reference import read_family  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(autouse=True)
@@ -33,11 +26,8 @@ def no_leftovers():
 @pytest.mark.slow
 def test_msrun_two_workers_per_rank_outputs_and_analyse(tmp_path: Path) -> None:
     out, logs = tmp_path / "out", tmp_path / "logs"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    cmd = ["msrun", "--worker_num=2", "--local_worker_num=2", f"--master_port={_free_port()}",
-           f"--log_dir={logs}", "--join=True", str(ROOT / "tests/distributed/scripts/mindspore_dp_run.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    cmd = msrun(ROOT / "tests/distributed/scripts/mindspore_dp_run.py", out, log_dir=logs)
+    proc = subprocess.run(cmd, env=msrun_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     worker_logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(logs.glob("worker_*.log")))
     assert proc.returncode == 0, worker_logs or proc.stderr[-3000:]
     run_dir = out / "dp"

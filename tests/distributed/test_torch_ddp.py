@@ -7,9 +7,6 @@ numpy; the reduced gradient is their mean over the two ranks.
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.launch import run_ranks
 from tests.reference import METRICS, assert_close, np_stats, read_family
 
 STEPS = 2
@@ -60,19 +58,7 @@ def _worker(out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_ddp_unreduced_grads_are_local_and_reduced_grads_are_the_mean(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    root = Path(__file__).resolve().parents[2]
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-        procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    run_ranks([__file__, tmp_path], world_size=2, timeout=120)
     local = [np.load(tmp_path / f"local_grads_rank{rank}.npz") for rank in range(2)]
     checked = 0
     for rank in range(2):

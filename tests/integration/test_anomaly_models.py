@@ -6,10 +6,7 @@ Also the worker of the 2-rank test: ``python test_anomaly_models.py OUT_DIR`` un
 from __future__ import annotations
 
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from tests.launch import run_ranks  # noqa: E402
 from trainmon import AnomalyError, TrainerMonitor  # noqa: E402
 from trainmon.anomaly.analyse import analyse_run  # noqa: E402
 
@@ -238,7 +236,7 @@ def test_default_loss_spike_catches_4x_in_a_small_noisy_batch_run(tmp_path, seed
     from benchmarks.detector_baselines import TrainmonLossSpikeV0
 
     losses, events = _small_batch_classifier_losses(tmp_path, seed, jump_at=120)
-    assert 3.5 < losses[120] / statistics.median(losses[113:120]) and losses[120] > 2 * max(losses[20:120])
+    assert losses[120] / statistics.median(losses[113:120]) > 3.5 and losses[120] > 2 * max(losses[20:120])
     assert [(e.step, e.detector, e.name) for e in events] == [(120, "loss_spike", "loss")]
     assert "loss_spike (range)" in events[0].message
     before = TrainmonLossSpikeV0()  # trainmon's rule before the benchmark (commit aea40c6) missed it
@@ -315,17 +313,7 @@ def _worker(out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_analyse_names_the_bad_rank_step_and_module(tmp_path, capsys):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    run_ranks([__file__, tmp_path], world_size=2, timeout=120)
     result = analyse_run(tmp_path / "run", top=5)
     first = result["first_origin"]
     assert (first["rank"], first["step"], first["phase"]) == (1, 3, "forward")

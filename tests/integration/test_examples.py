@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,27 +9,20 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tests.launch import child_env, torchrun
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _run(args: list[str], tmp_path: Path) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=180)
+def _run(command: list[str], tmp_path: Path) -> str:
+    proc = subprocess.run(command, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
 @pytest.mark.slow
 def test_demo_finds_the_injected_bug(tmp_path):
-    out = _run([str(ROOT / "examples" / "demo.py"), "--output-dir", str(tmp_path / "out")], tmp_path)
+    out = _run([sys.executable, str(ROOT / "examples" / "demo.py"), "--output-dir", str(tmp_path / "out")], tmp_path)
     assert "step 30, micro-step 0, rank 0, forward of blocks.2.mlp.fc2.output" in out
     (run_dir,) = (tmp_path / "out").iterdir()
     events = pd.read_json(run_dir / "rank0" / "anomalies.jsonl", lines=True)
@@ -45,8 +36,7 @@ def test_deepspeed_example_trains_with_the_monitor(tmp_path, ranks):
     """As docs/deepspeed.md runs it: one process, or torchrun with 2 processes (ZeRO-3 shards)."""
     pytest.importorskip("deepspeed")
     script = [str(ROOT / "examples" / "deepspeed_train.py"), "--stage", "3", "--out", str(tmp_path / "out")]
-    launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}"] if ranks == 2 else []
-    out = _run(launcher + script, tmp_path)
+    out = _run(torchrun(*script) if ranks == 2 else [sys.executable, *script], tmp_path)
     assert out.strip(), "the example printed nothing"
     written = sorted(p.parent.name for p in (tmp_path / "out").rglob("grad_reduced.csv"))
     assert written == ["rank0"]  # shard statistics are combined and written once, by rank 0

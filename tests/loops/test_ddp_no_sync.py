@@ -7,14 +7,13 @@ accumulated gradient in float64; the reduced gradient is the mean over the ranks
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.launch import child_env, free_port
+from tests.launch import run_ranks
 from tests.reference import METRICS, assert_close, np_stats, read_family
 
 STEPS, MICRO = 2, 2
@@ -65,12 +64,7 @@ def _worker(out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_no_sync_accumulation_unreduced_local_reduced_mean_and_norm_after_reduction(tmp_path):
-    env = child_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = [subprocess.Popen([sys.executable, __file__, str(tmp_path)], text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(2)]
-    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    run_ranks([__file__, tmp_path], world_size=2, timeout=120)
     local = [np.load(tmp_path / f"local_grads_rank{rank}.npz") for rank in range(2)]
     for rank in range(2):
         rank_dir = tmp_path / "run" / f"rank{rank}"
