@@ -6,15 +6,15 @@ launches whatever its size: the first reads every element once, each program a s
 ``BLOCK * ITERS`` elements of one tensor, and writes the 7 partial sums/extremes of its span; the
 second combines the spans of each tensor. NaN/Inf counts come from the same registers as min/max (no
 second pass). The tensors' addresses, sizes and spans are one small int64 table copied to the device
-without waiting for it (no host sync). Tested on CPU under ``TRITON_INTERPRET=1``
-(tests/unit/test_triton_kernels.py).
+without waiting for it (no host sync). Tested on a real GPU against float64 references by
+tests/gpu/test_cuda.py (``bash scripts/gpu_check.sh``; Triton 3.6's interpreter cannot run
+``_combine_spans``, whose loop bounds are loaded values).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,12 +29,14 @@ from trainmon.records import PARTIAL_SLOTS
 logger = logging.getLogger("trainmon")
 DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 BLOCK = 1024
+WARPS = 4
 _ROWS = 128
+_LIST_SPANS = 256
 
 
 def available() -> bool:
-    """Whether the kernels can run: CUDA present (or Triton's interpreter, for tests)."""
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether the kernels can run: CUDA present."""
+    return torch.cuda.is_available()
 
 
 def supported(tensors: Sequence[torch.Tensor]) -> bool:
@@ -71,14 +73,30 @@ def _store_span(row, sq, sm, lo, hi, zeros, nans, infs):
 
 
 @triton.jit
+def _load(base, offsets, n, full):
+    """``BLOCK`` values from ``base + offsets`` as float32: unmasked (vectorised) when the block is full."""
+    if full:
+        x = tl.load(base + offsets)
+    else:
+        x = tl.load(base + offsets, mask=offsets < n, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _span_partials(table, n_tensors, n_spans, spans, threshold, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                   ITERS: tl.constexpr):
-    """One program per span; table = [addresses N, numels N, span tensor S, span start S, first span N+1]."""
+                   ITERS: tl.constexpr, ALIGNED: tl.constexpr):
+    """One program per span; table = [addresses N, numels N, span tensor S, span start S, first span N+1].
+
+    Addresses come from a table, so Triton cannot see their alignment: ``ALIGNED`` (every tensor
+    16-byte aligned, checked on the host) says it, and full blocks load unmasked, so loads vectorise.
+    """
     pid = tl.program_id(0)
     t = tl.load(table + 2 * n_tensors + pid)
-    start = tl.load(table + 2 * n_tensors + n_spans + pid)
+    start = tl.multiple_of(tl.load(table + 2 * n_tensors + n_spans + pid), BLOCK)  # spans start at k * BLOCK
     n = tl.load(table + n_tensors + t)
     base = tl.load(table + t).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        base = tl.multiple_of(base, 16)
     sq = tl.zeros([BLOCK], tl.float32)
     sm = tl.zeros([BLOCK], tl.float32)
     zeros = tl.zeros([BLOCK], tl.float32)
@@ -89,7 +107,7 @@ def _span_partials(table, n_tensors, n_spans, spans, threshold, DTYPE: tl.conste
     for i in range(ITERS):
         offsets = start + i * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
-        x = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = _load(base, offsets, n, start + (i + 1) * BLOCK <= n)
         sq, sm, lo, hi, zeros, nans, infs = _accumulate(x, mask, threshold, sq, sm, lo, hi, zeros, nans, infs)
     _store_span(spans + pid * 8, sq, sm, lo, hi, zeros, nans, infs)
 
@@ -97,15 +115,19 @@ def _span_partials(table, n_tensors, n_spans, spans, threshold, DTYPE: tl.conste
 @triton.jit
 def _adam_span_partials(table, coefficients, n_tensors, n_spans, spans, threshold,
                         M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, RATIO: tl.constexpr,
-                        BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                        BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr):
     """Update and ratio spans; table = [m N, v N, p N, numels N, span tensor S, span start S, first N+1]."""
     pid = tl.program_id(0)
     t = tl.load(table + 4 * n_tensors + pid)
-    start = tl.load(table + 4 * n_tensors + n_spans + pid)
+    start = tl.multiple_of(tl.load(table + 4 * n_tensors + n_spans + pid), BLOCK)
     n = tl.load(table + 3 * n_tensors + t)
     m_base = tl.load(table + t).to(tl.pointer_type(M_DTYPE))
     v_base = tl.load(table + n_tensors + t).to(tl.pointer_type(V_DTYPE))
     p_base = tl.load(table + 2 * n_tensors + t).to(tl.pointer_type(P_DTYPE))
+    if ALIGNED:
+        m_base = tl.multiple_of(m_base, 16)
+        v_base = tl.multiple_of(v_base, 16)
+        p_base = tl.multiple_of(p_base, 16)
     scale = tl.load(coefficients + 2 * t).to(tl.float32)
     eps = tl.load(coefficients + 2 * t + 1).to(tl.float32)
     sq = tl.zeros([BLOCK], tl.float32)
@@ -125,12 +147,13 @@ def _adam_span_partials(table, coefficients, n_tensors, n_spans, spans, threshol
     for i in range(ITERS):
         offsets = start + i * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < n
-        m = tl.load(m_base + offsets, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_base + offsets, mask=mask, other=1.0).to(tl.float32)
+        full = start + (i + 1) * BLOCK <= n
+        m = _load(m_base, offsets, n, full)
+        v = _load(v_base, offsets, n, full)  # masked lanes: 0 / (0 + eps), excluded below
         update = m / (tl.sqrt(v) + eps) * scale
         sq, sm, lo, hi, zeros, nans, infs = _accumulate(update, mask, threshold, sq, sm, lo, hi, zeros, nans, infs)
         if RATIO:
-            p = tl.load(p_base + offsets, mask=mask, other=1.0).to(tl.float32)
+            p = _load(p_base, offsets, n, full)
             ratio = tl.where(p != 0.0, update / tl.where(p != 0.0, p, 1.0), 0.0)
             r_sq, r_sm, r_lo, r_hi, r_zeros, r_nans, r_infs = _accumulate(
                 ratio, mask, threshold, r_sq, r_sm, r_lo, r_hi, r_zeros, r_nans, r_infs)
@@ -196,21 +219,43 @@ def _combine_spans(first, numels, spans, out, STRIDE: tl.constexpr, NORM: tl.con
     tl.store(result + 7, tl.load(numels + t).to(tl.float32))
 
 
-def _spans(numels: list[int]) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-    """Elements per program (a power of two: few programs for big groups) and the span tables."""
+def _spans(numels: list[int]) -> tuple[int, list[int] | np.ndarray, list[int] | np.ndarray, list[int] | np.ndarray]:
+    """Elements per program (a power of two: few programs for big groups) and the span tables.
+
+    Plain lists for a few hundred spans (a single tensor's 3 small tables cost more in numpy calls
+    than in Python), numpy arrays beyond.
+    """
     total = sum(numels)
     per = max(BLOCK * 16, min(1 << 20, 1 << max(0, math.ceil(math.log2(max(total, 1) / 4096)))))
-    counts = np.array([max(1, -(-n // per)) for n in numels], np.int64)
-    first = np.concatenate([[0], np.cumsum(counts)])
-    owner = np.repeat(np.arange(len(numels), dtype=np.int64), counts)
-    start = (np.arange(int(first[-1]), dtype=np.int64) - first[owner]) * per
-    return per, owner, start, first
+    counts = [max(1, -(-n // per)) for n in numels]
+    if sum(counts) <= _LIST_SPANS:
+        owner: list[int] = []
+        start: list[int] = []
+        first = [0]
+        for t, count in enumerate(counts):
+            owner += [t] * count
+            start += range(0, count * per, per)
+            first.append(first[-1] + count)
+        return per, owner, start, first
+    array = np.array(counts, np.int64)
+    first_array = np.concatenate([[0], np.cumsum(array)])
+    owner_array = np.repeat(np.arange(len(numels), dtype=np.int64), array)
+    start_array = (np.arange(int(first_array[-1]), dtype=np.int64) - first_array[owner_array]) * per
+    return per, owner_array, start_array, first_array
 
 
-def _table(columns: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    table = torch.from_numpy(np.concatenate(columns).astype(np.int64))
+def _table(columns: list[list[int] | np.ndarray], device: torch.device) -> torch.Tensor:
+    if all(isinstance(column, list) for column in columns):
+        table = torch.tensor([value for column in columns for value in column], dtype=torch.int64)
+    else:
+        table = torch.from_numpy(np.concatenate([np.asarray(column, np.int64) for column in columns]))
     # pageable host memory, non-blocking: staged at once, the device is not waited for (no sync)
     return table.to(device, non_blocking=True)
+
+
+def _aligned(addresses: list[int]) -> bool:
+    """Every address 16-byte aligned (fresh torch allocations are; a view at an odd offset is not)."""
+    return all(address % 16 == 0 for address in addresses)
 
 
 def _flag_kwargs(flags: Sequence[int]) -> dict[str, bool]:
@@ -224,12 +269,12 @@ def partials_triton(tensors: list[torch.Tensor], flags: list[int], eps: float) -
     numels = [t.numel() for t in tensors]
     per, owner, start, first = _spans(numels)
     n, spans = len(tensors), len(owner)
-    addresses = np.array([t.data_ptr() for t in tensors], np.int64)  # host metadata: no sync
-    table = _table([addresses, np.array(numels, np.int64), owner, start, first], device)
+    addresses = [t.data_ptr() for t in tensors]  # host metadata: no sync
+    table = _table([addresses, numels, owner, start, first], device)
     partial = torch.empty(spans * 8, dtype=torch.float32, device=device)
     threshold = zero_threshold(eps, dtype)
     _span_partials[(spans,)](table, n, spans, partial, threshold, DTYPE=DTYPES[dtype], BLOCK=BLOCK,
-                             ITERS=per // BLOCK)
+                             ITERS=per // BLOCK, ALIGNED=_aligned(addresses), num_warps=WARPS)
     out = torch.empty(PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
     _combine_spans[(n,)](table[2 * n + 2 * spans:], table[n:2 * n], partial, out, STRIDE=8, ROWS=_ROWS,
                          **_flag_kwargs(flags))
@@ -246,13 +291,14 @@ def adam_triton(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], par
     per, owner, start, first = _spans(numels)
     n, spans = len(exp_avg), len(owner)
     p_list = params if ratio else exp_avg
-    columns = [np.array([t.data_ptr() for t in group], np.int64) for group in (exp_avg, exp_avg_sq, p_list)]
-    table = _table([*columns, np.array(numels, np.int64), owner, start, first], device)
+    columns = [[t.data_ptr() for t in group] for group in (exp_avg, exp_avg_sq, p_list)]
+    table = _table([*columns, numels, owner, start, first], device)
     partial = torch.empty(spans * 16, dtype=torch.float32, device=device)
     threshold = zero_threshold(eps, torch.float32)
     _adam_span_partials[(spans,)](table, coefficients, n, spans, partial, threshold,
                                   M_DTYPE=DTYPES[exp_avg[0].dtype], V_DTYPE=DTYPES[exp_avg_sq[0].dtype],
-                                  P_DTYPE=DTYPES[p_list[0].dtype], RATIO=ratio, BLOCK=BLOCK, ITERS=per // BLOCK)
+                                  P_DTYPE=DTYPES[p_list[0].dtype], RATIO=ratio, BLOCK=BLOCK, ITERS=per // BLOCK,
+                                  ALIGNED=all(_aligned(column) for column in columns), num_warps=WARPS)
     out = torch.zeros(2 * PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
     first_spans, numel_column = table[4 * n + 2 * spans:], table[3 * n:4 * n]
     for half, flags in enumerate((update_flags, ratio_flags)):
