@@ -285,7 +285,6 @@ class Session:
 # Features an integration does not provide yet: enabling them warns once at attach instead of
 # doing nothing silently.
 _UNSUPPORTED = {  # (section, framework): one line each
-    ("grad_probe", "megatron"),
 }
 
 

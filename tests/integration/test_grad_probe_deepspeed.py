@@ -137,6 +137,12 @@ def runs(tmp_path_factory):
     cases.close()
 
 
+def _arrays(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file (read at once; the file is closed)."""
+    with np.load(path) as data:
+        return {key: data[key] for key in data.files}
+
+
 def _summary(run: Path) -> pd.DataFrame:
     table = pd.read_csv(run / "rank0" / "grad_probe" / "grad_summary.csv", keep_default_na=False, na_values=["nan"])
     return table.set_index(["name", "step"]).sort_index()
@@ -211,7 +217,7 @@ def test_two_ranks_zero0_probe_is_the_whole_batch_gradient(runs2, capsys):
     capsys.readouterr()
 
 
-def _numpy_reference(grads: np.lib.npyio.NpzFile, sample: int | None = None) -> dict[tuple[str, int], dict]:
+def _numpy_reference(grads: dict[str, np.ndarray], sample: int | None = None) -> dict[tuple[str, int], dict]:
     """float64 numpy of the whole gradients DeepSpeed stepped with: every summary column and the bits.
 
     ``exp_avg`` as the step finds it is recomputed from the gradients (Adam, beta1 0.9, from 0;
@@ -222,7 +228,7 @@ def _numpy_reference(grads: np.lib.npyio.NpzFile, sample: int | None = None) -> 
     momentum: dict[str, np.ndarray] = {}
     previous: dict[str, np.ndarray] = {}
     for step in range(STEPS):
-        for key in [k for k in grads.files if k.startswith(f"{step}|")]:
+        for key in [k for k in list(grads) if k.startswith(f"{step}|")]:
             name, g = key.split("|", 1)[1], grads[key].ravel()
             edges = [-np.inf, *BOUNDS, np.inf]
             row = {"max": g.max(), "min": g.min(), "norm": np.sqrt(np.sum(g * g)), "zero_fraction": np.mean(g == 0),
@@ -262,11 +268,11 @@ def test_two_ranks_zero_shards_combine_to_the_whole_gradient(runs2, case, capsys
     assert not (run / "rank1" / "grad_probe").exists()
     got = _summary(run)
     assert len(got) == 4 * STEPS
-    reference = _numpy_reference(np.load(run / "grads.npz"), sample)
+    reference = _numpy_reference(_arrays(run / "grads.npz"), sample)
     checked = 0
     for (name, step), want in reference.items():
         row = got.loc[(name, step)]
-        assert row["numel"] == want["grad"].size and row["shape"] == str(list(np.load(run / "grads.npz")[
+        assert row["numel"] == want["grad"].size and row["shape"] == str(list(_arrays(run / "grads.npz")[
             f"{step}|{name}"].shape))
         for column in STATS:
             if column == "cos_prev":
@@ -320,8 +326,8 @@ def test_two_ranks_zero3_l0_hash_equals_the_unsharded_hash(runs2):
     got, want = _summary(run), _summary(out / "torch8_l0")
     assert list(got.index) == list(want.index) and len(got) == 4 * STEPS
     assert got["hash"].nunique() == len(got)
-    for table, grads in ((got, np.load(run / "grads.npz")), (want, np.load(out / "torch8_l0" / "grads.npz"))):
-        for key in grads.files:
+    for table, grads in ((got, _arrays(run / "grads.npz")), (want, _arrays(out / "torch8_l0" / "grads.npz"))):
+        for key in list(grads):
             step, name = key.split("|", 1)
             assert table.loc[(name, int(step)), "hash"] == _numpy_hash(grads[key]), key
     for column in ("max", "min", "norm"):

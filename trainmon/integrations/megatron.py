@@ -26,6 +26,7 @@ from trainmon.integrations.megatron_collect import (
     MegatronActivationCollector,
     MegatronParamCollector,
 )
+from trainmon.probe.sharded import ShardedGradProbe
 from trainmon.steps import StepWrapper
 
 if TYPE_CHECKING:
@@ -73,12 +74,14 @@ def main_params(optimizer: Any) -> dict[int, MainParam]:
             group = leaf.data_parallel_group
             for buffer in leaf.buffers:
                 for param in buffer.params:
-                    out[id(param)] = MainParam(inner, empty, sharded=True, dp_group=group)
+                    out[id(param)] = MainParam(inner, empty, sharded=True, dp_group=group, piece=(0, 0))
             pairs = list(zip(leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups)) + list(
                 zip(leaf.model_fp32_groups, leaf.shard_fp32_groups))
             for models, shards in pairs:
                 for param, shard in zip(models, shards):
-                    out[id(param)] = MainParam(inner, shard, sharded=True, dp_group=group)
+                    held = leaf._get_model_param_range_map(param)["param"]  # this rank's range of the parameter
+                    out[id(param)] = MainParam(inner, shard, sharded=True, dp_group=group,
+                                               piece=(held.start, held.size))
         elif isinstance(leaf, Float16OptimizerWithFloat16Params):
             for models, mains in zip(leaf.float16_groups, leaf.fp32_from_float16_groups):
                 for param, main in zip(models, mains):
@@ -212,16 +215,20 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
         # A plain torch optimizer (NVIDIA's examples/run_simple_mcore_train_loop.py): its own
         # step hooks and the torch collectors, which read ``param.grad`` as it stands.
         return _attach_torch_optimizer(ctx, config, roots, named_modules, params, optimizer, collectors,
-                                       registry, pp_stage)
+                                       registry, pp_stage, tp_size)
     step_hooks = None
     if optimizer is not None:
         step_hooks = StepWrapper(optimizer).install()
         step_hooks.register_step_post_hook(_record_step_result(ctx, step_hooks))
+    mains = main_params(optimizer) if optimizer is not None else {}
+    layout = GroupLayout(tp_group, tp_size, tp_rank)
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
-        mains = main_params(optimizer) if optimizer is not None else {}
         check_dp_group(options.dp_group, mains)
-        collectors.append(MegatronParamCollector(ctx, select_params(params, config), mains,
-                                                 GroupLayout(tp_group, tp_size, tp_rank), config, registry))
+        collectors.append(MegatronParamCollector(ctx, select_params(params, config), mains, layout, config, registry))
+    if config.grad_probe.enabled:
+        probe = grad_probe(ctx, config, select_params(params, config), mains, layout, registry)
+        if probe is not None:
+            collectors.append(probe)
     rank, world_size = dist_layout()
     attachment = Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                             modules=named_modules, optimizer=step_hooks, registry=registry, rank=rank,
@@ -231,9 +238,112 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
     return attachment
 
 
+class _InnerStepHooks:
+    """``register_step_pre_hook`` on every torch optimizer inside a Megatron optimizer, as one handle.
+
+    Their pre-hooks run after Megatron has copied, unscaled and clipped the gradients into the main
+    parameters (for a ``ChainedOptimizer``: all of them, before the first inner step)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def register_step_pre_hook(self, hook: Callable[..., None]) -> _Handles:
+        return _Handles([optimizer.register_step_pre_hook(hook) for optimizer in self.optimizers])
+
+
+class _Handles:
+    """Several removable handles as one."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _probe_group(mains: dict[int, MainParam], layout: GroupLayout) -> tuple[bool, Any]:
+    """``(sharded, group)``: the ranks whose pieces make up a parameter (TP partitions, distributed-optimizer
+    ranges); ``(False, None)`` when every rank holds whole parameters (replicated: each rank writes its own)."""
+    import torch.distributed as dist
+
+    dp_groups = {id(m.dp_group): m.dp_group for m in mains.values() if m.sharded and _rank_size(m.dp_group)[1] > 1}
+    if len(dp_groups) > 1:
+        raise ValueError("grad_probe: the distributed optimizers use different data-parallel groups")
+    dp_group = next(iter(dp_groups.values()), None)
+    if dp_group is None:
+        return layout.tp_size > 1, layout.tp_group
+    if layout.tp_size == 1:
+        return True, dp_group
+    from megatron.core import parallel_state as ps
+
+    # TP partitions cut by distributed-optimizer ranges: the group of both (one gather over it)
+    wanted = sorted({r for g in (layout.tp_group, dp_group) for r in dist.get_process_group_ranks(g)})
+    for with_cp in (False, True):
+        group = ps.get_tensor_and_data_parallel_group(with_context_parallel=with_cp) if \
+            ps.model_parallel_is_initialized() else None
+        if group is not None and sorted(dist.get_process_group_ranks(group)) == wanted:
+            return True, group
+    raise ValueError("grad_probe: no process group holds exactly the tensor- and data-parallel ranks of the "
+                     "distributed optimizer (parallel_state's tensor_and_data_parallel group differs)")
+
+
+def grad_probe(ctx: StepContext, config: MonitorConfig, params: list[tuple[str, torch.nn.Parameter, int]],
+               mains: dict[int, MainParam], layout: GroupLayout, registry: HookRegistry) -> Collector | None:
+    """The grad probe on what Megatron's torch optimizers step with: ``main.grad`` of each main parameter,
+    in their step pre-hooks (after Megatron's unscaling and clipping), with Adam's ``exp_avg`` of it.
+
+    A TP-partitioned parameter (``tensor_model_parallel``) is a block along ``partition_dim`` of the
+    whole parameter; a distributed-optimizer main parameter is a range of that block; a parameter
+    replicated over TP ranks is counted on TP rank 0 only. Pieces spread over ranks are combined by
+    :class:`~trainmon.probe.sharded.ShardedGradProbe`; without TP or a sharded optimizer, every rank
+    measures its own whole parameters with :class:`~trainmon.probe.collector.GradProbe`.
+    Without an optimizer the probe is off (one warning).
+    """
+    from trainmon.probe.collector import GradProbe
+    from trainmon.probe.shards import ShardSpec
+
+    optimizers = list({id(m.optimizer): m.optimizer for m in mains.values()}.values())
+    if not optimizers:
+        logger.warning("trainmon: grad_probe on Megatron needs the optimizer (attach(chunks, optimizer)); it is off")
+        return None
+    hooks = _InnerStepHooks(optimizers)
+
+    def grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+        main = mains.get(id(param))
+        return None if main is None or main.main.numel() == 0 else main.main.grad
+
+    def exp_avg_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+        main = mains.get(id(param))
+        if main is None or main.main.numel() == 0:
+            return None
+        return (main.optimizer.state.get(main.main) or {}).get("exp_avg")
+
+    sharded, group = _probe_group(mains, layout)
+    if not sharded:
+        return GradProbe(ctx, params, config, registry, hooks, grad_of=grad_of, exp_avg_of=exp_avg_of)
+
+    def spec_of(param: torch.nn.Parameter) -> ShardSpec:
+        main = mains.get(id(param))
+        start, numel = main.piece if main is not None and main.piece is not None else (0, param.numel())
+        shape = list(param.shape)
+        if layout.tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            dim = param.partition_dim
+            length, shape[dim] = shape[dim], shape[dim] * layout.tp_size
+            return ShardSpec.block(shape, dim, layout.tp_rank * length, length, start, numel)
+        if layout.tp_rank > 0:
+            return ShardSpec.flat(shape, 0, 0)  # replicated over TP: TP rank 0's copy counts
+        return ShardSpec.flat(shape, start, numel)
+
+    return ShardedGradProbe(ctx, params, config, registry, hooks, grad_of=grad_of, spec_of=spec_of,
+                            exp_avg_of=exp_avg_of, group=group)
+
+
 def _attach_torch_optimizer(ctx: StepContext, config: MonitorConfig, roots: list[torch.nn.Module],
                             named_modules: list, params: list, optimizer: torch.optim.Optimizer,
-                            collectors: list[Collector], registry: HookRegistry, pp_stage: int) -> Attachment:
+                            collectors: list[Collector], registry: HookRegistry, pp_stage: int,
+                            tp_size: int = 1) -> Attachment:
     """Megatron-Core model chunks trained with a ``torch.optim`` optimizer.
 
     Under Megatron's DDP the gradients live in ``param.main_grad`` and ``param.grad`` stays None:
@@ -246,6 +356,13 @@ def _attach_torch_optimizer(ctx: StepContext, config: MonitorConfig, roots: list
                        "which a torch optimizer does not use; grad rows and grad_norm may be missing")
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         collectors.append(TorchOptimizerCollector(ctx, select_params(params, config), optimizer, config, registry))
+    if config.grad_probe.enabled and tp_size > 1:
+        logger.warning("trainmon: grad_probe over tensor-parallel chunks needs the Megatron optimizer (it knows "
+                       "the partitions); with a torch optimizer it is off")
+    elif config.grad_probe.enabled:
+        from trainmon.probe.collector import GradProbe
+
+        collectors.append(GradProbe(ctx, select_params(params, config), config, registry, optimizer))
     rank, world_size = dist_layout()
     return Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                       modules=named_modules, optimizer=optimizer, registry=registry, rank=rank,

@@ -42,12 +42,15 @@ class MainParam:
         main: the fp32 tensor the torch optimizer updates (the parameter, an fp32 copy or a flat shard).
         sharded: True when ``main`` is a distributed-optimizer shard (combined over ``dp_group``).
         dp_group: the distributed optimizer's data-parallel group (None when not sharded).
+        piece: ``(start, numel)`` of ``main`` in the model parameter's flattening (distributed
+            optimizer; None: ``main`` is the whole parameter).
     """
 
     optimizer: torch.optim.Optimizer
     main: torch.Tensor
     sharded: bool = False
     dp_group: Any = None
+    piece: tuple[int, int] | None = None
 
 
 @dataclass
