@@ -13,7 +13,7 @@ from trainmon.collect.stats import StatsSpec
 from trainmon.collect.struct import StructRecorder
 from trainmon.config import ConfigError, MonitorConfig, check_ranks
 from trainmon.errors import AnomalyError
-from trainmon.integrations.base import AttachOptions, Attachment
+from trainmon.integrations.base import Attachment, AttachOptions
 from trainmon.records import StepRecord, build_record, family_metrics
 from trainmon.rundir import default_run_name, run_json, unused_name, write_json
 from trainmon.schedule import Schedule
@@ -103,7 +103,7 @@ class Session:
         for name, close in parts:
             try:
                 close()
-            except Exception as exc:  # noqa: BLE001 - close what remains, tell the user once
+            except Exception as exc:
                 logger.warning("trainmon: closing %s failed (%s: %s)", name, type(exc).__name__, exc)
 
     # ----------------------------------------------------------------------------- set-up
@@ -275,7 +275,7 @@ class Session:
                 self.end_step(None, {}, by_user=False)  # the last step when the user never called step()
         except AnomalyError:
             pass
-        except Exception as exc:  # noqa: BLE001 - close() never raises for the monitor's own trouble
+        except Exception as exc:
             logger.warning("trainmon: the last step could not be recorded at close (%s: %s)", type(exc).__name__, exc)
         finally:
             self.ctx.collecting = False

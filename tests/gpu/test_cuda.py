@@ -209,7 +209,7 @@ def test_one_synchronisation_per_collected_step_and_none_otherwise(tmp_path, dty
             monitor = TrainerMonitor(monitor_config).attach(model, optimizer)
         counts = []
         for tokens, targets in data:
-            def step():
+            def step(tokens=tokens, targets=targets):
                 loss = loss_fn(model, tokens, targets)
                 loss.float().backward()
                 optimizer.step()

@@ -136,7 +136,7 @@ class TorchOptimizerCollector:
         if self._drop_pending in self.ctx.backward_failed:
             self.ctx.backward_failed.remove(self._drop_pending)
 
-    def _grad_hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+    def _grad_hook(self, name: str, vpp_stage: int):
         per_micro_step = self.config.weight_grads.per_micro_step
 
         def hook(param: torch.Tensor) -> None:

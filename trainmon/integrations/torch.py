@@ -10,7 +10,7 @@ import torch
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector
-from trainmon.integrations.base import AttachOptions, Attachment, dist_layout, select_modules, select_params
+from trainmon.integrations.base import Attachment, AttachOptions, dist_layout, select_modules, select_params
 from trainmon.steps import unwrap_optimizer
 
 if TYPE_CHECKING:
