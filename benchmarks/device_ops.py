@@ -110,7 +110,7 @@ class OpCounter(TorchDispatchMode):
         self.bytes: collections.Counter[str] = collections.Counter()
         self.names: collections.Counter[str] = collections.Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         site = (_trainmon_site() or "model") if self.attribute else "model"
         self.ops[site] += 1
@@ -132,7 +132,7 @@ class SyncCounter:
         for name in _SYNC_METHODS:
             original = self._originals[name] = getattr(torch.Tensor, name)
 
-            def wrapper(tensor, *args, _original=original, _name=name, **kwargs):  # noqa: ANN001, ANN202
+            def wrapper(tensor, *args, _original=original, _name=name, **kwargs):
                 view = _name == "numpy" and tensor.device.type == "cpu"
                 if not view and threading.current_thread() is main and _trainmon_site() is not None:
                     self.calls.append(_name)
@@ -163,21 +163,21 @@ class RowBytes:
                 self._patches.append((cls, name, original))
                 setattr(cls, name, make(original))
 
-        def record(original):  # noqa: ANN001, ANN202
-            def wrapper(ctx, family, name, tensor, *args, **kwargs):  # noqa: ANN001, ANN202
+        def record(original):
+            def wrapper(ctx, family, name, tensor, *args, **kwargs):
                 row_bytes.by_row[(family, name)] = tensor.numel() * tensor.element_size()
                 return original(ctx, family, name, tensor, *args, **kwargs)
             return wrapper
 
-        def record_many(original):  # noqa: ANN001, ANN202
-            def wrapper(ctx, family, names, tensors, *args, **kwargs):  # noqa: ANN001, ANN202
+        def record_many(original):
+            def wrapper(ctx, family, names, tensors, *args, **kwargs):
                 for name, tensor in zip(names, tensors):
                     row_bytes.by_row[(family, name)] = tensor.numel() * tensor.element_size()
                 return original(ctx, family, names, tensors, *args, **kwargs)
             return wrapper
 
-        def transfer(original):  # noqa: ANN001, ANN202
-            def wrapper(buffer):  # noqa: ANN001, ANN202
+        def transfer(original):
+            def wrapper(buffer):
                 row_bytes.rows = [(key.family, key.name) for key in buffer.keys]
                 return original(buffer)
             return wrapper

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch_env import single_process_env  # noqa: E402
+from launch_env import single_process_env
 
 single_process_env()
 

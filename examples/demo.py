@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
+from tiny_gpt import TinyGPT, gpt_loss, make_batch
 
-from trainmon import TrainerMonitor  # noqa: E402
+from trainmon import TrainerMonitor
 
 COUNTS = ("nans", "infs")  # metrics that count elements: printed as integers
 

@@ -16,7 +16,7 @@ from megatron.core.tensor_parallel import random as mrandom
 from torch.overrides import TorchFunctionMode
 
 
-def _cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):  # noqa: ANN001, ANN202
+def _cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
     n = math.prod(tensor_shape)
     buf = self.buffer.get((name, dtype))
     if buf is None or buf.numel() < n:
@@ -27,7 +27,7 @@ def _cpu_get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):  #
 class _CudaToCpu(TorchFunctionMode):
     """Turns ``device="cuda"`` / an int device in factory calls into ``cpu``."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         d = kwargs.get("device")
         if isinstance(d, int) or (isinstance(d, str) and d.startswith("cuda")) or (
@@ -44,7 +44,7 @@ def apply(seed: int = 123, full: bool = True) -> Callable[[], None]:
         torch.cuda.synchronize = lambda *a, **k: None
         orig_type = torch.Tensor.type
 
-        def _type(self, *a, **k):  # noqa: ANN001, ANN202 - Megatron optimizers accept only 'torch.cuda.*Tensor'
+        def _type(self, *a, **k):  # Megatron optimizers accept only 'torch.cuda.*Tensor'
             t = orig_type(self, *a, **k)
             return t.replace("torch.", "torch.cuda.", 1) if not (a or k) and not t.startswith("torch.cuda.") else t
 

@@ -43,7 +43,7 @@ def _child(request: dict) -> int:
             return code or 0
         print(code, file=sys.stderr)
         return 1
-    except BaseException:  # noqa: BLE001 - report anything the script raised, as python would
+    except BaseException:  # report anything the script raised, as python would
         traceback.print_exc()
         return 1
     finally:

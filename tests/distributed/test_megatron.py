@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.launch import child_env, torchrun  # noqa: E402
+from tests.launch import child_env, torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.integration.msprobe_dump_compare import compare_dumps, require_msprobe  # noqa: E402
-from tests.integration.test_msprobe_dump_compare import check_compare  # noqa: E402
-from tests.launch import child_env, torchrun  # noqa: E402
+from tests.integration.msprobe_dump_compare import compare_dumps, require_msprobe
+from tests.integration.test_msprobe_dump_compare import check_compare
+from tests.launch import child_env, torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("mindspore")
 
-from tests.launch import msrun, msrun_env  # noqa: E402
-from tests.reference import read_family  # noqa: E402
+from tests.launch import msrun, msrun_env
+from tests.reference import read_family
 
 ROOT = Path(__file__).parents[2]
 METRICS = ("norm", "min", "max", "mean", "nans")

@@ -73,11 +73,11 @@ class NanGrad(torch.autograd.Function):
     """Identity forward; a NaN gradient in backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad * float("nan")
 
 

@@ -304,7 +304,7 @@ class _HostTransferCounter:
             original = vars(Tensor).get(name, getattr(Tensor, name))
             self._originals[name] = original
 
-            def wrapper(tensor, *args, _original=original, _name=name, **kwargs):  # noqa: ANN001, ANN202
+            def wrapper(tensor, *args, _original=original, _name=name, **kwargs):
                 if self._depth == 0 and threading.current_thread() is main and _from_trainmon():
                     self.calls.append(_name)
                 self._depth += 1

@@ -50,7 +50,7 @@ def _train(monitor: TrainerMonitor, steps: int, poisoned: set[int]) -> list[int]
             optimizer.step()
             try:
                 monitor.step(loss=loss)
-            except Exception:  # noqa: BLE001 - counted: the test fails on any
+            except Exception:  # counted: the test fails on any
                 raised.append(step)
     finally:
         monitor.close()

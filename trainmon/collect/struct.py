@@ -29,7 +29,7 @@ class StructRecorder:
             self.registry.add(_GROUP, module.register_forward_hook(self._hook(name or "(root)", vpp_stage),
                                                                    with_kwargs=True))
 
-    def _hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+    def _hook(self, name: str, vpp_stage: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if name in self.seen:
                 return

@@ -214,7 +214,7 @@ class OutputThread:
         if self._close is not None:
             try:
                 self._close()
-            except Exception as exc:  # noqa: BLE001 - closing must end the thread, whatever the disk says
+            except Exception as exc:  # closing must end the thread, whatever the disk says
                 self._fail(exc)
 
     def _flush_now(self) -> None:
@@ -229,7 +229,7 @@ class OutputThread:
             return fn is None
         try:
             fn(*args)
-        except Exception as exc:  # noqa: BLE001 - full disk, unwritable dir, a bad job: warn once, train on
+        except Exception as exc:  # full disk, unwritable dir, a bad job: warn once, train on
             self._fail(exc)
             return False
         return True
@@ -325,7 +325,7 @@ class SinkWriter:
                 self._jobs.close(deadline)
             for output in self._outputs + ([self._jobs] if self._jobs else []):
                 output.report()
-        except Exception:  # noqa: BLE001 - closing the outputs must never raise into the user's code
+        except Exception:  # closing the outputs must never raise into the user's code
             logger.exception("trainmon: closing the outputs failed")
 
     def submit_stats(self) -> None:

@@ -65,7 +65,7 @@ def main() -> None:
     state = {"step": 0}
     inputs: list[list[float]] = []
 
-    def inject(module, args, output):  # noqa: ANN001, ANN202
+    def inject(module, args, output):
         if state["step"] >= INJECT_FROM:
             output = output.clone()
             output[0, 0] = float("nan")

@@ -29,9 +29,9 @@ if "RANK" not in os.environ:  # no launcher: a world of one on a free port (else
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_sock.getsockname()[1]))
 
-import deepspeed  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import deepspeed
+import numpy as np
+import torch
 
 sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skip the slow JIT build (ENV.md)
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-import mcore_cpu_shim  # noqa: E402  (CPU-only test shim, shared with examples/megatron_gpt.py)
+import mcore_cpu_shim  # CPU-only test shim, shared with examples/megatron_gpt.py
 
 seed_all = mcore_cpu_shim.apply()
 
@@ -97,14 +97,14 @@ def run_case(name: str, out: Path, tp: int, pp: int, steps: int, vpp: int | None
         monitor.free_benchmark(["decoder.layers.1.mlp.linear_fc1", "decoder.layers.1.mlp"], steps=[1])
         state = {"step": 0}
 
-        def inject(module, args, output):  # noqa: ANN001, ANN202
+        def inject(module, args, output):
             if state["step"] < INJECT_FROM:
                 return None
             first = output[0].clone()
             first.view(-1)[0] = float("nan")
             return (first,) + tuple(output[1:])
 
-        def probe(module, args, output):  # noqa: ANN001, ANN202
+        def probe(module, args, output):
             if state["step"] == 1:
                 refs.setdefault("mlp_output", []).append(stats(output[0]))
 
@@ -121,7 +121,7 @@ def run_case(name: str, out: Path, tp: int, pp: int, steps: int, vpp: int | None
             refs["fc1_weight"] = stats(gpt.get_submodule("decoder.layers.1.mlp.linear_fc1").weight)
         data = [iter(batches(step)) for _ in chunks] if vpp else iter(batches(step))
 
-        def step_fn(it, mod):  # noqa: ANN001, ANN202
+        def step_fn(it, mod):
             tok, labels = next(it)
             pos = torch.arange(S).expand(tok.shape[0], S)
             mask = torch.ones(S, S, dtype=torch.bool).triu(1).view(1, 1, S, S)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-import mcore_cpu_shim  # noqa: E402  (CPU-only test shim, shared with examples/megatron_gpt.py)
+import mcore_cpu_shim  # CPU-only test shim, shared with examples/megatron_gpt.py
 
 seed_all = mcore_cpu_shim.apply()
 
@@ -157,7 +157,7 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
     params = {f"{stage}|{pname}": p for stage, g in enumerate(gpts) for pname, p in g.named_parameters()}
     snapshot: dict[str, torch.Tensor] = {}
 
-    def finalize(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def finalize(*args, **kwargs):
         for pname, p in params.items():   # reference: main_grad before any DP reduction
             snapshot[pname] = p.main_grad.detach().clone()
         return finalize_model_grads(*args, **kwargs)
@@ -191,7 +191,7 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
     used_tp_group = collector.layout.tp_group is groups["tp_group"] if explicit_groups else None
     state = {"step": 0, "forwards": 0}
 
-    def injector(module, args, output):  # noqa: ANN001, ANN202
+    def injector(module, args, output):
         """NaN in stage 1's forward (micro-step 0) at one step, in stage 0's backward (micro-step 1) at the next."""
         micro, state["forwards"] = state["forwards"], state["forwards"] + 1
         stage = ps.get_pipeline_model_parallel_rank()
@@ -208,7 +208,7 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
     if activations or bf16:   # the script's own activation capture (the independent reference)
         for mname, row in (("decoder.layers.0", "decoder.layers.0.output"),
                            ("decoder.layers.0.mlp", "decoder.layers.0.mlp.output.0")):
-            def probe(module, args, output, row=row):  # noqa: ANN001, ANN202
+            def probe(module, args, output, row=row):
                 t = output[0] if isinstance(output, tuple) else output
                 captured.setdefault(f"0|{row}", []).append(t.detach().float().numpy().astype(np.float64))
             handles.append(gpt.get_submodule(mname).register_forward_hook(probe))
@@ -224,7 +224,7 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
         captured.clear()
         data = [iter(batches(step)) for _ in chunks] if vpp else iter(batches(step))
 
-        def step_fn(it, mod):  # noqa: ANN001, ANN202
+        def step_fn(it, mod):
             tok, labels = next(it)
             pos = torch.arange(S).expand(tok.shape[0], S)
             mask = torch.ones(S, S, dtype=torch.bool).triu(1).view(1, 1, S, S)

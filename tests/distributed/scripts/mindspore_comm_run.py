@@ -107,6 +107,6 @@ for step in range(3):
     monitor.step(loss=loss)
     refs[str(step)] = rows
 monitor.close()
-restored = {name: eval(name.replace("mint.", "dist.")) is original for name, original in ORIGINALS.items()}  # noqa: S307
+restored = {name: eval(name.replace("mint.", "dist.")) is original for name, original in ORIGINALS.items()}
 (out / f"refs_rank{rank}.json").write_text(json.dumps({"steps": refs, "restored": restored, "world": world}))
 print(f"RANK {rank}/{world} done", flush=True)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-import mcore_cpu_shim  # noqa: E402  (CPU-only test shim, shared with examples/megatron_gpt.py)
+import mcore_cpu_shim  # CPU-only test shim, shared with examples/megatron_gpt.py
 
 seed_all = mcore_cpu_shim.apply()
 

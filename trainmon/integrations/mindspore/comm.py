@@ -316,7 +316,7 @@ class MindSporeCommCollector:
     def _measured_primitive(self, original: type, op: str) -> type:
         collector = self
 
-        def __call__(prim: Any, *args: Any) -> Any:  # noqa: N807 - the primitive's call
+        def __call__(prim: Any, *args: Any) -> Any:  # the primitive's call
             call = super(measured, prim).__call__
             if not (collector._active and collector._measuring()):
                 return call(*args)
@@ -383,7 +383,7 @@ class MindSporeCommCollector:
 
         try:
             return list(get_process_group_ranks(group))
-        except Exception:  # noqa: BLE001 - a group MindSpore cannot describe: name it as given
+        except Exception:  # a group MindSpore cannot describe: name it as given
             return list(range(self._world)) if "world" in str(group) else [self._rank]
 
     def _measure(self, prefix: str, when: str, tensors: Sequence[tuple[int, Tensor]]) -> None:

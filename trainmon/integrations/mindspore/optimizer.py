@@ -122,7 +122,7 @@ class MindSporeOptimizerCollector:
     def close(self) -> None:
         self.disarm()
 
-    def _grad_hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+    def _grad_hook(self, name: str, vpp_stage: int):
         per_micro_step = self.config.weight_grads.per_micro_step
 
         def hook(grad: Tensor) -> None:
@@ -132,7 +132,7 @@ class MindSporeOptimizerCollector:
 
         return hook
 
-    def _pre_step_hook(self):  # noqa: ANN202 - hook closure
+    def _pre_step_hook(self):
         def hook(optimizer: nn.Optimizer, args: tuple) -> None:
             ctx = self.ctx
             if not ctx.collecting:
@@ -150,7 +150,7 @@ class MindSporeOptimizerCollector:
 
         return hook
 
-    def _post_step_hook(self):  # noqa: ANN202 - hook closure
+    def _post_step_hook(self):
         def hook(optimizer: nn.Optimizer, args: tuple, output: Any) -> None:
             ctx = self.ctx
             if not ctx.collecting:
