@@ -30,8 +30,9 @@ CASES_GAS = [{"name": f"z{stage}_gas2", "stage": stage, "gas": 2} for stage in (
 CASES_BF16 = [{"name": f"z{stage}_bf16", "stage": stage, "bf16": True} for stage in (0, 2, 3)]
 
 
-def _config(out: Path, name: str, level: str = "L2", sample: int | None = None) -> dict:
+def _config(out: Path, name: str, level: str = "L2", sample: int | None = None, interval: int = 1) -> dict:
     return {"output_dir": str(out), "run_name": name, "sinks": ["csv"], "weight_grads": {"enabled": False},
+            "step_interval": interval,
             "optimizer_states": {"enabled": False},
             "grad_probe": {"enabled": True, "level": level, "bounds": BOUNDS, "scalars": "param",
                            "sample_elements": sample}}
@@ -97,7 +98,16 @@ def _train_deepspeed(out: Path, case: dict) -> None:
     if case.get("bf16"):
         x, y = x.bfloat16(), y.bfloat16()
     x, y = x[:, 4 * gas * rank:4 * gas * (rank + 1)], y[:, 4 * gas * rank:4 * gas * (rank + 1)]
-    monitor = TrainerMonitor(_config(out, case["name"], case.get("level", "L2"), case.get("sample"))).attach(engine)
+    gathers = [0]  # the probe's one collective per collected step, counted
+    gather = torch.distributed.gather
+
+    def counting_gather(*args, **kwargs):
+        gathers[0] += 1
+        return gather(*args, **kwargs)
+
+    torch.distributed.gather = counting_gather
+    monitor = TrainerMonitor(_config(out, case["name"], case.get("level", "L2"), case.get("sample"),
+                                     case.get("interval", 1))).attach(engine)
     grads: dict[str, np.ndarray] = {}
     for step in range(STEPS):
         for micro in range(gas):
@@ -111,6 +121,8 @@ def _train_deepspeed(out: Path, case: dict) -> None:
             engine.step()
             monitor.step(loss=loss)
     monitor.close()
+    torch.distributed.gather = gather
+    (out / case["name"] / f"gathers_rank{rank}.txt").write_text(str(gathers[0]))
     if grads and rank == 0:
         np.savez(out / case["name"] / "grads.npz", **grads)
     torch.distributed.barrier()
@@ -179,7 +191,8 @@ def test_deepspeed_probe_equals_torch(runs, case, capsys):
 CASES_2 = [{"name": "z0_2r", "stage": 0}, *({"name": f"z{stage}_2r", "stage": stage, "save_grads": True}
                                             for stage in (1, 2, 3)),
            {"name": "z3_2r_l0", "stage": 3, "level": "L0", "save_grads": True},
-           {"name": "z2_2r_sample", "stage": 2, "sample": 20, "save_grads": True}]
+           {"name": "z2_2r_sample", "stage": 2, "sample": 20, "save_grads": True},
+           {"name": "z3_2r_interval", "stage": 3, "interval": 2}]
 SAMPLE = 20
 
 
@@ -298,6 +311,17 @@ def test_two_ranks_zero_shards_combine_to_the_whole_gradient(runs2, case, capsys
     if sample:
         assert "grad_probe/cos_prev" in names
     capsys.readouterr()
+
+
+def test_two_ranks_one_gather_per_collected_step_and_none_otherwise(runs2):
+    """The probe's only per-step collective is one gather per collected step (ZeRO-3, every step
+    collected: 3; step_interval 2: steps 0 and 2 collected, 2 gathers, rows for those steps only)."""
+    _, cases = runs2
+    for case, want in (("z3_2r", STEPS), ("z3_2r_interval", 2)):
+        run = cases[case]
+        assert [int((run / f"gathers_rank{r}.txt").read_text()) for r in (0, 1)] == [want, want], case
+    steps = _summary(cases["z3_2r_interval"]).index.get_level_values("step")
+    assert sorted(set(steps)) == [0, 2]
 
 
 def _numpy_hash(g: np.ndarray) -> str:
