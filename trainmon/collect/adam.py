@@ -11,6 +11,7 @@ import torch
 from trainmon.collect import kernels
 from trainmon.collect.kernels import ratio_into as _ratio_into
 from trainmon.collect.kernels import update_into as _update_into
+from trainmon.collect.fallback import bounded_batches
 from trainmon.collect.stats import StatsSpec, combine_partials_torch, fused_kernel, partials_torch
 from trainmon.records import PARTIAL_SLOTS
 
@@ -175,43 +176,83 @@ def _adam_fused(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpe
 
 def _adam_torch(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch ops: float32 update (and ratio) chunks of at most ``_TEMPORARY_ELEMENTS`` at a time."""
+    """Plain torch ops: the float32 update (and ratio) of batches of at most ``_TEMPORARY_ELEMENTS`` elements.
+
+    A parameter larger than that (contiguous) is cut into pieces whose partials are combined.
+    Each batch costs a constant number of ``_foreach`` ops (:func:`_updates`), plus two per
+    parameter for the ratio's zero-parameter fix-up (an exact ``masked_fill``: a multi-tensor
+    op cannot set 0 where ``update`` is not finite), and its partials one
+    :func:`partials_torch` each.
+    """
     pieces: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]] = []
     for i, (m, v, p, scale, eps) in enumerate(items):
+        if m.numel() == 0:
+            continue  # an empty parameter keeps a row of zeros
         if m.is_contiguous() and v.is_contiguous() and p.is_contiguous() and m.numel() > _TEMPORARY_ELEMENTS:
             for chunk in zip(m.view(-1).split(_TEMPORARY_ELEMENTS), v.view(-1).split(_TEMPORARY_ELEMENTS),
                              p.view(-1).split(_TEMPORARY_ELEMENTS)):
                 pieces.append((i, *chunk, scale, eps))
         else:
             pieces.append((i, m, v, p, scale, eps))
-    updates, ratios, owners = [], [], []
-    batch_elements = 0
+    owners: list[int] = []
     parts_u: list[torch.Tensor] = []
     parts_r: list[torch.Tensor] = []
-
-    def flush() -> None:
-        if updates:
-            if update_spec is not None:
-                parts_u.append(partials_torch(updates, update_spec))
-            if ratio_spec is not None:
-                parts_r.append(partials_torch(ratios, ratio_spec))
-            updates.clear()
-            ratios.clear()
-
-    for i, m, v, p, scale, eps in pieces:
-        if batch_elements + m.numel() > _TEMPORARY_ELEMENTS:
-            flush()
-            batch_elements = 0
-        batch_elements += m.numel()
-        update = v.to(torch.float32, copy=True).sqrt_().add_(eps)  # the one float32 temporary
-        torch.div(m, update, out=update).mul_(scale)
-        updates.append(update)
-        owners.append(i)
+    for batch in bounded_batches(pieces, [piece[1].numel() for piece in pieces], _TEMPORARY_ELEMENTS):
+        updates = _updates(batch, device)
+        owners += [piece[0] for piece in batch]
+        if update_spec is not None:
+            parts_u.append(partials_torch(updates, update_spec))
         if ratio_spec is not None:
-            ratios.append(torch.div(update, p).masked_fill_(p == 0, 0.0))
-    flush()
+            params = [piece[3] for piece in batch]
+            ratios = torch._foreach_div(updates, params)
+            del updates
+            for ratio, param in zip(ratios, params):
+                ratio.masked_fill_(param == 0, 0.0)  # a zero parameter gives ratio 0, never Inf
+            parts_r.append(partials_torch(ratios, ratio_spec))
     n = len(items)
+    if len(set(owners)) < n:  # empty parameters: rows of zeros
+        return (_rows_of(parts_u, owners, n, device), _rows_of(parts_r, owners, n, device))
     return (_combine_pieces(parts_u, owners, n, device), _combine_pieces(parts_r, owners, n, device))
+
+
+def _updates(batch: list, device: torch.device) -> list[torch.Tensor]:
+    """``m * scale / (sqrt(v) + eps')`` of each piece in float32, by multi-tensor ops on the batch.
+
+    float32 states: ``_foreach_sqrt`` makes the one temporary list; other dtypes are widened into
+    one float32 buffer of the batch's size (no per-tensor copy op). Constants that are device
+    scalars (capturable Adam) take per-piece ops.
+    """
+    ms, vs = [piece[1] for piece in batch], [piece[2] for piece in batch]
+    scales, epses = [piece[4] for piece in batch], [piece[5] for piece in batch]
+    if not all(isinstance(c, float) for c in scales + epses):
+        updates = []
+        for m, v, scale, eps in zip(ms, vs, scales, epses):
+            update = v.to(torch.float32, copy=True).sqrt_().add_(eps)
+            updates.append(torch.div(m, update, out=update).mul_(scale))
+        return updates
+    if vs[0].dtype == torch.float32:
+        denominators = torch._foreach_sqrt(vs)
+    else:
+        buffer = torch.empty(sum(v.numel() for v in vs), dtype=torch.float32, device=device)
+        denominators = [flat.view(v.shape) for flat, v in zip(buffer.split([v.numel() for v in vs]), vs)]
+        torch._foreach_copy_(denominators, vs)
+        torch._foreach_sqrt_(denominators)
+    torch._foreach_add_(denominators, epses)
+    updates = torch._foreach_div(ms, denominators)  # float32 (the denominators are)
+    del denominators
+    torch._foreach_mul_(updates, scales)
+    return list(updates)
+
+
+def _rows_of(parts: list[torch.Tensor], owners: list[int], n: int, device: torch.device) -> torch.Tensor:
+    """:func:`_combine_pieces` where some of the ``n`` tensors own no piece (empty ones: rows of zeros)."""
+    if not parts:
+        return torch.zeros(PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
+    present = sorted(set(owners))
+    combined = _combine_pieces(parts, [present.index(owner) for owner in owners], len(present), device)
+    block = torch.zeros(n, PARTIAL_SLOTS, dtype=torch.float32, device=device)
+    block[present] = combined.view(-1, PARTIAL_SLOTS)
+    return block.view(-1)
 
 
 def _combine_pieces(parts: list[torch.Tensor], owners: list[int], n: int, device: torch.device) -> torch.Tensor:

@@ -138,45 +138,10 @@ def fused_kernel(device: torch.device) -> Callable[[Sequence[torch.Tensor], Stat
 
 
 def partials_torch(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Tensor:
-    """The plain torch fallback: one ``_foreach_norm`` per group, a few reductions per tensor.
+    """The plain torch fallback of the device path: :func:`trainmon.collect.fallback.partials_torch`."""
+    from trainmon.collect import fallback  # imported here: it builds on this module
 
-    No full-size temporaries for norm, sum, min and max (low-precision tensors accumulate in
-    float32 inside the reductions). The NaN/Inf counts cannot be skipped without a host sync
-    when min and max are finite (only a kernel that reads a device flag can skip work), so they
-    are computed for every tensor: ``isnan``/``isinf`` with a boolean temporary each.
-    """
-    device, dtype = tensors[0].device, tensors[0].dtype
-    xs = list(tensors)
-    if xs[0].is_complex():
-        xs = [torch.view_as_real(x) for x in xs]
-    elif dtype == torch.bool or not xs[0].is_floating_point():
-        xs = [x.to(_F32) for x in xs]  # integer tensors are rare (indices); measure them in float32
-    accumulate = _F32 if xs[0].dtype in _LOW_PRECISION else None
-    zero = _zero(device)
-    norms: Sequence[torch.Tensor] = ()
-    if spec.norm:
-        norms = torch._foreach_norm(xs, 2, dtype=accumulate) if accumulate else torch._foreach_norm(xs, 2)
-    slots: list[torch.Tensor] = []
-    for i, x in enumerate(xs):
-        lo, hi = torch.aminmax(x)
-        slots += [
-            norms[i] if spec.norm else zero,
-            x.sum(dtype=accumulate) if spec.sum else zero,
-            lo, hi,
-            _count_small(x, spec.eps) if spec.zeros else zero,
-            torch.isnan(x).sum() if spec.nans else zero,
-            torch.isinf(x).sum() if spec.infs else zero,
-            # numel: a device fill for one tensor; for many, one host-to-device copy below
-            torch.full((), x.numel(), dtype=_F32, device=device) if len(xs) == 1 else zero,
-        ]
-    block = torch.stack(slots)  # one op; promotes every slot to float32 (float64 inputs: float64)
-    if block.dtype != _F32:
-        block = block.to(_F32)
-    if len(xs) > 1:
-        numels = torch.tensor([float(x.numel()) for x in tensors], dtype=_F32)  # a CPU tensor
-        # pageable host memory, non-blocking: the device is not waited for (no sync)
-        block.view(-1, PARTIAL_SLOTS)[:, 7].copy_(numels, non_blocking=True)
-    return block
+    return fallback.partials_torch(tensors, spec)
 
 
 def numpy_viewable(x: torch.Tensor) -> bool:
