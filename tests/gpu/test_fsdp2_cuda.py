@@ -70,7 +70,7 @@ def test_fsdp2_probe_dump_and_free_benchmark_on_cuda(tmp_path, monkeypatch) -> N
             step["n"] = n
             x, y = torch.randn(32, 8, generator=generator).cuda(), torch.randn(32, 1, generator=generator).cuda()
             if n == 1:
-                params = {name: p.full_tensor().double().cpu().numpy() for name, p in model.named_parameters()}
+                params = {name: p.detach().full_tensor().double().cpu().numpy() for name, p in model.named_parameters()}
             nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
