@@ -179,3 +179,47 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, expected):
         code = exc.code
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and expected in err, err
+
+
+def test_read_table_long_fields_quotes_and_blank_lines_as_read_scalars(tmp_path):
+    from trainmon.csv2tb import MAX_FIELD
+
+    header = "vpp_stage,name,step,micro_step,norm\n"
+    cases = {
+        "long": header + "0,w,1,0,1\n0," + "a" * (MAX_FIELD + 1) + ",2,0,1\n",
+        "blank": header + "0,w,1,0,1\n\n0,w,2,0,1\n",
+        "quoted": header + '0,"a ""b"",\nc",1,0,1.5\r\n0,w,2,0,nan\r\n',
+        "empty": "",
+        "header only": header,
+    }
+    for label, text in cases.items():
+        path = tmp_path / "actv.csv"
+        path.write_text(text, newline="")
+        try:
+            want = list(read_scalars(path))
+        except CsvFormatError as exc:
+            with pytest.raises(CsvFormatError) as bulk:
+                read_table(path)
+            assert str(bulk.value) == str(exc), label
+            continue
+        table = read_table(path)
+        if not want:
+            assert len(table.rows) == 0, label
+            continue
+        got = [(row_tag("actv", table.keys[r][1], "norm"), v, int(s))
+               for r, v, s in zip(table.rows, table.values[:, 0], table.steps)]
+        assert [(t, s) for t, _, s in got] == [(t, s) for t, _, s in want], label
+        assert np.allclose([v for _, v, _ in got], [v for _, v, _ in want], equal_nan=True), label
+
+
+def test_sparse_huge_steps_bin_by_distinct_step(tmp_path):
+    """Steps far apart (not a dense range) are columns in order, through the sorting path."""
+    path = tmp_path / "actv.csv"
+    steps = [0, 5, 2**40, 2**62]
+    path.write_text("vpp_stage,name,step,micro_step,norm\n" + "".join(f"0,w,{s},0,{i + 1}.0\n" for i, s in
+                                                                       enumerate(reversed(steps))))
+    (hm,) = report_data.heatmaps("actv", [read_table(path)], 0, max_columns=10)
+    assert hm["steps"] == steps and hm["per_bin"] == 1
+    codes = _decode(hm, (1, 4))[0]
+    logs = np.log10([4.0, 3.0, 2.0, 1.0])  # values by ascending step
+    assert codes.tolist() == np.rint((logs - logs.min()) / (logs.max() - logs.min()) * 249).astype(int).tolist()

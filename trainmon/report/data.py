@@ -68,7 +68,14 @@ def probe_files(run_dir: Path, ranks: list[int]) -> dict[int, Path]:
 
 def step_bins(steps: np.ndarray, max_columns: int) -> tuple[np.ndarray, np.ndarray, int]:
     """``(bin of each entry, first step of each bin, steps per bin)`` over the distinct sorted ``steps``."""
-    distinct, position = np.unique(steps, return_inverse=True)
+    low, high = (int(steps.min()), int(steps.max())) if len(steps) else (0, -1)
+    if high - low < 8 * len(steps) + 1_000_000:  # one pass over a step range that is not sparse, no sort
+        seen = np.zeros(high - low + 1, bool)
+        seen[steps - low] = True
+        distinct = np.flatnonzero(seen) + low
+        position = (np.cumsum(seen) - 1)[steps - low]
+    else:
+        distinct, position = np.unique(steps, return_inverse=True)
     per_bin = max(1, math.ceil(len(distinct) / max_columns))
     bins = position // per_bin
     return bins, distinct[::per_bin], per_bin
@@ -139,7 +146,9 @@ def merge_tables(tables: list[Table]) -> tuple[list[tuple[int, str]], dict[str, 
         rows = remap[table.rows] if len(table.rows) else table.rows
         for column, metric in enumerate(table.metrics):
             by_metric.setdefault(metric, []).append((rows, table.steps, table.values[:, column]))
-    merged = {metric: tuple(np.concatenate(part) for part in zip(*parts)) for metric, parts in by_metric.items()}
+    # one part (a single file): views, so that every metric shares one steps array (binned once)
+    merged = {metric: parts[0] if len(parts) == 1 else tuple(np.concatenate(part) for part in zip(*parts))
+              for metric, parts in by_metric.items()}
     return list(keys), merged
 
 
@@ -149,16 +158,19 @@ def heatmaps(family: str, tables: list[Table], rank: int, max_columns: int,
     on a fixed linear range, lowest value per cell)."""
     keys, by_metric = merge_tables(tables)
     out = []
+    cells_of: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # id(steps) -> cells, first steps, per bin
     for metric, (rows, steps, values) in by_metric.items():
         if scales is not None and metric not in scales:
             continue
         if not len(steps):
             continue
-        bins, first_steps, per_bin = step_bins(steps, max_columns)
+        if id(steps) not in cells_of:
+            bins, first_steps, per_bin = step_bins(steps, max_columns)
+            cells_of[id(steps)] = rows.astype(np.int64) * len(first_steps) + bins, first_steps, per_bin
+        cells, first_steps, per_bin = cells_of[id(steps)]
         shape = (len(keys), len(first_steps))
         scale = scales[metric] if scales is not None else None
-        grid = encode_grid(rows.astype(np.int64) * shape[1] + bins, shape, values, scale,
-                           "min" if scales is not None else "absmax")
+        grid = encode_grid(cells, shape, values, scale, "min" if scales is not None else "absmax")
         out.append({"family": family, "metric": metric, "rank": rank, "rows": [_label(k) for k in keys],
                     "steps": first_steps.tolist(), "last_step": int(steps.max()), "per_bin": per_bin,
                     "reduce": "min" if scales is not None else "absmax", **grid})

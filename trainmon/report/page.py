@@ -222,7 +222,7 @@ function cellValue(hm, code) {
 function drawHeatmap(box, hm) {
   box.textContent = "";
   const rows = hm.rows.length, cols = hm.steps.length, codes = decode(hm.data);
-  const rowH = Math.max(1, Math.min(14, Math.floor(900 / rows))), cellW = Math.max(1, Math.min(24, Math.floor(1000 / cols)));
+  const rowH = Math.max(1, Math.min(14, Math.floor(900 / rows))), cellW = Math.max(1, Math.min(22, Math.floor(900 / cols)));
   const wrap = el("div", {class: "heat-wrap"}, box);
   const labels = el("div", {class: "row-labels"}, wrap);
   const right = el("div", {}, wrap);
