@@ -194,11 +194,10 @@ def _is_lowest_selected(group: Any, ranks: list[int] | None) -> bool:
     """
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return ranks is None or 0 in ranks
-    members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    selected = [member for member in members if ranks is None or member in ranks]
-    return bool(selected) and min(selected) == dist.get_rank()
+    from trainmon.probe.shards import lowest_selected
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return lowest_selected(group, ranks) == rank
 
 
 def _grad_probe(ctx: StepContext, config: MonitorConfig, engine: Any, params: list[tuple[str, torch.nn.Parameter, int]],

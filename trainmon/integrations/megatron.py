@@ -226,7 +226,12 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
         check_dp_group(options.dp_group, mains)
         collectors.append(MegatronParamCollector(ctx, select_params(params, config), mains, layout, config, registry))
     if config.grad_probe.enabled:
-        probe = grad_probe(ctx, config, select_params(params, config), mains, layout, registry)
+        try:
+            probe = grad_probe(ctx, config, select_params(params, config), mains, layout, registry)
+        except BaseException:
+            if step_hooks is not None:
+                step_hooks.uninstall()  # a failed attach leaves the optimizer as it was
+            raise
         if probe is not None:
             collectors.append(probe)
     rank, world_size = dist_layout()

@@ -34,29 +34,6 @@ logger = logging.getLogger("trainmon")
 _F32, _F64 = torch.float32, torch.float64
 
 
-def _interval_counts(flat: torch.Tensor, bounds: Sequence[float]) -> list[torch.Tensor]:
-    """As :func:`trainmon.probe.device.interval_counts`, as exact int64 counts."""
-    if not bounds:
-        return [torch.count_nonzero(~torch.isnan(flat))]
-    at_most = [torch.count_nonzero(flat <= b) for b in bounds]
-    return [at_most[0], *(at_most[i] - at_most[i - 1] for i in range(1, len(at_most))),
-            torch.count_nonzero(flat > bounds[-1])]
-
-
-def lowest_selected(group: Any, ranks: Sequence[int] | None) -> int | None:
-    """The lowest global rank of ``group`` that ``ranks`` selects (None: no member is selected).
-
-    Without an initialised process group: 0 when rank 0 is selected.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0 if ranks is None or 0 in ranks else None
-    members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    selected = [member for member in members if ranks is None or member in ranks]
-    return min(selected) if selected else None
-
-
 class ShardedGradProbe(GradProbe):
     """:class:`GradProbe` of parameters whose gradients are split across the ranks of ``group``.
 
@@ -86,7 +63,7 @@ class ShardedGradProbe(GradProbe):
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
-        self.dst = lowest_selected(group, config.ranks)
+        self.dst = sh.lowest_selected(group, config.ranks)
         self.world = dist.get_world_size(group) if self.distributed else 1
         self.group_rank = dist.get_rank(group) if self.distributed else 0
         specs = [spec_of(p) for _, p, _ in params]
@@ -214,7 +191,7 @@ class ShardedGradProbe(GradProbe):
         else:
             packed = self._directions_piece(index, flat, packed_full, values)
             if self.level == "L2":
-                values += _interval_counts(flat, self.bounds)
+                values += sh.interval_counts(flat, self.bounds)
                 values[sh.ZERO_COUNT] = numel - torch.count_nonzero(flat)
         values += [zero] * (self.partial_width - len(values))
         had_exp_avg = False
@@ -347,26 +324,10 @@ class ShardedGradProbe(GradProbe):
         return {"name": name, "vpp_stage": vpp_stage, "shape": list(spec.shape), "numel": spec.total,
                 "dtype": dtype, "count": count}
 
-    def _stats(self, c: torch.Tensor) -> torch.Tensor:
-        """``[params, W]`` float32 rows of the whole parameters, in :class:`GradProbe`'s column order."""
-        totals = torch.tensor([self.all_specs[0][i].total for i in range(len(self.params))], dtype=_F64,
-                              device=c.device)
-        counts = torch.tensor([sum(row[i] for row in self._stored) for i in range(len(self.params))], dtype=_F64,
-                              device=c.device)
-        nan = torch.full_like(totals, float("nan"))
-        whole = c[:, sh.NUMEL] == totals
-        columns = [torch.where(whole, c[:, sh.MAX], nan), torch.where(whole, c[:, sh.MIN], nan),
-                   torch.where(whole, c[:, sh.SUMSQ].sqrt(), nan),
-                   torch.where(c[:, sh.PREV_COUNT] == counts, 1.0 - c[:, sh.PREV_DIFF] / counts, nan),
-                   torch.where(c[:, sh.PREV_VALUES] == counts,
-                               c[:, sh.PREV_DOT] / (c[:, sh.PREV_SQ_NOW].sqrt() * c[:, sh.PREV_SQ_BEFORE].sqrt()), nan),
-                   torch.where(c[:, sh.EXP_COUNT] == totals, 1.0 - c[:, sh.EXP_DIFF] / totals, nan),
-                   torch.where(c[:, sh.EXP_COUNT] == totals,
-                               c[:, sh.EXP_DOT] / (c[:, sh.SUMSQ].sqrt() * c[:, sh.EXP_SQ].sqrt()), nan)]
-        if self.level == "L2":
-            columns += [torch.where(whole, c[:, len(sh.COLUMNS) + k] / totals, nan) for k in range(len(self.bounds) + 1)]
-            columns.append(torch.where(whole, c[:, sh.ZERO_COUNT] / totals, nan))
-        return torch.stack(columns, dim=1).to(_F32)
+    def _stats(self, combined: torch.Tensor) -> torch.Tensor:
+        totals = [self.all_specs[0][i].total for i in range(len(self.params))]
+        counts = [sum(row[i] for row in self._stored) for i in range(len(self.params))]
+        return sh.whole_stats(combined, totals, counts, self.level, len(self.bounds))
 
     def _scalars(self, stats: torch.Tensor, c: torch.Tensor, metas: list[dict[str, Any]], previous: list[bool],
                  available: list[bool]) -> None:

@@ -20,6 +20,9 @@ each piece where it lives and combines *partials*, never the gradient:
   positions of the whole parameter (or of its fixed sample) on the host, so one direction file
   holds the whole parameter's direction, as an unsharded run writes it.
 
+- :func:`whole_stats` turns combined partials into the probe's rows; :func:`lowest_selected` names
+  the rank of a group that writes them.
+
 Device functions never synchronise with the host; host functions (numpy) run on the probe's
 writer thread or once at set-up.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -225,3 +229,54 @@ def combine_checksums(gathered: torch.Tensor) -> torch.Tensor:
     to int32 (as :func:`trainmon.probe.device.raw_checksum`), the words checksum modulo 2**64."""
     summed = gathered.sum(dim=0)
     return torch.stack([summed[:, 0].to(torch.int32).to(torch.int64), summed[:, 1]], dim=1)
+
+
+def interval_counts(flat: torch.Tensor, bounds: Sequence[float]) -> list[torch.Tensor]:
+    """As :func:`trainmon.probe.device.interval_counts`, as exact int64 counts."""
+    if not bounds:
+        return [torch.count_nonzero(~torch.isnan(flat))]
+    at_most = [torch.count_nonzero(flat <= b) for b in bounds]
+    return [at_most[0], *(at_most[i] - at_most[i - 1] for i in range(1, len(at_most))),
+            torch.count_nonzero(flat > bounds[-1])]
+
+
+def lowest_selected(group: Any, ranks: Sequence[int] | None) -> int | None:
+    """The lowest global rank of ``group`` that ``ranks`` selects (None: no member is selected).
+
+    Without an initialised process group: 0 when rank 0 is selected.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0 if ranks is None or 0 in ranks else None
+    members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    selected = [member for member in members if ranks is None or member in ranks]
+    return min(selected) if selected else None
+
+
+def whole_stats(combined: torch.Tensor, totals: Sequence[int], counts: Sequence[int], level: str,
+                n_bounds: int) -> torch.Tensor:
+    """``[params, W]`` float32 rows of the whole parameters from combined partials, in
+    :class:`~trainmon.probe.collector.GradProbe`'s column order (max, min, norm, the four
+    similarities, then at L2 the interval fractions and the zero fraction).
+
+    ``totals``: each parameter's element count; ``counts``: its stored direction elements (numel or
+    the sample size). A value whose pieces did not all contribute (a missing gradient or
+    ``exp_avg`` piece, no previous step) is NaN, as unsharded."""
+    c = combined
+    totals_t = torch.tensor(list(totals), dtype=_F64, device=c.device)
+    counts_t = torch.tensor(list(counts), dtype=_F64, device=c.device)
+    nan = torch.full_like(totals_t, float("nan"))
+    whole = c[:, NUMEL] == totals_t
+    columns = [torch.where(whole, c[:, MAX], nan), torch.where(whole, c[:, MIN], nan),
+               torch.where(whole, c[:, SUMSQ].sqrt(), nan),
+               torch.where(c[:, PREV_COUNT] == counts_t, 1.0 - c[:, PREV_DIFF] / counts_t, nan),
+               torch.where(c[:, PREV_VALUES] == counts_t,
+                           c[:, PREV_DOT] / (c[:, PREV_SQ_NOW].sqrt() * c[:, PREV_SQ_BEFORE].sqrt()), nan),
+               torch.where(c[:, EXP_COUNT] == totals_t, 1.0 - c[:, EXP_DIFF] / totals_t, nan),
+               torch.where(c[:, EXP_COUNT] == totals_t,
+                           c[:, EXP_DOT] / (c[:, SUMSQ].sqrt() * c[:, EXP_SQ].sqrt()), nan)]
+    if level == "L2":
+        columns += [torch.where(whole, c[:, len(COLUMNS) + k] / totals_t, nan) for k in range(n_bounds + 1)]
+        columns.append(torch.where(whole, c[:, ZERO_COUNT] / totals_t, nan))
+    return torch.stack(columns, dim=1).to(torch.float32)
