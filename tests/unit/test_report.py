@@ -223,3 +223,20 @@ def test_sparse_huge_steps_bin_by_distinct_step(tmp_path):
     codes = _decode(hm, (1, 4))[0]
     logs = np.log10([4.0, 3.0, 2.0, 1.0])  # values by ascending step
     assert codes.tolist() == np.rint((logs - logs.min()) / (logs.max() - logs.min()) * 249).astype(int).tolist()
+
+
+@pytest.mark.parametrize("version", ["msprobe-1.2.1", "msprobe-26.2.0"])
+def test_msprobe_output_folder(tmp_path, version):
+    """msprobe's CSV output and anomaly.json files (real outputs of msprobe, see tests/data): heatmaps
+    from csv2tb's msprobe reader, the first origin by msprobe's rule."""
+    folder = Path(__file__).parents[1] / "data" / "msprobe_output" / version
+    out = tmp_path / "report.html"
+    assert main(["report", str(folder), "-o", str(out)]) == 0
+    page = _page_data(out.read_text())
+    from trainmon.msprobe_output import analyse_msprobe, anomaly_files
+
+    expected = analyse_msprobe(folder, anomaly_files(folder), top=20)
+    assert page["anomalies"]["events"] == expected["events"] > 0
+    assert page["anomalies"]["first_origin"]["message"] == expected["first_origin"]["message"]
+    csv_families = {re.fullmatch(r"(.+)_\d+-\d+\.csv", p.name).group(1) for p in folder.glob("*rank0*/*.csv")}
+    assert {h["family"] for h in page["heatmaps"]} == csv_families

@@ -57,12 +57,14 @@ def csv_files(run_dir: Path) -> dict[int, list[Path]]:
 
 
 def probe_files(run_dir: Path, ranks: list[int]) -> dict[int, Path]:
-    """``rank -> rank{R}/grad_probe/grad_summary.csv`` where it exists."""
+    """``rank -> rank{R}/grad_probe/grad_summary.csv`` where it exists (``grad_probe/`` of a rank directory)."""
     found = {}
     for rank in ranks:
-        path = run_dir / f"rank{rank}" / "grad_probe" / "grad_summary.csv"
-        if path.is_file():
-            found[rank] = path
+        for folder in (run_dir / f"rank{rank}", run_dir):  # a run, or one rank directory
+            path = folder / "grad_probe" / "grad_summary.csv"
+            if path.is_file() and (folder != run_dir or rank_of(run_dir, -1) == rank):
+                found[rank] = path
+                break
     return found
 
 
