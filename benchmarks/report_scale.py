@@ -29,7 +29,8 @@ def write_run(root: Path, modules: int, steps: int, metrics: list[str], seed: in
     rng = np.random.default_rng(seed)
     rank_dir = root / "rank0"
     rank_dir.mkdir(parents=True)
-    names = [f"layers.{i // 8}.{('q', 'k', 'v', 'o', 'fc1', 'fc2', 'ln1', 'ln2')[i % 8]}.weight" for i in range(modules)]
+    kinds = ("q", "k", "v", "o", "fc1", "fc2", "ln1", "ln2")
+    names = [f"layers.{i // 8}.{kinds[i % 8]}.weight" for i in range(modules)]
     scale = rng.lognormal(0, 1.5, modules)
     prefix = [f"0,{name}," for name in names]
     with open(rank_dir / "grad_reduced.csv", "w", newline="") as handle:
@@ -44,7 +45,8 @@ def write_run(root: Path, modules: int, steps: int, metrics: list[str], seed: in
     with open(rank_dir / "scalars.csv", "w") as handle:
         handle.write("step,name,value\n")
         for step in range(steps):
-            handle.write(f"{step},loss,{loss[step]!r}\n{step},grad_norm,{float(scale.sum()):.6g}\n{step},lr/group0,0.001\n")
+            handle.write(f"{step},loss,{loss[step]!r}\n{step},grad_norm,{float(scale.sum()):.6g}\n"
+                         f"{step},lr/group0,0.001\n")
     with open(rank_dir / "anomalies.jsonl", "w") as handle:
         for step in range(7000, steps, 10):
             handle.write(json.dumps({"step": step, "micro_step": 0, "rank": 0, "phase": "optimizer",

@@ -394,7 +394,8 @@ class _TableBuilder:
                 raise ValueError("a field too long")
             self.parts.append(self._bulk(columns, scalars))
         except (ValueError, OverflowError):  # line by line, as read_scalars reads it: its error, or its values
-            parsed = [_parse_row(path, number, header, _bounded(row), scalars) for number, row in enumerate(block, line)]
+            parsed = [_parse_row(path, number, header, _bounded(row), scalars)
+                      for number, row in enumerate(block, line)]
             rows = [self._id((vpp, name)) for vpp, name, _, _, _ in parsed]
             self.parts.append((np.array(rows, dtype=np.int32), np.array([p[2] for p in parsed], dtype=np.int64),
                                np.array([p[3] for p in parsed], dtype=np.int32),

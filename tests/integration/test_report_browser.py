@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -16,7 +17,6 @@ import torch
 from torch import nn
 
 from trainmon import TrainerMonitor
-from trainmon.cli import main as cli_main
 
 CHROMIUM = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome", "chrome")
                  if shutil.which(name)), None)
@@ -93,13 +93,23 @@ def render(page: Path, tmp_path: Path, screenshot: Path | None = None) -> _Eleme
     return parser
 
 
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> tuple[Path, Path, str]:
+    """``(run directory, report.html, what the command printed)`` of one real run."""
+    root = tmp_path_factory.mktemp("report")
+    run = train_run(root)
+    out = root / "report.html"
+    done = subprocess.run([sys.executable, "-m", "trainmon", "report", str(run), "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return run, out, done.stdout
+
+
 @needs_browser
-def test_report_of_a_real_run_renders_in_chromium(tmp_path, capsys):
-    run = train_run(tmp_path)
-    out = tmp_path / "report.html"
-    assert cli_main(["report", str(run), "-o", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert f"wrote {out}" in printed
+def test_report_of_a_real_run_renders_in_chromium(tmp_path, report):
+    run, out, printed = report
+    files = len(list((run / "rank0").glob("*.csv"))) + 1  # and grad_probe/grad_summary.csv
+    assert f"wrote {out}" in printed and f"read {files} CSV files of 1 rank(s)" in printed
     text = out.read_text(encoding="utf-8")
     assert "http://" not in text.replace("http://www.w3.org/2000/svg", "") and "https://" not in text  # nothing fetched
 
@@ -158,10 +168,7 @@ def test_a_script_error_is_written_into_the_page(tmp_path):
 
 
 @needs_browser
-def test_screenshot(tmp_path):
-    run = train_run(tmp_path)
-    out = tmp_path / "report.html"
-    assert cli_main(["report", str(run), "-o", str(out)]) == 0
+def test_screenshot(tmp_path, report):
     shot = tmp_path / "report.png"
-    render(out, tmp_path, screenshot=shot)
+    render(report[1], tmp_path, screenshot=shot)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

@@ -162,7 +162,8 @@ def test_bad_input_exits_2_with_one_line(tmp_path, make, expected):
     done = subprocess.run([sys.executable, "-m", "trainmon", "report", str(run)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.count("\n") == 1 and done.stderr.startswith("trainmon report: error: ") and expected in done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("trainmon report: error: ")
+    assert expected in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -240,3 +241,14 @@ def test_msprobe_output_folder(tmp_path, version):
     assert page["anomalies"]["first_origin"]["message"] == expected["first_origin"]["message"]
     csv_families = {re.fullmatch(r"(.+)_\d+-\d+\.csv", p.name).group(1) for p in folder.glob("*rank0*/*.csv")}
     assert {h["family"] for h in page["heatmaps"]} == csv_families
+
+
+def test_families_and_metrics_select_heatmaps(tmp_path):
+    run = _run(tmp_path, ranks=2)
+    out = tmp_path / "report.html"
+    assert main(["report", str(run), "-o", str(out), "--families", "actv", "grad_reduced", "--metrics", "nans",
+                 "--ranks", "1"]) == 0
+    page = _page_data(out.read_text())
+    assert sorted((h["family"], h["metric"], h["rank"]) for h in page["heatmaps"]) == [
+        ("actv", "nans", 1), ("grad_reduced", "nans", 1)]
+    assert list(page["curves"]) == ["1"] and page["ranks"] == [1]

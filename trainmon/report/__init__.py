@@ -39,11 +39,13 @@ def add_parser(sub: Any) -> None:
                     "and lr curves (anomalies marked), the cross-rank anomaly timeline with the first origin, "
                     "module x step heatmaps per family, metric and rank (log colour scale) and the grad-probe "
                     "direction heatmaps. Reads a trainmon run directory or msprobe's CSV output folder.")
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (with rank*/ folders) or one rank directory")
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="a run directory (with rank*/ folders) or one rank directory")
     parser.add_argument("-o", "--output", metavar="OUT", help=f"the HTML file (default RUN_DIR/{DEFAULT_NAME})")
     parser.add_argument("--ranks", type=_ranks_arg, default=None, metavar="R",
                         help=f"ranks with heatmaps and curves, e.g. 0,4-7 (default: the first {MAX_RANKS})")
     parser.add_argument("--families", nargs="+", metavar="FAMILY", help="only these families' heatmaps")
+    parser.add_argument("--metrics", nargs="+", metavar="METRIC", help="only these metrics' heatmaps (e.g. norm nans)")
     parser.add_argument("--max-columns", type=_columns_arg, default=1000, metavar="N",
                         help="heatmap columns at most (default 1000): more collected steps are binned")
     parser.set_defaults(func=_main)
@@ -67,7 +69,8 @@ def _main(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else run_dir / DEFAULT_NAME
     if is_dir(output):
         raise UsageError(f"--output {output} is a directory: name the HTML file, e.g. {output / DEFAULT_NAME}")
-    summary = build(run_dir, output, ranks=args.ranks, families=args.families, max_columns=args.max_columns)
+    summary = build(run_dir, output, ranks=args.ranks, families=args.families, metrics=args.metrics,
+                    max_columns=args.max_columns)
     for line in summary["warnings"]:
         print(f"warning: {line}", file=sys.stderr)
     print(f"read {summary['files']} CSV files of {len(summary['ranks'])} rank(s)"
@@ -78,13 +81,14 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | None = None,
-          max_columns: int = 1000, progress: bool | None = None) -> dict[str, Any]:
+          metrics: list[str] | None = None, max_columns: int = 1000, progress: bool | None = None) -> dict[str, Any]:
     """Read ``run_dir``, write the report to ``output``; returns what it did (counts, bytes, seconds).
 
     Args:
         ranks: ranks with heatmaps and curves (a :class:`~trainmon.anomaly.analyse.StepRanges` or
             ints; None: the first :data:`MAX_RANKS`).
         families: only these families' heatmaps (None: all).
+        metrics: only these metrics' heatmaps (None: all).
         max_columns: heatmap columns at most; curves keep up to twice as many points.
         progress: draw a progress bar (None: when stderr is a terminal).
 
@@ -125,7 +129,7 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
                     if family == "scalars":
                         curves[str(rank)] = report_data.curves(family_tables, 2 * max_columns)
                     else:
-                        heatmaps += report_data.heatmaps(family, family_tables, rank, max_columns)
+                        heatmaps += report_data.heatmaps(family, family_tables, rank, max_columns, metrics=metrics)
                 if rank in probe:
                     table = report_data.read_probe_table(probe[rank])
                     probe_maps += report_data.heatmaps("grad_probe", [table], rank, max_columns,

@@ -155,14 +155,15 @@ def merge_tables(tables: list[Table]) -> tuple[list[tuple[int, str]], dict[str, 
 
 
 def heatmaps(family: str, tables: list[Table], rank: int, max_columns: int,
-             scales: dict[str, tuple[float, float]] | None = None) -> list[dict[str, Any]]:
-    """The heatmaps of one family on one rank, one per metric (with ``scales``: only those metrics,
-    on a fixed linear range, lowest value per cell)."""
+             scales: dict[str, tuple[float, float]] | None = None,
+             metrics: list[str] | None = None) -> list[dict[str, Any]]:
+    """The heatmaps of one family on one rank, one per metric (only ``metrics`` when given; with
+    ``scales``: only those metrics, on a fixed linear range, lowest value per cell)."""
     keys, by_metric = merge_tables(tables)
     out = []
     cells_of: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # id(steps) -> cells, first steps, per bin
     for metric, (rows, steps, values) in by_metric.items():
-        if scales is not None and metric not in scales:
+        if (scales is not None and metric not in scales) or (metrics is not None and metric not in metrics):
             continue
         if not len(steps):
             continue

@@ -17,9 +17,12 @@ body { font: 14px/1.4 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 
 h1 { font-size: 22px; margin: 16px 0 4px; } h2 { font-size: 17px; margin: 26px 0 8px; border-bottom: 1px solid #ddd; }
 #summary, .note { color: #555; font-size: 13px; } .controls { margin: 6px 0; } .controls label { margin-right: 14px; }
 select { font: inherit; } #js-error { color: #b00; font-weight: bold; white-space: pre-wrap; }
-.chart { margin: 4px 0 10px; } .chart text { font-size: 11px; fill: #444; } .chart .title { font-size: 13px; fill: #222; }
-.axis { stroke: #999; stroke-width: 1; } .grid { stroke: #eee; } .curve { fill: none; stroke: #1f77b4; stroke-width: 1.3; }
-.band { fill: #1f77b4; fill-opacity: 0.25; stroke: none; } .anomaly-marker { stroke: #d62728; stroke-width: 1; stroke-opacity: 0.55; }
+.chart { margin: 4px 0 10px; } .chart text { font-size: 11px; fill: #444; }
+.chart .title { font-size: 13px; fill: #222; }
+.axis { stroke: #999; stroke-width: 1; } .grid { stroke: #eee; }
+.curve { fill: none; stroke: #1f77b4; stroke-width: 1.3; }
+.band { fill: #1f77b4; fill-opacity: 0.25; stroke: none; }
+.anomaly-marker { stroke: #d62728; stroke-width: 1; stroke-opacity: 0.55; }
 .bad-marker { fill: #d62728; } .first-origin { fill: none; stroke: #000; stroke-width: 2; }
 .heat-wrap { display: flex; align-items: flex-start; gap: 6px; } .row-labels { font-size: 10px; text-align: right; }
 .row-label { white-space: nowrap; overflow: hidden; max-width: 340px; }
@@ -28,7 +31,8 @@ canvas.heatmap { image-rendering: pixelated; image-rendering: crisp-edges; borde
   font-size: 12px; display: none; z-index: 9; max-width: 520px; white-space: pre-wrap; }
 table.events { border-collapse: collapse; font-size: 12px; } table.events td, table.events th { padding: 2px 8px;
   border-bottom: 1px solid #eee; text-align: left; } .legend span { display: inline-block; margin-right: 12px; }
-.swatch { display: inline-block; width: 12px; height: 12px; vertical-align: middle; margin-right: 4px; border: 1px solid #aaa; }
+.swatch { display: inline-block; width: 12px; height: 12px; vertical-align: middle; margin-right: 4px;
+  border: 1px solid #aaa; }
 """
 
 _JS = r"""
@@ -40,7 +44,8 @@ window.onerror = function (message, source, line) {
 const DATA = JSON.parse(document.getElementById("report-data").textContent);
 const SVG = "http://www.w3.org/2000/svg";
 const CODES = {ZERO: 250, NAN: 251, POS_INF: 252, NEG_INF: 253, MISSING: 255};
-const SPECIAL = {250: [217, 217, 217], 251: [228, 26, 28], 252: [255, 127, 0], 253: [152, 78, 163], 255: [255, 255, 255]};
+const SPECIAL = {250: [217, 217, 217], 251: [228, 26, 28], 252: [255, 127, 0], 253: [152, 78, 163],
+  255: [255, 255, 255]};
 const VIRIDIS = [[68, 1, 84], [72, 36, 117], [65, 68, 135], [53, 95, 141], [42, 120, 142], [33, 145, 140],
   [34, 168, 132], [68, 191, 112], [122, 209, 81], [189, 223, 38], [253, 231, 37]];
 const PALETTE = [];
@@ -159,7 +164,8 @@ function drawAnomalies() {
   if (!a.present) { box.textContent = "No anomalies.jsonl in this run: no anomaly was recorded."; return; }
   const f = a.first_origin;
   box.textContent = a.events + " anomaly events in " + a.files + " file(s)" +
-    (Object.keys(a.by_detector).length ? " (" + Object.entries(a.by_detector).map(([d, n]) => d + ": " + n).join(", ") + ")" : "") + ". ";
+    (Object.keys(a.by_detector).length
+      ? " (" + Object.entries(a.by_detector).map(([d, n]) => d + ": " + n).join(", ") + ")" : "") + ". ";
   if (f) {
     el("b", {id: "first-origin-text", "data-step": f.step, "data-rank": f.rank}, box, "First origin: step " + f.step +
       ", micro-step " + f.micro_step + ", rank " + f.rank + ", " + f.phase + " of " + f.name + " (" + f.metric + " = " +
@@ -181,7 +187,8 @@ function drawAnomalies() {
   const width = Math.max(2, (W - L - R) / Math.max(1, (xRange[1] - xRange[0]) / Math.max(1, a.timeline.per_bin)));
   for (const [rank, step, count] of cells) {
     const shade = 0.35 + 0.65 * Math.log(1 + count) / Math.log(1 + maxCount);
-    const rect = el("svg:rect", {x: x(step) - width / 2, y: T + rowOf.get(rank) * rowH, width: width, height: Math.max(1, rowH - 1),
+    const rect = el("svg:rect", {x: x(step) - width / 2, y: T + rowOf.get(rank) * rowH, width: width,
+      height: Math.max(1, rowH - 1),
       fill: "#d62728", "fill-opacity": shade.toFixed(2), class: "timeline-cell", "data-rank": rank, "data-step": step,
       "data-count": count}, svg);
     el("svg:title", {}, rect, count + " event(s): rank " + rank + ", step " + step);
@@ -189,10 +196,13 @@ function drawAnomalies() {
   ranks.forEach((r, i) => { if (ranks.length <= 40 || i % Math.ceil(ranks.length / 40) === 0)
     el("svg:text", {x: L - 4, y: T + i * rowH + rowH / 2 + 4, "text-anchor": "end"}, svg, "rank " + r); });
   for (const t of ticks(xRange[0], xRange[1], 8)) {
-    if (Math.abs(t - Math.round(t)) < 1e-9) el("svg:text", {x: x(t), y: H - 8, "text-anchor": "middle"}, svg, String(t));
+    if (Math.abs(t - Math.round(t)) < 1e-9) {
+      el("svg:text", {x: x(t), y: H - 8, "text-anchor": "middle"}, svg, String(t));
+    }
   }
   if (f && rowOf.has(f.rank)) {
-    const ring = el("svg:circle", {cx: x(f.step), cy: T + rowOf.get(f.rank) * rowH + rowH / 2, r: Math.max(5, rowH / 2 + 2),
+    const ring = el("svg:circle", {cx: x(f.step), cy: T + rowOf.get(f.rank) * rowH + rowH / 2,
+      r: Math.max(5, rowH / 2 + 2),
       class: "first-origin", "data-step": f.step, "data-rank": f.rank}, svg);
     el("svg:title", {}, ring, "first origin: " + f.message);
   }
@@ -202,7 +212,9 @@ function drawAnomalies() {
   const body = el("tbody", {}, table);
   for (const e of a.top) {
     const tr = el("tr", {class: "event-row"}, body);
-    for (const v of [e.rank, e.step, e.micro_step, e.phase, e.name, e.metric, e.value, e.detector]) el("td", {}, tr, String(v));
+    for (const v of [e.rank, e.step, e.micro_step, e.phase, e.name, e.metric, e.value, e.detector]) {
+      el("td", {}, tr, String(v));
+    }
   }
 }
 
@@ -222,7 +234,8 @@ function cellValue(hm, code) {
 function drawHeatmap(box, hm) {
   box.textContent = "";
   const rows = hm.rows.length, cols = hm.steps.length, codes = decode(hm.data);
-  const rowH = Math.max(1, Math.min(14, Math.floor(900 / rows))), cellW = Math.max(1, Math.min(22, Math.floor(900 / cols)));
+  const rowH = Math.max(1, Math.min(14, Math.floor(900 / rows)));
+  const cellW = Math.max(1, Math.min(22, Math.floor(900 / cols)));
   const wrap = el("div", {class: "heat-wrap"}, box);
   const labels = el("div", {class: "row-labels"}, wrap);
   const right = el("div", {}, wrap);
@@ -233,25 +246,33 @@ function drawHeatmap(box, hm) {
   for (let i = 0; i < codes.length; i++) {
     const code = codes[i], rgb = code < 250 ? PALETTE[code] : SPECIAL[code];
     if (code >= 251 && code <= 253) nonfinite++;
-    image.data[4 * i] = rgb[0]; image.data[4 * i + 1] = rgb[1]; image.data[4 * i + 2] = rgb[2]; image.data[4 * i + 3] = 255;
+    image.data[4 * i] = rgb[0]; image.data[4 * i + 1] = rgb[1]; image.data[4 * i + 2] = rgb[2];
+    image.data[4 * i + 3] = 255;
   }
   ctx.putImageData(image, 0, 0);
-  Object.assign(canvas.dataset, {rows: rows, cols: cols, nonfinite: nonfinite, family: hm.family, metric: hm.metric, rank: hm.rank});
+  Object.assign(canvas.dataset, {rows: rows, cols: cols, nonfinite: nonfinite, family: hm.family,
+    metric: hm.metric, rank: hm.rank});
   if (rowH >= 9) {
     labels.style.paddingTop = "1px";
-    for (const name of hm.rows) { const d = el("div", {class: "row-label", "data-family": hm.family}, labels, name); d.style.height = rowH + "px"; d.style.lineHeight = rowH + "px"; }
+    for (const name of hm.rows) {
+      const d = el("div", {class: "row-label", "data-family": hm.family}, labels, name);
+      d.style.height = rowH + "px"; d.style.lineHeight = rowH + "px";
+    }
   } else {
     el("div", {class: "note"}, labels, rows + " rows: hover for names");
   }
   const axis = el("div", {class: "note"}, right);
   axis.textContent = "x: " + stepRange(hm.steps[0], 1, hm.steps[0]) + " .. " + hm.last_step + "; " +
-    (hm.per_bin > 1 ? "each column is " + hm.per_bin + " consecutive collected steps; " : "one column per collected step; ") +
-    (hm.reduce === "min" ? "a cell is the lowest value of its steps" : "a cell is the value of largest magnitude over its steps and micro-steps (NaN/Inf win)");
+    (hm.per_bin > 1 ? "each column is " + hm.per_bin + " consecutive collected steps; "
+      : "one column per collected step; ") +
+    (hm.reduce === "min" ? "a cell is the lowest value of its steps"
+      : "a cell is the value of largest magnitude over its steps and micro-steps (NaN/Inf win)");
   canvas.addEventListener("mousemove", ev => {
     const r = Math.floor(ev.offsetY / rowH), c = Math.floor(ev.offsetX / cellW);
     if (r < 0 || r >= rows || c < 0 || c >= cols) return hideTip();
     const last = c + 1 < cols ? hm.steps[c + 1] - 1 : hm.last_step;
-    showTip(ev, hm.rows[r] + "\n" + stepRange(hm.steps[c], hm.per_bin, last) + ": " + cellValue(hm, codes[r * cols + c]));
+    showTip(ev, hm.rows[r] + "\n" + stepRange(hm.steps[c], hm.per_bin, last) + ": " +
+      cellValue(hm, codes[r * cols + c]));
   });
   canvas.addEventListener("mouseleave", hideTip);
   const legend = el("div", {class: "legend note"}, right);
@@ -260,7 +281,8 @@ function drawHeatmap(box, hm) {
   const bctx = bar.getContext("2d"), bimg = bctx.createImageData(250, 1);
   PALETTE.forEach((rgb, i) => { bimg.data.set([rgb[0], rgb[1], rgb[2], 255], 4 * i); });
   bctx.putImageData(bimg, 0, 0);
-  const span = el("span", {}, legend, hm.scale === "log" ? " |value| " + fmt(Math.pow(10, hm.lo)) + " .. " + fmt(Math.pow(10, hm.hi)) + " (log scale)"
+  const span = el("span", {}, legend, hm.scale === "log"
+    ? " |value| " + fmt(Math.pow(10, hm.lo)) + " .. " + fmt(Math.pow(10, hm.hi)) + " (log scale)"
     : " " + fmt(hm.lo) + " .. " + fmt(hm.hi) + " (linear)");
   span.style.marginRight = "16px";
   for (const [code, label] of [[250, "0"], [251, "NaN"], [252, "+Inf"], [253, "-Inf"], [255, "no value"]]) {
@@ -288,7 +310,8 @@ function setupHeatmaps(prefix, list) {
 
 function main() {
   const s = DATA.summary;
-  document.getElementById("summary").textContent = s.run_dir + ": " + DATA.ranks.length + " rank(s), steps " + s.first_step +
+  document.getElementById("summary").textContent = s.run_dir + ": " + DATA.ranks.length + " rank(s), steps " +
+    s.first_step +
     ".." + s.last_step + ", " + s.files + " files read; written by trainmon " + s.trainmon + " on " + s.generated + ".";
   const curveRank = document.getElementById("curve-rank");
   for (const r of Object.keys(DATA.curves)) el("option", {value: r}, curveRank, "rank " + r);
@@ -317,19 +340,22 @@ def render(data: dict[str, Any]) -> str:
     payload = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")
     title = html.escape(f"trainmon report: {data['summary']['run_name']}")
     return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="generator" content="trainmon {html.escape(data['summary']['trainmon'])}">
+<html lang="en"><head><meta charset="utf-8">
+<meta name="generator" content="trainmon {html.escape(data['summary']['trainmon'])}">
 <title>{title}</title><style>{_CSS}</style></head>
 <body>
 <div id="js-error"></div>
 <h1>{title}</h1><div id="summary"></div>
 <h2>Loss, gradient norm and learning rate</h2>
 <div class="controls"><label>rank <select id="curve-rank"></select></label>
-<span class="note">red lines: steps with anomaly events (hover: the earliest); red triangles: NaN/Inf values</span></div>
+<span class="note">red lines: steps with anomaly events (hover: the earliest); red triangles: NaN/Inf values</span>
+</div>
 <div id="curves"></div>
 <h2>Anomalies across ranks</h2><div id="anomaly-summary"></div><div id="timeline"></div>
 <table class="events" id="top-events"></table>
 <h2>Module x step heatmaps</h2>
-<div class="note">colour: log10 of |value| (the grid's own range); grey 0, red NaN, orange +Inf, purple -Inf, white no value</div>
+<div class="note">colour: log10 of |value| (the grid's own range); grey 0, red NaN, orange +Inf, purple -Inf,
+white no value</div>
 {_controls("heat")}
 <div id="probe"><h2>Gradient direction (grad probe)</h2>
 <div class="note">per parameter and step: agreement of the gradient's direction with the previous collected step
