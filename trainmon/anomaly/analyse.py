@@ -486,7 +486,8 @@ def _refuse_foreign(target: Path) -> None:
         data = json.loads(read_regular(target).decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         data = None
-    ours = isinstance(data, dict) and (data.get("written_by") == WRITTEN_BY or {"first_origin", "top", "counts"} <= set(data))
+    ours = isinstance(data, dict) and (data.get("written_by") == WRITTEN_BY
+                                       or {"first_origin", "top", "counts"} <= set(data))
     if not ours:
         raise UsageError(f"{target} exists and was not written by trainmon analyse (msprobe's own "
                          f"{OUTPUT_NAME}?); it is left as it is: pass -o to write elsewhere")
