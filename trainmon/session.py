@@ -16,8 +16,8 @@ from trainmon.errors import AnomalyError
 from trainmon.integrations.base import Attachment, AttachOptions
 from trainmon.records import StepRecord, build_record, family_metrics
 from trainmon.rundir import default_run_name, run_json, unused_name, write_json
-from trainmon.schedule import Schedule
 from trainmon.sinks import SinkWriter, build_sinks
+from trainmon.step_schedule import StepSchedule
 from trainmon.steps import StepLifecycle
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class Session:
             self._hook_boundaries()
             rank = self.attachment.rank
             self.writes = config.ranks is None or rank in config.ranks
-            self.schedule = Schedule(config, rank_selected=self.writes or self.attachment.collective)
+            self.schedule = StepSchedule(config, rank_selected=self.writes or self.attachment.collective)
             self.run_dir, self.rank_dir = self._make_dirs(config)
             if self.rank_dir is not None:
                 logger.info("trainmon: rank %d writes to %s", rank, self.rank_dir)

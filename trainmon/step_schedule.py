@@ -8,7 +8,7 @@ from trainmon.config import MonitorConfig
 
 
 @dataclass
-class Schedule:
+class StepSchedule:
     """Decides per step whether to collect; counts collected steps for ``collect_times``."""
 
     config: MonitorConfig

@@ -19,8 +19,8 @@ import pandas as pd
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainmon.anomaly.actions import JsonlAction
 from trainmon.anomaly.events import AnomalyEvent
+from trainmon.anomaly.responses import JsonlAction
 from trainmon.config import ConfigError, load_config
 from trainmon.records import Row, RowKey, StepRecord
 from trainmon.rundir import write_json
@@ -283,7 +283,7 @@ def test_anomalies_jsonl_is_written_off_the_training_thread_and_appended_on_resu
 
 
 def test_a_slow_disk_never_slows_anomaly_processing(tmp_path, monkeypatch):
-    from trainmon.anomaly import actions
+    from trainmon.anomaly import responses
     from trainmon.anomaly.engine import AnomalyEngine
     from trainmon.config import AnomalyConfig
 
@@ -300,7 +300,7 @@ def test_a_slow_disk_never_slows_anomaly_processing(tmp_path, monkeypatch):
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(actions, "_open_append", lambda path, root: SlowDisk())
+    monkeypatch.setattr(responses, "_open_append", lambda path, root: SlowDisk())
     engine = AnomalyEngine(AnomalyConfig(actions=["jsonl"]), rank=0, rank_dir=tmp_path)
     try:
         start = time.perf_counter()

@@ -33,7 +33,7 @@ from trainmon.actions.frameworks import framework_for, megatron_layout
 from trainmon.actions.localise import Localisation, NonfiniteLocaliser
 from trainmon.actions.modules import Key, ModuleTable
 from trainmon.actions.naming import describe_event, is_nonfinite_event, names_activation
-from trainmon.actions.schedule import StepRequests
+from trainmon.actions.requests import StepRequests
 from trainmon.collect.hooks import HookRegistry
 from trainmon.safe_io import make_dirs, open_output
 from trainmon.sinks.base import OutputThread

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from trainmon.actions.frameworks import framework_for
 from trainmon.actions.modules import Key, ModuleTable
 from trainmon.actions.perturb import CollectiveInRerun, converts_precision
-from trainmon.actions.schedule import StepRequests
+from trainmon.actions.requests import StepRequests
 from trainmon.collect.hooks import HookRegistry
 from trainmon.sinks.base import OutputThread
 from trainmon.sinks.csv import open_csv_table

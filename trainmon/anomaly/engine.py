@@ -6,10 +6,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainmon.anomaly.actions import JsonlAction, LogAction, logger
 from trainmon.anomaly.detectors import build_detectors
 from trainmon.anomaly.events import AnomalyEvent, utc_now
 from trainmon.anomaly.ordering import order_events
+from trainmon.anomaly.responses import JsonlAction, LogAction, logger
 from trainmon.errors import AnomalyError
 
 if TYPE_CHECKING:

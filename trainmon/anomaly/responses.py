@@ -1,4 +1,5 @@
-"""The built-in anomaly actions: ``log`` (rank-prefixed, rate-limited) and ``jsonl``.
+"""The built-in responses to anomaly events: the ``anomaly.actions`` ``log`` (rank-prefixed,
+rate-limited) and ``jsonl``.
 
 ``callback``, ``raise`` and the hand-offs (``dump``, ``free_benchmark``) are run by the
 :class:`~trainmon.anomaly.engine.AnomalyEngine` itself.

@@ -32,7 +32,7 @@ import torch
 
 from trainmon.probe import device as dev
 from trainmon.probe.storage import (
-    AGREE_PREV, PROBE_DIR, SIMILARITIES, SummaryWriter, content_hash, direction_path, format_value,
+    AGREE_PREV, PROBE_DIR, SIMILARITIES, GradSummaryCsv, content_hash, direction_path, format_value,
     summary_columns, vector_width, write_direction_file,
 )
 
@@ -108,7 +108,7 @@ class GradProbe:
         self._probe_dir: Path | None = None
         self._root: Path | None = None
         self._writer: Any = None
-        self._summary: SummaryWriter | None = None
+        self._summary: GradSummaryCsv | None = None
         self._closed = False
         self.bind_output(rank_dir)
 
@@ -121,7 +121,7 @@ class GradProbe:
 
         self._probe_dir = Path(rank_dir) / PROBE_DIR
         self._root = Path(rank_dir).parent  # the run directory: no symlink below it is followed
-        self._summary = SummaryWriter(self._probe_dir, summary_columns(self.level, self.bounds), self._root)
+        self._summary = GradSummaryCsv(self._probe_dir, summary_columns(self.level, self.bounds), self._root)
         # Few pending steps: a queued step may hold every parameter's bits in host memory. The
         # summary file is closed on the writer thread, after the last queued step.
         self._writer = OutputThread("grad_probe", _run_job, close=self._summary.close,

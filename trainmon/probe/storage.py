@@ -204,7 +204,7 @@ def read_direction_header(path: Path) -> DirectionFile:
     return DirectionFile(path, header, _PREFIX.size + length)
 
 
-class SummaryWriter:
+class GradSummaryCsv:
     """``grad_summary.csv`` with one open handle, opened on first write; flushed once per step.
 
     An existing file with the same header is appended to (a re-attached probe goes on); one with

@@ -25,8 +25,7 @@ from mindspore import nn
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
 from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
-from trainmon.integrations.mindspore.buffer import MindSporeStepBuffer
-from trainmon.integrations.mindspore.context import buffer_of, new_buffer
+from trainmon.integrations.mindspore.buffer import MindSporeStepBuffer, buffer_of, new_buffer
 from trainmon.integrations.mindspore.optimizer import MindSporeOptimizerCollector
 from trainmon.integrations.mindspore.stats import partial_stats
 

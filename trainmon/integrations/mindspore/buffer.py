@@ -3,13 +3,16 @@
 Hooks append ``(RowKey, [8] MindSpore tensor)`` pairs and 0-d scalar tensors; :meth:`transfer`
 stacks them on the device and copies them to the host once, returning the framework-free
 :class:`~trainmon.collect.buffer.HostStep` that the shared host side finalises.
+
+A MindSpore attachment sets ``ctx.buffer_factory`` (:func:`new_buffer`) and ``ctx.stats_fn``
+(MindSpore statistics), so the shared collectors and ``ctx.record`` work unchanged.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mindspore as ms
 import numpy as np
@@ -17,6 +20,9 @@ from mindspore import Tensor, ops
 
 from trainmon.collect.buffer import HostStep
 from trainmon.records import PARTIAL_SLOTS, RowKey
+
+if TYPE_CHECKING:
+    from trainmon.collect.context import StepContext
 
 
 @dataclass
@@ -63,3 +69,15 @@ class MindSporeStepBuffer:
         scalars = dict(self.host_scalars)
         scalars.update(zip(self.scalar_names, map(float, values[n_rows * PARTIAL_SLOTS:])))
         return HostStep(list(self.keys), partials, scalars)
+
+
+def new_buffer() -> MindSporeStepBuffer:
+    """A fresh step buffer for a MindSpore attachment (``StepContext.buffer_factory``)."""
+    return MindSporeStepBuffer()
+
+
+def buffer_of(ctx: StepContext) -> MindSporeStepBuffer:
+    """The current step's MindSpore buffer."""
+    buffer = ctx.buffer
+    assert isinstance(buffer, MindSporeStepBuffer), "attach() sets ctx.buffer_factory"
+    return buffer

@@ -20,7 +20,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, mint, ops
 
 from trainmon.collect.hooks import HookRegistry
-from trainmon.integrations.mindspore.context import buffer_of
+from trainmon.integrations.mindspore.buffer import buffer_of
 from trainmon.integrations.mindspore.stats import sum_of_squares
 
 if TYPE_CHECKING:
