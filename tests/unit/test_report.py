@@ -152,6 +152,8 @@ def test_curves_are_binned_min_max_beyond_the_limit(tmp_path):
     (lambda p: None, "no such directory"),
     (lambda p: p.mkdir(), "no rank*/ directories and no CSV files"),
     (lambda p: (p / "rank0").mkdir(parents=True), "nothing to report"),
+    (lambda p: (p / "run_a" / "rank0").mkdir(parents=True), "is a folder of 1 runs, not a run: pass one of them, "
+                                                             "e.g. trainmon report"),
     (lambda p: (p / "rank0").mkdir(parents=True) or (p / "rank0" / "actv.csv").write_text(
         "vpp_stage,name,step,micro_step,norm\n0,w,1,0,oops\n"), "actv.csv:2: could not convert"),
     (lambda p: (p / "rank0").mkdir(parents=True) or (p / "rank0" / "actv.csv").write_bytes(b"\xff\xfe"), "not UTF-8"),

@@ -19,8 +19,8 @@ from typing import Any
 from trainmon.anomaly.analyse import analyse_run, find_files, parse_steps
 from trainmon.csv2tb import CsvFormatError
 from trainmon.errors import UsageError
-from trainmon.inputs import describe_os_error, is_dir
-from trainmon.msprobe_output import analyse_msprobe, anomaly_files
+from trainmon.inputs import describe_os_error, find_runs, is_dir, rank_dirs_of, runs_hint
+from trainmon.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders
 from trainmon.progress import Bar
 from trainmon.report import data as report_data
 from trainmon.report.page import render
@@ -97,6 +97,10 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
             message), or the output cannot be written.
     """
     start = time.perf_counter()
+    if is_dir(run_dir) and not rank_dirs_of(run_dir) and not rank_folders(run_dir) and not any(run_dir.glob("*.csv")):
+        runs = [run for run in find_runs(run_dir) if run.name != ANOMALY_FOLDER]
+        if runs:
+            raise UsageError(runs_hint(run_dir, runs, "report"))
     try:
         by_rank = report_data.csv_files(run_dir)
     except FileNotFoundError as exc:
