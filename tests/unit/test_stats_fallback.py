@@ -109,16 +109,19 @@ def test_one_tensor_alone_equals_float64_reference(variant, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_large_tensors_in_bounded_pieces_and_batches(variant, dtype, monkeypatch):
-    """Tensors larger than the bound are measured in pieces (contiguous: flat; strided: along dim 0);
-    smaller ones in batches of at most the bound; no op makes a temporary larger than the bound."""
+    """Tensors above the small size are measured one by one, in pieces of at most the bound when larger
+    (contiguous: flat; strided: along dim 0); small ones in batches of at most the bound; no op makes a
+    temporary larger than the bound."""
     monkeypatch.setattr(fallback, "_SCRATCH_ELEMENTS", 1000)
+    monkeypatch.setattr(fallback, "_SMALL_ELEMENTS", 500)
     g = torch.Generator().manual_seed(3)
     big = torch.randn(4321, generator=g, dtype=torch.float64)
     big[[5, 1500, 4000]] = torch.tensor([NAN, INF, -INF], dtype=torch.float64)
     wide = torch.randn(30, 200, generator=g, dtype=torch.float64)
     wide[::7] = 0.0
     wide[17, 3] = NAN
-    tensors = [t.to(dtype) for t in (big, wide.t(), wide, *(torch.randn(300, generator=g) for _ in range(7)))]
+    smalls = [torch.randn(300, generator=g) for _ in range(7)]
+    tensors = [t.to(dtype) for t in (big, wide.t(), wide, torch.randn(700, generator=g), *smalls)]
     spec = StatsSpec.from_metrics(METRICS, eps=1e-8)
     sizes = _OutputSizes()
     with sizes:
@@ -235,7 +238,7 @@ class _OutputSizes(TorchDispatchMode):
         self.ops = 0
         self.largest = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops += 1
         if not func.is_view:

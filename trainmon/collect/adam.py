@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from trainmon.collect import kernels
+from trainmon.collect.fallback import bounded_batches
 from trainmon.collect.kernels import ratio_into as _ratio_into
 from trainmon.collect.kernels import update_into as _update_into
-from trainmon.collect.fallback import bounded_batches
 from trainmon.collect.stats import StatsSpec, combine_partials_torch, fused_kernel, partials_torch
 from trainmon.records import PARTIAL_SLOTS
 

@@ -21,10 +21,13 @@ _F32 = torch.float32
 _Item = TypeVar("_Item")
 _FOREACH_MAX = hasattr(torch, "_foreach_max")  # torch >= 2.4 (a multi-tensor max)
 _FOREACH_POWSUM = hasattr(torch, "_foreach_powsum")  # newer torch: sums of bool masks, one op per list
-_SCRATCH_ELEMENTS = 1 << 22
-"""Plain torch fallback: the most elements a temporary (a mask, an ``_foreach`` result) holds at once.
-
-Below 2**24, so counts accumulated in float32 stay exact."""
+_SCRATCH_ELEMENTS = 1 << 24
+"""The most elements a temporary holds: a batch's ``_foreach`` result list (64 MiB in float32), a mask
+(16 MiB). At most 2**24, so counts accumulated in float32 stay exact."""
+_SMALL_ELEMENTS = 1 << 22
+"""Tensors up to this size take the multi-tensor path, which reads the data ~13 times in ~15 ops per
+batch; larger ones take ~6 ops and ~6 reads each. About where 7 reads of a bf16 tensor (8 MiB at 2 TB/s:
+~30 us) cost as much as 6 kernel launches."""
 _FLOAT64_DEVICES = ("cpu", "cuda")
 """Device types whose reductions accumulate in float64 (the multi-tensor sum's two halves)."""
 _FOREACH_MIN_TENSORS = 3
@@ -58,7 +61,7 @@ def partials_torch(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Te
     and no temporary is ever larger than ``_SCRATCH_ELEMENTS`` (no float32 copy of a bf16 tensor):
 
     - norm: one ``_foreach_norm`` for the group (float32 accumulation for fp16/bf16);
-    - sum, min, max, counts of tensors of at most ``_SCRATCH_ELEMENTS`` elements, 3 or more of
+    - sum, min, max, counts of tensors of at most ``_SMALL_ELEMENTS`` elements, 3 or more of
       them: :func:`_foreach_slots`, about 15 ops per batch whatever the number of tensors
       (more passes over the data than per-tensor ops, fewer launches: small tensors are bound
       by launches, large ones by memory);
@@ -85,7 +88,7 @@ def partials_torch(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Te
         norms = torch._foreach_norm([xs[i] for i in present], 2, dtype=accumulate)
         for i, norm in zip(present, norms):
             rows[i][0] = norm
-    small = [i for i in present if xs[i].numel() <= _SCRATCH_ELEMENTS]
+    small = [i for i in present if xs[i].numel() <= _SMALL_ELEMENTS]
     together = small if _FOREACH_MAX and len(small) >= _FOREACH_MIN_TENSORS else []
     for batch in bounded_batches(together, [xs[i].numel() for i in together], _SCRATCH_ELEMENTS):
         for i, slots in zip(batch, _foreach_slots([xs[i] for i in batch], spec, accumulate)):
