@@ -238,7 +238,7 @@ def nan_inf_options(dtype: torch.dtype) -> None:
     one_read = sum(x.numel() * x.element_size() for x in xs)
     biggest = torch.finfo(dtype).max
 
-    def separate() -> None:  # what the fallback does
+    def separate() -> None:  # what the fallback did before (a boolean temporary each, then a sum)
         for x in xs:
             torch.isnan(x).sum(), torch.isinf(x).sum()
 
@@ -260,10 +260,26 @@ def nan_inf_options(dtype: torch.dtype) -> None:
         torch._foreach_clamp_min_(infinite, 0.0)
         torch._foreach_norm(infinite, 1, dtype=torch.float32)  # inf count; NaN = numel - finite - inf
 
+    negated = torch._foreach_neg(xs)  # made anyway by the fallback: min(x) = -max(-x)
+
+    def fallback() -> None:  # trainmon/collect/fallback.py: one temporary list at a time, O(1) ops per group
+        torch._foreach_tanh_(negated)  # finite but at NaN
+        torch._foreach_mul_(negated, 0.0)  # NaN exactly at NaN, else 0
+        nans = torch._foreach_norm(negated, 0, dtype=torch.float32)
+        not_finite = torch._foreach_mul(xs, 0.0)  # NaN exactly at NaN and +-inf
+        torch._foreach_sub(torch._foreach_norm(not_finite, 0, dtype=torch.float32), nans)
+
+    def masks() -> None:  # the fallback for a tensor alone (or a large one's bounded pieces)
+        for x in xs:
+            torch._foreach_powsum([torch.isnan(x), torch.isinf(x)], 1, dtype=torch.float32)
+
     print(f"NaN/Inf counts of the {len(xs)} {str(dtype)[6:]} gradients of `gpt` ({one_read / 1e6:.1f} MB), "
           "plain torch:")
-    for name, run in (("isnan/isinf per tensor", separate), ("torch.where on 0-d flags", gated),
-                      ("_foreach arithmetic", foreach)):
+    options = [("isnan/isinf per tensor", separate), ("torch.where on 0-d flags", gated),
+               ("_foreach arithmetic", foreach), ("tanh(-x)*0, x*0, L0 norms", fallback)]
+    if hasattr(torch, "_foreach_powsum"):
+        options.append(("masks, one powsum each", masks))
+    for name, run in options:
         counter = OpCounter(attribute=False)
         with torch.no_grad(), counter:
             run()
