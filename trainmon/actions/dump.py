@@ -172,7 +172,8 @@ class TargetedDump:
                 self._registry.add(_GROUP, framework.backward_hook(module, self._module_backward_hook(key)))
             for param_name, param in framework.own_parameters(module):
                 if param.requires_grad:
-                    self._registry.add(_GROUP, framework.param_grad_hook(param, self._grad_hook(key, param_name, param)))
+                    hook = self._grad_hook(key, param_name, param)
+                    self._registry.add(_GROUP, framework.param_grad_hook(param, hook))
 
     def end_step(self) -> Path | None:
         """Remove the hooks and hand the step's dump to its writer thread (never waits for the disk).
@@ -239,7 +240,7 @@ class TargetedDump:
         self._output.submit(item)
 
     # ------------------------------------------------------------------ hooks
-    def _pre_hook(self, key: Key):  # noqa: ANN202 - hook closure
+    def _pre_hook(self, key: Key):  # hook closure
         framework = self.framework
         prefix = self.table.prefix(key)
 
@@ -276,13 +277,13 @@ class TargetedDump:
                     # Registered now, before the forward runs: a module that modifies its input in
                     # place (ReLU(inplace=True)) leaves the hook on the old version, whose gradient it sees.
                     self._watch_gradients(capture, node, "output", _tensors(framework, args, kwargs))
-            except Exception as exc:  # noqa: BLE001 - a dump must never stop training
+            except Exception as exc:  # a dump must never stop training
                 self._warn_once("hook", "trainmon dump: the forward pre-hook of %s failed (%r); the dump of step "
                                 "%d may be incomplete", self.table.label(key), exc, capture.step)
 
         return hook
 
-    def _forward_hook(self, key: Key):  # noqa: ANN202 - hook closure
+    def _forward_hook(self, key: Key):  # hook closure
         framework = self.framework
 
         def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
@@ -297,7 +298,7 @@ class TargetedDump:
                 if framework.tensor_gradients:
                     # msprobe convention: a backward's input is the gradient w.r.t. the forward output.
                     self._watch_gradients(capture, node, "input", _tensors(framework, outputs, {}))
-            except Exception as exc:  # noqa: BLE001 - a dump must never stop training
+            except Exception as exc:  # a dump must never stop training
                 self._warn_once("hook", "trainmon dump: the forward hook of %s failed (%r); the dump of step %d "
                                 "may be incomplete", self.table.label(key), exc, capture.step)
 
@@ -330,7 +331,7 @@ class TargetedDump:
         return entry
 
     def _gradient_hook(self, capture: Capture, node: str, forward_node: str, side: str, index: int,
-                       count: int):  # noqa: ANN202 - hook closure
+                       count: int):  # hook closure
         def hook(grad: Any) -> None:
             if self._capture is not capture:  # a backward after the dump step ended
                 return
@@ -338,13 +339,13 @@ class TargetedDump:
                 slots = self._backward_entry(capture, node, forward_node)[side]
                 slots.extend([None] * (count - len(slots)))
                 slots[index] = capture.describe(grad, f"{node}.{side}.{index}")
-            except Exception as exc:  # noqa: BLE001 - a dump must never stop training
+            except Exception as exc:  # a dump must never stop training
                 self._warn_once("hook", "trainmon dump: a gradient hook of %s failed (%r); the dump of step %d "
                                 "may be incomplete", node, exc, capture.step)
 
         return hook
 
-    def _module_backward_hook(self, key: Key):  # noqa: ANN202 - hook closure
+    def _module_backward_hook(self, key: Key):  # hook closure
         """MindSpore: ``(cell, grad_input, grad_output)``; the k-th backward of a cell in the step is
         ``backward.{k}`` (msprobe's numbering)."""
         prefix = self.table.prefix(key)
@@ -361,13 +362,13 @@ class TargetedDump:
                 entry = self._backward_entry(capture, node, forward_node)
                 entry["input"] = capture.describe(list(grad_output), f"{node}.input")
                 entry["output"] = capture.describe(list(grad_input), f"{node}.output")
-            except Exception as exc:  # noqa: BLE001 - a dump must never stop training
+            except Exception as exc:  # a dump must never stop training
                 self._warn_once("hook", "trainmon dump: the backward hook of %s failed (%r); the dump of step %d "
                                 "may be incomplete", self.table.label(key), exc, capture.step)
 
         return hook
 
-    def _grad_hook(self, key: Key, param_name: str, param: Any):  # noqa: ANN202 - hook closure
+    def _grad_hook(self, key: Key, param_name: str, param: Any):  # hook closure
         partition_dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) \
             else None
         node = f"{self.table.prefix(key)}.parameters_grad"
@@ -382,7 +383,7 @@ class TargetedDump:
                     desc["tp_partition_dim"] = int(partition_dim)
                 # msprobe's layout: {param: [description]}; the last micro-step's call wins
                 capture.data.setdefault(node, {})[param_name] = [desc]
-            except Exception as exc:  # noqa: BLE001 - a dump must never stop training
+            except Exception as exc:  # a dump must never stop training
                 self._warn_once("hook", "trainmon dump: the gradient hook of %s.%s failed (%r); the dump of step "
                                 "%d may be incomplete", self.table.label(key), param_name, exc, capture.step)
 

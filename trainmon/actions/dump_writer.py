@@ -78,7 +78,8 @@ def canonical_order(data: dict[str, Any]) -> dict[str, Any]:
         head, _, call = key.rsplit(".", 2)
         return f"{head}.forward.{call}"
 
-    backward = sorted((key for key in data if kind(key) == "backward"), key=lambda key: -position.get(forward_of(key), -1))
+    backward = sorted((key for key in data if kind(key) == "backward"),
+                      key=lambda key: -position.get(forward_of(key), -1))
     rest = sorted((key for key in data if kind(key) not in ("forward", "backward")),
                   key=lambda key: -first_call.get(key.rsplit(".", 1)[0], -1))
     return {key: data[key] for key in forward + backward + rest}

@@ -204,7 +204,7 @@ class FreeBenchmark:
             self._output.report()
 
     # ------------------------------------------------------------------ hooks
-    def _pre_hook(self, key: Key):  # noqa: ANN202 - hook closure
+    def _pre_hook(self, key: Key):  # hook closure
         framework = self.framework
 
         def hook(module: Any, args: tuple, kwargs: dict) -> None:
@@ -212,13 +212,13 @@ class FreeBenchmark:
                 return  # checked once per step; a recompute re-run is never checked
             try:
                 self._saved.setdefault(key, []).append(self.ops.save_inputs(args, kwargs))
-            except Exception as exc:  # noqa: BLE001 - a check must never stop training
+            except Exception as exc:  # a check must never stop training
                 self._warn_once(f"check:{key}", "free_benchmark: cannot save the inputs of %s (%r); not checked",
                                 self.table.label(key), exc)
 
         return hook
 
-    def _forward_hook(self, key: Key):  # noqa: ANN202 - hook closure
+    def _forward_hook(self, key: Key):  # hook closure
         def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
             saved = self._saved.get(key)
             if not saved or self.framework.is_rerun():
@@ -232,7 +232,7 @@ class FreeBenchmark:
                 self._warn_once(f"comm:{key}", "free_benchmark: %s communicates in its forward (%s); a re-run on "
                                 "one rank would hang the group, so it is not checked (check its submodules that "
                                 "do not communicate)", label, exc)
-            except Exception as exc:  # noqa: BLE001 - a check must never stop training
+            except Exception as exc:  # a check must never stop training
                 self._warn_once(f"check:{key}", "free_benchmark: checking %s failed (%r); not checked", label, exc)
             return None
 
@@ -247,7 +247,7 @@ class FreeBenchmark:
             shadow = ops.shadow(module, mode)
         except CollectiveInRerun:
             raise  # reported by the forward hook: re-running it would communicate (FSDP: a sharded parameter)
-        except Exception as exc:  # noqa: BLE001 - an uncopyable module is skipped, never fatal
+        except Exception as exc:  # an uncopyable module is skipped, never fatal
             self._warn_once(f"copy:{key}", "free_benchmark: cannot copy module %s (%s); not checked", label, exc)
             return None
         perturbed = ops.rerun(shadow, saved, mode, output)

@@ -150,7 +150,8 @@ def describe_event(event: Any) -> str:
     """``loss``, ``backward weight gradient of layers.0.weight``: where an event was observed, in words."""
     from trainmon.anomaly.ordering import describe
 
-    return describe(str(getattr(event, "family", "")), str(getattr(event, "name", "")), str(getattr(event, "phase", "")))
+    return describe(str(getattr(event, "family", "")), str(getattr(event, "name", "")),
+                    str(getattr(event, "phase", "")))
 
 
 def safe_file_name(name: str, suffix: str = "") -> str:

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainmon import process_groups
+
 PERT_MODES: tuple[str, ...] = ("improve_precision", "add_noise", "bit_noise", "change_value", "no_change", "to_cpu")
 LOW_PRECISION: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 
@@ -230,8 +232,8 @@ def shallow_shadow(module: torch.nn.Module, mode: str,
     makes the shallow copy of one module (FSDP2 passes one that drops its ``FSDP<Class>`` classes).
     """
     def convert(t: torch.Tensor) -> torch.Tensor:
-        out = perturb_tensor(t, mode) if mode == "to_cpu" or (mode == "improve_precision" and t.dtype in LOW_PRECISION) \
-            else t.detach().clone()
+        perturbed = mode == "to_cpu" or (mode == "improve_precision" and t.dtype in LOW_PRECISION)
+        out = perturb_tensor(t, mode) if perturbed else t.detach().clone()
         return out.clone() if out.data_ptr() == t.data_ptr() else out
 
     def copy_tree(original: torch.nn.Module, seen: dict[int, torch.nn.Module]) -> torch.nn.Module:
@@ -313,7 +315,7 @@ class TorchRerunOps:
     def shadow(self, module: torch.nn.Module, mode: str) -> torch.nn.Module:
         try:
             return shadow_module(module, mode)
-        except Exception:  # noqa: BLE001 - e.g. a process group attribute: copy the tree without deepcopy
+        except Exception:  # e.g. a process group attribute: copy the tree without deepcopy
             return shallow_shadow(module, mode)
 
     def rerun(self, shadow: torch.nn.Module, saved: tuple[Any, Any, Any], mode: str, output: Any) -> Any:
@@ -361,9 +363,7 @@ def _no_autocast(output: Any) -> AbstractContextManager[Any]:
 
 def _refuse_collectives() -> AbstractContextManager[Any]:
     """In a multi-rank job, a collective in a re-run raises :class:`CollectiveInRerun` before it is sent."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if process_groups.world_size() > 1:
         return _RefuseCollectives()
     return nullcontext()
 

@@ -153,7 +153,7 @@ class ActivationCollector:
     def close(self) -> None:
         self.disarm()
 
-    def forward_hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+    def forward_hook(self, name: str, vpp_stage: int):  # hook closure
         """The hook ``(module, args, kwargs, output)`` that records the ``actv`` rows of module ``name``."""
         def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
             if not self.ctx.collecting:
@@ -168,7 +168,7 @@ class ActivationCollector:
 
         return hook
 
-    def _backward_hook(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+    def _backward_hook(self, name: str, vpp_stage: int):  # hook closure
         def hook(module: Any, grad_input: tuple, grad_output: tuple) -> None:
             self._quiet.lift()  # torch has just warned (or not): our filter, if any, comes out at once
             if not self.ctx.collecting:
@@ -185,7 +185,7 @@ class ActivationCollector:
 
         return hook
 
-    def _input_grad_hooks(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+    def _input_grad_hooks(self, name: str, vpp_stage: int):  # hook closure
         """Forward pre-hook ``(module, args, kwargs)``: before the module may modify its inputs in place."""
         def hook(module: Any, args: tuple, kwargs: dict) -> None:
             if self.ctx.collecting and torch.is_grad_enabled():
@@ -194,7 +194,7 @@ class ActivationCollector:
 
         return hook
 
-    def _output_grad_hooks(self, name: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+    def _output_grad_hooks(self, name: str, vpp_stage: int):  # hook closure
         def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
             if self.ctx.collecting and torch.is_grad_enabled():
                 self._hook_tensors(output, f"{name}.output_grad", vpp_stage)
@@ -213,7 +213,7 @@ class ActivationCollector:
                 handle = tensor.register_hook(self._tensor_grad_hook(row, vpp_stage))
                 self.registry.add(self.TENSOR_HOOK_GROUP, handle)
 
-    def _tensor_grad_hook(self, row: str, vpp_stage: int):  # noqa: ANN202 - hook closure
+    def _tensor_grad_hook(self, row: str, vpp_stage: int):  # hook closure
         def hook(grad: torch.Tensor) -> None:
             if self.ctx.collecting:
                 self.ctx.record("actv_grad", row, grad, vpp_stage)

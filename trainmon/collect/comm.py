@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from trainmon import process_groups
 from trainmon.collect.comm_ops import (
     PLANNERS,
     ArgumentBinder,
@@ -117,7 +118,7 @@ class CommCollector:
         self.ctx = ctx
         self.config = config
         self._site_filter = re.compile(config.call_site_filter) if config.call_site_filter is not None else None
-        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._rank = process_groups.global_rank()
         self._local = threading.local()  # depth of our wrappers on this thread (nested calls pass through)
         self._rows: dict[tuple[str, int], _Row] = {}
         self._traffic: dict[str, list[int]] = {}  # "{op}.{site}" -> [calls, bytes]
@@ -292,7 +293,7 @@ class CommCollector:
         group = plan.group if plan.group is not None else c10d._get_default_group()
         label = self._groups.get(group)
         if label is None:
-            label = self._groups[group] = group_label(dist.get_process_group_ranks(group))
+            label = self._groups[group] = group_label(process_groups.members(group))
         if not self.config.call_sites and self._site_filter is None:
             return label
         frame = self._caller()

@@ -80,12 +80,3 @@ def select_params(named: Sequence[tuple[str, torch.nn.Parameter, int]], config: 
                   ) -> list[tuple[str, torch.nn.Parameter, int]]:
     chosen = set(select([n for n, _, _ in named], config.targets.params, "targets.params"))
     return [item for item in named if item[0] in chosen]
-
-
-def dist_layout() -> tuple[int, int]:
-    """``(rank, world_size)`` from torch.distributed, or ``(0, 1)`` without a process group."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1

@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainmon import process_groups
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector, adam_update, update_ratio
 from trainmon.collect.stats import combine_partials_torch, empty_partial
-from trainmon.integrations.base import AttachOptions, Attachment, dist_layout, select_modules, select_params
+from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
 from trainmon.integrations.deepspeed_shards import ShardLayout, layout_for
 from trainmon.steps import StepWrapper
 
@@ -69,9 +70,9 @@ class DeepSpeedShardCollector:
         self.layout: ShardLayout = layout_for(engine, [p for _, p, _ in params] or engine.module.parameters())
         self.states = [s for s in config.optimizer_states.states if s in ctx.specs and s != "momentum"]
         self.dp_group = dp_group
-        rank, world = _group_layout(dp_group)
+        rank, world = process_groups.layout(dp_group)
         self.dp_rank, self.dp_world = rank, world
-        self.writes_rows = _is_lowest_selected(dp_group, config.ranks)
+        self.writes_rows = process_groups.is_lowest_selected(dp_group, config.ranks)
         self.collective = not self.layout.replicated and world > 1
         self._pending: list[tuple[str, str, int, torch.Tensor]] = []
         self._handles = [hooks.register_step_pre_hook(self._pre_step), hooks.register_step_post_hook(self._post_step)]
@@ -160,44 +161,12 @@ class DeepSpeedShardCollector:
         if not pending:
             return
         partials = torch.stack([p for *_, p in pending])
-        if self.collective:
-            partials = self._all_gather(partials)
+        if self.collective:  # THE collective of the step: every rank's [N, 8] partials, combined on the device
+            partials = combine_partials_torch(process_groups.all_gather_stacked(partials, self.dp_group, self.dp_world))
         if not self.writes_rows:
             return  # replicated statistics are written once, by the group's lowest selected rank
         for i, (family, name, vpp_stage, _) in enumerate(pending):
             self.ctx.add(family, name, partials[i], vpp_stage)
-
-    def _all_gather(self, partials: torch.Tensor) -> torch.Tensor:
-        """THE collective of the step: every rank's ``[N, 8]`` partials, combined on the device."""
-        import torch.distributed as dist
-
-        n = partials.shape[0]
-        gathered = partials.new_empty((self.dp_world * n, partials.shape[1]))
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(gathered, partials.contiguous(), group=self.dp_group)
-        return combine_partials_torch(gathered.view(self.dp_world, n, -1))
-
-
-def _group_layout(group: Any) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group=group), dist.get_world_size(group=group)
-
-
-def _is_lowest_selected(group: Any, ranks: list[int] | None) -> bool:
-    """Whether this process is the lowest global rank of ``group`` that ``ranks`` selects.
-
-    ``ranks`` None selects every rank (the group's first member, data-parallel rank 0, writes).
-    When ``ranks`` selects no member of the group, no rank of it writes the combined rows.
-    """
-    import torch.distributed as dist
-
-    from trainmon.probe.shards import lowest_selected
-
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return lowest_selected(group, ranks) == rank
 
 
 def _grad_probe(ctx: StepContext, config: MonitorConfig, engine: Any, params: list[tuple[str, torch.nn.Parameter, int]],
@@ -286,7 +255,7 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
             hooks.uninstall()  # a failed attach leaves the engine as it was
             raise
         collectors.append(probe)
-    rank, world_size = dist_layout()
+    rank, world_size = process_groups.layout()
     # a collective at the step's end: every rank collects the steps the writers collect
     collective = (shard_collector is not None and shard_collector.collective) or getattr(probe, "world", 1) > 1
     return Attachment(collectors=collectors, roots=[(module, 0)], modules=named_modules, optimizer=hooks,

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from trainmon import process_groups
 from trainmon.probe.shards import ShardSpec
 
 
@@ -87,19 +88,15 @@ class Zero3Layout(ShardLayout):
     def _valid(self, param: torch.nn.Parameter, local: torch.Tensor | None) -> torch.Tensor | None:
         if local is None:
             return None
-        import torch.distributed as dist
-
         local = local.reshape(-1)
         part = local.numel()
-        index = dist.get_rank(group=param.ds_process_group) if dist.is_initialized() else 0
+        index = process_groups.group_rank(param.ds_process_group)
         valid = max(0, min(part, param.ds_numel - index * part))
         return local.narrow(0, 0, valid)
 
     def spec(self, param: torch.nn.Parameter) -> ShardSpec:
-        import torch.distributed as dist
-
         part = param.ds_tensor.ds_numel  # the (padded) partition size, equal on every rank
-        index = dist.get_rank(group=param.ds_process_group) if dist.is_initialized() else 0
+        index = process_groups.group_rank(param.ds_process_group)
         valid = max(0, min(part, param.ds_numel - index * part))
         return ShardSpec.flat(tuple(param.ds_shape), index * part if valid else 0, valid)
 

@@ -31,20 +31,23 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainmon import process_groups
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.optimizer import (TorchOptimizerCollector, adam_partials_cpu, adam_update, global_grad_norm,
-                                        update_ratio)
+from trainmon.collect.optimizer import (
+    TorchOptimizerCollector,
+    adam_partials_cpu,
+    adam_update,
+    global_grad_norm,
+    update_ratio,
+)
 from trainmon.collect.stats import combine_partials_torch, empty_partial
-from trainmon.integrations.base import AttachOptions, Attachment, dist_layout, select_modules, select_params
-from trainmon.integrations.deepspeed import _is_lowest_selected
-from trainmon.integrations.fsdp_layout import (  # noqa: F401 - contains_fsdp: re-exported for integrations
-    FSDPLayoutError, ShardGroup, _local, contains_fsdp, shard_group_of)
+from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
+from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, _local, contains_fsdp, shard_group_of  # noqa: F401 - contains_fsdp: re-exported for integrations
 from trainmon.integrations.torch import _outside_compiled, compiled_regions, plain_name, unwrap_model
 from trainmon.steps import scale_of, unwrap_optimizer
 
@@ -111,7 +114,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         self._pending.clear()
         self._norm, self._norm_final = None, False
 
-    def _find_unsharded(self, entries: list[tuple[str, Any, str, int]]):  # noqa: ANN202 - hook closure
+    def _find_unsharded(self, entries: list[tuple[str, Any, str, int]]):  # hook closure
         """Forward pre-hook of an FSDP module, run after FSDP's own (which is prepended and unshards):
         hook the unsharded parameters now set on the modules, once each while armed."""
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -214,7 +217,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         local = _local(tensor)
         try:
             partial = self.ctx.stats_fn(local, spec)
-        except Exception as exc:  # noqa: BLE001 - a tensor we cannot measure must not break the user's step
+        except Exception as exc:  # a tensor we cannot measure must not break the user's step
             if (family, name) not in self._warned:
                 self._warned.add((family, name))
                 logger.warning("trainmon: cannot measure %s/%s (%s: %s); that row is empty",
@@ -236,23 +239,14 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
             norm_row[7] = 1.0
             rows.append(norm_row)
         partials = torch.stack([row.to(device) for row in rows])
-        if self.collective:
-            partials = self._all_gather(partials)
+        if self.collective:  # THE collective of the step: every shard's [N, 8] partials, combined on the device
+            gathered = process_groups.all_gather_stacked(partials, self.shards.group, self.shards.size)
+            partials = combine_partials_torch(gathered)
         if norm is not None:
             self.ctx.buffer.add_scalar("grad_norm", partials[-1, 0])  # the same on every rank: each writes it
         if self.writes_rows:  # the combined rows are the same on every rank of the group: written once
             for i, (family, name, vpp_stage, _) in enumerate(pending):
                 self.ctx.add(family, name, partials[i], vpp_stage)
-
-    def _all_gather(self, partials: torch.Tensor) -> torch.Tensor:
-        """THE collective of the step: every shard's ``[N, 8]`` partials, combined on the device."""
-        import torch.distributed as dist
-
-        n, world = partials.shape[0], self.shards.size
-        gathered = partials.new_empty((world * n, partials.shape[1]))
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name since torch 2.13
-        gather(gathered, partials.contiguous(), group=self.shards.group)
-        return combine_partials_torch(gathered.view(world, n, -1))
 
 
 def _collective_device(shards: ShardGroup) -> torch.device | None:
@@ -260,7 +254,7 @@ def _collective_device(shards: ShardGroup) -> torch.device | None:
     shards live on the CPU under FSDP's ``CPUOffloadPolicy``. None: the partials' own device."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(shards.group) == "nccl":
+    if process_groups.initialized() and dist.get_backend(shards.group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return None
 
@@ -353,13 +347,13 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         shard_collector = FSDPOptimizerCollector(
             ctx, chosen, optimizer, config, registry, shards,
             _unsharded_owners(root, chosen, _fsdp_modules(root)),
-            writes_rows=_is_lowest_selected(shards.group, config.ranks))
+            writes_rows=process_groups.is_lowest_selected(shards.group, config.ranks))
     if config.activations.enabled:
         regions = [plain_name(region) for region in compiled_regions(model)]
         modules = _outside_compiled(select_modules(named_modules, config), regions)
         collectors.append(ActivationCollector(ctx, modules, config.activations, registry))
     collectors += [c for c in (shard_collector, probe_collector) if c is not None]
-    rank, world_size = dist_layout()
+    rank, world_size = process_groups.layout()
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_modules, optimizer=optimizer,
                       registry=registry, rank=rank, world_size=world_size, scaler=scaler,
                       collective=shards is not None and shards.size > 1)

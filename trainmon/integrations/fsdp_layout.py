@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from trainmon import process_groups
+
 
 class FSDPLayoutError(ValueError):
     """The model's sharding is not one trainmon can measure exactly (raised at ``attach``)."""
@@ -58,7 +60,6 @@ def shard_group_of(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> Sh
             layout (tensor parallelism, ``_StridedShard``, ``Partial``, ...), or the parameters
             are sharded over different process groups.
     """
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     found: dict[tuple[int, ...], tuple[str, Any, str]] = {}
@@ -84,7 +85,7 @@ def shard_group_of(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> Sh
                 "mesh dimension), _StridedShard and Partial placements are not supported. Monitor this model "
                 "without weight_grads, optimizer_states and params (activations only), or see docs/fsdp.md")
         group = mesh.get_group(dim)
-        key = tuple(dist.get_process_group_ranks(group))
+        key = tuple(process_groups.members(group))
         found.setdefault(key, (name, group, layout))
     if not found:
         return ShardGroup(None, 1, "no parameters")

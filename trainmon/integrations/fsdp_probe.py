@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainmon import process_groups
 from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, _local
 from trainmon.probe.shards import ShardSpec
 
@@ -37,14 +38,12 @@ def shard_spec(param: torch.Tensor, shards: ShardGroup) -> ShardSpec:
         FSDPLayoutError: the local shard is not the block ``torch.chunk`` gives this rank (a layout
             FSDP2 does not make; the probe could not place its bits).
     """
-    import torch.distributed as dist
-
     shape = tuple(param.shape)
     if not hasattr(param, "to_local"):  # unsharded (shard group of one): the whole parameter
         return ShardSpec.flat(shape, 0, param.numel())
     dim = param.placements[-1].dim
     extent = shape[dim] if shape else 1
-    rank = dist.get_rank(shards.group) if shards.group is not None else 0
+    rank = process_groups.group_rank(shards.group, none_is_world=False)
     chunk = -(-extent // shards.size)  # torch.chunk's chunk size
     offset = min(rank * chunk, extent)
     length = min(chunk, extent - offset)

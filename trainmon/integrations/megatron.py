@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainmon import process_groups
 from trainmon.collect.hooks import HookRegistry
-from trainmon.integrations.base import AttachOptions, Attachment, dist_layout, select_modules, select_params
+from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
 from trainmon.integrations.megatron_collect import (
     GroupLayout,
     MainParam,
@@ -99,7 +100,7 @@ def main_params(optimizer: Any) -> dict[int, MainParam]:
     return out
 
 
-def process_groups(options: AttachOptions) -> tuple[Any, Any]:
+def model_parallel_groups(options: AttachOptions) -> tuple[Any, Any]:
     """``(tp_group, pp_group)``: explicit ones first, else ``parallel_state``'s, else None.
 
     No data-parallel group is returned: nothing is combined over a DP group except the shards of
@@ -114,12 +115,6 @@ def process_groups(options: AttachOptions) -> tuple[Any, Any]:
     return tp, pp
 
 
-def _group_ranks(group: Any) -> list[int]:
-    import torch.distributed as dist
-
-    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-
-
 def check_dp_group(dp_group: Any, mains: dict[int, MainParam]) -> bool:
     """Warn once when an explicit ``dp_group`` holds other ranks than the distributed optimizer's group.
 
@@ -131,28 +126,18 @@ def check_dp_group(dp_group: Any, mains: dict[int, MainParam]) -> bool:
     Returns:
         True when the warning was logged.
     """
-    import torch.distributed as dist
-
-    if dp_group is None or not dist.is_initialized():
+    if dp_group is None or not process_groups.initialized():
         return False
-    wanted = _group_ranks(dp_group)
+    wanted = process_groups.members(dp_group)
     groups = {id(main.dp_group): main.dp_group for main in mains.values() if main.sharded}
     for group in groups.values():
-        used = _group_ranks(group)
+        used = process_groups.members(group)
         if used != wanted:
             logger.warning("trainmon: dp_group passed to attach (ranks %s) differs from the distributed "
                            "optimizer's data_parallel_group (ranks %s); its shards are combined over the "
                            "optimizer's group", wanted, used)
             return True
     return False
-
-
-def _rank_size(group: Any) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if group is None or not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _record_step_result(ctx: StepContext, wrapper: StepWrapper) -> Callable[..., None]:
@@ -201,9 +186,9 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
     """
     chunks: Sequence[torch.nn.Module] = list(model) if isinstance(model, (list, tuple)) else [model]
     roots = [unwrap(chunk) for chunk in chunks]
-    tp_group, pp_group = process_groups(options)
-    tp_rank, tp_size = _rank_size(tp_group)
-    pp_stage, _ = _rank_size(pp_group)
+    tp_group, pp_group = model_parallel_groups(options)
+    tp_rank, tp_size = process_groups.layout(tp_group, none_is_world=False)
+    pp_stage = process_groups.group_rank(pp_group, none_is_world=False)
     registry = HookRegistry()
     named_modules = [(name, module, vpp) for vpp, root in enumerate(roots) for name, module in root.named_modules()]
     collectors: list[Collector] = []
@@ -234,7 +219,7 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
             raise
         if probe is not None:
             collectors.append(probe)
-    rank, world_size = dist_layout()
+    rank, world_size = process_groups.layout()
     attachment = Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                             modules=named_modules, optimizer=step_hooks, registry=registry, rank=rank,
                             world_size=world_size, pp_stage=pp_stage, collective=world_size > 1)
@@ -271,9 +256,8 @@ class _Handles:
 def _probe_group(mains: dict[int, MainParam], layout: GroupLayout) -> tuple[bool, Any]:
     """``(sharded, group)``: the ranks whose pieces make up a parameter (TP partitions, distributed-optimizer
     ranges); ``(False, None)`` when every rank holds whole parameters (replicated: each rank writes its own)."""
-    import torch.distributed as dist
-
-    dp_groups = {id(m.dp_group): m.dp_group for m in mains.values() if m.sharded and _rank_size(m.dp_group)[1] > 1}
+    dp_groups = {id(m.dp_group): m.dp_group for m in mains.values()
+                 if m.sharded and process_groups.group_size(m.dp_group, none_is_world=False) > 1}
     if len(dp_groups) > 1:
         raise ValueError("grad_probe: the distributed optimizers use different data-parallel groups")
     dp_group = next(iter(dp_groups.values()), None)
@@ -284,11 +268,11 @@ def _probe_group(mains: dict[int, MainParam], layout: GroupLayout) -> tuple[bool
     from megatron.core import parallel_state as ps
 
     # TP partitions cut by distributed-optimizer ranges: the group of both (one gather over it)
-    wanted = sorted({r for g in (layout.tp_group, dp_group) for r in dist.get_process_group_ranks(g)})
+    wanted = sorted({r for g in (layout.tp_group, dp_group) for r in process_groups.members(g)})
     for with_cp in (False, True):
         group = ps.get_tensor_and_data_parallel_group(with_context_parallel=with_cp) if \
             ps.model_parallel_is_initialized() else None
-        if group is not None and sorted(dist.get_process_group_ranks(group)) == wanted:
+        if group is not None and sorted(process_groups.members(group)) == wanted:
             return True, group
     raise ValueError("grad_probe: no process group holds exactly the tensor- and data-parallel ranks of the "
                      "distributed optimizer (parallel_state's tensor_and_data_parallel group differs)")
@@ -368,7 +352,7 @@ def _attach_torch_optimizer(ctx: StepContext, config: MonitorConfig, roots: list
         from trainmon.probe.collector import GradProbe
 
         collectors.append(GradProbe(ctx, select_params(params, config), config, registry, optimizer))
-    rank, world_size = dist_layout()
+    rank, world_size = process_groups.layout()
     return Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                       modules=named_modules, optimizer=optimizer, registry=registry, rank=rank,
                       world_size=world_size, pp_stage=pp_stage)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainmon import process_groups
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookRegistry
@@ -219,7 +220,7 @@ class MegatronParamCollector:
         size = len(self.families) * len(self.params)
         for i, (_, param, _) in enumerate(self.params):
             main = self.mains.get(id(param))
-            if main is None or not main.sharded or _group_size(main.dp_group) == 1:
+            if main is None or not main.sharded or process_groups.group_size(main.dp_group, none_is_world=False) == 1:
                 continue
             _, mask = by_group.setdefault(id(main.dp_group), (main.dp_group, [False] * size))
             for family in self.families:
@@ -232,18 +233,16 @@ class MegatronParamCollector:
         if not self.ctx.collecting or not self._fired:
             self._reset()
             return
-        import torch.distributed as dist
-
         table = self._slots.stacked()
         for group, mask in self._dp_groups:
             # Distributed-optimizer shards: every element lives on exactly one DP rank.
-            gathered = _all_gather(table, group, dist)
-            own = dist.get_rank(group)
+            own, size = process_groups.layout(group)
+            gathered = process_groups.all_gather_stacked(table, group, size)  # this group's one collective
             keep = mask.unsqueeze(0).expand(gathered.shape[0], -1).clone()
             keep[own] = True
             table = combine_partials_torch(torch.where(keep.unsqueeze(-1), gathered, 0.0))
         if self.layout.tp_size > 1:
-            gathered = _all_gather(table, self.layout.tp_group, dist)
+            gathered = process_groups.all_gather_stacked(table, self.layout.tp_group, self.layout.tp_size)
             keep = self._tp_partitioned.unsqueeze(0).expand(gathered.shape[0], -1).clone()
             keep[0] = True  # a replicated parameter is the same on every TP rank: count TP rank 0's
             table = combine_partials_torch(torch.where(keep.unsqueeze(-1), gathered, 0.0))
@@ -270,22 +269,6 @@ def _unreduced_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     if param.grad is None or getattr(param, "grad_added_to_main_grad", False):
         return main_grad  # gradient-accumulation fusion wrote into main_grad already
     return main_grad + param.grad
-
-
-def _group_size(group: Any) -> int:
-    import torch.distributed as dist
-
-    if group is None or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
-
-
-def _all_gather(table: torch.Tensor, group: Any, dist: Any) -> torch.Tensor:
-    """``[size, K, 8]``: the one collective of this group in a collected step."""
-    size = dist.get_world_size(group)
-    out = torch.empty((size * table.shape[0],) + tuple(table.shape[1:]), dtype=table.dtype, device=table.device)
-    dist.all_gather_into_tensor(out, table.contiguous(), group=group)
-    return out.view((size,) + tuple(table.shape))
 
 
 class MegatronActivationCollector(ActivationCollector):
@@ -334,7 +317,7 @@ class MegatronActivationCollector(ActivationCollector):
         super().before_transfer()
         self._grad_calls.clear()
 
-    def _megatron_hook(self, name: str, vpp_stage: int, forward: bool, backward: bool):  # noqa: ANN202
+    def _megatron_hook(self, name: str, vpp_stage: int, forward: bool, backward: bool):
         measure_forward = self.forward_hook(name, vpp_stage)
         is_checkpointing = self._is_checkpointing
 

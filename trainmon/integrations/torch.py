@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainmon import process_groups
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector
-from trainmon.integrations.base import Attachment, AttachOptions, dist_layout, select_modules, select_params
+from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
 from trainmon.steps import unwrap_optimizer
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         modules = _outside_compiled(select_modules(named_modules, config), regions)
         collectors.append(ActivationCollector(ctx, modules, config.activations, registry))
     params = [(plain_name(name), p, 0) for name, p in root.named_parameters()]
-    rank, world_size = dist_layout()
+    rank, world_size = process_groups.layout()
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         # one process: no data-parallel reduction can change a gradient inside the backward
         collectors.append(TorchOptimizerCollector(ctx, select_params(params, config), optimizer, config, registry,

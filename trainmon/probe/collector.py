@@ -32,8 +32,16 @@ import torch
 
 from trainmon.probe import device as dev
 from trainmon.probe.storage import (
-    AGREE_PREV, PROBE_DIR, SIMILARITIES, GradSummaryCsv, content_hash, direction_path, format_value,
-    summary_columns, vector_width, write_direction_file,
+    AGREE_PREV,
+    PROBE_DIR,
+    SIMILARITIES,
+    GradSummaryCsv,
+    content_hash,
+    direction_path,
+    format_value,
+    summary_columns,
+    vector_width,
+    write_direction_file,
 )
 
 if TYPE_CHECKING:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from trainmon import process_groups
 from trainmon.probe import device as dev
 from trainmon.probe import shards as sh
 from trainmon.probe.collector import GradProbe, _pinned_copy, _record_event
@@ -58,14 +59,11 @@ class ShardedGradProbe(GradProbe):
                  spec_of: Callable[[torch.Tensor], sh.ShardSpec],
                  exp_avg_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  group: Any = None, rank_dir: Path | None = None) -> None:
-        import torch.distributed as dist
-
         self.group = group
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.dst = sh.lowest_selected(group, config.ranks)
-        self.world = dist.get_world_size(group) if self.distributed else 1
-        self.group_rank = dist.get_rank(group) if self.distributed else 0
+        self.distributed = process_groups.initialized()
+        self.rank = process_groups.global_rank()
+        self.dst = process_groups.lowest_selected(group, config.ranks)
+        self.group_rank, self.world = process_groups.layout(group)
         specs = [spec_of(p) for _, p, _ in params]
         self.all_specs = self._exchange(specs)
         self.partial_width = sh.partial_width(config.grad_probe.bounds)

@@ -20,8 +20,8 @@ each piece where it lives and combines *partials*, never the gradient:
   positions of the whole parameter (or of its fixed sample) on the host, so one direction file
   holds the whole parameter's direction, as an unsharded run writes it.
 
-- :func:`whole_stats` turns combined partials into the probe's rows; :func:`lowest_selected` names
-  the rank of a group that writes them.
+- :func:`whole_stats` turns combined partials into the probe's rows (written by the rank that
+  :func:`trainmon.process_groups.lowest_selected` names).
 
 Device functions never synchronise with the host; host functions (numpy) run on the probe's
 writer thread or once at set-up.
@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -238,20 +237,6 @@ def interval_counts(flat: torch.Tensor, bounds: Sequence[float]) -> list[torch.T
     at_most = [torch.count_nonzero(flat <= b) for b in bounds]
     return [at_most[0], *(at_most[i] - at_most[i - 1] for i in range(1, len(at_most))),
             torch.count_nonzero(flat > bounds[-1])]
-
-
-def lowest_selected(group: Any, ranks: Sequence[int] | None) -> int | None:
-    """The lowest global rank of ``group`` that ``ranks`` selects (None: no member is selected).
-
-    Without an initialised process group: 0 when rank 0 is selected.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0 if ranks is None or 0 in ranks else None
-    members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    selected = [member for member in members if ranks is None or member in ranks]
-    return min(selected) if selected else None
 
 
 def whole_stats(combined: torch.Tensor, totals: Sequence[int], counts: Sequence[int], level: str,

@@ -28,6 +28,7 @@ from trainmon.integrations.base import Attachment, AttachOptions, select_modules
 from trainmon.integrations.mindspore.buffer import MindSporeStepBuffer, buffer_of, new_buffer
 from trainmon.integrations.mindspore.optimizer import MindSporeOptimizerCollector
 from trainmon.integrations.mindspore.stats import partial_stats
+from trainmon.process_groups import mindspore_layout as dist_layout
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext
@@ -104,15 +105,6 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_cells,
                       optimizer=OptimizerStepHooks(optimizer) if optimizer is not None else None,
                       registry=registry, rank=rank, world_size=world_size)
-
-
-def dist_layout() -> tuple[int, int]:
-    """``(rank, world_size)`` from ``mindspore.communication`` once ``init()`` ran, else ``(0, 1)``."""
-    from mindspore.communication import GlobalComm, get_group_size, get_rank
-
-    if GlobalComm.INITED:
-        return get_rank(), get_group_size()
-    return 0, 1
 
 
 __all__ = ["MindSporeStepBuffer", "OptimizerStepHooks", "attach", "buffer_of", "dist_layout", "new_buffer",

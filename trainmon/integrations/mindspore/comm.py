@@ -38,6 +38,7 @@ from mindspore import Tensor, mint, ops
 from trainmon.collect.comm_ops import ArgumentBinder, group_label
 from trainmon.config import COMM_OPS
 from trainmon.integrations.mindspore.stats import partial_stats
+from trainmon.process_groups import mindspore_layout
 from trainmon.records import RowKey
 
 if TYPE_CHECKING:
@@ -189,12 +190,9 @@ class MindSporeCommCollector:
     """
 
     def __init__(self, ctx: StepContext, config: CommunicationConfig, root: Any = None, optimizer: Any = None) -> None:
-        from mindspore.communication import GlobalComm, get_group_size, get_rank
-
         self.ctx = ctx
         self.config = config
-        self._rank = get_rank() if GlobalComm.INITED else 0
-        self._world = get_group_size() if GlobalComm.INITED else 1
+        self._rank, self._world = mindspore_layout()
         self._ops = set(config.ops or COMM_OPS)
         self._local = threading.local()
         self._rows: dict[tuple[str, int], _Row] = {}
