@@ -54,7 +54,7 @@ def _section(cls: type, prefix: str, nested: list[tuple[type, str]]) -> list[str
     docs = field_docs(cls)
     default = cls()
     inner = []
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             inner.append((hints[f.name], f"{prefix}.{f.name}" if prefix else f.name))
             continue

@@ -15,7 +15,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO, Literal, TextIO, overload
 
 INT64_MAX = 2**63 - 1
 """The largest step, rank or count the offline tools accept (numpy, TensorBoard and protobuf use int64)."""
@@ -28,6 +28,16 @@ _RANK_DIR = re.compile(r"rank\d+")
 
 class NotRegularFileError(OSError):
     """A path names a directory, a named pipe, a device or a socket where a file is expected."""
+
+
+@overload
+def open_regular(path: str | os.PathLike[str], text: Literal[False] = False, encoding: str = "utf-8",
+                 newline: str | None = None) -> BinaryIO: ...
+
+
+@overload
+def open_regular(path: str | os.PathLike[str], text: Literal[True], encoding: str = "utf-8",
+                 newline: str | None = None) -> TextIO: ...
 
 
 def open_regular(path: str | os.PathLike[str], text: bool = False, encoding: str = "utf-8",
@@ -62,12 +72,12 @@ def open_regular(path: str | os.PathLike[str], text: bool = False, encoding: str
             raise NotRegularFileError(code, f"{kind}, not a regular file", str(path))
         if _NONBLOCK:
             os.set_blocking(fd, True)
-        handle: IO[Any] = open(fd, "rb", closefd=True)  # noqa: SIM115 - returned: the caller closes it
+        handle = open(fd, "rb", closefd=True)  # noqa: SIM115 - returned: the caller closes it
     except BaseException:
         os.close(fd)
         raise
     if text:
-        return io.TextIOWrapper(handle, encoding=encoding, newline=newline)  # type: ignore[arg-type]
+        return io.TextIOWrapper(handle, encoding=encoding, newline=newline)
     return handle
 
 

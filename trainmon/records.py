@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 if TYPE_CHECKING:
     from trainmon.config import MonitorConfig
@@ -193,7 +194,7 @@ class StepRecord:
     pp_stage: int = 0
 
 
-def combine_partials(partials: np.ndarray) -> np.ndarray:
+def combine_partials(partials: npt.ArrayLike) -> npt.NDArray[np.float64]:
     """Combine partial statistics of shards of the same tensors.
 
     Args:
@@ -209,7 +210,7 @@ def combine_partials(partials: np.ndarray) -> np.ndarray:
         5.0
     """
     partials = np.asarray(partials, dtype=np.float64)
-    out = partials.sum(axis=0)
+    out: npt.NDArray[np.float64] = partials.sum(axis=0)
     out[:, NORM] = np.sqrt(np.square(partials[:, :, NORM]).sum(axis=0))
     has = partials[:, :, NUMEL] > 0
     with np.errstate(invalid="ignore"):
@@ -275,7 +276,7 @@ def family_metrics(config: MonitorConfig) -> dict[str, list[str]]:
     return {family: list(metrics) for family, metrics in out.items()}
 
 
-def finalize_many(partials: np.ndarray) -> tuple[dict[str, list[float]], list[bool]]:
+def finalize_many(partials: npt.ArrayLike) -> tuple[dict[str, list[float]], list[bool]]:
     """:func:`finalize` of ``[N, 8]`` partials at once: ``metric -> N values`` and N non-finite flags."""
     p = np.asarray(partials, dtype=np.float64).reshape(-1, PARTIAL_SLOTS)
     numel = p[:, NUMEL]

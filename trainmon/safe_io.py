@@ -197,7 +197,7 @@ def open_output(path: Path, mode: str = "a", root: Path | None = None, *, encodi
     except BaseException:
         os.close(fd)
         raise
-    handle: Any = io.BufferedReader(raw) if kind == "r" else io.BufferedWriter(raw)
+    handle: io.BufferedReader | io.BufferedWriter = io.BufferedReader(raw) if kind == "r" else io.BufferedWriter(raw)
     if binary:
         return handle
     return io.TextIOWrapper(handle, encoding=encoding, newline=newline)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,9 +17,9 @@ if TYPE_CHECKING:
     from trainmon.config import AnomalyConfig
     from trainmon.records import StepRecord
 
-AnomalyCallback = Callable[[AnomalyEvent], Any]
+AnomalyCallback = Callable[[AnomalyEvent], object]
 """A user callback: receives each event of a step, first origin first."""
-StepAction = Callable[[list[AnomalyEvent]], Any]
+StepAction = Callable[[list[AnomalyEvent]], object]
 """A hand-off action (dump, free benchmark): receives the step's events, first origin first."""
 
 HANDOFF_ACTIONS: tuple[str, ...] = ("dump", "free_benchmark")
@@ -117,7 +118,7 @@ class AnomalyEngine:
             self._run("jsonl", self._jsonl, events)
         for i, callback in enumerate(self._callbacks if "callback" in self.actions else []):
             self._run(f"callback {i} ({getattr(callback, '__qualname__', callback)!r})",
-                      lambda evs, cb=callback: [cb(e) for e in evs], events)
+                      functools.partial(_call_each, callback), events)
         for action in HANDOFF_ACTIONS:
             if action in self.actions:
                 handoff = self._handoffs.get(action)
@@ -130,7 +131,7 @@ class AnomalyEngine:
             raise AnomalyError(events[0].message)
         return events
 
-    def _run(self, name: str, action: Callable[[list[AnomalyEvent]], Any], events: list[AnomalyEvent]) -> None:
+    def _run(self, name: str, action: StepAction, events: list[AnomalyEvent]) -> None:
         if name in self._disabled:
             return
         try:
@@ -188,3 +189,9 @@ class AnomalyEngine:
         self._closed = True
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+def _call_each(callback: AnomalyCallback, events: list[AnomalyEvent]) -> None:
+    """A user callback, called once per event of the step."""
+    for event in events:
+        callback(event)

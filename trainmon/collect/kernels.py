@@ -18,9 +18,11 @@ a kernel use the plain torch ops of :func:`trainmon.collect.stats.partials_torch
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from trainmon.collect.stats import StatsSpec, partial_numpy, partials_torch
@@ -30,6 +32,8 @@ logger = logging.getLogger("trainmon")
 CHUNK = 65536
 """Elements per chunk of the CPU kernels: a few float32 chunks stay in L2."""
 _F32 = torch.float32
+Array: TypeAlias = npt.NDArray[Any]
+"""A numpy view of a tensor's memory, or a buffer: float16/32/64, int16 (bfloat16 bits) or int/bool."""
 _NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
@@ -77,7 +81,7 @@ def _(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[
 # ---------------------------------------------------------------------------------------------- CPU
 
 
-def flat_chunks(values: np.ndarray, size: int = CHUNK):
+def flat_chunks(values: Array, size: int = CHUNK) -> Iterator[Array]:
     """Consecutive pieces of at most ``size`` elements covering ``values`` in C order.
 
     Views for a C-contiguous array; for a strided one, slices of its outer dimensions (a copy of
@@ -98,7 +102,7 @@ def flat_chunks(values: np.ndarray, size: int = CHUNK):
         yield values[start:start + rows].reshape(-1)
 
 
-def _widen(piece: np.ndarray, out: np.ndarray) -> np.ndarray:
+def _widen(piece: Array, out: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     """float32 values of a chunk: bfloat16 bits (int16) shifted into the high half, else a cast."""
     wide = out[: piece.size]
     if piece.dtype == np.int16:
@@ -110,7 +114,7 @@ def _widen(piece: np.ndarray, out: np.ndarray) -> np.ndarray:
     return wide
 
 
-def _numpy_source(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
+def _numpy_source(tensor: torch.Tensor) -> tuple[Array, bool]:
     """A zero-copy numpy view of ``tensor`` and whether it must be widened to float32 chunk by chunk."""
     x = tensor.detach()
     if x.is_complex():
@@ -122,7 +126,7 @@ def _numpy_source(tensor: torch.Tensor) -> tuple[np.ndarray, bool]:
     return x.to(_F32).numpy(), False  # CPU, no sync; integer/bool tensors are rare (indices)
 
 
-def partial_into(tensor: torch.Tensor, spec: StatsSpec, out: np.ndarray) -> None:
+def partial_into(tensor: torch.Tensor, spec: StatsSpec, out: Array) -> None:
     """The 8-slot partial of one CPU tensor into ``out``, from one pass over its memory."""
     if tensor.numel() == 0:
         return
@@ -151,7 +155,7 @@ def _partials_cpu(tensors: list[torch.Tensor], flags: list[int], eps: float) -> 
     return out
 
 
-def update_into(m: np.ndarray, v: np.ndarray, out: np.ndarray, scale: float, eps: float) -> None:
+def update_into(m: Array, v: Array, out: Array, scale: float, eps: float) -> None:
     """The Adam update ``m * scale / (sqrt(v) + eps)`` in four passes over ``out``."""
     np.sqrt(v, out=out)
     out += eps
@@ -159,7 +163,7 @@ def update_into(m: np.ndarray, v: np.ndarray, out: np.ndarray, scale: float, eps
     out *= scale
 
 
-def ratio_into(update: np.ndarray, param: np.ndarray, out: np.ndarray) -> None:
+def ratio_into(update: Array, param: Array, out: Array) -> None:
     """``update / param``, 0 where the parameter is exactly 0."""
     with np.errstate(divide="ignore", invalid="ignore"):
         np.divide(update, param, out=out)
@@ -168,7 +172,7 @@ def ratio_into(update: np.ndarray, param: np.ndarray, out: np.ndarray) -> None:
 
 def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, scale: float, eps: float,
                       update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
-                      update_out: np.ndarray, ratio_out: np.ndarray) -> None:
+                      update_out: Array, ratio_out: Array) -> None:
     """Update and ratio partials of one CPU parameter, chunk by chunk (no full-size update or ratio)."""
     n = m.numel()
     if n == 0:
@@ -218,7 +222,8 @@ def _adam_partials_cpu(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tenso
 
 def _fused_partials(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Tensor:
     # no detach (a dispatched view op each): the operator has no autograd formula and runs under no_grad
-    return partials_op(list(tensors), spec_flags(spec), spec.eps)
+    partials: torch.Tensor = partials_op(list(tensors), spec_flags(spec), spec.eps)
+    return partials
 
 
 PARTIALS: dict[str, Callable[[Sequence[torch.Tensor], StatsSpec], torch.Tensor]] = {"cpu": _fused_partials}
@@ -279,10 +284,12 @@ def adam_partials(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], p
                   coefficients: torch.Tensor, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None
                   ) -> torch.Tensor | None:
     """``trainmon::adam_partials``; None when the kernel failed (then the plain torch ops are used)."""
-    eps = (update_spec or ratio_spec).eps
+    spec = update_spec or ratio_spec
+    assert spec is not None, "adam_partials needs the update or the ratio statistics"
     try:
-        return adam_partials_op(exp_avg, exp_avg_sq, params, coefficients, spec_flags(update_spec),
-                                spec_flags(ratio_spec), eps)
+        partials: torch.Tensor = adam_partials_op(exp_avg, exp_avg_sq, params, coefficients,
+                                                  spec_flags(update_spec), spec_flags(ratio_spec), spec.eps)
+        return partials
     except Exception as exc:
         if exp_avg[0].device.type == "cpu":
             raise

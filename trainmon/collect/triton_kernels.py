@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +34,7 @@ BLOCK = 1024
 WARPS = 4
 _ROWS = 128
 _LIST_SPANS = 256
+_Column: TypeAlias = "list[int] | npt.NDArray[np.int64]"  # a span table: a list when short
 
 
 def available() -> bool:
@@ -219,7 +222,7 @@ def _combine_spans(first, numels, spans, out, STRIDE: tl.constexpr, NORM: tl.con
     tl.store(result + 7, tl.load(numels + t).to(tl.float32))
 
 
-def _spans(numels: list[int]) -> tuple[int, list[int] | np.ndarray, list[int] | np.ndarray, list[int] | np.ndarray]:
+def _spans(numels: list[int]) -> tuple[int, _Column, _Column, _Column]:
     """Elements per program (a power of two: few programs for big groups) and the span tables.
 
     Plain lists for a few hundred spans (a single tensor's 3 small tables cost more in numpy calls
@@ -244,7 +247,7 @@ def _spans(numels: list[int]) -> tuple[int, list[int] | np.ndarray, list[int] | 
     return per, owner_array, start_array, first_array
 
 
-def _table(columns: list[list[int] | np.ndarray], device: torch.device) -> torch.Tensor:
+def _table(columns: list[_Column], device: torch.device) -> torch.Tensor:
     if all(isinstance(column, list) for column in columns):
         table = torch.tensor([value for column in columns for value in column], dtype=torch.int64)
     else:

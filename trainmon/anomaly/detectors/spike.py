@@ -25,7 +25,7 @@ import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from trainmon.anomaly.detectors.base import Detector, off_or_above_one, row_event, scalar_event
 from trainmon.anomaly.detectors.loss_spike import DIRECTIONS, MAX_WINDOW, LogLevelSeries, LogRules, describe_verdict
@@ -215,17 +215,19 @@ class SpikeDetector(Detector):
     def _observe(self, key: tuple[str, str, str, int, int], value: float, where: str,
                  step: int) -> tuple[float, str] | None:
         """``(baseline, message)`` when ``value`` fires, else None; updates the series' state."""
-        state = self.series.get(key)
+        # One method per detector: every series holds the state of that method.
         if self.config.method == "log":
             if value <= 0:
                 return None  # no log level for it; not fed
-            if state is None:
-                state = self.series[key] = LogLevelSeries(self.rules)
-            verdict = state.observe(value)
+            levels = cast("LogLevelSeries | None", self.series.get(key))
+            if levels is None:
+                levels = self.series[key] = LogLevelSeries(self.rules)
+            verdict = levels.observe(value)
             if not verdict.rule:
                 return None
             return verdict.level, f"{self.type_name} (log, {verdict.rule}): " + describe_verdict(
                 where, step, value, verdict, self.rules)
+        state = cast("_Series | None", self.series.get(key))
         if state is None:
             state = self.series[key] = _Series(self.config.window)
         fires, baseline, score = self._check(state, value)
