@@ -12,10 +12,13 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn, cast
 
 from trainmon import __version__
 from trainmon.errors import UsageError
+
+if TYPE_CHECKING:
+    from trainmon.protocols import Subcommand
 
 _SUBCOMMANDS = ("trainmon.csv2tb", "trainmon.anomaly.analyse", "trainmon.probe.compare", "trainmon.report")
 
@@ -29,7 +32,7 @@ def one_line(text: str) -> str:
     return text.translate(_CONTROL)
 
 
-class _Parser(argparse.ArgumentParser):
+class CommandParser(argparse.ArgumentParser):
     """argparse with a one-line error (argparse prints the usage first; ``--help`` still shows it)."""
 
     def error(self, message: str) -> NoReturn:
@@ -37,13 +40,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="trainmon", description="trainmon offline tools",
+    parser = CommandParser(prog="trainmon", description="trainmon offline tools",
                      epilog="Exit codes: 0 success, 2 bad usage or bad input (one line on stderr), 130 interrupted.")
     parser.add_argument("--version", action="version", version=f"trainmon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in _SUBCOMMANDS:
         try:
-            module = importlib.import_module(module_name)
+            module = cast("Subcommand", importlib.import_module(module_name))
         except ImportError:
             continue
         module.add_parser(sub)

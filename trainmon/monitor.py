@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainmon.config import MonitorConfig, load_config
 from trainmon.errors import AnomalyError, ConfigError
 from trainmon.records import StepRecord, build_record, family_metrics
+
+if TYPE_CHECKING:
+    from trainmon.anomaly.engine import AnomalyCallback
+    from trainmon.protocols import GradScaler, HandOffAction, Model, Optimizer, ProcessGroup, Scalar
+    from trainmon.session import Session
 
 logger = logging.getLogger("trainmon")
 
@@ -35,8 +39,8 @@ class TrainerMonitor:
     def __init__(self, config: MonitorConfig | dict[str, Any] | str | Path | None = None) -> None:
         self.config_path = Path(config) if isinstance(config, (str, Path)) else None
         self._config = load_config(config)
-        self._callbacks: list[Callable[[Any], None]] = []
-        self._session: Any = None
+        self._callbacks: list[AnomalyCallback] = []
+        self._session: Session | None = None
         self._closed = False
         self._dirs: tuple[Path | None, Path | None] = (None, None)
 
@@ -53,7 +57,7 @@ class TrainerMonitor:
 
         return cls(translate_msprobe(Path(path), environ=os.environ))
 
-    def on_anomaly(self, callback: Callable[[Any], None]) -> None:
+    def on_anomaly(self, callback: AnomalyCallback) -> None:
         """Register ``callback(event: AnomalyEvent)``; called when the ``callback`` action is configured."""
         self._callbacks.append(callback)
         if self._session is not None:
@@ -64,8 +68,10 @@ class TrainerMonitor:
         """The config in force (after a dynamic reload, the reloaded one)."""
         return self._session.config if self._session is not None else self._config
 
-    def attach(self, model: Any, optimizer: Any = None, *, grad_acc_steps: int = 1, tp_group: Any = None,
-               dp_group: Any = None, pp_group: Any = None, start_step: int = 0, scaler: Any = None) -> TrainerMonitor:
+    def attach(self, model: Model, optimizer: Optimizer | None = None, *, grad_acc_steps: int = 1,
+               tp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
+               pp_group: ProcessGroup | None = None, start_step: int = 0,
+               scaler: GradScaler | None = None) -> TrainerMonitor:
         """Hook into a model (and its optimizer); the framework is detected from the objects.
 
         Args:
@@ -97,7 +103,7 @@ class TrainerMonitor:
                                 pp_group=pp_group, start_step=start_step, scaler=scaler)
         return self
 
-    def step(self, loss: Any = None, **scalars: Any) -> StepRecord | None:
+    def step(self, loss: Scalar | None = None, **scalars: Scalar) -> StepRecord | None:
         """End the current step (call it after ``optimizer.step()``).
 
         Args:
@@ -139,11 +145,11 @@ class TrainerMonitor:
         """
         return self._action("free_benchmark").request(modules, steps)
 
-    def _action(self, section: str) -> Any:
+    def _action(self, section: str) -> HandOffAction:
         """The attached session's ``section`` action (dump, free_benchmark), for a request by hand."""
         if self._session is None:
             raise RuntimeError(f"attach() a model before calling {section}()")
-        action = self._session.actions.get(section)
+        action: HandOffAction | None = self._session.actions.get(section)
         if action is None:
             raise ConfigError(f"{section}.enabled", f"must be true to call monitor.{section}()")
         return action
@@ -211,7 +217,7 @@ class TrainerMonitor:
         self.close()
 
 
-def _check_scalar(name: str, value: Any) -> None:
+def _check_scalar(name: str, value: Scalar | None) -> None:
     """A scalar given to ``step()`` is None, a tensor (any framework) or a number."""
     if value is None or hasattr(value, "detach") or hasattr(value, "asnumpy"):
         return

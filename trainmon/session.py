@@ -23,6 +23,9 @@ from trainmon.steps import StepLifecycle
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from trainmon.anomaly.engine import AnomalyCallback
+    from trainmon.protocols import HandOffAction
+
 logger = logging.getLogger("trainmon")
 
 
@@ -30,7 +33,7 @@ class Session:
     """Everything that exists between ``attach()`` and ``close()``."""
 
     def __init__(self, model: Any, optimizer: Any, config: MonitorConfig, config_path: Path | None,
-                 callbacks: list[Callable[[Any], None]], **options: Any) -> None:
+                 callbacks: list[AnomalyCallback], **options: Any) -> None:
         self.config, self.config_path, self.callbacks = config, config_path, callbacks
         self.model, self.optimizer = model, optimizer
         self.options = AttachOptions(**options)
@@ -39,7 +42,7 @@ class Session:
         metrics = family_metrics(config)
         self.ctx = StepContext(specs=_specs(metrics, config.eps), metrics=metrics, step=self.options.start_step,
                                grad_acc_steps=self.options.grad_acc_steps)
-        self.actions: dict[str, Any] = {}
+        self.actions: dict[str, HandOffAction] = {}
         self.boundary = HookRegistry()
         self.writer: SinkWriter | None = None
         self.anomaly: Any = None
@@ -127,7 +130,7 @@ class Session:
         self.lifecycle.hook_optimizer(self.attachment.optimizer)
         self.lifecycle.hook_scaler(self.options.scaler if self.options.scaler is not None else self.attachment.scaler)
 
-    def _build_actions(self, config: MonitorConfig) -> dict[str, Any]:
+    def _build_actions(self, config: MonitorConfig) -> dict[str, HandOffAction]:
         """The dump and free-benchmark actions (torch models), registered with the anomaly engine."""
         actions = self.actions  # filled as it goes, so a failure part-way is released by _release
         if self.rank_dir is None:

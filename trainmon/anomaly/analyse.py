@@ -15,11 +15,12 @@ import os
 import re
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from trainmon.anomaly.events import decode_float
 from trainmon.anomaly.ordering import PHASE_RANK, sort_key_fields
@@ -27,6 +28,9 @@ from trainmon.errors import UsageError
 from trainmon.inputs import INT64_MAX, find_runs, is_dir, rank_dirs_of, read_regular, runs_hint
 from trainmon.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders
 from trainmon.progress import Bar
+
+if TYPE_CHECKING:
+    from trainmon.protocols import Subparsers
 
 OUTPUT_NAME = "anomaly_analyse.json"
 MSPROBE_OUTPUT_NAME = "trainmon_anomaly_analyse.json"
@@ -84,7 +88,7 @@ class StepRanges:
     def __repr__(self) -> str:
         return f"StepRanges({str(self)!r})"
 
-    def mask(self, steps: np.ndarray) -> np.ndarray:
+    def mask(self, steps: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
         """Which entries of an int64 array are in the set (vectorised: one binary search per entry)."""
         if not self.ranges:
             return np.zeros(steps.shape, dtype=bool)
@@ -167,7 +171,7 @@ _FAST = re.compile(
     rf'"vpp_stage":{_INT},"order":{_INT},"detector":"(\w+)","family":{_STRING},"name":{_STRING},'
     rf'"metric":{_STRING},"value":{_FLOAT},"baseline":{_FLOAT},"message":{_STRING},"time":{_STRING}\}}$',
     re.M)
-_Fields = tuple  # (step, micro_step, rank, phase, pp_stage, vpp_stage, order, detector) as strings
+_Fields: TypeAlias = tuple[str, ...]  # (step, micro_step, rank, phase, pp_stage, vpp_stage, order, detector)
 
 
 def _slow_line(line: str) -> _Fields:
@@ -237,7 +241,7 @@ class _Merger:
         ints = np.fromstring(text, dtype=np.int64, sep=",").reshape(6, -1)
         step, micro, rank, pp_stage, vpp_stage, order = ints
         phase = np.array([PHASE_RANK[p] for p in columns[3]], dtype=np.int64)
-        detectors = columns[7]
+        detectors: Sequence[str] = columns[7]
         if self.steps is not None:
             keep = self.steps.mask(step)
             step, micro, rank, pp_stage, vpp_stage, order, phase = (
@@ -284,7 +288,7 @@ class _Merger:
     def _full(self, label: str, number: int, line: str) -> dict[str, Any] | None:
         """A reported event: parsed and validated in full (None, and reported, if corrupt)."""
         try:
-            event = _loads(line)
+            event: dict[str, Any] = _loads(line)  # a dict: _check says so
             _check(event)
         except (ValueError, KeyError, TypeError) as exc:
             self.bad(label, number, f"missing field {exc}" if isinstance(exc, KeyError) else str(exc))
@@ -388,7 +392,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     """Register ``analyse`` on the ``trainmon`` command's subparsers."""
     parser = subparsers.add_parser(
         "analyse", help="merge every rank's anomalies.jsonl and show the earliest anomalies",

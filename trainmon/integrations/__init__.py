@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from trainmon.protocols import Integration, Model
 
 
-def framework_of(model: Any) -> str:
+def framework_of(model: Model) -> str:
     """Which integration handles ``model``: torch, fsdp, deepspeed, megatron or mindspore.
 
     Detection looks at the type's module, so no framework is imported to decide.
@@ -25,12 +28,12 @@ def framework_of(model: Any) -> str:
     return "torch"
 
 
-def load(framework: str) -> Any:
+def load(framework: str) -> Integration:
     """The integration module for ``framework`` (imported lazily)."""
     name = {"torch": "torch", "fsdp": "fsdp", "deepspeed": "deepspeed", "megatron": "megatron",
             "mindspore": "mindspore"}[framework]
     try:
-        return importlib.import_module(f"trainmon.integrations.{name}")
+        return cast("Integration", importlib.import_module(f"trainmon.integrations.{name}"))
     except ImportError as exc:
         raise ImportError(f"the {framework} integration needs its framework: pip install 'trainmon[{framework}]' "
                           f"({exc})") from exc
