@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.collect.hooks import HookRegistry, QuietOutputOnlyBackward
+from trainmon.collect.hooks import HookedCollector, HookRegistry, QuietOutputOnlyBackward
 
 logger = logging.getLogger("trainmon")
 
@@ -61,7 +61,7 @@ def _flatten(value: Any, out: list[tuple[str, Any]], tensor_type: type, keep_non
             _flatten(item, out, tensor_type, keep_none, f"{key}.{name}" if key else str(name))
 
 
-class ActivationCollector:
+class ActivationCollector(HookedCollector):
     """Forward inputs/outputs (family ``actv``) and their gradients (``actv_grad``).
 
     Hooks are registered by :meth:`arm` for collected steps only and removed by :meth:`disarm`,
@@ -88,22 +88,20 @@ class ActivationCollector:
 
     HOOK_GROUP = "activations"
     TENSOR_HOOK_GROUP = "activation_tensors"
+    HOOK_GROUPS = (HOOK_GROUP, TENSOR_HOOK_GROUP)
 
     def __init__(self, ctx: StepContext, modules: Sequence[tuple[str, Any, int]], config: ActivationsConfig,
                  registry: HookRegistry, *, tensor_type: type = torch.Tensor,
                  backward_hook: str = "register_full_backward_hook") -> None:
-        self.ctx = ctx
+        super().__init__(ctx, registry)
         self.modules = list(modules)
         self.config = config
-        self.registry = registry
         self.tensor_type = tensor_type
         self.backward_hook = backward_hook
         self.grad_hooks = config.grad_hooks if tensor_type is torch.Tensor else "module"
         self._quiet = QuietOutputOnlyBackward()
 
-    def arm(self) -> None:
-        if self.registry.count(self.HOOK_GROUP):
-            return
+    def install_hooks(self) -> None:
         forward = self.config.forward and "actv" in self.ctx.specs
         backward = self.config.backward and "actv_grad" in self.ctx.specs
         if backward and self.grad_hooks == "module" and self.tensor_type is torch.Tensor:
@@ -140,18 +138,13 @@ class ActivationCollector:
                            ", ".join(in_place[:3]) + (", ..." if len(in_place) > 3 else ""))
             self.grad_hooks = "tensor"
 
-    def disarm(self) -> None:
-        self.registry.remove(self.HOOK_GROUP)
-        self.registry.remove(self.TENSOR_HOOK_GROUP)
+    def reset(self) -> None:
         self._quiet.reset()
 
     def before_transfer(self) -> None:
         # The step's backward passes are over: drop the handles of its tensor hooks.
         self.registry.remove(self.TENSOR_HOOK_GROUP)
         self._quiet.reset()
-
-    def close(self) -> None:
-        self.disarm()
 
     def forward_hook(self, name: str, vpp_stage: int):  # hook closure
         """The hook ``(module, args, kwargs, output)`` that records the ``actv`` rows of module ``name``."""

@@ -50,6 +50,7 @@ from trainmon.collect.comm_ops import (
     payload_bytes,
 )
 from trainmon.collect.context import in_backward
+from trainmon.collect.hooks import HookedCollector
 from trainmon.collect.stats import combine_partials_torch, partial_stats
 from trainmon.config import COMM_OPS
 from trainmon.records import RowKey
@@ -96,7 +97,7 @@ class _Wrap:
     wrapper: Callable[..., Any] = lambda *a, **k: None
 
 
-class CommCollector:
+class CommCollector(HookedCollector):
     """Wraps the ``torch.distributed`` collectives while attached and measures their tensors.
 
     Args:
@@ -115,7 +116,7 @@ class CommCollector:
 
     def __init__(self, ctx: StepContext, config: CommunicationConfig, roots: Sequence[torch.nn.Module] = (),
                  optimizer: Any = None) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.config = config
         self._site_filter = re.compile(config.call_site_filter) if config.call_site_filter is not None else None
         self._rank = process_groups.global_rank()
@@ -125,7 +126,6 @@ class CommCollector:
         self._calls: dict[tuple[str, int], int] = {}  # ("{op}.{group}", micro_step) -> calls so far
         self._forward_depth = 0  # root forwards running (nested calls of a root count too)
         self._in_optimizer = False
-        self._handles: list[Any] = []
         self._step_buffer: StepBuffer | None = None
         self._flushed: StepBuffer | None = None
         self._groups: dict[Any, str] = {}
@@ -139,10 +139,7 @@ class CommCollector:
         self._install(config.ops or list(COMM_OPS))
 
     # ------------------------------------------------------------------ lifecycle
-    def arm(self) -> None:
-        pass
-
-    def disarm(self) -> None:
+    def reset(self) -> None:
         self._reset(None)
 
     def before_transfer(self) -> None:
@@ -155,8 +152,8 @@ class CommCollector:
         self._flushed = buffer
         self._reset(None)
 
-    def close(self) -> None:
-        """Restore the original functions; idempotent.
+    def release(self) -> None:
+        """Restore the original functions (once, by ``close``, which also removes the phase hooks).
 
         Where another trainmon collector wrapped ours (a config reload attaches the new collectors
         before closing the old ones), ours is spliced out of the chain. Where foreign code wrapped
@@ -171,10 +168,6 @@ class CommCollector:
                     log.info("%s.%s was wrapped again after trainmon; trainmon's wrapper stays under it and "
                              "only calls through", module.__name__, wrap.name)
         self._wraps.clear()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._reset(None)
         self._groups.clear()
 
     @contextmanager
@@ -190,11 +183,11 @@ class CommCollector:
     def _hook_phases(self, roots: Sequence[torch.nn.Module], optimizer: Any) -> None:
         """One-line hooks that track whether a root forward or the optimizer step is running."""
         for root in roots:
-            self._handles.append(root.register_forward_pre_hook(self._enter_forward))
-            self._handles.append(root.register_forward_hook(self._leave_forward, always_call=True))
+            self.keep(root.register_forward_pre_hook(self._enter_forward))
+            self.keep(root.register_forward_hook(self._leave_forward, always_call=True))
         if hasattr(optimizer, "register_step_pre_hook") and hasattr(optimizer, "register_step_post_hook"):
-            self._handles.append(optimizer.register_step_pre_hook(self._enter_optimizer))
-            self._handles.append(optimizer.register_step_post_hook(self._leave_optimizer))
+            self.keep(optimizer.register_step_pre_hook(self._enter_optimizer))
+            self.keep(optimizer.register_step_post_hook(self._leave_optimizer))
 
     def _enter_forward(self, *args: Any) -> None:
         self._forward_depth += 1

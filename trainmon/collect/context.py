@@ -61,7 +61,8 @@ class Collector(Protocol):
     The monitor calls :meth:`arm` before a collected step and :meth:`disarm` before an
     uncollected one (so uncollected steps cost nothing), :meth:`before_transfer` at the end
     of a collected step (the place for end-of-step reads and the one cross-rank collective),
-    and :meth:`close` once. ``close`` must leave no hook behind and be idempotent.
+    and :meth:`close` once. ``close`` must leave no hook behind and be idempotent. Every collector
+    implements it through :class:`trainmon.collect.hooks.HookedCollector`.
     """
 
     def arm(self) -> None: ...

@@ -1,5 +1,6 @@
-"""One registry for every removable hook handle the monitor installs; torch's output-only backward-hook
-warning kept away from trainmon's own hooks (:class:`QuietOutputOnlyBackward`)."""
+"""One registry for every removable hook handle the monitor installs (:class:`HookRegistry`); the base of
+every collector's arm/disarm/close (:class:`HookedCollector`); torch's output-only backward-hook warning kept
+away from trainmon's own hooks (:class:`QuietOutputOnlyBackward`)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,88 @@ class HookRegistry:
         if group is not None:
             return len(self._groups.get(group, []))
         return sum(len(handles) for handles in self._groups.values())
+
+
+class HookedCollector:
+    """The base of every collector: the arm/disarm/close lifecycle of
+    :class:`trainmon.collect.context.Collector`, with its hooks in a :class:`HookRegistry`.
+
+    - Hooks that run on collected steps only go in the registry groups named by ``HOOK_GROUPS``:
+      :meth:`arm` calls :meth:`install_hooks` when none of those groups holds a handle (so arming
+      twice installs nothing twice), :meth:`disarm` removes them and calls :meth:`reset`.
+    - Hooks that must run on every step (phase markers, a wrapper's step hooks) are handed to
+      :meth:`keep`; they stay until :meth:`close`.
+    - :meth:`close` disarms, then runs :meth:`release` and removes the kept hooks, once: a second
+      ``close`` only disarms again.
+
+    Args:
+        ctx: the monitor's step context (:class:`trainmon.collect.context.StepContext`).
+        registry: the monitor's registry (shared with other collectors), or None for one of its own.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> class Counter(HookedCollector):
+        ...     HOOK_GROUPS = ("counter",)
+        ...     def install_hooks(self) -> None:
+        ...         self.registry.add("counter", SimpleNamespace(remove=lambda: None))
+        >>> counter = Counter(ctx=None)
+        >>> counter.arm(); counter.arm(); counter.registry.count()
+        1
+        >>> counter.close(); counter.close(); counter.registry.count()
+        0
+    """
+
+    HOOK_GROUPS: tuple[str, ...] = ()
+    """The registry groups of the hooks installed by :meth:`install_hooks` (removed by :meth:`disarm`)."""
+
+    def __init__(self, ctx: Any, registry: HookRegistry | None = None) -> None:
+        self.ctx = ctx
+        self.registry = registry if registry is not None else HookRegistry()
+        self._closed = False
+        self._kept = f"{type(self).__name__}@{id(self):x}"  # this instance's own group of kept hooks
+
+    @property
+    def armed(self) -> bool:
+        """Whether the step hooks are installed."""
+        return any(self.registry.count(group) for group in self.HOOK_GROUPS)
+
+    def arm(self) -> None:
+        """Before a collected step: install the step hooks (once; a no-op while armed)."""
+        if not self.armed:
+            self.install_hooks()
+
+    def install_hooks(self) -> None:
+        """Register the step hooks, each in one of the ``HOOK_GROUPS`` (none by default)."""
+
+    def disarm(self) -> None:
+        """Before an uncollected step, and in :meth:`close`: remove the step hooks, then :meth:`reset`."""
+        for group in self.HOOK_GROUPS:
+            self.registry.remove(group)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what the hooks noted in a step (nothing by default)."""
+
+    def before_transfer(self) -> None:
+        """End of a collected step, before the host transfer (nothing by default)."""
+
+    def keep(self, handle: _Handle) -> None:
+        """Hold a hook that runs on every step, collected or not, until :meth:`close`."""
+        self.registry.add(self._kept, handle)
+
+    def close(self) -> None:
+        """Leave no hook behind; idempotent and safe after an exception."""
+        self.disarm()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.release()
+        finally:
+            self.registry.remove(self._kept)
+
+    def release(self) -> None:
+        """Run once by :meth:`close`: undo what the constructor set up (nothing by default)."""
 
 
 OUTPUT_ONLY_WARNING = ("Full backward hook is firing when gradients are computed with respect to module outputs "

@@ -15,7 +15,7 @@ from trainmon.collect.adam import (  # noqa: F401 - re-exported: integrations an
     adam_update,
     update_ratio,
 )
-from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.records import RowKey
 from trainmon.steps import scale_of
 
@@ -54,7 +54,7 @@ def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-class TorchOptimizerCollector:
+class TorchOptimizerCollector(HookedCollector):
     """``grad_unreduced``, ``grad_reduced``, ``param`` and optimizer-state rows for a torch optimizer.
 
     - ``grad_unreduced``: ``param.grad`` in its post-accumulate-grad hook, i.e. as accumulated
@@ -88,11 +88,10 @@ class TorchOptimizerCollector:
     def __init__(self, ctx: StepContext, params: Sequence[tuple[str, torch.nn.Parameter, int]],
                  optimizer: torch.optim.Optimizer | None, config: MonitorConfig, registry: HookRegistry,
                  batch_unreduced: bool = False) -> None:
-        self.ctx = ctx
+        super().__init__(ctx, registry)
         self.params = list(params)
         self.optimizer = optimizer
         self.config = config
-        self.registry = registry
         self._states = [s for s in config.optimizer_states.states if s in ctx.specs]
         self._norm: torch.Tensor | None = None
         self._norm_final = False
@@ -104,9 +103,9 @@ class TorchOptimizerCollector:
         if optimizer is not None:
             ctx.backward_end.append(self._backward_ended)
 
-    def arm(self) -> None:
-        if self.registry.count(_GRADS) or self.registry.count(_OPTIMIZER):
-            return
+    HOOK_GROUPS = (_GRADS, _OPTIMIZER)
+
+    def install_hooks(self) -> None:
         if "grad_unreduced" in self.ctx.specs:
             for name, param, vpp_stage in self.params:
                 if param.requires_grad:
@@ -117,18 +116,13 @@ class TorchOptimizerCollector:
             if self._states:
                 self.registry.add(_OPTIMIZER, self.optimizer.register_step_post_hook(self._post_step))
 
-    def disarm(self) -> None:
-        self.registry.remove(_GRADS)
-        self.registry.remove(_OPTIMIZER)
-
     def before_transfer(self) -> None:
         self._measure_pending()
         if self._norm is not None and self.ctx.collecting:
             self.ctx.buffer.add_scalar("grad_norm", self._norm)
         self._norm, self._norm_final = None, False
 
-    def close(self) -> None:
-        self.disarm()
+    def release(self) -> None:
         self._drop_pending()
         for subscriber in (self._measure_pending, self._backward_ended):
             if subscriber in self.ctx.backward_end:

@@ -8,22 +8,24 @@ from typing import Any
 import torch
 
 from trainmon.collect.activations import named_tensors
-from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.hooks import HookedCollector, HookRegistry
 
 _GROUP = "struct"
 
 
-class StructRecorder:
+class StructRecorder(HookedCollector):
     """Records input/output shapes and dtypes (metadata only: no sync) of every module once."""
 
+    HOOK_GROUPS = (_GROUP,)
+
     def __init__(self, modules: Sequence[tuple[str, torch.nn.Module, int]], registry: HookRegistry) -> None:
+        super().__init__(None, registry)
         self.modules = list(modules)
-        self.registry = registry
         self.seen: dict[str, dict[str, Any]] = {}
         self.done = False
 
-    def arm(self) -> None:
-        if self.done or self.registry.count(_GROUP):
+    def install_hooks(self) -> None:
+        if self.done:
             return
         for name, module, vpp_stage in self.modules:
             self.registry.add(_GROUP, module.register_forward_hook(self._hook(name or "(root)", vpp_stage),
@@ -39,15 +41,6 @@ class StructRecorder:
             self.seen[name] = {"class": type(module).__name__, "vpp_stage": vpp_stage, "tensors": describe}
 
         return hook
-
-    def disarm(self) -> None:
-        self.registry.remove(_GROUP)
-
-    def before_transfer(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.disarm()
 
     def tree(self) -> dict[str, Any]:
         """``{name: {class, vpp_stage, tensors, children}}`` nested by module path."""

@@ -27,7 +27,7 @@ import torch
 
 from trainmon import process_groups
 from trainmon.collect.activations import ActivationCollector
-from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector, adam_update, update_ratio
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 _STATES = ("exp_avg", "exp_avg_sq")
 
 
-class DeepSpeedShardCollector:
+class DeepSpeedShardCollector(HookedCollector):
     """``grad_reduced``, ``param``, optimizer states, ``update``, ``ratio`` and the engine's scalars.
 
     Hooks compute partial statistics of the local shards (no host sync) and keep them pending;
@@ -64,7 +64,7 @@ class DeepSpeedShardCollector:
 
     def __init__(self, ctx: StepContext, engine: Any, params: list[tuple[str, torch.nn.Parameter, int]],
                  config: MonitorConfig, hooks: StepWrapper, dp_group: Any = None) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.engine = engine
         self.params = params
         self.layout: ShardLayout = layout_for(engine, [p for _, p, _ in params] or engine.module.parameters())
@@ -75,18 +75,10 @@ class DeepSpeedShardCollector:
         self.writes_rows = process_groups.is_lowest_selected(dp_group, config.ranks)
         self.collective = not self.layout.replicated and world > 1
         self._pending: list[tuple[str, str, int, torch.Tensor]] = []
-        self._handles = [hooks.register_step_pre_hook(self._pre_step), hooks.register_step_post_hook(self._post_step)]
+        self.keep(hooks.register_step_pre_hook(self._pre_step))
+        self.keep(hooks.register_step_post_hook(self._post_step))
 
-    def arm(self) -> None:
-        pass
-
-    def disarm(self) -> None:
-        self._pending.clear()
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def reset(self) -> None:
         self._pending.clear()
 
     # ------------------------------------------------------------------------- hooks

@@ -96,9 +96,9 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         self._warned: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------------- hooks
-    def arm(self) -> None:
-        if self.registry.count(_UNSHARDED) or self.registry.count(_STEP):
-            return
+    HOOK_GROUPS = (_UNSHARDED, _STEP)
+
+    def install_hooks(self) -> None:
         if "grad_unreduced" in self.ctx.specs:
             for module, entries in self.unsharded_owners:
                 self.registry.add(_UNSHARDED, module.register_forward_pre_hook(self._find_unsharded(entries)))
@@ -107,9 +107,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
             if self._states:
                 self.registry.add(_STEP, self.optimizer.register_step_post_hook(self._post_step))
 
-    def disarm(self) -> None:
-        self.registry.remove(_UNSHARDED)
-        self.registry.remove(_STEP)
+    def reset(self) -> None:
         self._hooked.clear()
         self._pending.clear()
         self._norm, self._norm_final = None, False

@@ -20,7 +20,7 @@ import torch
 from trainmon import process_groups
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.context import in_backward
-from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.collect.optimizer import adam_update, update_ratio
 from trainmon.collect.stats import combine_partials_torch, empty_partial, partial_stats
 from trainmon.records import RowKey
@@ -76,7 +76,7 @@ class _Slots:
         return torch.stack([p if p is not None else empty for p in self.partials])
 
 
-class MegatronParamCollector:
+class MegatronParamCollector(HookedCollector):
     """``grad_unreduced``, ``grad_reduced``, ``param`` and Adam-state rows of Megatron parameters.
 
     - ``grad_unreduced``: the accumulated ``main_grad`` of the last micro-step, read in the
@@ -101,12 +101,11 @@ class MegatronParamCollector:
     def __init__(self, ctx: StepContext, params: Sequence[tuple[str, torch.nn.Parameter, int]],
                  mains: dict[int, MainParam], layout: GroupLayout, config: MonitorConfig,
                  registry: HookRegistry) -> None:
-        self.ctx = ctx
+        super().__init__(ctx, registry)
         self.params = list(params)
         self.mains = mains
         self.layout = layout
         self.config = config
-        self.registry = registry
         self.families = [f for f in ("grad_unreduced",) + _OPTIMIZER_FAMILIES if f in ctx.specs]
         self._index = {family: i * len(self.params) for i, family in enumerate(self.families)}
         self._optimizers = list({id(m.optimizer): m.optimizer for m in mains.values()}.values())
@@ -121,10 +120,10 @@ class MegatronParamCollector:
         self._dp_groups = self._dp_shard_masks(device)
 
     # ----------------------------------------------------------------------------- lifecycle
-    def arm(self) -> None:
-        if self.registry.count(_GRADS) or self.registry.count(_OPTIMIZER):
-            return
-        self._reset()
+    HOOK_GROUPS = (_GRADS, _OPTIMIZER)
+
+    def install_hooks(self) -> None:
+        self.reset()
         if "grad_unreduced" in self.ctx.specs:
             for i, (_, param, _) in enumerate(self.params):
                 if param.requires_grad:
@@ -137,15 +136,7 @@ class MegatronParamCollector:
             if wants_post:
                 self.registry.add(_OPTIMIZER, optimizer.register_step_post_hook(self._post_step))
 
-    def disarm(self) -> None:
-        self.registry.remove(_GRADS)
-        self.registry.remove(_OPTIMIZER)
-        self._reset()
-
-    def close(self) -> None:
-        self.disarm()
-
-    def _reset(self) -> None:
+    def reset(self) -> None:
         self._slots = _Slots(len(self._slots.partials), self._slots.device)
         self._calls = [0] * len(self.params)
         self._fired = set()
@@ -231,7 +222,7 @@ class MegatronParamCollector:
     def before_transfer(self) -> None:
         """Combine the step's shards (one all_gather per group) and append the rows."""
         if not self.ctx.collecting or not self._fired:
-            self._reset()
+            self.reset()
             return
         table = self._slots.stacked()
         for group, mask in self._dp_groups:
@@ -258,7 +249,7 @@ class MegatronParamCollector:
                     rows.append((meta[1], RowKey(family, name, meta[0], vpp_stage, meta[1]), slot))
         for _, key, slot in sorted(rows, key=lambda row: row[0]):
             ctx.buffer.add(key, table[slot])
-        self._reset()
+        self.reset()
 
 
 def _unreduced_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -298,9 +289,7 @@ class MegatronActivationCollector(ActivationCollector):
         self._is_checkpointing = is_checkpointing
         self._grad_calls: dict[tuple[int, str], int] = {}
 
-    def arm(self) -> None:
-        if self.registry.count(self.HOOK_GROUP):
-            return
+    def install_hooks(self) -> None:
         forward = self.config.forward and "actv" in self.ctx.specs
         backward = self.config.backward and "actv_grad" in self.ctx.specs
         if not (forward or backward):
@@ -309,8 +298,8 @@ class MegatronActivationCollector(ActivationCollector):
             hook = self._megatron_hook(name, vpp_stage, forward, backward)
             self.registry.add(self.HOOK_GROUP, module.register_forward_hook(hook, with_kwargs=True))
 
-    def disarm(self) -> None:
-        super().disarm()
+    def reset(self) -> None:
+        super().reset()
         self._grad_calls.clear()
 
     def before_transfer(self) -> None:

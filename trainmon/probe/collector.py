@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.probe import device as dev
 from trainmon.probe.storage import (
     AGREE_PREV,
@@ -46,7 +47,6 @@ from trainmon.probe.storage import (
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
-    from trainmon.collect.hooks import HookRegistry
     from trainmon.config import MonitorConfig
 
 logger = logging.getLogger("trainmon")
@@ -75,7 +75,7 @@ def _record_event(device: torch.device) -> Any:
     return event
 
 
-class GradProbe:
+class GradProbe(HookedCollector):
     """Collector of the ``grad_probe`` section (see the module docstring).
 
     Args:
@@ -97,10 +97,9 @@ class GradProbe:
                  grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  exp_avg_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  rank_dir: Path | None = None) -> None:
-        self.ctx = ctx
+        super().__init__(ctx, registry)
         self.params = list(params)
         self.settings = config.grad_probe
-        self.registry = registry
         self.optimizer = optimizer
         self.grad_of = grad_of or (lambda p: p.grad)
         self.exp_avg_of = exp_avg_of or self._adam_exp_avg
@@ -117,7 +116,6 @@ class GradProbe:
         self._root: Path | None = None
         self._writer: Any = None
         self._summary: GradSummaryCsv | None = None
-        self._closed = False
         self.bind_output(rank_dir)
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -135,25 +133,20 @@ class GradProbe:
         self._writer = OutputThread("grad_probe", _run_job, close=self._summary.close,
                                     flush_seconds=self._flush_seconds, max_pending=4, disable_on_error=False)
 
-    def arm(self) -> None:
-        if self._hookable and not self.registry.count(_GROUP):
-            self.registry.add(_GROUP, self.optimizer.register_step_pre_hook(self._pre_step))
+    HOOK_GROUPS = (_GROUP,)
 
-    def disarm(self) -> None:
-        self.registry.remove(_GROUP)
+    def install_hooks(self) -> None:
+        if self._hookable:
+            self.registry.add(_GROUP, self.optimizer.register_step_pre_hook(self._pre_step))
 
     def before_transfer(self) -> None:
         if not self._hookable:
             self.measure()
 
-    def close(self) -> None:
-        """Remove the hook, write what is queued (within a bounded time) and close the files.
+    def release(self) -> None:
+        """Write what is queued (within a bounded time) and close the files (once, by ``close``).
 
-        Idempotent; never raises for an output failure (it is reported once and counted)."""
-        self.disarm()
-        if self._closed:
-            return
-        self._closed = True
+        Never raises for an output failure (it is reported once and counted)."""
         if self._writer is not None:
             self._writer.close()  # bounded; never raises
             self._writer.report()

@@ -36,6 +36,7 @@ import mindspore as ms
 from mindspore import Tensor, mint, ops
 
 from trainmon.collect.comm_ops import ArgumentBinder, group_label
+from trainmon.collect.hooks import HookedCollector
 from trainmon.config import COMM_OPS
 from trainmon.integrations.mindspore.stats import partial_stats
 from trainmon.process_groups import mindspore_layout
@@ -179,7 +180,7 @@ class _MeasuredHandle:
         return getattr(self._handle, name)
 
 
-class MindSporeCommCollector:
+class MindSporeCommCollector(HookedCollector):
     """Wraps MindSpore's collectives while attached and measures their tensors.
 
     Args:
@@ -190,7 +191,7 @@ class MindSporeCommCollector:
     """
 
     def __init__(self, ctx: StepContext, config: CommunicationConfig, root: Any = None, optimizer: Any = None) -> None:
-        self.ctx = ctx
+        super().__init__(ctx)
         self.config = config
         self._rank, self._world = mindspore_layout()
         self._ops = set(config.ops or COMM_OPS)
@@ -203,7 +204,6 @@ class MindSporeCommCollector:
         self._step_buffer: Any = None
         self._flushed: Any = None
         self._depth = {"forward": 0, "optimizer": 0}
-        self._handles: list[Any] = []
         self._swaps: list[_Swap] = []
         self._active = True
         if config.call_sites or config.call_site_filter is not None:
@@ -214,10 +214,7 @@ class MindSporeCommCollector:
         self._install()
 
     # ------------------------------------------------------------------ lifecycle
-    def arm(self) -> None:
-        pass
-
-    def disarm(self) -> None:
+    def reset(self) -> None:
         self._reset(None)
 
     def before_transfer(self) -> None:
@@ -227,8 +224,9 @@ class MindSporeCommCollector:
         self._flushed = buffer  # later collectives of this step (none of ours) are not measured
         self._reset(None)
 
-    def close(self) -> None:
-        """Put every original function and primitive class back (idempotent)."""
+    def release(self) -> None:
+        """Put every original function and primitive class back (once, by ``close``, which also removes the
+        phase hooks)."""
         self._active = False
         for swap in reversed(self._swaps):
             if getattr(swap.module, swap.name, None) is swap.replacement:
@@ -237,10 +235,6 @@ class MindSporeCommCollector:
                 log.info("%s.%s was replaced again after trainmon; trainmon's wrapper stays under it and only "
                          "calls through", swap.module.__name__, swap.name)
         self._swaps.clear()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._reset(None)
 
     # ------------------------------------------------------------------ phases
     def _hook_phase(self, cell: Any, phase: str) -> None:
@@ -253,8 +247,8 @@ class MindSporeCommCollector:
         def leave(*args: Any) -> None:
             self._depth[phase] = max(self._depth[phase] - 1, 0)
 
-        self._handles.append(cell.register_forward_pre_hook(enter))
-        self._handles.append(cell.register_forward_hook(leave, always_call=True))
+        self.keep(cell.register_forward_pre_hook(enter))
+        self.keep(cell.register_forward_hook(leave, always_call=True))
 
     def _phase(self) -> str:
         if self._depth["forward"]:

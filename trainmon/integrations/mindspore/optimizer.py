@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import mindspore as ms
 from mindspore import Parameter, Tensor, mint, ops
 
-from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.integrations.mindspore.buffer import buffer_of
 from trainmon.integrations.mindspore.stats import sum_of_squares
 
@@ -77,7 +77,7 @@ def update_ratio(update: Tensor, param: Tensor) -> Tensor:
     return ops.select(nonzero, update / safe, ops.zeros_like(update))
 
 
-class MindSporeOptimizerCollector:
+class MindSporeOptimizerCollector(HookedCollector):
     """``grad_unreduced``, ``grad_reduced``, ``param`` and optimizer-state rows for a MindSpore optimizer.
 
     Args:
@@ -90,19 +90,18 @@ class MindSporeOptimizerCollector:
 
     def __init__(self, ctx: StepContext, params: Sequence[tuple[str, Parameter, int]],
                  optimizer: nn.Optimizer | None, config: MonitorConfig, registry: HookRegistry) -> None:
-        self.ctx = ctx
+        super().__init__(ctx, registry)
         self.params = list(params)
         self.optimizer = optimizer
         self.config = config
-        self.registry = registry
         self._states = [s for s in config.optimizer_states.states if s in ctx.specs]
         index = {id(p): i for i, p in enumerate(optimizer.parameters)} if optimizer is not None else {}
         # (name, parameter, vpp_stage, index in optimizer.parameters) of the targets the optimizer steps
         self._stepped = [(n, p, v, index[id(p)]) for n, p, v in self.params if id(p) in index]
 
-    def arm(self) -> None:
-        if self.registry.count(_GRADS) or self.registry.count(_OPTIMIZER):
-            return
+    HOOK_GROUPS = (_GRADS, _OPTIMIZER)
+
+    def install_hooks(self) -> None:
         if "grad_unreduced" in self.ctx.specs:
             for name, param, vpp_stage in self.params:
                 if param.requires_grad:
@@ -111,16 +110,6 @@ class MindSporeOptimizerCollector:
             self.registry.add(_OPTIMIZER, self.optimizer.register_forward_pre_hook(self._pre_step_hook()))
             if self._states:
                 self.registry.add(_OPTIMIZER, self.optimizer.register_forward_hook(self._post_step_hook()))
-
-    def disarm(self) -> None:
-        self.registry.remove(_GRADS)
-        self.registry.remove(_OPTIMIZER)
-
-    def before_transfer(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.disarm()
 
     def _grad_hook(self, name: str, vpp_stage: int):
         per_micro_step = self.config.weight_grads.per_micro_step
