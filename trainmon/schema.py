@@ -182,12 +182,12 @@ def _check_bounds(value: Any, rules: Mapping[str, Any], path: str) -> None:
 
 
 # --------------------------------------------------------------------------- types
-def type_name(tp: Any) -> str:
+def type_name(tp: object) -> str:
     """A readable name for a type annotation (error messages, docs/config.md)."""
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def convert_value(value: Any, tp: Any, path: str) -> Any:
+def convert_value(value: object, tp: Any, path: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it converted (sections built with :func:`load`).
 
     Raises:
@@ -216,7 +216,7 @@ def convert_value(value: Any, tp: Any, path: str) -> Any:
     return convert(value, path)
 
 
-def _to_optional(value: Any, args: tuple[Any, ...], path: str) -> Any:
+def _to_optional(value: object, args: tuple[Any, ...], path: str) -> Any:
     if value is None:
         if type(None) in args:
             return None
@@ -225,25 +225,25 @@ def _to_optional(value: Any, args: tuple[Any, ...], path: str) -> Any:
     return convert_value(value, inner, path)
 
 
-def _to_section(value: Any, cls: type, path: str) -> Any:
+def _to_section(value: object, cls: type[Any], path: str) -> Any:
     if not isinstance(value, (Mapping, cls)):
         raise ConfigError(path, f"must be a mapping with keys {sorted(f.name for f in dataclasses.fields(cls))}")
     return load(cls, value, path)
 
 
-def _to_list(value: Any, inner: Any, path: str) -> list[Any]:
+def _to_list(value: object, inner: Any, path: str) -> list[Any]:
     if not isinstance(value, (list, tuple)):
         raise ConfigError(path, f"must be a list, got {type(value).__name__}")
     return [convert_value(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
 
 
-def _to_bool(value: Any, path: str) -> bool:
+def _to_bool(value: object, path: str) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(path, f"must be true or false, got {short(value)}")
     return value
 
 
-def _to_int(value: Any, path: str) -> int:
+def _to_int(value: object, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(path, f"must be an integer, got {short(value)}")
     if not -INT64_MAX <= value <= INT64_MAX:
@@ -251,13 +251,13 @@ def _to_int(value: Any, path: str) -> int:
     return value
 
 
-def _to_float(value: Any, path: str) -> float:
+def _to_float(value: object, path: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(path, f"must be a finite number, got {short(value)}")
     return float(value)
 
 
-def _to_str(value: Any, path: str) -> str:
+def _to_str(value: object, path: str) -> str:
     if not isinstance(value, str):
         raise ConfigError(path, f"must be a string, got {short(value)}")
     if "\0" in value:
@@ -265,10 +265,10 @@ def _to_str(value: Any, path: str) -> str:
     return value
 
 
-_SCALARS: dict[Any, Callable[[Any, str], Any]] = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
+_SCALARS: dict[type, Callable[[object, str], object]] = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
 
 
-def short(value: Any, limit: int = 60) -> str:
+def short(value: object, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters (a 10,000-digit number or a huge list stays one short line)."""
     try:
         text = repr(value)

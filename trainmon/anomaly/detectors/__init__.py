@@ -13,7 +13,7 @@ from trainmon.anomaly.detectors.spike import SpikeConfig, SpikeDetector
 from trainmon.errors import ConfigError
 from trainmon.schema import load, spec_wording
 
-DETECTORS: dict[str, type[Detector]] = {
+DETECTORS: dict[str, type[Detector[object]]] = {
     NonfiniteDetector.type_name: NonfiniteDetector,
     SpikeDetector.type_name: SpikeDetector,
     LossSpikeDetector.type_name: LossSpikeDetector,
@@ -24,7 +24,7 @@ __all__ = ["DETECTORS", "Detector", "LossSpikeConfig", "LossSpikeDetector", "Non
            "NonfiniteDetector", "SpikeConfig", "SpikeDetector", "build_detectors", "check_specs", "load_spec"]
 
 
-def load_spec(spec: Any, path: str) -> tuple[type[Detector], Any]:
+def load_spec(spec: object, path: str) -> tuple[type[Detector[object]], object]:
     """The detector class of one spec and its validated config (:mod:`trainmon.schema`).
 
     Raises:
@@ -41,7 +41,7 @@ def load_spec(spec: Any, path: str) -> tuple[type[Detector], Any]:
     return cls, load(cls.config_class, spec, path, spec_wording("detector", kind))
 
 
-def _specs(specs: Any, path: str) -> list[tuple[type[Detector], Any]]:
+def _specs(specs: object, path: str) -> list[tuple[type[Detector[object]], object]]:
     if not isinstance(specs, (list, tuple)):
         raise ConfigError(path, f"must be a list of detector specs, got {type(specs).__name__}")
     return [load_spec(spec, f"{path}[{i}]") for i, spec in enumerate(specs)]
@@ -56,7 +56,7 @@ def check_specs(specs: Sequence[Mapping[str, Any]], path: str) -> None:
     _specs(specs, path)
 
 
-def build_detectors(specs: Sequence[Mapping[str, Any]], path: str = "anomaly.detectors") -> list[Detector]:
+def build_detectors(specs: Sequence[Mapping[str, Any]], path: str = "anomaly.detectors") -> list[Detector[object]]:
     """Validate detector specs and build the detectors, in spec order.
 
     Args:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.errors import ConfigError
 from trainmon.records import Row, StepRecord
 
+SpecT = TypeVar("SpecT", covariant=True)
+"""The spec (config) class of a detector."""
+
 SCALAR_FAMILY = "scalars"
 """Family of events raised on ``record.scalars`` (loss, grad_norm, lr/group0, ...)."""
 
 
-class Detector(ABC):
+class Detector(ABC, Generic[SpecT]):
     """A host-side detector: floats of one step in, events out.
 
     Subclasses set :attr:`type_name` and :attr:`config_class` (a dataclass with a docstring and
@@ -23,9 +26,9 @@ class Detector(ABC):
     """
 
     type_name: ClassVar[str]
-    config_class: ClassVar[type]
+    config_class: ClassVar[type]  # SpecT's class (a class variable cannot name a type variable)
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: SpecT) -> None:
         """Args: config: the spec, a :attr:`config_class` object."""
         self.config = config
 

@@ -228,7 +228,7 @@ class LossSpikeConfig:
     """up, down or both (the trend rule only looks up)."""
 
 
-class LossSpikeDetector(Detector):
+class LossSpikeDetector(Detector[LossSpikeConfig]):
     """Loss spikes and divergence: fires when the loss is far from its median of the last 7 steps
     (robust z > 6 and 1.5x), or more than 1.5x the largest of the 100 losses before those; and when
     the median of the last 50 losses doubles within 200 steps. After 10 losses (3x jumps only until 100).

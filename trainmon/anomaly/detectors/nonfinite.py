@@ -50,7 +50,7 @@ def _row_metric(row: Row) -> tuple[str, float]:
     return "nonfinite", math.nan
 
 
-class NonfiniteDetector(Detector):
+class NonfiniteDetector(Detector[NonfiniteConfig]):
     """Reports the first non-finite value of a step in execution order, and counts the rest.
 
     Rows carry an exact non-finite flag (computed on device with the statistics), so tensors are

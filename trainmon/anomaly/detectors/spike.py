@@ -129,7 +129,7 @@ class _Series:
         return series
 
 
-class SpikeDetector(Detector):
+class SpikeDetector(Detector[SpikeConfig]):
     """Rolling z-score (EMA or median/MAD), loss_spike's log-level rules, or msprobe-style relative
     spike detection.
 
