@@ -13,17 +13,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[2] / "trainmon"
-
-KNOWN_CYCLES: list[set[str]] = [
-    # TODO(issue 21): others' files, fixed after they land; test_no_import_cycle xfails while only these remain.
-    {"trainmon.collect.kernels", "trainmon.collect.stats", "trainmon.collect.triton_kernels"},
-    {"trainmon.actions.frameworks", "trainmon.integrations.fsdp_actions"},
-]
-"""Circles in files other engineers own while issue 21 is under way."""
-
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -157,9 +147,4 @@ def f():
 
 def test_no_import_cycle():
     found = cycles(import_graph())
-    known = [circle for circle in found if set(circle) - {"|"} in KNOWN_CYCLES]
-    unknown = [circle for circle in found if set(circle) - {"|"} not in KNOWN_CYCLES]
-    assert not unknown, "import circles in trainmon/:\n" + "\n".join(" -> ".join(c) for c in unknown)
-    if known:
-        pytest.xfail("circles in files owned elsewhere (issue 21, fixed after they land):\n"
-                     + "\n".join(" -> ".join(c) for c in known))
+    assert not found, "import circles in trainmon/:\n" + "\n".join(" -> ".join(c) for c in found)

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from trainmon.actions.capture import Capture
 from trainmon.actions.dump_writer import is_plumbing, write_dump
-from trainmon.actions.frameworks import framework_for, megatron_layout
+from trainmon.actions.framework_choice import framework_for
+from trainmon.actions.frameworks import megatron_layout
 from trainmon.actions.localise import Localisation, NonfiniteLocaliser
 from trainmon.actions.modules import Key, ModuleTable
 from trainmon.actions.naming import describe_event, is_nonfinite_event, names_activation

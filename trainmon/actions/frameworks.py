@@ -4,7 +4,8 @@ The dump, the free benchmark and the non-finite localiser are written once again
 :class:`Framework`; :class:`TorchFramework` serves plain torch, DDP, DeepSpeed and Megatron-Core
 models, ``trainmon.integrations.fsdp_actions.FSDPFramework`` (a subclass) FSDP2 models, and
 ``trainmon.integrations.mindspore.actions.MindSporeFramework`` MindSpore cells.
-:func:`framework_for` picks one from the model, importing MindSpore only for a MindSpore cell.
+:func:`trainmon.actions.framework_choice.framework_for` picks one from the model, importing MindSpore only
+for a MindSpore cell.
 """
 
 from __future__ import annotations
@@ -67,22 +68,6 @@ class Framework(Protocol):
 
     # ---- free benchmark
     def rerun_ops(self) -> RerunOps: ...
-
-
-def framework_for(model: Any) -> Framework:
-    """The adapter for ``model`` (a module, a list of Megatron chunks, a MindSpore cell)."""
-    first = model[0] if isinstance(model, (list, tuple)) and model else model
-    if any(cls.__module__.split(".")[0] == "mindspore" for cls in type(first).__mro__):
-        from trainmon.integrations.mindspore.actions import MindSporeFramework
-
-        return MindSporeFramework()
-    from trainmon.integrations.fsdp_layout import contains_fsdp
-
-    if contains_fsdp(first):
-        from trainmon.integrations.fsdp_actions import FSDPFramework
-
-        return FSDPFramework(first)
-    return TorchFramework(megatron=any(cls.__module__.split(".")[0] == "megatron" for cls in type(first).__mro__))
 
 
 class TorchFramework:

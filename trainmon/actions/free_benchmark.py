@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from trainmon.actions.frameworks import framework_for
+from trainmon.actions.framework_choice import framework_for
 from trainmon.actions.modules import Key, ModuleTable
 from trainmon.actions.perturb import CollectiveInRerun, converts_precision
 from trainmon.actions.requests import StepRequests

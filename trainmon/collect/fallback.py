@@ -14,7 +14,9 @@ from typing import TypeVar
 
 import torch
 
-from trainmon.collect.stats import _LOW_PRECISION, StatsSpec, _zero, numel_minus, zero_threshold
+from trainmon.collect.stats_base import LOW_PRECISION as _LOW_PRECISION
+from trainmon.collect.stats_base import StatsSpec, numel_minus, zero_threshold
+from trainmon.collect.stats_base import zero as _zero
 from trainmon.records import PARTIAL_SLOTS
 
 _F32 = torch.float32

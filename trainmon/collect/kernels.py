@@ -12,7 +12,7 @@ Two torch operators, registered with ``torch.library`` so that they dispatch lik
 
 Kernels: CPU (numpy over cache-sized chunks; bfloat16 is widened chunk by chunk from its bits) and
 CUDA (Triton, :mod:`trainmon.collect.triton_kernels`, where Triton is installed). Devices without
-a kernel use the plain torch ops of :func:`trainmon.collect.stats.partials_torch`.
+a kernel use the plain torch ops of :func:`trainmon.collect.fallback.partials_torch`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from trainmon.collect.stats import StatsSpec, partial_numpy, partials_torch
+from trainmon.collect.fallback import partials_torch
+from trainmon.collect.kernel_ops import adam_partials_op, partials_op
+from trainmon.collect.stats_base import StatsSpec, partial_numpy
 from trainmon.records import PARTIAL_SLOTS, combine_partials
 
 logger = logging.getLogger("trainmon")
@@ -47,35 +49,6 @@ def spec_flags(spec: StatsSpec | None) -> list[int]:
 def _spec(flags: Sequence[int], eps: float) -> StatsSpec:
     norm, total, zeros, nans, infs = (bool(f) for f in flags)
     return StatsSpec(norm=norm, sum=total, zeros=zeros, nans=nans, infs=infs, eps=eps)
-
-
-@torch.library.custom_op("trainmon::partials", mutates_args=())
-def partials_op(tensors: list[torch.Tensor], flags: list[int], eps: float) -> torch.Tensor:
-    """Flat ``[8 N]`` float32 partial statistics of ``tensors`` (one device, one dtype)."""
-    raise NotImplementedError(f"trainmon::partials has no kernel for {tensors[0].device.type}")
-
-
-@partials_op.register_fake
-def _(tensors: list[torch.Tensor], flags: list[int], eps: float) -> torch.Tensor:
-    return tensors[0].new_empty(PARTIAL_SLOTS * len(tensors), dtype=_F32)
-
-
-@torch.library.custom_op("trainmon::adam_partials", mutates_args=())
-def adam_partials_op(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
-                     coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
-                     eps: float) -> torch.Tensor:
-    """Flat ``[2, N, 8]`` partials: the Adam updates of ``N`` parameters, then their ratios to the parameters.
-
-    ``coefficients`` is ``[N, 2]`` float64 ``(scale, eps')`` with update = m * scale / (sqrt(v) + eps').
-    Empty flags: that half is not computed (left 0); ``params`` is read only for the ratio.
-    """
-    raise NotImplementedError(f"trainmon::adam_partials has no kernel for {exp_avg[0].device.type}")
-
-
-@adam_partials_op.register_fake
-def _(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
-      coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int], eps: float) -> torch.Tensor:
-    return exp_avg[0].new_empty(2 * PARTIAL_SLOTS * len(exp_avg), dtype=_F32)
 
 
 # ---------------------------------------------------------------------------------------------- CPU

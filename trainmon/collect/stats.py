@@ -18,46 +18,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from trainmon.collect import fallback
+from trainmon.collect.stats_base import (  # noqa: F401 - re-exported: the statistics' public names stay here
+    StatsSpec,
+    numel_minus,
+    partial_numpy,
+    zero_threshold,
+)
 from trainmon.records import PARTIAL_SLOTS
 
 _F32 = torch.float32
 _NUMPY_VIEWABLE = (torch.float32, torch.float64, torch.float16)
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-_NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
-_TORCH_FLOATS = {numpy_type: torch_type for torch_type, numpy_type in _NUMPY_FLOATS.items()}
-
-
-@dataclass(frozen=True)
-class StatsSpec:
-    """Which slots to compute; built once from the configured metrics."""
-
-    norm: bool
-    sum: bool
-    zeros: bool
-    nans: bool
-    infs: bool
-    eps: float
-
-    @classmethod
-    def from_metrics(cls, metrics: Sequence[str], eps: float) -> StatsSpec:
-        return cls(norm="norm" in metrics, sum="mean" in metrics, zeros="zeros" in metrics,
-                   nans="nans" in metrics, infs="infs" in metrics, eps=eps)
-
-
-class _Zeros:
-    """One cached 0-d float32 zero per device, used for slots that are not computed."""
-
-    def __init__(self) -> None:
-        self._by_device: dict[torch.device, torch.Tensor] = {}
-
-    def __call__(self, device: torch.device) -> torch.Tensor:
-        zero = self._by_device.get(device)
-        if zero is None:
-            zero = self._by_device[device] = torch.zeros((), dtype=_F32, device=device)
-        return zero
-
-
-_zero = _Zeros()
 
 
 def partial_stats(tensor: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
@@ -139,8 +110,6 @@ def fused_kernel(device: torch.device) -> Callable[[Sequence[torch.Tensor], Stat
 
 def partials_torch(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Tensor:
     """The plain torch fallback of the device path: :func:`trainmon.collect.fallback.partials_torch`."""
-    from trainmon.collect import fallback  # imported here: it builds on this module
-
     return fallback.partials_torch(tensors, spec)
 
 
@@ -160,88 +129,11 @@ def _partial_cpu(x: torch.Tensor, spec: StatsSpec) -> torch.Tensor:
     return out
 
 
-def partial_numpy(values: np.ndarray, spec: StatsSpec, out: np.ndarray) -> np.ndarray:
-    """Fill the 8-slot partial ``out`` from a float16/32/64 numpy array (no copy of ``values``).
-
-    The norm of a contiguous float32/float64 array is a BLAS dot (2x ``vector_norm`` on
-    cache-sized arrays); the NaN and Inf counts are only computed when min or max is not finite
-    (they are exactly 0 otherwise). Also the building block of chunked statistics
-    (:func:`trainmon.collect.optimizer.adam_partials_cpu`).
-    """
-    if spec.norm:
-        if values.dtype != np.float16 and values.flags.c_contiguous:
-            flat = values.reshape(-1)  # contiguous: a view
-            out[0] = np.sqrt(np.dot(flat, flat))
-        else:
-            out[0] = _norm(torch.from_numpy(values)).numpy()  # CPU views, no sync
-    if spec.sum:
-        out[1] = torch.from_numpy(values).sum(dtype=_F32).numpy()  # torch's CPU sum (4x numpy's); CPU view: no sync
-    lo, hi = values.min(), values.max()
-    out[2], out[3] = lo, hi
-    if spec.zeros:
-        threshold = zero_threshold(spec.eps, _TORCH_FLOATS[values.dtype.type])
-        out[4] = np.count_nonzero(values == 0) if threshold == 0 else np.count_nonzero(
-            (values > -threshold) & (values < threshold))
-    if not (np.isfinite(lo) and np.isfinite(hi)):  # finite min and max: no NaN or Inf anywhere
-        if spec.nans:
-            out[5] = np.count_nonzero(np.isnan(values))
-        if spec.infs:
-            out[6] = np.count_nonzero(np.isinf(values))
-    out[7] = values.size
-    return out
-
-
-def _norm(x: torch.Tensor) -> torch.Tensor:
-    """L2 norm as a float32 0-d tensor; fp16/bf16 accumulate in float32, float64 in float64.
-
-    ``vector_norm(dtype=float32)`` rejects float64 input (a narrowing cast), so only
-    low-precision tensors get the accumulation dtype.
-    """
-    if x.dtype in _LOW_PRECISION:
-        return torch.linalg.vector_norm(x, dtype=_F32)
-    return torch.linalg.vector_norm(x).to(_F32)
-
-
-@functools.lru_cache(maxsize=64)
-def zero_threshold(eps: float, dtype: torch.dtype) -> float:
-    """The smallest value of ``dtype`` that is >= ``eps``, so ``|x| < eps`` is exact in ``dtype``.
-
-    Comparing an fp16 tensor with ``eps`` directly rounds ``eps`` to fp16 first: the default
-    1e-8 becomes 0 and nothing would count as a zero. For ``eps`` at or below the smallest
-    subnormal the threshold is that subnormal, i.e. exactly the zeros are counted. Plain host
-    arithmetic (no tensor), cached per ``(eps, dtype)``.
-
-    Example:
-        >>> zero_threshold(1e-8, torch.float16)  # the smallest fp16 subnormal, 2**-24
-        5.960464477539063e-08
-    """
-    if eps == 0.0 or not math.isfinite(eps):
-        return eps
-    if dtype == torch.bfloat16:
-        # bfloat16 is the upper half of a float32: round the float32 bits up to a multiple of 2**16
-        bits = int(np.array(_round_up(np.float32, eps)).view(np.uint32))
-        bits = (bits + 0xFFFF) & ~0xFFFF
-        return float(np.array(bits, dtype=np.uint32).view(np.float32))
-    np_type = _NUMPY_FLOATS.get(dtype)
-    return eps if np_type is None else float(_round_up(np_type, eps))
-
-
-def _round_up(np_type: type, value: float) -> np.floating:
-    rounded = np_type(value)
-    if float(rounded) < value:  # rounded down: step up to the next representable value
-        rounded = np.nextafter(rounded, np_type(np.inf))
-    return rounded
-
-
 def _count_small(x: torch.Tensor, eps: float) -> torch.Tensor:
     threshold = zero_threshold(eps, x.dtype)
     if threshold == 0.0:
         return numel_minus(x, torch.count_nonzero(x))
     return torch.count_nonzero(x.abs() < threshold).to(_F32)
-
-
-def numel_minus(x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    return (x.numel() - count).to(_F32)
 
 
 def empty_partial(device: torch.device) -> torch.Tensor:

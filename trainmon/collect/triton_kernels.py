@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from trainmon.collect.kernels import adam_partials_op, partials_op
-from trainmon.collect.stats import zero_threshold
+from trainmon.collect.kernel_ops import adam_partials_op, partials_op
+from trainmon.collect.stats_base import zero_threshold
 from trainmon.records import PARTIAL_SLOTS
 
 logger = logging.getLogger("trainmon")

@@ -1,0 +1,44 @@
+"""The two torch operators of the fused statistics kernels, ``trainmon::partials`` and
+``trainmon::adam_partials``: their schemas and fake (meta) implementations.
+
+Defined here, apart from any kernel, so that the CPU kernels (:mod:`trainmon.collect.kernels`) and the CUDA
+ones (:mod:`trainmon.collect.triton_kernels`, loaded by ``kernels`` on the first CUDA tensor) each register
+on them without importing each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainmon.records import PARTIAL_SLOTS
+
+_F32 = torch.float32
+
+
+@torch.library.custom_op("trainmon::partials", mutates_args=())
+def partials_op(tensors: list[torch.Tensor], flags: list[int], eps: float) -> torch.Tensor:
+    """Flat ``[8 N]`` float32 partial statistics of ``tensors`` (one device, one dtype)."""
+    raise NotImplementedError(f"trainmon::partials has no kernel for {tensors[0].device.type}")
+
+
+@partials_op.register_fake
+def _(tensors: list[torch.Tensor], flags: list[int], eps: float) -> torch.Tensor:
+    return tensors[0].new_empty(PARTIAL_SLOTS * len(tensors), dtype=_F32)
+
+
+@torch.library.custom_op("trainmon::adam_partials", mutates_args=())
+def adam_partials_op(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
+                     coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
+                     eps: float) -> torch.Tensor:
+    """Flat ``[2, N, 8]`` partials: the Adam updates of ``N`` parameters, then their ratios to the parameters.
+
+    ``coefficients`` is ``[N, 2]`` float64 ``(scale, eps')`` with update = m * scale / (sqrt(v) + eps').
+    Empty flags: that half is not computed (left 0); ``params`` is read only for the ratio.
+    """
+    raise NotImplementedError(f"trainmon::adam_partials has no kernel for {exp_avg[0].device.type}")
+
+
+@adam_partials_op.register_fake
+def _(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
+      coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int], eps: float) -> torch.Tensor:
+    return exp_avg[0].new_empty(2 * PARTIAL_SLOTS * len(exp_avg), dtype=_F32)
