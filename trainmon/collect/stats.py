@@ -10,21 +10,12 @@ Low-precision tensors accumulate in float32.
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from trainmon.collect import fallback
-from trainmon.collect.stats_base import (  # noqa: F401 - re-exported: the statistics' public names stay here
-    StatsSpec,
-    numel_minus,
-    partial_numpy,
-    zero_threshold,
-)
+from trainmon.collect.stats_base import StatsSpec, numel_minus, partial_numpy, zero_threshold  # also re-exported
 from trainmon.records import PARTIAL_SLOTS
 
 _F32 = torch.float32
