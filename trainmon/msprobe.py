@@ -21,7 +21,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from trainmon.config_files import parse_json, read_text
 from trainmon.errors import ConfigError
@@ -408,23 +408,23 @@ class _Translation:
             logger.warning(text, key, why)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _is(kind: type) -> Callable[[Any], bool]:
+def _is(kind: type) -> Callable[[object], bool]:
     return lambda value: isinstance(value, kind)
 
 
-def _list_of(fits: Callable[[Any], bool]) -> Callable[[Any], bool]:
+def _list_of(fits: Callable[[object], bool]) -> Callable[[object], bool]:
     return lambda value: isinstance(value, list) and all(fits(item) for item in value)
 
 
-_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+_TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
     "ops": ("a list of strings", _list_of(_is(str))),
     "module_ranks": ("a list of integers", _list_of(_is_int)),
     **{key: ("a JSON object", _is(dict)) for key in ("targets", "alert", "l2_targets", "cc_distribution")},
@@ -438,7 +438,7 @@ _TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
 _KNOWN_KEYS = frozenset({*_TYPES, "start_step", "step_interval", "collect_times", "print_struct", "sa_order"})
 
 
-def _nested_values(data: dict[str, Any]) -> Iterator[tuple[str, str, Any, Callable[[Any], bool]]]:
+def _nested_values(data: dict[str, Any]) -> Iterator[tuple[str, str, object, Callable[[object], bool]]]:
     """``(key, what, value, test)`` of the nested values msprobe checks, each once the ones above it passed."""
     for key, spec in data.get("targets", {}).items():
         yield f"targets.{key}", "a JSON object (e.g. {} or {\"input\": \"tensor\"})", spec, _is(dict)

@@ -21,7 +21,7 @@ import json
 import math
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -214,7 +214,7 @@ def _number(text: str) -> float | str:
     return value if math.isfinite(value) else str(value).lower()
 
 
-def analyse_msprobe(folder: Path, files: list[Path], top: int, steps: Any = None) -> dict[str, Any]:
+def analyse_msprobe(folder: Path, files: list[Path], top: int, steps: Container[int] | None = None) -> dict[str, Any]:
     """``trainmon analyse`` of msprobe's ``anomaly.json`` files: the result of
     :func:`trainmon.anomaly.analyse.analyse_run`, ordered by msprobe's own rule (its
     ``GradAnomalyData.__lt__``: step, micro-step, train stage, pipeline position, call id)."""

@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 from tqdm import tqdm
 
@@ -60,7 +60,7 @@ class Bar:
         self.close()
 
 
-def _width(stream: Any) -> int:
+def _width(stream: TextIO) -> int:
     try:
         return os.get_terminal_size(stream.fileno()).columns
     except (OSError, ValueError, AttributeError):

@@ -33,7 +33,7 @@ def run_json(config: MonitorConfig, world_size: int, framework: str, versions: d
     }
 
 
-def write_json(path: Path, data: Any, root: Path | None = None) -> None:
+def write_json(path: Path, data: object, root: Path | None = None) -> None:
     """Write JSON atomically (temp file + rename) so readers never see half a file.
 
     Args:

@@ -20,9 +20,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainmon.records import StepRecord
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 logger = logging.getLogger("trainmon")
 
@@ -224,7 +227,7 @@ class OutputThread:
             self.stats._lost_in_queue += self._unflushed
         self._unflushed = 0
 
-    def _call(self, fn: Callable[..., None] | None, *args: Any) -> bool:
+    def _call(self, fn: Callable[..., None] | None, *args: object) -> bool:
         if fn is None or self._failed:
             return fn is None
         try:
@@ -269,7 +272,8 @@ class SinkWriter:
     """
 
     def __init__(self, sinks: Sequence[Sink], flush_seconds: float = 2.0, max_pending: int = 64, *,
-                 close_timeout: float = CLOSE_TIMEOUT, stats_path: Any = None, root: Any = None) -> None:
+                 close_timeout: float = CLOSE_TIMEOUT, stats_path: Path | None = None,
+                 root: Path | None = None) -> None:
         self.sinks = list(sinks)
         self.flush_seconds = flush_seconds
         self._max_pending = max_pending
@@ -333,6 +337,7 @@ class SinkWriter:
         from trainmon.rundir import write_json
 
         counts, path, root = self.stats(), self._stats_path, self._root
+        assert path is not None, "submit_stats() needs the stats_path given at construction"
         if self._jobs is None:
             self._jobs = OutputThread("jobs", _run_job, flush_seconds=self.flush_seconds, disable_on_error=False,
                                       close_timeout=self._close_timeout)
