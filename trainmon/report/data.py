@@ -20,13 +20,16 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from trainmon.csv2tb import CsvFormatError, Table, family_of, rank_dirs, read_table
 from trainmon.inputs import open_regular
 
+Ints: TypeAlias = "npt.NDArray[np.int64]"
+"""Steps, bins and flat cell indices."""
 LEVELS = 250
 """Colour levels of a finite non-zero cell (codes 0..249); then the codes below."""
 ZERO, NAN, POS_INF, NEG_INF, MISSING = 250, 251, 252, 253, 255
@@ -68,7 +71,7 @@ def probe_files(run_dir: Path, ranks: list[int]) -> dict[int, Path]:
     return found
 
 
-def step_bins(steps: np.ndarray, max_columns: int) -> tuple[np.ndarray, np.ndarray, int]:
+def step_bins(steps: Ints, max_columns: int) -> tuple[Ints, Ints, int]:
     """``(bin of each entry, first step of each bin, steps per bin)`` over the distinct sorted ``steps``."""
     low, high = (int(steps.min()), int(steps.max())) if len(steps) else (0, -1)
     if high - low < 8 * len(steps) + 1_000_000:  # one pass over a step range that is not sparse, no sort
@@ -83,7 +86,7 @@ def step_bins(steps: np.ndarray, max_columns: int) -> tuple[np.ndarray, np.ndarr
     return bins, distinct[::per_bin], per_bin
 
 
-def encode_grid(cells: np.ndarray, shape: tuple[int, int], values: np.ndarray,
+def encode_grid(cells: Ints, shape: tuple[int, int], values: npt.NDArray[np.float64],
                 scale: tuple[float, float] | None = None, reduce: str = "absmax") -> dict[str, Any]:
     """One heatmap: the byte codes of a ``shape`` grid from flat cell indices and their values.
 
@@ -139,10 +142,10 @@ def _label(key: tuple[int, str]) -> str:
     return key[1] if key[0] == 0 else f"{key[1]} (vpp {key[0]})"
 
 
-def merge_tables(tables: list[Table]) -> tuple[list[tuple[int, str]], dict[str, tuple[np.ndarray, ...]]]:
+def merge_tables(tables: list[Table]) -> tuple[list[tuple[int, str]], dict[str, tuple[npt.NDArray[Any], ...]]]:
     """Tables of one family (rotated files, a metric change) -> row keys and ``metric -> (rows, steps, values)``."""
     keys: dict[tuple[int, str], int] = {}
-    by_metric: dict[str, list[tuple[np.ndarray, ...]]] = {}
+    by_metric: dict[str, list[tuple[npt.NDArray[Any], ...]]] = {}
     for table in tables:
         remap = np.array([keys.setdefault(key, len(keys)) for key in table.keys], dtype=np.int32)
         rows = remap[table.rows] if len(table.rows) else table.rows
@@ -161,7 +164,7 @@ def heatmaps(family: str, tables: list[Table], rank: int, max_columns: int,
     ``scales``: only those metrics, on a fixed linear range, lowest value per cell)."""
     keys, by_metric = merge_tables(tables)
     out = []
-    cells_of: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # id(steps) -> cells, first steps, per bin
+    cells_of: dict[int, tuple[Ints, Ints, int]] = {}  # id(steps) -> cells, first steps, per bin
     for metric, (rows, steps, values) in by_metric.items():
         if (scales is not None and metric not in scales) or (metrics is not None and metric not in metrics):
             continue
@@ -210,7 +213,7 @@ def curves(tables: list[Table], max_points: int) -> dict[str, Any]:
     return out
 
 
-def _floats(values: np.ndarray) -> list[float | None]:
+def _floats(values: npt.NDArray[np.float64]) -> list[float | None]:
     return [float(v) if math.isfinite(v) else None for v in values.tolist()]
 
 
