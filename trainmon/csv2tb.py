@@ -23,7 +23,7 @@ from trainmon.errors import UsageError
 from trainmon.inputs import INT64_MAX, describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
 from trainmon.msprobe_output import ANOMALY_FOLDER, csv_family, layout_of, msprobe_rows, rank_folders
 from trainmon.progress import Bar
-from trainmon.records import FAMILIES
+from trainmon.records import FAMILIES, row_tag, split_row_tag
 from trainmon.sinks import tensorboard as board
 
 _FIXED = ("vpp_stage", "name", "step", "micro_step")
@@ -258,7 +258,7 @@ def _read_scalars(path: Path, family: str, layouts: set[str]) -> Any:
                 yield f"scalars/{name}", values[0], step
                 continue
             for metric, value in zip(header[4:], values):
-                yield board.row_tag(family, name, metric, micro_step, vpp_stage), value, step
+                yield row_tag(family, name, metric, micro_step, vpp_stage), value, step
 
 
 def _check_header(path: Path, family: str, header: list[str]) -> bool:
@@ -457,7 +457,9 @@ def _table_of_tags(path: Path, family: str) -> Table:
     metric_index: dict[str, int] = {}
     lines: dict[tuple[int, int], dict[int, float]] = {}
     for tag, value, step in read_scalars(path):
-        name, _, metric = tag[len(family) + 1:].rpartition("/")  # {family}/{name}/{metric}
+        parts = split_row_tag(tag)  # {family}/{name}/{metric}, as _read_msprobe made it
+        assert parts is not None
+        _, name, metric, _, _ = parts
         row = index.setdefault((0, name), len(index))
         lines.setdefault((row, step), {})[metric_index.setdefault(metric, len(metric_index))] = value
     values = np.full((len(lines), len(metric_index)), np.nan)
@@ -476,7 +478,7 @@ def _read_msprobe(path: Path, family: str, header: list[str], reader: Any) -> An
             raise CsvFormatError(f"{path}:{line}: expected {len(header)} fields, got {len(row)}")
         try:
             for name, metric, text, step in msprobe_rows(header, row, family):
-                yield f"{family}/{name}/{metric}", float(text), _step(step)
+                yield row_tag(family, name, metric), float(text), _step(step)
         except ValueError as exc:
             raise CsvFormatError(f"{path}:{line}: {exc}") from None
 

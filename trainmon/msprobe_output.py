@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainmon.inputs import is_dir, read_regular
+from trainmon.records import ACTIVATION_KINDS, activation_row
 
 RANK_FOLDER = re.compile(r"([\w-]{0,20})-rank(\d{1,5})-.*")
 """msprobe's per-rank output folder (``OUTPUT_DIR_PATTERN`` in msprobe's constants)."""
@@ -34,7 +35,7 @@ ANOMALY_FOLDER = "anomaly_detected"
 ANOMALY_FILE = "anomaly.json"
 _NAME_COLUMNS = ("name", "module_name", "param_name")
 _NOT_METRICS = ("shape", "dtype")
-_KINDS = ("input_grad", "output_grad", "input", "output")
+_KINDS = (*ACTIVATION_KINDS["actv"], *ACTIVATION_KINDS["actv_grad"])
 
 
 # ----------------------------------------------------------------------------------- CSV
@@ -96,7 +97,7 @@ def msprobe_rows(header: list[str], row: list[str], family: str) -> Iterator[tup
         module = name.rsplit("_", 1)[0] if re.search(r"_\d+$", name) else name
         for column in metrics:
             kind, _, op = column.partition(".")
-            yield f"{module}.{kind}", op or kind, columns[column], step
+            yield activation_row(module, kind), op or kind, columns[column], step
         return
     if family in ("actv", "actv_grad"):
         name = _newer_activation_name(name, family)
@@ -111,7 +112,7 @@ def _newer_activation_name(name: str, family: str) -> str:
     if match is None:
         return name
     kind = match.group(2) + ("_grad" if family == "actv_grad" else "")
-    return f"{match.group(1)}.{kind}" + (f".{match.group(3)}" if match.group(3) is not None else "")
+    return activation_row(match.group(1), kind, match.group(3))
 
 
 # ----------------------------------------------------------------------------------- anomaly.json
@@ -181,7 +182,7 @@ def _event(item: Any) -> dict[str, Any]:
     stage = _STAGE.get(tag, -1)
     family = _FAMILY.get(tag, "param" if tag == "param" else "other")
     if tag in _KINDS:  # 1.2: "{module}_{micro_step}/rank{R}/{kind}"
-        row = f"{plain.rsplit('_', 1)[0] if re.search(r'_[0-9]+$', plain) else plain}.{tag}"
+        row = activation_row(plain.rsplit("_", 1)[0] if re.search(r"_[0-9]+$", plain) else plain, tag)
     elif tag == "other" or family == "other":
         row = f"{plain}/{tag}"
     elif family in ("actv", "actv_grad"):  # 8.x+: "{module}.input[_i]:{micro_step}/rank{R}/actv"

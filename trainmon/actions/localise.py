@@ -33,12 +33,15 @@ from typing import TYPE_CHECKING, Any
 
 from trainmon.collect.activations import named_tensors
 from trainmon.collect.hooks import HookRegistry
+from trainmon.records import ACTIVATION_KINDS
 
 if TYPE_CHECKING:
     from trainmon.actions.modules import Key, ModuleTable
 
 logger = logging.getLogger("trainmon")
 _GROUP = "localise"
+_INPUT_GRAD, _OUTPUT_GRAD = ACTIVATION_KINDS["actv_grad"]
+"""The two sides of a module's gradients, named as the ``actv_grad`` rows of the same tensors."""
 MAX_STEPS = 3
 """Steps checked before the localiser gives up on an anomaly (the non-finite value did not come back)."""
 _WORDS = {"output": "its forward made a non-finite output from finite inputs and parameters",
@@ -46,11 +49,11 @@ _WORDS = {"output": "its forward made a non-finite output from finite inputs and
           "model_input": "its input (the model's input) was already non-finite",
           "model_code": "its input was made non-finite by the model's own code, outside any submodule",
           "parameters": "its parameters were already non-finite (written by an earlier step)",
-          "output_grad": "its own backward code (outside its submodules) made the gradient w.r.t. the output of "
+          _OUTPUT_GRAD: "its own backward code (outside its submodules) made the gradient w.r.t. the output of "
                          "{child} non-finite",
           "loss_grad": "the gradient w.r.t. its output arrived non-finite (from the loss or from code outside "
                        "any module)",
-          "input_grad": "its backward made the gradient w.r.t. its input non-finite from finite gradients"}
+          _INPUT_GRAD: "its backward made the gradient w.r.t. its input non-finite from finite gradients"}
 
 
 @dataclass
@@ -193,8 +196,8 @@ class NonfiniteLocaliser:
         pending.key, pending.module, pending.vpp_stage = key, key[1], key[0]
         pending.seen_at = seen_at[1]
         words = _WORDS[kind].format(child=self.table.label(seen_at))
-        if kind == "output_grad" and seen_at == key:
-            pending.kind, words = "output_grad", _WORDS["loss_grad"]
+        if kind == _OUTPUT_GRAD and seen_at == key:
+            pending.kind, words = _OUTPUT_GRAD, _WORDS["loss_grad"]
         pending.message = (f"trainmon dump: step {pending.anomaly_step}'s non-finite value (first origin: "
                            f"{pending.origin}) localised at step {step} to the {phase} of {self.table.label(key)}: "
                            f"{words}")
@@ -235,7 +238,7 @@ class NonfiniteLocaliser:
                 self._calls.append(call)
                 self._stack.append(len(self._calls) - 1)
             if framework.tensor_gradients and framework.grad_enabled():
-                self._watch(key, "input_grad", (args, kwargs))
+                self._watch(key, _INPUT_GRAD, (args, kwargs))
 
         return hook
 
@@ -250,7 +253,7 @@ class NonfiniteLocaliser:
                 self._calls[index].outputs = self._measure(output)
                 self._completed.append(index)
             if framework.tensor_gradients and framework.grad_enabled():
-                self._watch(key, "output_grad", output)
+                self._watch(key, _OUTPUT_GRAD, output)
 
         return hook
 
@@ -281,7 +284,7 @@ class NonfiniteLocaliser:
         def hook(module: Any, grad_input: Any, grad_output: Any) -> None:
             if self._armed_step is None:
                 return
-            for side, grads in (("output_grad", grad_output), ("input_grad", grad_input)):
+            for side, grads in ((_OUTPUT_GRAD, grad_output), (_INPUT_GRAD, grad_input)):
                 for _, grad in named_tensors(grads, "", self.framework.tensor_type):
                     pair = self.framework.extremes(grad)
                     if pair is not None:
@@ -321,17 +324,17 @@ class NonfiniteLocaliser:
         # submodule's output may be its parent's output): a consumer's input gradient is the most precise
         # answer (the deepest such module made it); gradients w.r.t. outputs only say that it arrived
         # there, made by the code of the module enclosing the outermost of them.
-        inputs = [record[0] for record in first if record[1] == "input_grad"]
+        inputs = [record[0] for record in first if record[1] == _INPUT_GRAD]
         if inputs:
             key = max(inputs, key=self._depth)
-            return "backward", "input_grad", key, key
+            return "backward", _INPUT_GRAD, key, key
         outer = min((record[0] for record in first), key=self._depth)
         # A module whose output gradient is non-finite too received it from further out (MindSpore's cell
         # hooks fire when a cell's backward ends, so an enclosing cell's come after its submodules').
-        arrived = {record[0] for record in self._backward if record[1] == "output_grad" and flags[record[2]]}
+        arrived = {record[0] for record in self._backward if record[1] == _OUTPUT_GRAD and flags[record[2]]}
         while (parent := self.table.parent(outer)) is not None and parent in arrived:
             outer = parent
-        return "backward", "output_grad", parent or outer, outer
+        return "backward", _OUTPUT_GRAD, parent or outer, outer
 
     def _depth(self, key: Key) -> int:
         depth, parent = 0, self.table.parent(key)

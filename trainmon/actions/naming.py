@@ -12,10 +12,8 @@ from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-_ACTIVATION_SUFFIXES: dict[str, tuple[str, ...]] = {
-    "actv": ("input", "output"),
-    "actv_grad": ("input_grad", "output_grad"),
-}
+from trainmon.records import ACTIVATION_KINDS, split_activation_row
+
 _NO_MODULE: frozenset[str] = frozenset({"scalars", "comm"})
 """Families whose rows name no module (the loss and other scalars, collectives)."""
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
@@ -64,16 +62,16 @@ def implicated_module(name: str, module_names: Collection[str], family: str | No
     """
     if family in _NO_MODULE:
         return None
-    parts = name.split(".")
-    if family is None or family in _ACTIVATION_SUFFIXES:
-        suffixes = _ACTIVATION_SUFFIXES.get(family or "", ()) or sum(_ACTIVATION_SUFFIXES.values(), ())
-        for i in range(len(parts) - 1, 0, -1):
-            if parts[i] in suffixes:
-                prefix = ".".join(parts[:i])
-                if prefix in module_names:
-                    return prefix
+    if family is None or family in ACTIVATION_KINDS:
+        kinds = ACTIVATION_KINDS.get(family or "", ()) or sum(ACTIVATION_KINDS.values(), ())
+        rest = name
+        while (split := split_activation_row(rest)) is not None:  # each kind in the name, from the right
+            rest, kind, _ = split
+            if kind in kinds and rest in module_names:
+                return rest
         if family is not None:
             return None
+    parts = name.split(".")
     for i in range(len(parts), 0, -1):
         prefix = ".".join(parts[:i])
         if prefix and prefix in module_names:
@@ -132,7 +130,7 @@ def modules_for_events(events: Iterable[Any], parent_of: Mapping[str, str | None
 
 def names_activation(event: Any) -> bool:
     """Whether an event is an activation row (``actv``/``actv_grad``): the module it names made the value."""
-    return getattr(event, "family", None) in _ACTIVATION_SUFFIXES
+    return getattr(event, "family", None) in ACTIVATION_KINDS
 
 
 def is_nonfinite_event(event: Any) -> bool:

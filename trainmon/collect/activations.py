@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainmon.collect.hooks import HookedCollector, HookRegistry, QuietOutputOnlyBackward
+from trainmon.records import activation_row
 
 logger = logging.getLogger("trainmon")
 
@@ -148,31 +149,35 @@ class ActivationCollector(HookedCollector):
 
     def forward_hook(self, name: str, vpp_stage: int):  # hook closure
         """The hook ``(module, args, kwargs, output)`` that records the ``actv`` rows of module ``name``."""
+        input_row, output_row = activation_row(name, "input"), activation_row(name, "output")
+
         def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
             if not self.ctx.collecting:
                 return
             if self.config.inputs:
-                for row, tensor in named_tensors(args, f"{name}.input", self.tensor_type):
+                for row, tensor in named_tensors(args, input_row, self.tensor_type):
                     self.ctx.record("actv", row, tensor, vpp_stage)
-                for row, tensor in named_tensors(kwargs, f"{name}.input", self.tensor_type):
+                for row, tensor in named_tensors(kwargs, input_row, self.tensor_type):
                     self.ctx.record("actv", row, tensor, vpp_stage)
-            for row, tensor in named_tensors(output, f"{name}.output", self.tensor_type):
+            for row, tensor in named_tensors(output, output_row, self.tensor_type):
                 self.ctx.record("actv", row, tensor, vpp_stage)
 
         return hook
 
     def _backward_hook(self, name: str, vpp_stage: int):  # hook closure
+        input_row, output_row = activation_row(name, "input_grad"), activation_row(name, "output_grad")
+
         def hook(module: Any, grad_input: tuple, grad_output: tuple) -> None:
             self._quiet.lift()  # torch has just warned (or not): our filter, if any, comes out at once
             if not self.ctx.collecting:
                 return
             # One entry per output/input tensor, None where no gradient flowed: keep the positions
             # so that rows are named like the forward rows of the same tensors.
-            for row, tensor in named_tensors(grad_output, f"{name}.output_grad", self.tensor_type,
+            for row, tensor in named_tensors(grad_output, output_row, self.tensor_type,
                                              none_holds_position=True):
                 self.ctx.record("actv_grad", row, tensor, vpp_stage)
             if self.config.inputs:
-                for row, tensor in named_tensors(grad_input, f"{name}.input_grad", self.tensor_type,
+                for row, tensor in named_tensors(grad_input, input_row, self.tensor_type,
                                                  none_holds_position=True):
                     self.ctx.record("actv_grad", row, tensor, vpp_stage)
 
@@ -180,17 +185,21 @@ class ActivationCollector(HookedCollector):
 
     def _input_grad_hooks(self, name: str, vpp_stage: int):  # hook closure
         """Forward pre-hook ``(module, args, kwargs)``: before the module may modify its inputs in place."""
+        row = activation_row(name, "input_grad")
+
         def hook(module: Any, args: tuple, kwargs: dict) -> None:
             if self.ctx.collecting and torch.is_grad_enabled():
-                self._hook_tensors(args, f"{name}.input_grad", vpp_stage)
-                self._hook_tensors(kwargs, f"{name}.input_grad", vpp_stage)
+                self._hook_tensors(args, row, vpp_stage)
+                self._hook_tensors(kwargs, row, vpp_stage)
 
         return hook
 
     def _output_grad_hooks(self, name: str, vpp_stage: int):  # hook closure
+        row = activation_row(name, "output_grad")
+
         def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
             if self.ctx.collecting and torch.is_grad_enabled():
-                self._hook_tensors(output, f"{name}.output_grad", vpp_stage)
+                self._hook_tensors(output, row, vpp_stage)
 
         return hook
 
