@@ -23,7 +23,7 @@ from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.collect.optimizer import adam_update, update_ratio
 from trainmon.collect.stats import combine_partials_torch, empty_partial, partial_stats
-from trainmon.records import RowKey
+from trainmon.records import RowKey, activation_row
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
@@ -309,6 +309,7 @@ class MegatronActivationCollector(ActivationCollector):
     def _megatron_hook(self, name: str, vpp_stage: int, forward: bool, backward: bool):
         measure_forward = self.forward_hook(name, vpp_stage)
         is_checkpointing = self._is_checkpointing
+        input_row, output_row = activation_row(name, "input_grad"), activation_row(name, "output_grad")
 
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self.ctx.collecting:
@@ -317,9 +318,9 @@ class MegatronActivationCollector(ActivationCollector):
             if forward and not (grad_enabled and is_checkpointing()) and not in_backward():
                 measure_forward(module, args, kwargs, output)
             if backward and grad_enabled:
-                self._hook_tensors(output, f"{name}.output_grad", vpp_stage)
+                self._hook_tensors(output, output_row, vpp_stage)
                 if self.config.inputs:
-                    self._hook_tensors((args, kwargs), f"{name}.input_grad", vpp_stage)
+                    self._hook_tensors((args, kwargs), input_row, vpp_stage)
 
         return hook
 
