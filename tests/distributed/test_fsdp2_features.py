@@ -44,7 +44,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2_features")
     servers = RankServers(2, PRELOAD, out / "_logs")
     try:
-        ok, output = servers.run([SCRIPT, out, "actions", *PROBE_CASES, "probe_l0"], out / "_logs" / "run", timeout=300.0)
+        ok, output = servers.run([SCRIPT, out, "actions", *PROBE_CASES, "probe_l0"], out / "_logs" / "run",
+                                 timeout=300.0)
     finally:
         servers.close()
     assert ok, output[-8000:]

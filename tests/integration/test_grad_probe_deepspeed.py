@@ -247,7 +247,10 @@ def _numpy_reference(grads: dict[str, np.ndarray], sample: int | None = None) ->
             row = {"max": g.max(), "min": g.min(), "norm": np.sqrt(np.sum(g * g)), "zero_fraction": np.mean(g == 0),
                    **{f"({lo:g}, {hi:g}{')' if hi == np.inf else ']'}": np.mean((g > lo) & (g <= hi))
                       for lo, hi in zip(edges[:-1], edges[1:])}}
-            stored = g if sample is None or sample >= g.size else g[sample_indices(g.size, sample, torch.device("cpu")).numpy()]
+            if sample is None or sample >= g.size:
+                stored = g
+            else:
+                stored = g[sample_indices(g.size, sample, torch.device("cpu")).numpy()]
             row["sign_agree_prev"] = np.mean((stored > 0) == (previous[name] > 0)) if name in previous else np.nan
             m = momentum.get(name)
             row["sign_agree_exp_avg"] = np.mean((g > 0) == (m > 0)) if m is not None else np.nan

@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 
 ms = pytest.importorskip("mindspore")
-from mindspore import Tensor, nn
+from mindspore import Tensor, nn  # noqa: E402
 
-from trainmon import TrainerMonitor
-from trainmon.cli import main as cli_main
-from trainmon.probe.storage import read_direction_header
+from trainmon import TrainerMonitor  # noqa: E402
+from trainmon.cli import main as cli_main  # noqa: E402
+from trainmon.probe.storage import read_direction_header  # noqa: E402
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 STEPS = 3
@@ -87,7 +87,8 @@ def test_mindspore_probe_matches_numpy(tmp_path, optimizer_kind, capsys):
     # a second, identical run: grad-compare gives 1.0 everywhere
     _train(tmp_path, "ms_again", optimizer_kind)
     out = tmp_path / "cmp"
-    assert cli_main(["grad-compare", str(tmp_path / "ms"), str(tmp_path / "ms_again"), "-o", str(out), "--no-plots"]) == 0
+    argv = ["grad-compare", str(tmp_path / "ms"), str(tmp_path / "ms_again"), "-o", str(out), "--no-plots"]
+    assert cli_main(argv) == 0
     sims = pd.read_csv(out / "similarities.csv")
     assert len(sims[sims["kind"] == "param"]) == 4 * STEPS and (sims["similarity"] == 1.0).all()
     assert not (out / "problems.txt").exists()

@@ -30,7 +30,8 @@ def _tp_pieces(shape: tuple[int, ...], dim: int, parts: int, dp_cuts: list[int])
 
 def _piece_values(whole: torch.Tensor, spec: sh.ShardSpec) -> torch.Tensor:
     """Independent slicing: the block by narrow, then the range of its row-major flattening."""
-    block = whole.reshape(spec.shape).narrow(spec.dim, spec.offset, spec.shape[spec.dim] if spec.length < 0 else spec.length)
+    length = spec.shape[spec.dim] if spec.length < 0 else spec.length
+    block = whole.reshape(spec.shape).narrow(spec.dim, spec.offset, length)
     return block.reshape(-1)[spec.start: spec.start + spec.numel]
 
 

@@ -8,7 +8,6 @@ import torch
 
 from trainmon.probe import device as dev
 
-
 # The CPU fast paths (numpy) and the device kernels (used on GPU/NPU, run here on CPU tensors).
 PACKERS = {"pack_signs": lambda x: dev.pack_signs(x > 0), "pack_positive": dev.pack_positive,
            "device_kernels": lambda x: dev._pack_torch(x > 0)}

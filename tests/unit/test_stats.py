@@ -99,8 +99,8 @@ def test_global_grad_norm_of_bf16_grads_accumulates_in_float32():
 @pytest.mark.parametrize("poison", [False, True])
 def test_chunked_adam_partials_equal_the_materialised_update_and_ratio(poison):
     """The CPU fused path (several chunks, a partial last one) against update/ratio computed whole."""
-    from trainmon.collect.optimizer import _CHUNK, adam_partials_cpu, adam_update, update_ratio
     from tests.reference import np_stats
+    from trainmon.collect.optimizer import _CHUNK, adam_partials_cpu, adam_update, update_ratio
 
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(3 * _CHUNK + 123))

@@ -12,7 +12,6 @@ import torch
 
 from tests.reference import METRICS, np_stats
 from trainmon.collect import kernels, stats
-from trainmon.collect.context import StepContext
 from trainmon.collect.adam import (
     _CHUNK,
     _adam_fused,
@@ -20,6 +19,7 @@ from trainmon.collect.adam import (
     _adam_torch,
     adam_partials_many,
 )
+from trainmon.collect.context import StepContext
 from trainmon.collect.stats import StatsSpec, partial_stats, partial_stats_many
 
 SPEC = StatsSpec.from_metrics(METRICS, eps=1e-8)

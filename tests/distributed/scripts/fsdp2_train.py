@@ -32,16 +32,16 @@ if "RANK" not in os.environ:  # no launcher: a world of one on a free port
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_sock.getsockname()[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import Shard  # noqa: E402
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard
 
-import trainmon  # noqa: E402
-from trainmon import TrainerMonitor  # noqa: E402
+import trainmon
+from trainmon import TrainerMonitor
 
 STEPS, MICRO, INTERVAL, MAX_NORM = 4, 2, 2, 0.5
 STATES = ["exp_avg", "exp_avg_sq", "update", "ratio"]
@@ -55,7 +55,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
 _PACKAGE_DIR = Path(trainmon.__file__).resolve().parent
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _in_package(filename: str) -> bool:
     return Path(filename).resolve().is_relative_to(_PACKAGE_DIR)
 
@@ -255,7 +255,7 @@ def run_unsupported(out: Path) -> None:
         hooks = [len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules()]
         try:
             monitor.attach(model, optimizer)
-        except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+        except Exception as exc:
             errors[label] = f"{type(exc).__name__}: {exc}"
         else:
             errors[label] = "attached"

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-import mcore_cpu_shim  # noqa: E402  (CPU-only test shim, shared with examples/megatron_gpt.py)
+import mcore_cpu_shim
 
 seed_all = mcore_cpu_shim.apply()
 
@@ -47,11 +47,11 @@ def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t[rank * per:(rank + 1) * per], t[rank * per:(rank + 1) * per].roll(-1, dims=1)) for t in data]
 
 
-def leaves(opt):  # noqa: ANN001, ANN201
+def leaves(opt):
     return list(getattr(opt, "chained_optimizers", [opt]))
 
 
-def pieces(opt, named: dict[str, torch.nn.Parameter]) -> dict[str, tuple[int, np.ndarray]]:  # noqa: ANN001
+def pieces(opt, named: dict[str, torch.nn.Parameter]) -> dict[str, tuple[int, np.ndarray]]:
     """``key -> (start in the TP-local flattening, float64 piece)``: the gradients the torch optimizers step with."""
     by_id = {id(p): key for key, p in named.items()}
     out = {}
@@ -126,7 +126,7 @@ def main() -> None:
     for step in range(STEPS):
         data = [iter(batches(step)) for _ in chunks] if vpp else iter(batches(step))
 
-        def step_fn(it, mod):  # noqa: ANN001, ANN202
+        def step_fn(it, mod):
             tok, labels = next(it)
             pos = torch.arange(S).expand(tok.shape[0], S)
             mask = torch.ones(S, S, dtype=torch.bool).triu(1).view(1, 1, S, S)
