@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias, TypeGuard
 
 import numpy as np
 import torch
@@ -15,6 +15,15 @@ from trainmon.collect.kernels import update_into as _update_into
 from trainmon.collect.stats import StatsSpec, combine_partials_torch, fused_kernel, partials_torch
 from trainmon.records import PARTIAL_SLOTS
 
+AdamEntry: TypeAlias = "tuple[torch.Tensor, dict[str, Any], dict[str, Any]]"
+"""``(param, state, param_group)`` of one parameter: its optimizer state and its group's settings."""
+Coefficient: TypeAlias = "float | torch.Tensor"
+"""A constant of the update: a host float, or a 0-d tensor on the step counter's device (capturable Adam)."""
+_Item: TypeAlias = "tuple[torch.Tensor, torch.Tensor, torch.Tensor, Coefficient, Coefficient]"
+"""``(m, v, param, scale, eps')`` of one parameter (:func:`_adam_items`)."""
+_Piece: TypeAlias = "tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, Coefficient, Coefficient]"
+"""``(owner, m, v, param, scale, eps')``: a whole parameter or a contiguous chunk of parameter ``owner``."""
+
 
 def adam_update(state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor | None:
     """The bias-corrected Adam update ``m_hat / (sqrt(v_hat) + eps)`` of one parameter.
@@ -23,7 +32,8 @@ def adam_update(state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor | 
     on the step counter's device (a CPU tensor in torch's Adam), as torch's Adam does, so
     reading them needs no host synchronisation.
     """
-    exp_avg, exp_avg_sq = state.get("exp_avg"), state.get("exp_avg_sq")
+    exp_avg: torch.Tensor | None = state.get("exp_avg")
+    exp_avg_sq: torch.Tensor | None = state.get("exp_avg_sq")
     step = state.get("step")
     if exp_avg is None or exp_avg_sq is None or step is None:
         return None
@@ -83,8 +93,7 @@ def adam_partials_cpu(state: dict[str, Any], group: dict[str, Any], param: torch
             None if ratio_spec is None else torch.from_numpy(rows[1]))
 
 
-def _adam_items(entries: Sequence[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]]
-                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]]:
+def _adam_items(entries: Sequence[AdamEntry]) -> list[_Item]:
     """``(m, v, param, scale, eps')`` with update = m * scale / (sqrt(v) + eps'), for Adam-like states.
 
     ``scale`` and ``eps'`` are host floats where the step counter is a number or a CPU tensor
@@ -98,19 +107,21 @@ def _adam_items(entries: Sequence[tuple[torch.Tensor, dict[str, Any], dict[str, 
                for _, state, _ in adam]
     host_steps = [state["step"] for (_, state, _), host in zip(adam, on_host) if host]
     counts = iter(torch.stack(host_steps).to(torch.float64).numpy().tolist() if host_steps else [])  # CPU: no sync
-    items = []
+    items: list[_Item] = []
+    scale: Coefficient
+    eps: Coefficient
     for (param, state, group), host in zip(adam, on_host):
         exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
         if group.get("amsgrad") and state.get("max_exp_avg_sq") is not None:
             exp_avg_sq = state["max_exp_avg_sq"]
         beta1, beta2 = group.get("betas", (0.9, 0.999))
-        eps = group.get("eps", 1e-8)
+        group_eps = group.get("eps", 1e-8)
         if host or not isinstance(step, torch.Tensor):
-            scale, eps = _adam_constants(next(counts) if host else step, beta1, beta2, eps)
+            scale, eps = _adam_constants(next(counts) if host else step, beta1, beta2, group_eps)
         else:  # a step counter on the device (capturable or fused Adam): constants stay there
             count = step.to(torch.float64 if step.device.type == "cuda" else torch.float32)
             root_bias2 = (1 - torch.pow(beta2, count)).sqrt()
-            scale, eps = root_bias2 / (1 - torch.pow(beta1, count)), root_bias2 * eps
+            scale, eps = root_bias2 / (1 - torch.pow(beta1, count)), root_bias2 * group_eps
         items.append((exp_avg, exp_avg_sq, param, scale, eps))
     return items
 
@@ -119,7 +130,7 @@ _TEMPORARY_ELEMENTS = 1 << 22
 """Plain torch fallback: elements of update (and ratio) temporaries alive at once (16 MiB each in float32)."""
 
 
-def adam_partials_many(entries: Sequence[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]],
+def adam_partials_many(entries: Sequence[AdamEntry],
                        update_spec: StatsSpec | None, ratio_spec: StatsSpec | None
                        ) -> tuple[list[int], list[tuple[list[int], torch.Tensor, torch.Tensor]]]:
     """Partials of the Adam ``update`` and ``ratio`` of many parameters, without full-size temporaries.
@@ -138,7 +149,7 @@ def adam_partials_many(entries: Sequence[tuple[torch.Tensor, dict[str, Any], dic
     adam = [i for i, (_, state, _) in enumerate(entries)
             if state.get("exp_avg") is not None and state.get("exp_avg_sq") is not None
             and state.get("step") is not None]  # the entries _adam_items kept
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype, torch.dtype, torch.device], list[int]] = {}
     for j, (m, v, p, _, _) in enumerate(items):
         groups.setdefault((m.device, m.dtype, v.dtype, p.dtype, p.device), []).append(j)
     blocks = []
@@ -153,7 +164,7 @@ def adam_partials_many(entries: Sequence[tuple[torch.Tensor, dict[str, Any], dic
     return adam, blocks
 
 
-def _adam_fused(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
+def _adam_fused(items: list[_Item], update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One ``trainmon::adam_partials`` for the group: ``m``, ``v`` (and ``p``) read once."""
     scales, epses = [item[3] for item in items], [item[4] for item in items]
@@ -174,7 +185,7 @@ def _adam_fused(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpe
     return out[:half], out[half:]
 
 
-def _adam_torch(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
+def _adam_torch(items: list[_Item], update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch ops: the float32 update (and ratio) of batches of at most ``_TEMPORARY_ELEMENTS`` elements.
 
@@ -184,13 +195,14 @@ def _adam_torch(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpe
     op cannot set 0 where ``update`` is not finite), and its partials one
     :func:`partials_torch` each.
     """
-    pieces: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, Any, Any]] = []
+    pieces: list[_Piece] = []
     for i, (m, v, p, scale, eps) in enumerate(items):
         if m.numel() == 0:
             continue  # an empty parameter keeps a row of zeros
         if m.is_contiguous() and v.is_contiguous() and p.is_contiguous() and m.numel() > _TEMPORARY_ELEMENTS:
-            for chunk in zip(m.view(-1).split(_TEMPORARY_ELEMENTS), v.view(-1).split(_TEMPORARY_ELEMENTS),
-                             p.view(-1).split(_TEMPORARY_ELEMENTS)):
+            for chunk in zip(torch.split(m.view(-1), _TEMPORARY_ELEMENTS),
+                             torch.split(v.view(-1), _TEMPORARY_ELEMENTS),
+                             torch.split(p.view(-1), _TEMPORARY_ELEMENTS)):
                 pieces.append((i, *chunk, scale, eps))
         else:
             pieces.append((i, m, v, p, scale, eps))
@@ -215,7 +227,7 @@ def _adam_torch(items: list, update_spec: StatsSpec | None, ratio_spec: StatsSpe
     return (_combine_pieces(parts_u, owners, n, device), _combine_pieces(parts_r, owners, n, device))
 
 
-def _updates(batch: list, device: torch.device) -> list[torch.Tensor]:
+def _updates(batch: list[_Piece], device: torch.device) -> list[torch.Tensor]:
     """``m * scale / (sqrt(v) + eps')`` of each piece in float32, by multi-tensor ops on the batch.
 
     float32 states: ``_foreach_sqrt`` makes the one temporary list; other dtypes are widened into
@@ -224,17 +236,18 @@ def _updates(batch: list, device: torch.device) -> list[torch.Tensor]:
     """
     ms, vs = [piece[1] for piece in batch], [piece[2] for piece in batch]
     scales, epses = [piece[4] for piece in batch], [piece[5] for piece in batch]
-    if not all(isinstance(c, float) for c in scales + epses):
-        updates = []
+    if not (_floats(scales) and _floats(epses)):
+        per_piece: list[torch.Tensor] = []
         for m, v, scale, eps in zip(ms, vs, scales, epses):
             update = v.to(torch.float32, copy=True).sqrt_().add_(eps)
-            updates.append(torch.div(m, update, out=update).mul_(scale))
-        return updates
+            per_piece.append(torch.div(m, update, out=update).mul_(scale))
+        return per_piece
+    denominators: list[torch.Tensor] | tuple[torch.Tensor, ...]
     if vs[0].dtype == torch.float32:
         denominators = torch._foreach_sqrt(vs)
     else:
         buffer = torch.empty(sum(v.numel() for v in vs), dtype=torch.float32, device=device)
-        denominators = [flat.view(v.shape) for flat, v in zip(buffer.split([v.numel() for v in vs]), vs)]
+        denominators = [flat.view(v.shape) for flat, v in zip(torch.split(buffer, [v.numel() for v in vs]), vs)]
         torch._foreach_copy_(denominators, vs)
         torch._foreach_sqrt_(denominators)
     torch._foreach_add_(denominators, epses)
@@ -242,6 +255,10 @@ def _updates(batch: list, device: torch.device) -> list[torch.Tensor]:
     del denominators
     torch._foreach_mul_(updates, scales)
     return list(updates)
+
+
+def _floats(coefficients: list[Coefficient]) -> TypeGuard[list[float]]:
+    return all(isinstance(c, float) for c in coefficients)
 
 
 def _rows_of(parts: list[torch.Tensor], owners: list[int], n: int, device: torch.device) -> torch.Tensor:

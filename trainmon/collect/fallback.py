@@ -10,7 +10,7 @@ Figures: docs/performance.md, "Device work per collected step".
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import TypeAlias, TypeVar
 
 import torch
 
@@ -21,6 +21,7 @@ from trainmon.records import PARTIAL_SLOTS
 
 _F32 = torch.float32
 _Item = TypeVar("_Item")
+_Tensors: TypeAlias = "list[torch.Tensor] | tuple[torch.Tensor, ...]"  # what the _foreach ops take and return
 _FOREACH_MAX = hasattr(torch, "_foreach_max")  # torch >= 2.4 (a multi-tensor max)
 _FOREACH_POWSUM = hasattr(torch, "_foreach_powsum")  # newer torch: sums of bool masks, one op per list
 _SCRATCH_ELEMENTS = 1 << 24
@@ -130,7 +131,7 @@ def _foreach_slots(xs: list[torch.Tensor], spec: StatsSpec, accumulate: torch.dt
     """
     zero = _zero(xs[0].device)
     n = len(xs)
-    sums = [zero] * n
+    sums: _Tensors = [zero] * n
     split_sum = spec.sum and xs[0].dtype != torch.float64 and xs[0].device.type in _FLOAT64_DEVICES
     if split_sum:
         scratch = torch._foreach_clamp_min(xs, 0.0)
@@ -144,7 +145,9 @@ def _foreach_slots(xs: list[torch.Tensor], spec: StatsSpec, accumulate: torch.dt
     if split_sum:
         torch._foreach_clamp_min_(scratch, 0.0)  # max(-x, 0): NaN stays NaN
         sums = torch._foreach_sub(positive, torch._foreach_norm(scratch, 1, dtype=torch.float64))
-    zeros = nans = infs = [zero] * n
+    zeros: _Tensors = [zero] * n
+    nans: _Tensors = zeros
+    infs: _Tensors = zeros
     threshold = zero_threshold(spec.eps, xs[0].dtype) if spec.zeros else 0.0
     if spec.zeros and threshold == 0.0:  # |x| < 0 never holds: count the exact zeros
         zeros = torch._foreach_neg(torch._foreach_sub(torch._foreach_norm(xs, 0, dtype=accumulate),
@@ -213,6 +216,6 @@ def _pieces(x: torch.Tensor) -> list[torch.Tensor]:
     if x.numel() <= _SCRATCH_ELEMENTS or x.dim() == 0:
         return [x]
     if x.is_contiguous():
-        return list(x.view(-1).split(_SCRATCH_ELEMENTS))
+        return list(torch.split(x.view(-1), _SCRATCH_ELEMENTS))
     rows = max(1, _SCRATCH_ELEMENTS // max(1, x[0].numel()))
-    return list(x.split(rows, dim=0))
+    return list(torch.split(x, rows, dim=0))

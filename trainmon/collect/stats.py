@@ -53,6 +53,7 @@ def partial_stats_many(tensors: Sequence[torch.Tensor], spec: StatsSpec
     """
     groups: dict[tuple[str, torch.device, torch.dtype | None], list[int]] = {}
     xs = list(tensors)  # not detached one by one (a view op each): the device path runs under no_grad
+    key: tuple[str, torch.device, torch.dtype | None]
     for i, x in enumerate(xs):
         if x.layout != torch.strided:
             raise TypeError(f"{x.layout} tensors are not measured")
@@ -148,3 +149,8 @@ def combine_partials_torch(gathered: torch.Tensor) -> torch.Tensor:
     out[:, 3] = hi.amax(dim=0)
     # amin/amax propagate NaN, so a NaN on any shard survives.
     return out
+
+
+__all__ = ["StatsSpec", "combine_partials_torch", "device_partials", "empty_partial", "fused_enabled", "fused_kernel",
+           "numel_minus", "numpy_viewable", "partial_numpy", "partial_stats", "partial_stats_many", "partials_torch",
+           "zero_threshold"]

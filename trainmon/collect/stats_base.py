@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 _F32 = torch.float32
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 """Dtypes whose statistics accumulate in float32."""
-_NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+FloatArray: TypeAlias = "npt.NDArray[np.floating[Any]]"
+"""A numpy array of float16, float32 or float64 values."""
+_NUMPY_FLOATS: dict[torch.dtype, type[np.floating[Any]]] = {
+    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 _TORCH_FLOATS = {numpy_type: torch_type for torch_type, numpy_type in _NUMPY_FLOATS.items()}
+vector_norm: Callable[..., torch.Tensor] = torch.linalg.vector_norm
+"""``torch.linalg.vector_norm``, typed (torch leaves it unannotated)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,7 @@ zero = _Zeros()
 """``zero(device)``: a cached 0-d float32 zero on ``device``."""
 
 
-def partial_numpy(values: np.ndarray, spec: StatsSpec, out: np.ndarray) -> np.ndarray:
+def partial_numpy(values: FloatArray, spec: StatsSpec, out: FloatArray) -> FloatArray:
     """Fill the 8-slot partial ``out`` from a float16/32/64 numpy array (no copy of ``values``).
 
     The norm of a contiguous float32/float64 array is a BLAS dot (2x ``vector_norm`` on
@@ -96,8 +103,8 @@ def _norm(x: torch.Tensor) -> torch.Tensor:
     low-precision tensors get the accumulation dtype.
     """
     if x.dtype in LOW_PRECISION:
-        return torch.linalg.vector_norm(x, dtype=_F32)
-    return torch.linalg.vector_norm(x).to(_F32)
+        return vector_norm(x, dtype=_F32)
+    return vector_norm(x).to(_F32)
 
 
 @functools.lru_cache(maxsize=64)
@@ -124,7 +131,7 @@ def zero_threshold(eps: float, dtype: torch.dtype) -> float:
     return eps if np_type is None else float(_round_up(np_type, eps))
 
 
-def _round_up(np_type: type, value: float) -> np.floating:
+def _round_up(np_type: type[np.floating[Any]], value: float) -> np.floating[Any]:
     rounded = np_type(value)
     if float(rounded) < value:  # rounded down: step up to the next representable value
         rounded = np.nextafter(rounded, np_type(np.inf))
