@@ -24,10 +24,12 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from trainmon.protocols import ProcessGroup
 
 
 def initialized() -> bool:
@@ -37,7 +39,7 @@ def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def layout(group: Any = None, *, none_is_world: bool = True) -> tuple[int, int]:
+def layout(group: ProcessGroup | None = None, *, none_is_world: bool = True) -> tuple[int, int]:
     """``(rank in group, size of group)``; ``(0, 1)`` without a process group.
 
     Args:
@@ -52,12 +54,12 @@ def layout(group: Any = None, *, none_is_world: bool = True) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def group_rank(group: Any = None, *, none_is_world: bool = True) -> int:
+def group_rank(group: ProcessGroup | None = None, *, none_is_world: bool = True) -> int:
     """This process's rank in ``group``; 0 without a process group (see :func:`layout`)."""
     return layout(group, none_is_world=none_is_world)[0]
 
 
-def group_size(group: Any = None, *, none_is_world: bool = True) -> int:
+def group_size(group: ProcessGroup | None = None, *, none_is_world: bool = True) -> int:
     """The number of ranks in ``group``; 1 without a process group (see :func:`layout`)."""
     return layout(group, none_is_world=none_is_world)[1]
 
@@ -72,7 +74,7 @@ def world_size() -> int:
     return layout()[1]
 
 
-def members(group: Any = None) -> list[int]:
+def members(group: ProcessGroup | None = None) -> list[int]:
     """The global ranks of ``group`` (None: the world group), in group-rank order; ``[0]`` without a
     process group."""
     if not initialized():
@@ -82,7 +84,7 @@ def members(group: Any = None) -> list[int]:
     return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
-def lowest_selected(group: Any, ranks: Sequence[int] | None) -> int | None:
+def lowest_selected(group: ProcessGroup | None, ranks: Sequence[int] | None) -> int | None:
     """The lowest global rank of ``group`` that ``ranks`` selects (None: no member is selected).
 
     ``ranks`` None selects every rank. Without an initialised process group: 0 when rank 0 is selected.
@@ -91,13 +93,13 @@ def lowest_selected(group: Any, ranks: Sequence[int] | None) -> int | None:
     return min(selected) if selected else None
 
 
-def is_lowest_selected(group: Any, ranks: Sequence[int] | None) -> bool:
+def is_lowest_selected(group: ProcessGroup | None, ranks: Sequence[int] | None) -> bool:
     """Whether this process is the lowest global rank of ``group`` that ``ranks`` selects: the rank that
     writes rows combined over the group (when ``ranks`` selects no member of the group, none does)."""
     return lowest_selected(group, ranks) == global_rank()
 
 
-def all_gather_stacked(table: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+def all_gather_stacked(table: torch.Tensor, group: ProcessGroup | None, size: int) -> torch.Tensor:
     """``[size, *table.shape]``: ``table`` of every rank of ``group`` (of ``size`` ranks), in group-rank
     order, by one all-gather into one tensor (the caller's collective of the step; no host sync)."""
     import torch.distributed as dist

@@ -23,8 +23,9 @@ from trainmon.steps import StepLifecycle
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from trainmon.anomaly.engine import AnomalyCallback
-    from trainmon.protocols import HandOffAction
+    from trainmon.anomaly.engine import AnomalyCallback, AnomalyEngine
+    from trainmon.dynamic import ConfigWatcher
+    from trainmon.protocols import HandOffAction, Model, Optimizer, Scalar
 
 logger = logging.getLogger("trainmon")
 
@@ -32,7 +33,10 @@ logger = logging.getLogger("trainmon")
 class Session:
     """Everything that exists between ``attach()`` and ``close()``."""
 
-    def __init__(self, model: Any, optimizer: Any, config: MonitorConfig, config_path: Path | None,
+    writer: SinkWriter
+    anomaly: AnomalyEngine
+
+    def __init__(self, model: Model, optimizer: Optimizer | None, config: MonitorConfig, config_path: Path | None,
                  callbacks: list[AnomalyCallback], **options: Any) -> None:
         self.config, self.config_path, self.callbacks = config, config_path, callbacks
         self.model, self.optimizer = model, optimizer
@@ -44,8 +48,6 @@ class Session:
                                grad_acc_steps=self.options.grad_acc_steps)
         self.actions: dict[str, HandOffAction] = {}
         self.boundary = HookRegistry()
-        self.writer: SinkWriter | None = None
-        self.anomaly: Any = None
         self.lifecycle = StepLifecycle(self.ctx, end_step=lambda: self.end_step(None, {}, by_user=False))
         self.attachment: Attachment = self._attach(config)
         try:
@@ -75,13 +77,14 @@ class Session:
             for callback in callbacks:
                 self.anomaly.on_anomaly(callback)
             self.actions = self._build_actions(config)
-            self.struct = StructRecorder(self.attachment.modules, self.boundary) if config.print_struct else None
+            self.struct = (StructRecorder(self.ctx, self.attachment.modules, self.boundary) if config.print_struct
+                           else None)
             if self.struct is not None:
                 self.struct.arm()
             from trainmon.dynamic import ConfigWatcher
 
-            self.watcher = (ConfigWatcher(config_path, config.dynamic.poll_seconds)
-                            if config.dynamic.watch and config_path else None)
+            self.watcher: ConfigWatcher | None = (ConfigWatcher(config_path, config.dynamic.poll_seconds)
+                                                  if config.dynamic.watch and config_path else None)
             if config.dynamic.watch and not config_path:
                 logger.warning("trainmon: dynamic.watch needs a config file (TrainerMonitor(path)); "
                                "this monitor was built from a dict and is not watched")
@@ -99,10 +102,13 @@ class Session:
         parts: list[tuple[str, Callable[[], None]]] = [(name, action.close) for name, action in self.actions.items()]
         parts += [("hooks", self.attachment.close), ("step hooks", self.lifecycle.close),
                   ("hooks", self.boundary.remove_all)]
-        if self.anomaly is not None:
-            parts.append(("anomaly", self.anomaly.close))
-        if self.writer is not None:
-            parts.append(("writer", self.writer.close))
+        # A failed attach may not have made the anomaly engine and the writer yet.
+        anomaly: AnomalyEngine | None = getattr(self, "anomaly", None)
+        writer: SinkWriter | None = getattr(self, "writer", None)
+        if anomaly is not None:
+            parts.append(("anomaly", anomaly.close))
+        if writer is not None:
+            parts.append(("writer", writer.close))
         for name, close in parts:
             try:
                 close()
@@ -157,7 +163,7 @@ class Session:
             if bind is not None:
                 bind(self.rank_dir)
 
-    def _make_dirs(self, config: MonitorConfig) -> tuple[Path | None, Path | None]:
+    def _make_dirs(self, config: MonitorConfig) -> tuple[Path, Path | None]:
         run_name = config.run_name or _shared_run_name(self.attachment.world_size)
         run_dir = Path(config.output_dir) / run_name
         if not self.writes:
@@ -172,7 +178,7 @@ class Session:
         return run_dir, rank_dir
 
     # ----------------------------------------------------------------------------- step loop
-    def end_step(self, loss: Any, scalars: dict[str, Any], by_user: bool) -> StepRecord | None:
+    def end_step(self, loss: Scalar | None, scalars: dict[str, Scalar], by_user: bool) -> StepRecord | None:
         lifecycle = self.lifecycle
         lifecycle.user_steps = lifecycle.user_steps or by_user
         ctx = self.ctx
@@ -287,7 +293,7 @@ class Session:
 
 # Features an integration does not provide yet: enabling them warns once at attach instead of
 # doing nothing silently.
-_UNSUPPORTED = {  # (section, framework): one line each
+_UNSUPPORTED: dict[tuple[str, str], str] = {  # (section, framework): one line each
 }
 
 

@@ -38,10 +38,12 @@ from trainmon.collect.hooks import HookRegistry
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
+    from trainmon.protocols import GradScaler, Optimizer
 
 logger = logging.getLogger("trainmon")
 
-StepHook = Callable[[Any, tuple, dict], Any]
+StepHook = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
+"""A step pre/post hook: ``hook(owner, args, kwargs)``, as torch's optimizer step hooks."""
 _ROOTS = "step_roots"
 _BACKWARD = "step_backward"
 
@@ -117,7 +119,7 @@ class StepWrapper:
             namespace["step"] = previous
 
 
-def unwrap_optimizer(optimizer: Any) -> tuple[Any, Any]:
+def unwrap_optimizer(optimizer: Optimizer) -> tuple[Optimizer, GradScaler | None]:
     """``(torch optimizer, GradScaler or None)`` behind a trainer's optimizer wrapper.
 
     accelerate's ``AcceleratedOptimizer`` (what Hugging Face callbacks receive) and Lightning's
@@ -137,7 +139,7 @@ def unwrap_optimizer(optimizer: Any) -> tuple[Any, Any]:
     return optimizer, scaler
 
 
-def scale_of(scaler: Any) -> torch.Tensor | None:
+def scale_of(scaler: GradScaler | None) -> torch.Tensor | None:
     """The current loss scale of an enabled torch ``GradScaler`` as a device tensor (no sync), else None."""
     if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
         return None
@@ -152,7 +154,8 @@ class ScalerHooks:
     ``update`` is wrapped (an instance attribute, removed on close); nothing is read on the host.
     """
 
-    def __init__(self, scaler: Any, on_update: Callable[[torch.Tensor | None, torch.Tensor | None], None]) -> None:
+    def __init__(self, scaler: GradScaler,
+                 on_update: Callable[[torch.Tensor | None, torch.Tensor | None], None]) -> None:
         self.scaler = scaler
         self._on_update = on_update
         self._inner = scaler.update
@@ -208,7 +211,7 @@ class StepLifecycle:
         ctx.schedule_backward_end = self.backward_started
         self._end_step = end_step
         self.registry = HookRegistry()
-        self.optimizer: Any = None
+        self.optimizer: Optimizer | None = None
         self.scaler: ScalerHooks | None = None
         self.user_steps = False
         self._warned: set[str] = set()
@@ -263,12 +266,12 @@ class StepLifecycle:
         """A backward pass ended and the gradients are final (the trainer says so, e.g. ``on_after_backward``)."""
         self._backward_ends()
 
-    def hook_optimizer(self, optimizer: Any) -> None:
+    def hook_optimizer(self, optimizer: Optimizer | None) -> None:
         self.optimizer = optimizer
         if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
             self.registry.add(_ROOTS, optimizer.register_step_post_hook(self._optimizer_post))
 
-    def hook_scaler(self, scaler: Any) -> None:
+    def hook_scaler(self, scaler: GradScaler | None) -> None:
         if scaler is not None and self.scaler is None:
             self.scaler = ScalerHooks(scaler, self._scaler_update)
             self.ctx.scaler = scaler

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from trainmon.records import PARTIAL_SLOTS, RowKey
@@ -20,7 +21,7 @@ class HostStep:
     """What :meth:`StepBuffer.transfer` returns: row keys with their partial statistics, scalars."""
 
     keys: list[RowKey]
-    partials: np.ndarray  # [len(keys), 8] float64
+    partials: npt.NDArray[np.float64]  # [len(keys), 8]
     scalars: dict[str, float]
 
 
@@ -41,7 +42,7 @@ class StepBuffer:
     scalar_names: list[str] = field(default_factory=list)
     scalar_values: list[torch.Tensor] = field(default_factory=list)
     host_scalars: dict[str, float] = field(default_factory=dict)
-    _order: itertools.count = field(default_factory=itertools.count)
+    _order: itertools.count[int] = field(default_factory=itertools.count)
 
     def next_order(self) -> int:
         """Execution-order counter within the step (the ``order`` of rows and events)."""
@@ -88,7 +89,7 @@ class StepBuffer:
         by_device: dict[torch.device, list[int]] = {}
         for i, tensor in enumerate(entries):
             by_device.setdefault(tensor.device, []).append(i)
-        pieces: list[np.ndarray] = [np.empty(0)] * len(entries)
+        pieces: list[npt.NDArray[np.float32]] = [np.empty(0, np.float32)] * len(entries)
         for indices in by_device.values():
             stacked = torch.cat([entries[i] for i in indices]) if len(indices) > 1 else entries[indices[0]]
             values = stacked.cpu().numpy()  # sync: the one device-to-host transfer of the step

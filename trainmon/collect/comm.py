@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from trainmon.collect.buffer import StepBuffer
     from trainmon.collect.context import StepContext
     from trainmon.config import CommunicationConfig
+    from trainmon.protocols import Optimizer, ProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,9 @@ def _plumbing_dirs() -> tuple[str, ...]:
     deepspeed.comm when it is loaded, and this module; real, resolved paths of the installed packages
     (a user's folder that happens to be called ``deepspeed`` is not plumbing)."""
     places = [os.path.dirname(dist.__file__) + os.sep, os.path.realpath(__file__)]
-    deepspeed_comm = sys.modules.get("deepspeed.comm")
-    if deepspeed_comm is not None and getattr(deepspeed_comm, "__file__", None):
-        places.append(os.path.dirname(os.path.realpath(deepspeed_comm.__file__)) + os.sep)
+    deepspeed_comm_file: str | None = getattr(sys.modules.get("deepspeed.comm"), "__file__", None)
+    if deepspeed_comm_file:
+        places.append(os.path.dirname(os.path.realpath(deepspeed_comm_file)) + os.sep)
     places[0] = os.path.realpath(places[0]) + os.sep
     return tuple(places)
 
@@ -115,7 +116,7 @@ class CommCollector(HookedCollector):
     """
 
     def __init__(self, ctx: StepContext, config: CommunicationConfig, roots: Sequence[torch.nn.Module] = (),
-                 optimizer: Any = None) -> None:
+                 optimizer: Optimizer | None = None) -> None:
         super().__init__(ctx)
         self.config = config
         self._site_filter = re.compile(config.call_site_filter) if config.call_site_filter is not None else None
@@ -128,7 +129,7 @@ class CommCollector(HookedCollector):
         self._in_optimizer = False
         self._step_buffer: StepBuffer | None = None
         self._flushed: StepBuffer | None = None
-        self._groups: dict[Any, str] = {}
+        self._groups: dict[ProcessGroup, str] = {}
         self._sites: dict[tuple[CodeType, int], str | None] = {}
         self._plumbing: dict[CodeType, bool] = {}
         self._places = _plumbing_dirs()
@@ -180,12 +181,13 @@ class CommCollector(HookedCollector):
             self._local.depth -= 1
 
     # ------------------------------------------------------------------ phases
-    def _hook_phases(self, roots: Sequence[torch.nn.Module], optimizer: Any) -> None:
+    def _hook_phases(self, roots: Sequence[torch.nn.Module], optimizer: Optimizer | None) -> None:
         """One-line hooks that track whether a root forward or the optimizer step is running."""
         for root in roots:
             self.keep(root.register_forward_pre_hook(self._enter_forward))
             self.keep(root.register_forward_hook(self._leave_forward, always_call=True))
-        if hasattr(optimizer, "register_step_pre_hook") and hasattr(optimizer, "register_step_post_hook"):
+        if (optimizer is not None and hasattr(optimizer, "register_step_pre_hook")
+                and hasattr(optimizer, "register_step_post_hook")):
             self.keep(optimizer.register_step_pre_hook(self._enter_optimizer))
             self.keep(optimizer.register_step_post_hook(self._leave_optimizer))
 
@@ -232,7 +234,7 @@ class CommCollector(HookedCollector):
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             ctx = self.ctx
             if (not self._active or not ctx.collecting or FAMILY not in ctx.specs
-                    or ctx.buffer is self._flushed or getattr(self._local, "depth", 0)):
+                    or ctx.buffer is self._flushed or getattr(self._local, "depth", 0) != 0):
                 return wrap.original(*args, **kwargs)
             self._local.depth = getattr(self._local, "depth", 0) + 1
             try:

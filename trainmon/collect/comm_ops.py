@@ -12,11 +12,14 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+if TYPE_CHECKING:
+    from trainmon.protocols import ProcessGroup
 
 Indexed = list[tuple[int, torch.Tensor]]
 
@@ -32,7 +35,7 @@ class CallPlan:
         async_op: the call returns work handle(s) whose completion ends the call.
     """
 
-    group: Any
+    group: ProcessGroup | None
     pre: Indexed
     post: Indexed
     async_op: bool
@@ -160,7 +163,7 @@ def group_label(ranks: Sequence[int]) -> str:
     return "g" + "_".join(str(r) for r in ranks)
 
 
-def in_coalescing(group: Any) -> bool:
+def in_coalescing(group: ProcessGroup | None) -> bool:
     """Whether calls on ``group`` are being recorded by ``_coalescing_manager`` (they run at its exit)."""
     state = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
     if not state:
@@ -213,7 +216,7 @@ class MeasuredWork(dist.Work):
         return self._work.get_future()
 
     def get_future_result(self) -> Any:
-        return self._work.get_future_result()
+        return self._untyped().get_future_result()
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -237,7 +240,12 @@ class MeasuredWork(dist.Work):
         return self._work.boxed()
 
     def _get_duration(self) -> float:
-        return self._work._get_duration()
+        duration: float = self._untyped()._get_duration()
+        return duration
 
     def _get_op_type(self) -> Any:
-        return self._work._get_op_type()
+        return self._untyped()._get_op_type()
+
+    def _untyped(self) -> Any:
+        """The real handle, for the methods that torch's stubs leave out (they exist on the C++ class)."""
+        return self._work

@@ -6,13 +6,16 @@ import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from trainmon.collect.buffer import StepBuffer
 from trainmon.collect.stats import StatsSpec, partial_stats, partial_stats_many
 from trainmon.records import RowKey
+
+if TYPE_CHECKING:
+    from trainmon.protocols import GradScaler
 
 logger = logging.getLogger("trainmon")
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -105,14 +108,14 @@ class StepContext:
     backward_end: list[Callable[[], None]] = field(default_factory=list)
     """Run at the end of each backward pass of a collected step, when the gradients are final
     (after data-parallel reduction): see :class:`trainmon.steps.StepLifecycle`."""
-    scaler: Any = None
+    scaler: GradScaler | None = None
     """The torch ``GradScaler`` of the run, when known: gradients read before ``unscale_`` are divided by its scale."""
     backward_failed: list[Callable[[], None]] = field(default_factory=list)
     """Run when a backward pass of a collected step raised (its rows are rolled back)."""
     schedule_backward_end: Callable[[], None] = lambda: None
     """Called from inside a backward pass: makes sure :attr:`backward_end` runs when the pass ends
     (set by :class:`trainmon.steps.StepLifecycle`; idempotent within one pass)."""
-    _measured: dict[int, tuple[weakref.ref, int, StatsSpec, torch.Tensor, int | None]] = field(
+    _measured: dict[int, tuple[weakref.ref[Any], int, StatsSpec, torch.Tensor, int | None]] = field(
         default_factory=dict)
     _unmeasurable: set[tuple[str, str]] = field(default_factory=set)
 

@@ -6,11 +6,28 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
+
+if TYPE_CHECKING:
+    import torch
+    from torch.utils.hooks import RemovableHandle
+
+    from trainmon.collect.context import StepContext
 
 
 class _Handle(Protocol):
     def remove(self) -> None: ...
+
+
+_Filter: TypeAlias = "tuple[str, re.Pattern[str] | None, type[Warning], re.Pattern[str] | None, int]"
+"""An entry of ``warnings.filters`` (action, message, category, module, line)."""
+
+
+def post_accumulate_grad_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
+    """``param.register_post_accumulate_grad_hook(hook)``, typed (torch leaves that method unannotated)."""
+    register: Callable[[Callable[[torch.Tensor], None]], RemovableHandle] = param.register_post_accumulate_grad_hook
+    return register(hook)
 
 
 class HookRegistry:
@@ -25,7 +42,7 @@ class HookRegistry:
     def __init__(self) -> None:
         self._groups: dict[str, list[_Handle]] = {}
 
-    def add(self, group: str, handle: Any) -> None:
+    def add(self, group: str, handle: _Handle) -> None:
         self._groups.setdefault(group, []).append(handle)
 
     def remove(self, group: str) -> None:
@@ -74,7 +91,7 @@ class HookedCollector:
     HOOK_GROUPS: tuple[str, ...] = ()
     """The registry groups of the hooks installed by :meth:`install_hooks` (removed by :meth:`disarm`)."""
 
-    def __init__(self, ctx: Any, registry: HookRegistry | None = None) -> None:
+    def __init__(self, ctx: StepContext, registry: HookRegistry | None = None) -> None:
         self.ctx = ctx
         self.registry = registry if registry is not None else HookRegistry()
         self._closed = False
@@ -154,26 +171,26 @@ class QuietOutputOnlyBackward:
 
     def __init__(self) -> None:
         self._inputs: dict[int, bool] = {}  # id(module) -> every grad-enabled call had no grad input
-        self._filters: list[tuple[Any, ...]] = []
+        self._filters: list[_Filter] = []
 
-    def hooks(self, module: Any, own: Any) -> list[Any]:
+    def hooks(self, module: torch.nn.Module, own: RemovableHandle) -> list[RemovableHandle]:
         """Registers the two hooks on ``module`` whose own full backward hook has handle ``own``;
         returns their handles (for the caller's :class:`HookRegistry`)."""
         import torch
 
         key = id(module)
 
-        def note_inputs(module: Any, args: tuple) -> None:
+        def note_inputs(module: torch.nn.Module, args: tuple[object, ...]) -> None:
             if torch.is_grad_enabled():
                 none = not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
                 self._inputs[key] = self._inputs.get(key, True) and none
 
-        pre_handle: Any = None
+        pre_handle: RemovableHandle | None = None
 
-        def before_backward(module: Any, grad_output: tuple) -> None:
+        def before_backward(module: torch.nn.Module, grad_output: tuple[torch.Tensor | None, ...]) -> None:
             if self._inputs.get(key) and _only_hooks(module, own, pre_handle):
-                entry = ("ignore", re.compile(re.escape(OUTPUT_ONLY_WARNING)), UserWarning, None, 0)
-                warnings.filters.insert(0, entry)
+                entry: _Filter = ("ignore", re.compile(re.escape(OUTPUT_ONLY_WARNING)), UserWarning, None, 0)
+                _filters().insert(0, entry)
                 self._filters.append(entry)
 
         forward_handle = module.register_forward_pre_hook(note_inputs)
@@ -184,9 +201,10 @@ class QuietOutputOnlyBackward:
         """Takes out the filters this object put in (a no-op when there are none)."""
         while self._filters:
             entry = self._filters.pop()
-            for i, item in enumerate(warnings.filters):
+            filters = _filters()
+            for i, item in enumerate(filters):
                 if item is entry:
-                    del warnings.filters[i]
+                    del filters[i]
                     break
 
     def reset(self) -> None:
@@ -195,13 +213,19 @@ class QuietOutputOnlyBackward:
         self.lift()
 
 
-def _only_hooks(module: Any, own: Any, pre: Any) -> bool:
+def _filters() -> list[_Filter]:
+    """``warnings.filters``, the list itself (typeshed declares it a read-only Sequence)."""
+    return cast("list[_Filter]", warnings.filters)
+
+
+def _only_hooks(module: torch.nn.Module, own: RemovableHandle, pre: RemovableHandle | None) -> bool:
     """Whether ``module``'s only backward hooks are the two with handles ``own`` and ``pre`` (reads
     torch's hook dicts; anything unexpected counts as a foreign hook, so the warning stays)."""
     from torch.nn.modules import module as torch_module
 
     try:
-        return (set(module._backward_hooks) == {own.id} and set(module._backward_pre_hooks) == {pre.id}
+        return (pre is not None and set(module._backward_hooks) == {own.id}
+                and set(module._backward_pre_hooks) == {pre.id}
                 and not torch_module._global_backward_hooks and not torch_module._global_backward_pre_hooks)
     except (AttributeError, TypeError):
         return False

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainmon.collect.adam import (  # noqa: F401 - re-exported: integrations and tests import them from here
     _CHUNK,
+    AdamEntry,
     adam_partials_cpu,
     adam_partials_many,
     adam_update,
     update_ratio,
 )
-from trainmon.collect.hooks import HookedCollector, HookRegistry
+from trainmon.collect.hooks import HookedCollector, HookRegistry, post_accumulate_grad_hook
+from trainmon.collect.stats_base import vector_norm
 from trainmon.records import RowKey
 from trainmon.steps import scale_of
 
@@ -51,7 +53,7 @@ def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
             per_tensor = torch._foreach_norm(group, 2)
         # a device-to-device copy where gradients span devices (as get_total_norm does): no host sync
         norms.extend(norm.to(device=device, dtype=torch.float32) for norm in per_tensor)
-    return torch.linalg.vector_norm(torch.stack(norms))
+    return vector_norm(torch.stack(norms))
 
 
 class TorchOptimizerCollector(HookedCollector):
@@ -110,7 +112,7 @@ class TorchOptimizerCollector(HookedCollector):
             for name, param, vpp_stage in self.params:
                 if param.requires_grad:
                     hook = self._grad_hook(name, vpp_stage)
-                    self.registry.add(_GRADS, param.register_post_accumulate_grad_hook(hook))
+                    self.registry.add(_GRADS, post_accumulate_grad_hook(param, hook))
         if self.optimizer is not None:
             self.registry.add(_OPTIMIZER, self.optimizer.register_step_pre_hook(self._pre_step))
             if self._states:
@@ -130,7 +132,7 @@ class TorchOptimizerCollector(HookedCollector):
         if self._drop_pending in self.ctx.backward_failed:
             self.ctx.backward_failed.remove(self._drop_pending)
 
-    def _grad_hook(self, name: str, vpp_stage: int):
+    def _grad_hook(self, name: str, vpp_stage: int) -> Callable[[torch.Tensor], None]:
         per_micro_step = self.config.weight_grads.per_micro_step
 
         def hook(param: torch.Tensor) -> None:
@@ -248,7 +250,7 @@ class TorchOptimizerCollector(HookedCollector):
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
         rows: dict[str, list[tuple[str, torch.Tensor, int]]] = {
             family: [] for family in ("exp_avg", "exp_avg_sq", "momentum", "update", "ratio")}
-        adam_entries: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]] = []
+        adam_entries: list[AdamEntry] = []
         adam_rows: list[tuple[str, int]] = []
         derived = "update" in self._states or "ratio" in self._states
         for name, param, vpp_stage in self.params:
@@ -301,7 +303,8 @@ class TorchOptimizerCollector(HookedCollector):
                             orders=orders[family] or None)
         return orders
 
-    def _record_adam(self, entries: list, names: list[tuple[str, int]], orders: dict[str, list[int]]) -> None:
+    def _record_adam(self, entries: list[AdamEntry], names: list[tuple[str, int]],
+                     orders: dict[str, list[int]]) -> None:
         """``update`` and ``ratio`` rows of the Adam-like parameters, without full-size temporaries."""
         ctx = self.ctx
         update_spec = ctx.specs.get("update") if "update" in self._states else None
@@ -313,8 +316,8 @@ class TorchOptimizerCollector(HookedCollector):
             if spec is None:
                 continue
             family_orders = orders.get(family) or None
-            for group in blocks:
-                indices, block = group[0], group[which]
+            for indices, update_block, ratio_block in blocks:
+                block = update_block if which == 1 else ratio_block
                 keys = [RowKey(family, names[i][0], ctx.micro_step, names[i][1],
                                family_orders[i] if family_orders else ctx.buffer.next_order()) for i in indices]
                 ctx.buffer.add_block(keys, block)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainmon.collect.activations import named_tensors
 from trainmon.collect.hooks import HookedCollector, HookRegistry
+
+if TYPE_CHECKING:
+    from trainmon.collect.context import StepContext
 
 _GROUP = "struct"
 
@@ -18,8 +21,9 @@ class StructRecorder(HookedCollector):
 
     HOOK_GROUPS = (_GROUP,)
 
-    def __init__(self, modules: Sequence[tuple[str, torch.nn.Module, int]], registry: HookRegistry) -> None:
-        super().__init__(None, registry)
+    def __init__(self, ctx: StepContext, modules: Sequence[tuple[str, torch.nn.Module, int]],
+                 registry: HookRegistry) -> None:
+        super().__init__(ctx, registry)
         self.modules = list(modules)
         self.seen: dict[str, dict[str, Any]] = {}
         self.done = False
@@ -31,8 +35,9 @@ class StructRecorder(HookedCollector):
             self.registry.add(_GROUP, module.register_forward_hook(self._hook(name or "(root)", vpp_stage),
                                                                    with_kwargs=True))
 
-    def _hook(self, name: str, vpp_stage: int):
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def _hook(self, name: str, vpp_stage: int
+              ) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if name in self.seen:
                 return
             describe = {row: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
