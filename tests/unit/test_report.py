@@ -91,6 +91,7 @@ def test_heatmap_cells_bins_and_nonfinite_against_a_reference(tmp_path):
                     value = rng.choice([math.nan, math.inf, -math.inf])
                 if rng.random() < 0.01:
                     value = 0.0
+                value = float(value)  # a Python float: numpy 2's repr of np.float64 is 'np.float64(...)'
                 lines.append(f"0,{name},{step},{micro},{value!r}")
                 values.setdefault((name, int(step)), []).append(value)
     path = tmp_path / "grad_reduced.csv"
@@ -138,7 +139,7 @@ def test_curves_are_binned_min_max_beyond_the_limit(tmp_path):
     steps = np.arange(5000)
     loss = np.sin(steps / 50.0) + steps / 1000.0
     loss[1234] = math.nan
-    path.write_text("step,name,value\n" + "".join(f"{s},loss,{v!r}\n" for s, v in zip(steps, loss)))
+    path.write_text("step,name,value\n" + "".join(f"{s},loss,{float(v)!r}\n" for s, v in zip(steps, loss)))
     curves = report_data.curves([read_table(path)], max_points=2000)["loss"]
     per_bin = math.ceil(5000 / 2000)
     assert curves["per_bin"] == per_bin and curves["steps"] == steps[::per_bin].tolist()
