@@ -287,8 +287,8 @@ def finalize_many(partials: npt.ArrayLike) -> tuple[dict[str, list[float]], list
                    "max": np.where(empty, np.nan, p[:, MAX]), "mean": p[:, SUM] * per_element,
                    "zeros": p[:, ZEROS] * per_element, "nans": p[:, NANS], "infs": p[:, INFS]}
         nonfinite = (~empty & ~(np.isfinite(p[:, MIN]) & np.isfinite(p[:, MAX]))) | (p[:, NANS] > 0) | (p[:, INFS] > 0)
-    # host numpy arrays (after the step's one transfer): no sync
-    return {metric: column.tolist() for metric, column in columns.items()}, nonfinite.tolist()
+    values = {metric: column.tolist() for metric, column in columns.items()}  # host numpy arrays: no sync
+    return values, nonfinite.tolist()  # host numpy: no sync
 
 
 def build_record(step: int, rank: int, pp_stage: int, keys: Sequence[RowKey], partials: Any,
