@@ -178,7 +178,7 @@ def heatmaps(family: str, tables: list[Table], rank: int, max_columns: int,
         scale = scales[metric] if scales is not None else None
         grid = encode_grid(cells, shape, values, scale, "min" if scales is not None else "absmax")
         out.append({"family": family, "metric": metric, "rank": rank, "rows": [_label(k) for k in keys],
-                    "steps": first_steps.tolist(), "last_step": int(steps.max()), "per_bin": per_bin,
+                    "steps": first_steps.tolist(), "last_step": int(steps.max()), "per_bin": per_bin,  # numpy: no sync
                     "reduce": "min" if scales is not None else "absmax", **grid})
     return out
 
@@ -208,13 +208,13 @@ def curves(tables: list[Table], max_points: int) -> dict[str, Any]:
         finite = np.where(np.isfinite(values), values, np.nan)
         with np.errstate(all="ignore"):
             lo, hi = np.fmin.reduceat(finite, starts), np.fmax.reduceat(finite, starts)
-        out[name] = {"steps": steps[starts].tolist(), "lo": _floats(lo), "hi": _floats(hi),
-                     "per_bin": per_bin, "bad": bad[:1000].tolist(), "bad_total": int(len(bad))}
+        out[name] = {"steps": steps[starts].tolist(), "lo": _floats(lo), "hi": _floats(hi),  # numpy: no sync
+                     "per_bin": per_bin, "bad": bad[:1000].tolist(), "bad_total": int(len(bad))}  # numpy: no sync
     return out
 
 
 def _floats(values: npt.NDArray[np.float64]) -> list[float | None]:
-    return [float(v) if math.isfinite(v) else None for v in values.tolist()]
+    return [float(v) if math.isfinite(v) else None for v in values.tolist()]  # numpy: no sync
 
 
 def timeline(result: dict[str, Any], max_columns: int) -> dict[str, Any]:
@@ -226,7 +226,7 @@ def timeline(result: dict[str, Any], max_columns: int) -> dict[str, Any]:
     array = np.array(cells, dtype=np.int64)
     bins, first_steps, per_bin = step_bins(array[:, 1], max_columns)
     keyed: dict[tuple[int, int], int] = {}
-    for rank, step_bin, count in zip(array[:, 0].tolist(), bins.tolist(), array[:, 2].tolist()):
+    for rank, step_bin, count in zip(array[:, 0].tolist(), bins.tolist(), array[:, 2].tolist()):  # numpy, no sync
         keyed[(rank, int(first_steps[step_bin]))] = keyed.get((rank, int(first_steps[step_bin])), 0) + count
     return {"cells": [[rank, step, count] for (rank, step), count in sorted(keyed.items())], "per_bin": per_bin}
 
