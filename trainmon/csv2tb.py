@@ -15,9 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from trainmon.errors import UsageError
 from trainmon.inputs import INT64_MAX, describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
@@ -25,6 +26,9 @@ from trainmon.msprobe_output import ANOMALY_FOLDER, csv_family, layout_of, mspro
 from trainmon.progress import Bar
 from trainmon.records import FAMILIES, row_tag, split_row_tag
 from trainmon.sinks import tensorboard as board
+
+if TYPE_CHECKING:
+    from trainmon.protocols import Subparsers
 
 _FIXED = ("vpp_stage", "name", "step", "micro_step")
 _MSPROBE_FAMILIES = ("other", "param_origin", "param_updated")
@@ -34,7 +38,7 @@ class CsvFormatError(ValueError):
     """A CSV file is malformed; the message names the file and line."""
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     parser = sub.add_parser("csv2tb", help="convert CSV output to TensorBoard event files",
                             description="Convert every rank's CSV files of a run to TensorBoard event files "
                                         "at full resolution (tags 0_overview/{loss,grad_norm,lr,...}, "
@@ -307,10 +311,15 @@ class Table:
     family: str
     metrics: list[str]
     keys: list[tuple[int, str]]
-    rows: np.ndarray
-    steps: np.ndarray
-    micro_steps: np.ndarray
-    values: np.ndarray
+    rows: npt.NDArray[np.int32]
+    steps: npt.NDArray[np.int64]
+    micro_steps: npt.NDArray[np.int32]
+    values: npt.NDArray[np.float64]
+
+
+_Part: TypeAlias = ("tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.int32], "
+                    "npt.NDArray[np.float64]]")
+"""The rows, steps, micro-steps and values of a block of lines (see :class:`Table`)."""
 
 
 _CHUNK = 1 << 24
@@ -362,7 +371,7 @@ class _TableBuilder:
         self.family, self.metrics = family, metrics
         self.index: dict[tuple[int, str], int] = {}
         self.plain: dict[str, int] = {}  # names of VPP stage 0 -> row id
-        self.parts: list[tuple[np.ndarray, ...]] = []
+        self.parts: list[_Part] = []
 
     def add_text(self, path: Path, line: int, header: list[str], text: str, scalars: bool) -> int:
         """Add the rows of ``text`` (whole lines; the first is line ``line`` of the file); returns the row count."""
@@ -401,7 +410,7 @@ class _TableBuilder:
                                np.array([p[3] for p in parsed], dtype=np.int32),
                                np.array([p[4] for p in parsed], dtype=np.float64).reshape(len(parsed), -1)))
 
-    def _bulk(self, columns: list[Any], scalars: bool) -> tuple[np.ndarray, ...]:
+    def _bulk(self, columns: list[Any], scalars: bool) -> _Part:
         """Columns of equal length -> (rows, steps, micro-steps, values); ValueError where a field does not
         parse as :func:`_parse_row` parses it (then the caller re-reads the rows one by one)."""
         if scalars:
@@ -440,7 +449,7 @@ class _TableBuilder:
         return Table(self.family, self.metrics, list(self.index), rows, steps, micro, values)
 
 
-def _integers(texts: Any, dtype: Any) -> np.ndarray:
+def _integers(texts: Any, dtype: Any) -> npt.NDArray[Any]:
     """One C-level parse of a column of digit strings (checked by the caller); ValueError when it does not
     read every field (digits that ``int()`` reads and C does not, such as ``"٣"``)."""
     with warnings.catch_warnings():

@@ -17,24 +17,24 @@ A *monitor step* is one optimizer step. Within it:
 - whether the step was **applied**: with a ``GradScaler`` from its ``found_inf`` (scalar
   ``step_skipped``, with ``loss_scale``), otherwise from whether the optimizer's step ran.
 
-Framework specifics come in through two small pieces: :class:`StepWrapper` gives pre/post step
-hooks to an object that has none (a ``DeepSpeedEngine``, a Megatron optimizer), and
-:class:`ScalerHooks` reads a torch ``GradScaler`` at its ``update()``.
+Framework specifics come in through two small pieces in :mod:`trainmon.step_hooks`:
+:class:`~trainmon.step_hooks.StepWrapper` gives pre/post step hooks to an object that has none (a
+``DeepSpeedEngine``, a Megatron optimizer), and :class:`~trainmon.step_hooks.ScalerHooks` reads a
+torch ``GradScaler`` at its ``update()``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from trainmon.collect.activations import named_tensors
 from trainmon.collect.hooks import HookRegistry
+from trainmon.step_hooks import ScalerHooks
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
@@ -42,148 +42,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trainmon")
 
-StepHook = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
-"""A step pre/post hook: ``hook(owner, args, kwargs)``, as torch's optimizer step hooks."""
 _ROOTS = "step_roots"
 _BACKWARD = "step_backward"
-
-
-class StepWrapper:
-    """Step pre/post hooks for ONE instance whose ``step`` has none (DeepSpeed engine, Megatron optimizer).
-
-    Installing sets the instance attribute ``step`` (the class is never patched);
-    :meth:`uninstall` removes it, or, when something wrapped it again on top of us, leaves an
-    inert pass-through. Hooks run only when ``boundary()`` is true (DeepSpeed calls
-    ``engine.step()`` after every micro-batch but updates on accumulation boundaries only).
-    The result of the last wrapped call is kept in :attr:`last_result` for post-hooks.
-
-    Args:
-        owner: the instance whose ``step`` is wrapped.
-        boundary: whether this call of ``step`` is an optimizer step (default: always).
-    """
-
-    def __init__(self, owner: Any, boundary: Callable[[], bool] | None = None) -> None:
-        self.owner = owner
-        self.boundary = boundary
-        self._pre: OrderedDict[int, StepHook] = OrderedDict()  # weak-referenceable, as RemovableHandle needs
-        self._post: OrderedDict[int, StepHook] = OrderedDict()
-        self.last_result: Any = None
-        self.active = False
-        self._previous: Any = None
-
-    def register_step_pre_hook(self, hook: StepHook) -> RemovableHandle:
-        handle = RemovableHandle(self._pre)
-        self._pre[handle.id] = hook
-        return handle
-
-    def register_step_post_hook(self, hook: StepHook) -> RemovableHandle:
-        handle = RemovableHandle(self._post)
-        self._post[handle.id] = hook
-        return handle
-
-    def install(self) -> StepWrapper:
-        namespace = self.owner.__dict__
-        self._previous = namespace.get("step")
-        inner = self.owner.step  # the bound method, or a wrapper installed earlier
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            if not self.active or (self.boundary is not None and not self.boundary()):
-                return inner(*args, **kwargs)
-            for hook in list(self._pre.values()):
-                hook(self.owner, args, kwargs)
-            self.last_result = inner(*args, **kwargs)
-            for hook in list(self._post.values()):
-                hook(self.owner, args, kwargs)
-            return self.last_result
-
-        step.__trainmon_step_wrapper__ = self  # type: ignore[attr-defined]
-        namespace["step"] = step
-        self.active = True
-        return self
-
-    def uninstall(self) -> None:
-        self.active = False
-        self._pre.clear()
-        self._post.clear()
-        namespace = self.owner.__dict__
-        if getattr(namespace.get("step"), "__trainmon_step_wrapper__", None) is not self:
-            return  # wrapped again on top of us: stay as an inert pass-through
-        previous = self._previous
-        # Unwind earlier trainmon wrappers that are already inert (e.g. after a config reload).
-        while previous is not None and getattr(previous, "__trainmon_step_wrapper__", None) is not None \
-                and not previous.__trainmon_step_wrapper__.active:
-            previous = previous.__trainmon_step_wrapper__._previous
-        if previous is None:
-            del namespace["step"]
-        else:
-            namespace["step"] = previous
-
-
-def unwrap_optimizer(optimizer: Optimizer) -> tuple[Optimizer, GradScaler | None]:
-    """``(torch optimizer, GradScaler or None)`` behind a trainer's optimizer wrapper.
-
-    accelerate's ``AcceleratedOptimizer`` (what Hugging Face callbacks receive) and Lightning's
-    ``LightningOptimizer`` keep the real optimizer in ``.optimizer`` (Lightning: ``._optimizer``);
-    accelerate keeps its ``GradScaler`` in ``.scaler``.
-    """
-    scaler = None
-    for _ in range(4):  # wrappers of wrappers
-        module = type(optimizer).__module__.split(".")[0]
-        if module not in ("accelerate", "lightning", "pytorch_lightning"):
-            break
-        scaler = scaler if scaler is not None else getattr(optimizer, "scaler", None)
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or inner is optimizer:
-            break
-        optimizer = inner
-    return optimizer, scaler
-
-
-def scale_of(scaler: GradScaler | None) -> torch.Tensor | None:
-    """The current loss scale of an enabled torch ``GradScaler`` as a device tensor (no sync), else None."""
-    if scaler is None or not getattr(scaler, "is_enabled", lambda: False)():
-        return None
-    return getattr(scaler, "_scale", None)
-
-
-class ScalerHooks:
-    """Reads a torch ``GradScaler`` at each ``update()``: ``loss_scale`` and ``step_skipped``.
-
-    ``update()`` runs once per optimizer step whether or not the scaler skipped it, so it also
-    marks the step as finished for users who never call ``monitor.step()``. The instance's
-    ``update`` is wrapped (an instance attribute, removed on close); nothing is read on the host.
-    """
-
-    def __init__(self, scaler: GradScaler,
-                 on_update: Callable[[torch.Tensor | None, torch.Tensor | None], None]) -> None:
-        self.scaler = scaler
-        self._on_update = on_update
-        self._inner = scaler.update
-        self.active = True
-
-        def update(*args: Any, **kwargs: Any) -> Any:
-            if self.active:
-                self._read()
-            return self._inner(*args, **kwargs)
-
-        self._wrapper = update
-        scaler.__dict__["update"] = update
-
-    def _read(self) -> None:
-        scale = scale_of(self.scaler)
-        found: torch.Tensor | None = None
-        states = getattr(self.scaler, "_per_optimizer_states", {})
-        for state in states.values():
-            for value in state.get("found_inf_per_device", {}).values():
-                found = value.float() if found is None else found + value.to(found.device).float()
-        skipped = None if found is None else (found > 0).float()
-        # update() rescales in place: read the scale this step used before it changes
-        self._on_update(None if scale is None else scale.detach().clone(), skipped)
-
-    def close(self) -> None:
-        self.active = False
-        if self.scaler.__dict__.get("update") is self._wrapper:
-            del self.scaler.__dict__["update"]
 
 
 @dataclass

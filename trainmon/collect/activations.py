@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.collect.hooks import HookedCollector, HookRegistry, QuietOutputOnlyBackward
+from trainmon.collect.hooks import (
+    BackwardHook,
+    ForwardHook,
+    ForwardPreHook,
+    HookedCollector,
+    HookRegistry,
+    QuietOutputOnlyBackward,
+    TensorHook,
+)
 from trainmon.records import activation_row
 
 logger = logging.getLogger("trainmon")
@@ -147,11 +155,11 @@ class ActivationCollector(HookedCollector):
         self.registry.remove(self.TENSOR_HOOK_GROUP)
         self._quiet.reset()
 
-    def forward_hook(self, name: str, vpp_stage: int):  # hook closure
+    def forward_hook(self, name: str, vpp_stage: int) -> ForwardHook:
         """The hook ``(module, args, kwargs, output)`` that records the ``actv`` rows of module ``name``."""
         input_row, output_row = activation_row(name, "input"), activation_row(name, "output")
 
-        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self.ctx.collecting:
                 return
             if self.config.inputs:
@@ -164,10 +172,10 @@ class ActivationCollector(HookedCollector):
 
         return hook
 
-    def _backward_hook(self, name: str, vpp_stage: int):  # hook closure
+    def _backward_hook(self, name: str, vpp_stage: int) -> BackwardHook:
         input_row, output_row = activation_row(name, "input_grad"), activation_row(name, "output_grad")
 
-        def hook(module: Any, grad_input: tuple, grad_output: tuple) -> None:
+        def hook(module: Any, grad_input: tuple[Any, ...], grad_output: tuple[Any, ...]) -> None:
             self._quiet.lift()  # torch has just warned (or not): our filter, if any, comes out at once
             if not self.ctx.collecting:
                 return
@@ -183,21 +191,21 @@ class ActivationCollector(HookedCollector):
 
         return hook
 
-    def _input_grad_hooks(self, name: str, vpp_stage: int):  # hook closure
+    def _input_grad_hooks(self, name: str, vpp_stage: int) -> ForwardPreHook:
         """Forward pre-hook ``(module, args, kwargs)``: before the module may modify its inputs in place."""
         row = activation_row(name, "input_grad")
 
-        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self.ctx.collecting and torch.is_grad_enabled():
                 self._hook_tensors(args, row, vpp_stage)
                 self._hook_tensors(kwargs, row, vpp_stage)
 
         return hook
 
-    def _output_grad_hooks(self, name: str, vpp_stage: int):  # hook closure
+    def _output_grad_hooks(self, name: str, vpp_stage: int) -> ForwardHook:
         row = activation_row(name, "output_grad")
 
-        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if self.ctx.collecting and torch.is_grad_enabled():
                 self._hook_tensors(output, row, vpp_stage)
 
@@ -215,7 +223,7 @@ class ActivationCollector(HookedCollector):
                 handle = tensor.register_hook(self._tensor_grad_hook(row, vpp_stage))
                 self.registry.add(self.TENSOR_HOOK_GROUP, handle)
 
-    def _tensor_grad_hook(self, row: str, vpp_stage: int):  # hook closure
+    def _tensor_grad_hook(self, row: str, vpp_stage: int) -> TensorHook:
         def hook(grad: torch.Tensor) -> None:
             if self.ctx.collecting:
                 self.ctx.record("actv_grad", row, grad, vpp_stage)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +18,17 @@ if TYPE_CHECKING:
 
 class _Handle(Protocol):
     def remove(self) -> None: ...
+
+
+# The hooks trainmon puts on modules (a torch module, or a MindSpore cell: ``Any``) and on tensors.
+ForwardPreHook: TypeAlias = "Callable[[Any, tuple[Any, ...], dict[str, Any]], None]"
+"""A forward pre-hook registered ``with_kwargs=True``: ``hook(module, args, kwargs)``."""
+ForwardHook: TypeAlias = "Callable[[Any, tuple[Any, ...], dict[str, Any], Any], None]"
+"""A forward hook registered ``with_kwargs=True``: ``hook(module, args, kwargs, output)``."""
+BackwardHook: TypeAlias = "Callable[[Any, tuple[Any, ...], tuple[Any, ...]], None]"
+"""A full backward hook: ``hook(module, grad_input, grad_output)`` (``None`` where no gradient flowed)."""
+TensorHook: TypeAlias = "Callable[[torch.Tensor], None]"
+"""A tensor (gradient) hook: ``hook(grad)``."""
 
 
 _Filter: TypeAlias = "tuple[str, re.Pattern[str] | None, type[Warning], re.Pattern[str] | None, int]"

@@ -19,7 +19,7 @@ from trainmon.collect.adam import (  # noqa: F401 - re-exported: integrations an
 from trainmon.collect.hooks import HookedCollector, HookRegistry, post_accumulate_grad_hook
 from trainmon.collect.stats_base import vector_norm
 from trainmon.records import RowKey
-from trainmon.steps import scale_of
+from trainmon.step_hooks import scale_of
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext

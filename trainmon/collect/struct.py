@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainmon.collect.activations import named_tensors
-from trainmon.collect.hooks import HookedCollector, HookRegistry
+from trainmon.collect.hooks import ForwardHook, HookedCollector, HookRegistry
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
@@ -35,8 +35,7 @@ class StructRecorder(HookedCollector):
             self.registry.add(_GROUP, module.register_forward_hook(self._hook(name or "(root)", vpp_stage),
                                                                    with_kwargs=True))
 
-    def _hook(self, name: str, vpp_stage: int
-              ) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+    def _hook(self, name: str, vpp_stage: int) -> ForwardHook:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if name in self.seen:
                 return

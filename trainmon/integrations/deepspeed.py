@@ -15,7 +15,7 @@ What is measured where (see ``docs/deepspeed.md``):
   ``skipped_steps``, ``step_applied``, ``global_steps``, ``lr/group{i}``.
 
 There is no public hook at the end of ``engine.step()``, so the one engine instance is wrapped
-(:class:`trainmon.steps.StepWrapper`: an instance attribute ``step``, removed on close); the class
+(:class:`trainmon.step_hooks.StepWrapper`: an instance attribute ``step``, removed on close); the class
 is never patched.
 """
 
@@ -32,7 +32,7 @@ from trainmon.collect.optimizer import TorchOptimizerCollector, adam_update, upd
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
 from trainmon.integrations.deepspeed_shards import ShardLayout, layout_for
-from trainmon.steps import StepWrapper
+from trainmon.step_hooks import StepWrapper
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext

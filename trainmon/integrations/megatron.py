@@ -28,7 +28,7 @@ from trainmon.integrations.megatron_collect import (
     MegatronParamCollector,
 )
 from trainmon.probe.sharded import ShardedGradProbe
-from trainmon.steps import StepWrapper
+from trainmon.step_hooks import StepWrapper
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext

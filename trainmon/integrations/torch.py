@@ -12,7 +12,7 @@ from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector
 from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
-from trainmon.steps import unwrap_optimizer
+from trainmon.step_hooks import unwrap_optimizer
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext

@@ -48,6 +48,8 @@ from trainmon.probe.storage import (
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
     from trainmon.config import MonitorConfig
+    from trainmon.protocols import Optimizer
+    from trainmon.sinks.base import OutputThread
 
 logger = logging.getLogger("trainmon")
 _GROUP = "grad_probe"
@@ -70,7 +72,8 @@ def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
 def _record_event(device: torch.device) -> Any:
     if device.type == "cpu":
         return None
-    event = torch.cuda.Event() if device.type == "cuda" else torch.Event(device=device)
+    cuda_event: Callable[[], Any] = torch.cuda.Event  # torch leaves its constructor unannotated
+    event = cuda_event() if device.type == "cuda" else torch.Event(device=device)
     event.record()
     return event
 
@@ -93,7 +96,7 @@ class GradProbe(HookedCollector):
     """
 
     def __init__(self, ctx: StepContext, params: Sequence[tuple[str, torch.Tensor, int]], config: MonitorConfig,
-                 registry: HookRegistry, optimizer: Any = None, *,
+                 registry: HookRegistry, optimizer: Optimizer | None = None, *,
                  grad_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  exp_avg_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
                  rank_dir: Path | None = None) -> None:
@@ -114,7 +117,7 @@ class GradProbe(HookedCollector):
         self._measured_step: int | None = None
         self._probe_dir: Path | None = None
         self._root: Path | None = None
-        self._writer: Any = None
+        self._writer: OutputThread | None = None
         self._summary: GradSummaryCsv | None = None
         self.bind_output(rank_dir)
 
@@ -136,7 +139,7 @@ class GradProbe(HookedCollector):
     HOOK_GROUPS = (_GROUP,)
 
     def install_hooks(self) -> None:
-        if self._hookable:
+        if self._hookable and self.optimizer is not None:
             self.registry.add(_GROUP, self.optimizer.register_step_pre_hook(self._pre_step))
 
     def before_transfer(self) -> None:
@@ -153,7 +156,7 @@ class GradProbe(HookedCollector):
         self._prev_bits.clear()
         self._prev_sample.clear()
 
-    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _pre_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         self.measure()
 
     def _adam_exp_avg(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -241,6 +244,7 @@ class GradProbe(HookedCollector):
         sample_size = self.settings.sample_elements
         cos_prev: torch.Tensor | None = None
         packed_full: torch.Tensor | None = None
+        values: torch.Tensor | None
         if sample_size is not None and sample_size < flat.numel():
             indices = self._samples.get(index)
             if indices is None or indices.device != flat.device:

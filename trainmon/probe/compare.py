@@ -17,14 +17,18 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from trainmon.errors import UsageError
 from trainmon.inputs import find_runs, is_dir, rank_dirs_of, runs_hint
 from trainmon.probe.storage import PROBE_DIR, DirectionFile, DirectionFormatError, read_direction_header
 from trainmon.progress import progress
+
+if TYPE_CHECKING:
+    from trainmon.protocols import Subparsers
 
 _CONTROL = {code: f"\\x{code:02x}" for code in (*range(32), 127)}  # problems name user data: print it escaped
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
@@ -42,7 +46,7 @@ class Comparison:
     problems: list[str] = field(default_factory=list)
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     """Register ``grad-compare`` on the ``trainmon`` command's subparsers."""
     parser = sub.add_parser(
         "grad-compare", help="compare the gradient directions of two runs",
@@ -133,7 +137,7 @@ def _rank_number(name: str) -> int:
     return int(digits) if digits.isdigit() else 0
 
 
-def sign_similarity(bits_a: np.ndarray, bits_b: np.ndarray, count: int) -> float:
+def sign_similarity(bits_a: npt.NDArray[np.uint8], bits_b: npt.NDArray[np.uint8], count: int) -> float:
     """Fraction of equal bits among the first ``count`` of two packed arrays (padding bits are 0)."""
     differing = int(_POPCOUNT[np.bitwise_xor(bits_a, bits_b)].sum())
     return (count - differing) / count if count else float("nan")
@@ -235,7 +239,8 @@ LABELLED_LINES = 10
 """At most this many parameters get a line and a legend entry of their own in the lines plot."""
 
 
-def _grid(rows: Sequence[dict[str, Any]]) -> tuple[list[int], list[str], np.ndarray, np.ndarray]:
+def _grid(rows: Sequence[dict[str, Any]]
+          ) -> tuple[list[int], list[str], npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     """Steps, parameter labels, and the parameter x step similarity and element-count grids of one rank."""
     steps = sorted({r["step"] for r in rows})
     names = sorted({(r["vpp_stage"], r["name"]) for r in rows})

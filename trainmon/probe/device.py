@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from trainmon.collect.stats import numpy_viewable
@@ -36,7 +37,7 @@ def pack_positive(x: torch.Tensor) -> torch.Tensor:
     return pack_signs(x > 0)
 
 
-def _pack_numpy(positive: np.ndarray) -> torch.Tensor:
+def _pack_numpy(positive: npt.NDArray[np.bool_]) -> torch.Tensor:
     n = positive.size
     out = torch.zeros(8 * packed_words(n), dtype=torch.uint8)
     bits = np.packbits(positive, bitorder="little")

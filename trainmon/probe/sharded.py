@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from trainmon import process_groups
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
     from trainmon.collect.hooks import HookRegistry
     from trainmon.config import MonitorConfig
+    from trainmon.protocols import Optimizer, ProcessGroup
 
 logger = logging.getLogger("trainmon")
 _F32, _F64 = torch.float32, torch.float64
@@ -54,11 +56,11 @@ class ShardedGradProbe(GradProbe):
     """
 
     def __init__(self, ctx: StepContext, params: Sequence[tuple[str, torch.Tensor, int]], config: MonitorConfig,
-                 registry: HookRegistry, optimizer: Any = None, *,
+                 registry: HookRegistry, optimizer: Optimizer | None = None, *,
                  grad_of: Callable[[torch.Tensor], torch.Tensor | None],
                  spec_of: Callable[[torch.Tensor], sh.ShardSpec],
                  exp_avg_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-                 group: Any = None, rank_dir: Path | None = None) -> None:
+                 group: ProcessGroup | None = None, rank_dir: Path | None = None) -> None:
         self.group = group
         self.distributed = process_groups.initialized()
         self.rank = process_groups.global_rank()
@@ -78,7 +80,7 @@ class ShardedGradProbe(GradProbe):
         per_rank = [self._header + (0 if self.level == "L0" else sum(row)) for row in self._bytes]
         self._size = -(-max(per_rank) // 8) * 8
         self._local_samples: dict[int, torch.Tensor] = {}
-        self._positions: dict[tuple[int, int], tuple[np.ndarray | None, np.ndarray | slice]] = {}
+        self._positions: dict[tuple[int, int], tuple[npt.NDArray[np.int64] | None, sh.Positions]] = {}
         self._pending: tuple[Any, ...] | None = None
         self._measured_before: set[int] = set()
         self._dtypes: dict[int, str] = {}
@@ -123,9 +125,9 @@ class ShardedGradProbe(GradProbe):
         if not ctx.collecting or self.dst is None or self._closed or self._measured_step == ctx.step:
             return
         self._measured_step = ctx.step
-        rows: list[torch.Tensor] = []
-        checksums: list[torch.Tensor] = []
-        bits: list[torch.Tensor] = []
+        rows: list[torch.Tensor | None] = []
+        checksums: list[torch.Tensor | None] = []
+        bits: list[torch.Tensor | None] = []
         exp_avg_seen = False
         device = None
         flags: list[bool] = []
@@ -206,7 +208,7 @@ class ShardedGradProbe(GradProbe):
         if self.settings.mg_direction:
             if self.ctx.step == 0:
                 values[sh.MG_AGREE] = values[sh.MG_COUNT] = const(numel, flat)
-            elif had_exp_avg:
+            elif had_exp_avg and exp_avg is not None:
                 momentum = exp_avg.detach().reshape(-1)
                 values[sh.MG_AGREE] = (torch.sign(flat) * torch.sign(momentum)).sum(dtype=_F32)
                 values[sh.MG_COUNT] = const(numel, flat)
@@ -311,13 +313,15 @@ class ShardedGradProbe(GradProbe):
         host_checksums = _pinned_copy(checksums) if checksums is not None else None
         host_gathered = _pinned_copy(gathered) if self.level != "L0" else None
         event = _record_event(stats.device)
+        assert self._writer is not None  # before_transfer combines only where there is one
         self._writer.submit(lambda: self._write_whole(step, keep, metas, host_stats, host_checksums,
                                                       host_gathered, event))
 
     def _meta(self, index: int) -> dict[str, Any]:
         name, param, vpp_stage = self.params[index]
         spec = self.all_specs[0][index]
-        count = self._samples_global[index].size if self._samples_global[index] is not None else spec.total
+        sample = self._samples_global[index]
+        count = sample.size if sample is not None else spec.total
         dtype = self._dtypes.get(index) or str(param.dtype).removeprefix("torch.")
         return {"name": name, "vpp_stage": vpp_stage, "shape": list(spec.shape), "numel": spec.total,
                 "dtype": dtype, "count": count}
@@ -380,7 +384,7 @@ class ShardedGradProbe(GradProbe):
                 whole_bits.append(torch.from_numpy(sh.assemble_bits(metas[j]["count"], pieces)))
         self._write(step, metas, host_stats, host_checksums, whole_bits, None)
 
-    def _positions_of(self, index: int, rank: int) -> tuple[np.ndarray | None, np.ndarray | slice]:
+    def _positions_of(self, index: int, rank: int) -> tuple[npt.NDArray[np.int64] | None, sh.Positions]:
         key = (index, rank)
         found = self._positions.get(key)
         if found is None:

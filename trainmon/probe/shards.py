@@ -32,9 +32,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import torch
+
+Positions: TypeAlias = "npt.NDArray[np.int64] | slice"
+"""Where a piece's elements go in the stored vector: a slice (one contiguous range) or int64 indices."""
 
 COLUMNS: tuple[str, ...] = (
     "numel", "max", "min", "sumsq",
@@ -109,15 +114,16 @@ class ShardSpec:
             return self.offset * inner + self.start
         return None
 
-    def global_indices(self, local: np.ndarray) -> np.ndarray:
+    def global_indices(self, local: npt.ArrayLike) -> npt.NDArray[np.int64]:
         """Global flat indices of the piece's elements at ``local`` positions (int64 numpy)."""
         outer, extent, inner, length = self._geometry()
         q = np.asarray(local, dtype=np.int64) + self.start
         o, rest = np.divmod(q, length * inner)
         d, i = np.divmod(rest, inner)
-        return o * (extent * inner) + (self.offset + d) * inner + i
+        indices: npt.NDArray[np.int64] = o * (extent * inner) + (self.offset + d) * inner + i
+        return indices
 
-    def local_positions(self, global_sorted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def local_positions(self, global_sorted: npt.ArrayLike) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Of sorted global flat indices (a sample), the ones this piece holds.
 
         Returns:
@@ -133,7 +139,7 @@ class ShardSpec:
         return q[where] - self.start, where
 
 
-def sample_global(total: int, count: int | None) -> np.ndarray | None:
+def sample_global(total: int, count: int | None) -> npt.NDArray[np.int64] | None:
     """The fixed stratified sample of a whole parameter (None when stored whole), as the unsharded probe draws it."""
     from trainmon.probe.device import sample_indices
 
@@ -142,7 +148,8 @@ def sample_global(total: int, count: int | None) -> np.ndarray | None:
     return sample_indices(total, count, torch.device("cpu")).numpy()  # a CPU tensor: no sync
 
 
-def stored_positions(spec: ShardSpec, sample: np.ndarray | None) -> tuple[np.ndarray | None, np.ndarray | slice]:
+def stored_positions(spec: ShardSpec, sample: npt.NDArray[np.int64] | None
+                     ) -> tuple[npt.NDArray[np.int64] | None, Positions]:
     """Where a piece's stored direction bits go: ``(local elements to pack or None for all, positions)``.
 
     ``positions`` index the stored vector (the whole parameter's flattening, or its sample): a
@@ -159,7 +166,7 @@ def stored_positions(spec: ShardSpec, sample: np.ndarray | None) -> tuple[np.nda
     return None, spec.global_indices(np.arange(spec.numel, dtype=np.int64))
 
 
-def assemble_bits(count: int, pieces: Sequence[tuple[np.ndarray, int, np.ndarray | slice]]) -> np.ndarray:
+def assemble_bits(count: int, pieces: Sequence[tuple[npt.NDArray[np.uint8], int, Positions]]) -> npt.NDArray[np.uint8]:
     """The packed bits (``numpy.packbits(x > 0, bitorder="little")``) of the whole stored vector.
 
     Args:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from trainmon.actions.naming import safe_file_name
 from trainmon.safe_io import write_atomic
@@ -93,7 +94,8 @@ def direction_path(probe_dir: Path, step: int, name: str, vpp_stage: int) -> Pat
     return probe_dir / f"step{step}" / safe_file_name(stem, ".bits")
 
 
-def write_direction_file(path: Path, header: dict[str, Any], bits: np.ndarray, root: Path | None = None) -> None:
+def write_direction_file(path: Path, header: dict[str, Any], bits: npt.NDArray[np.uint8],
+                         root: Path | None = None) -> None:
     """Write one packed direction file (prefix, JSON header, ``ceil(count / 8)`` bytes).
 
     Written to a hidden temporary file in the same directory and renamed: a crash or a full disk
@@ -127,7 +129,7 @@ class DirectionFile:
     def key(self) -> tuple[int, str]:
         return int(self.header.get("vpp_stage", 0)), str(self.header["name"])
 
-    def bits(self) -> np.ndarray:
+    def bits(self) -> npt.NDArray[np.uint8]:
         """The packed bits as a uint8 array of ``ceil(count / 8)`` bytes.
 
         Raises:

@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainmon.anomaly.analyse import analyse_run, find_files, parse_steps
 from trainmon.csv2tb import CsvFormatError
@@ -26,12 +26,15 @@ from trainmon.report import data as report_data
 from trainmon.report.page import render
 from trainmon.safe_io import write_atomic
 
+if TYPE_CHECKING:
+    from trainmon.protocols import Subparsers
+
 DEFAULT_NAME = "report.html"
 MAX_RANKS = 8
 """Ranks with heatmaps when ``--ranks`` is not given (the first ones; every rank is in the timeline)."""
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: Subparsers) -> None:
     """Register ``report`` on the ``trainmon`` command's subparsers."""
     parser = sub.add_parser(
         "report", help="write one self-contained HTML report of a run",
