@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.collect.adam import (  # noqa: F401 - re-exported: integrations and tests import them from here
+from trainmon.collect.adam import (  # re-exported (__all__): integrations and tests import them from here
     _CHUNK,
     AdamEntry,
     adam_partials_cpu,
@@ -321,3 +321,7 @@ class TorchOptimizerCollector(HookedCollector):
                 keys = [RowKey(family, names[i][0], ctx.micro_step, names[i][1],
                                family_orders[i] if family_orders else ctx.buffer.next_order()) for i in indices]
                 ctx.buffer.add_block(keys, block)
+
+
+__all__ = ["_CHUNK", "TorchOptimizerCollector", "adam_partials_cpu", "adam_partials_many", "adam_update",
+           "global_grad_norm", "update_ratio"]

@@ -21,7 +21,7 @@ def framework_of(model: Model) -> str:
         if any(m.split(".")[0] == framework for m in modules):
             return framework
     if "torch.distributed.fsdp" in sys.modules:  # an FSDP module can exist only once torch imported it
-        from trainmon.integrations.fsdp import contains_fsdp
+        from trainmon.integrations.fsdp_layout import contains_fsdp
 
         if contains_fsdp(first):
             return "fsdp"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainmon.collect.hooks import HookRegistry
 from trainmon.targets import select
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from trainmon.collect.context import Collector
     from trainmon.config import MonitorConfig
+    from trainmon.protocols import GradScaler, Optimizer, ProcessGroup
 
 
 @dataclass
@@ -21,11 +22,11 @@ class AttachOptions:
     """The keyword arguments of :meth:`TrainerMonitor.attach`."""
 
     grad_acc_steps: int = 1
-    tp_group: Any = None
-    dp_group: Any = None
-    pp_group: Any = None
+    tp_group: ProcessGroup | None = None
+    dp_group: ProcessGroup | None = None
+    pp_group: ProcessGroup | None = None
     start_step: int = 0
-    scaler: Any = None
+    scaler: GradScaler | None = None
 
 
 @dataclass
@@ -50,14 +51,14 @@ class Attachment:
     collectors: list[Collector]
     roots: list[tuple[torch.nn.Module, int]]
     modules: list[tuple[str, torch.nn.Module, int]]
-    optimizer: Any
+    optimizer: Optimizer | None
     registry: HookRegistry
     rank: int = 0
     world_size: int = 1
     pp_stage: int = 0
     collective: bool = False
     micro_steps_by_user: bool = False
-    scaler: Any = None
+    scaler: GradScaler | None = None
     on_close: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:

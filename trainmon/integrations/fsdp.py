@@ -47,7 +47,7 @@ from trainmon.collect.optimizer import (
 )
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
-from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, _local, contains_fsdp, shard_group_of  # noqa: F401 - contains_fsdp: re-exported for integrations
+from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, _local, shard_group_of
 from trainmon.integrations.torch import _outside_compiled, compiled_regions, plain_name, unwrap_model
 from trainmon.step_hooks import scale_of, unwrap_optimizer
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -73,9 +73,9 @@ def shard_group_of(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> Sh
         mesh, placements = param.device_mesh, tuple(param.placements)
         kinds = [type(p) for p in placements]
         if mesh.ndim == 1 and kinds == [Shard]:
-            dim, layout = 0, f"FSDP, Shard({placements[0].dim})"
+            dim, layout = 0, f"FSDP, Shard({cast(Shard, placements[0]).dim})"
         elif mesh.ndim == 2 and kinds == [Replicate, Shard]:
-            dim, layout = 1, f"HSDP, (Replicate(), Shard({placements[1].dim}))"
+            dim, layout = 1, f"HSDP, (Replicate(), Shard({cast(Shard, placements[1]).dim}))"
         else:
             names = f" {mesh.mesh_dim_names}" if mesh.mesh_dim_names else ""
             raise FSDPLayoutError(

@@ -15,7 +15,7 @@ writes once, as for the other FSDP families.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -24,6 +24,8 @@ from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, _loca
 from trainmon.probe.shards import ShardSpec
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor, Shard
+
     from trainmon.collect.context import StepContext
     from trainmon.collect.hooks import HookRegistry
     from trainmon.config import MonitorConfig
@@ -41,7 +43,7 @@ def shard_spec(param: torch.Tensor, shards: ShardGroup) -> ShardSpec:
     shape = tuple(param.shape)
     if not hasattr(param, "to_local"):  # unsharded (shard group of one): the whole parameter
         return ShardSpec.flat(shape, 0, param.numel())
-    dim = param.placements[-1].dim
+    dim = cast("Shard", cast("DTensor", param).placements[-1]).dim  # a DTensor sharded by FSDP2 (checked at attach)
     extent = shape[dim] if shape else 1
     rank = process_groups.group_rank(shards.group, none_is_world=False)
     chunk = -(-extent // shards.size)  # torch.chunk's chunk size

@@ -35,7 +35,7 @@ from trainmon.monitor import TrainerMonitor
 try:
     from lightning.pytorch import Callback
 except ImportError:  # the older package name
-    from pytorch_lightning import Callback  # type: ignore[no-redef]
+    from pytorch_lightning import Callback  # type: ignore[assignment]
 
 
 class TrainmonCallback(Callback):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -27,10 +27,11 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     Rows are named after this module's names, so they never carry ``module.`` or ``_orig_mod.``.
     """
     while True:
+        # (nn.Module.__getattr__ types these attributes as Tensor | Module: they hold modules)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model = model.module
+            model = cast(torch.nn.Module, model.module)
         elif _is_compiled(model):
-            model = model._orig_mod
+            model = cast(torch.nn.Module, model._orig_mod)
         else:
             return model
 
@@ -55,7 +56,8 @@ def compiled_regions(model: torch.nn.Module) -> list[str]:
     while isinstance(chain, torch.nn.parallel.DistributedDataParallel) or _is_compiled(chain):
         if _is_compiled(chain):
             regions.append("")
-        chain = chain.module if isinstance(chain, torch.nn.parallel.DistributedDataParallel) else chain._orig_mod
+        chain = cast(torch.nn.Module, chain.module if isinstance(chain, torch.nn.parallel.DistributedDataParallel)
+                     else chain._orig_mod)
     for name, module in chain.named_modules():
         if getattr(module, "_compiled_call_impl", None) is not None or (name and _is_compiled(module)):
             regions.append(name)

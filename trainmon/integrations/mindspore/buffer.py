@@ -34,7 +34,7 @@ class MindSporeStepBuffer:
     scalar_names: list[str] = field(default_factory=list)
     scalar_values: list[Tensor] = field(default_factory=list)
     host_scalars: dict[str, float] = field(default_factory=dict)
-    _order: itertools.count = field(default_factory=itertools.count)
+    _order: itertools.count[int] = field(default_factory=itertools.count)
 
     def next_order(self) -> int:
         """Execution-order counter within the step (the ``order`` of rows and events)."""

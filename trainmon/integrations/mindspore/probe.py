@@ -48,7 +48,7 @@ class OptimizerPreHook:
         self.index = {id(p): i for i, p in enumerate(optimizer.parameters)}
 
     def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
-        def pre_hook(cell: Any, args: tuple) -> None:
+        def pre_hook(cell: Any, args: tuple[Any, ...]) -> None:
             self.grads = args[0] if args and isinstance(args[0], (tuple, list)) else None
             try:
                 hook(cell, args, {})
