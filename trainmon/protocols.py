@@ -34,6 +34,16 @@ ProcessGroup: TypeAlias = Any
 GradScaler: TypeAlias = Any
 """A ``torch.amp.GradScaler`` (or a duck-typed one with ``get_scale``), given to ``attach`` or found there."""
 
+DeepSpeedParameter: TypeAlias = Any
+"""A ``torch.nn.Parameter`` of a DeepSpeed engine, with the attributes DeepSpeed sets on it that torch's
+``Parameter`` does not declare: ZeRO-3's ``ds_numel``, ``ds_shape``, ``ds_tensor``, ``ds_process_group``;
+ZeRO 1/2's (and the BF16 optimizer's) ``_hp_mapping`` and ``_index_in_param_group``."""
+
+MegatronParameter: TypeAlias = Any
+"""A ``torch.nn.Parameter`` of a Megatron-Core model chunk, with the attributes Megatron sets on it that
+torch's ``Parameter`` does not declare: ``main_grad`` (the gradient buffer's view), ``partition_dim``
+and ``tensor_model_parallel`` (its tensor-parallel split)."""
+
 Scalar: TypeAlias = Any
 """A value given to ``monitor.step()``: a Python number or a 0-d tensor of any framework (read after the
 step's one host transfer)."""

@@ -37,6 +37,7 @@ from trainmon.step_hooks import StepWrapper
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext
     from trainmon.config import MonitorConfig
+    from trainmon.protocols import DeepSpeedParameter
 
 _STATES = ("exp_avg", "exp_avg_sq")
 
@@ -62,7 +63,7 @@ class DeepSpeedShardCollector(HookedCollector):
     the collective.
     """
 
-    def __init__(self, ctx: StepContext, engine: Any, params: list[tuple[str, torch.nn.Parameter, int]],
+    def __init__(self, ctx: StepContext, engine: Any, params: list[tuple[str, DeepSpeedParameter, int]],
                  config: MonitorConfig, hooks: StepWrapper, dp_group: Any = None) -> None:
         super().__init__(ctx)
         self.engine = engine
@@ -90,7 +91,7 @@ class DeepSpeedShardCollector(HookedCollector):
         partial = empty_partial(torch.device(device)) if tensor is None else partial_stats(tensor, spec)
         self._pending.append((family, name, vpp_stage, partial))
 
-    def _pre_step(self, engine: Any, args: tuple, kwargs: dict) -> None:
+    def _pre_step(self, engine: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ctx, layout = self.ctx, self.layout
         if not ctx.collecting:
             return
@@ -105,7 +106,7 @@ class DeepSpeedShardCollector(HookedCollector):
             if grads:
                 ctx.buffer.add_scalar("grad_norm", torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
 
-    def _post_step(self, engine: Any, args: tuple, kwargs: dict) -> None:
+    def _post_step(self, engine: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ctx, layout = self.ctx, self.layout
         if not ctx.collecting:
             return
@@ -137,15 +138,19 @@ class DeepSpeedShardCollector(HookedCollector):
                 continue
             update = None
             if shards["exp_avg"] is not None and shards["exp_avg_sq"] is not None:
-                state, group = context.get(shards["exp_avg"].untyped_storage().data_ptr(), (None, None))
-                if state is not None:
+                found = context.get(shards["exp_avg"].untyped_storage().data_ptr())
+                if found is not None:
+                    state, group = found
                     update = adam_update({"exp_avg": shards["exp_avg"], "exp_avg_sq": shards["exp_avg_sq"],
                                           "step": state.get("step")}, group)
             if "update" in self.states:
                 self._measure("update", name, vpp_stage, update)
             if "ratio" in self.states:
-                master = layout.master(param) if update is not None else None
-                self._measure("ratio", name, vpp_stage, None if master is None else update_ratio(update, master))
+                ratio = None
+                if update is not None:
+                    master = layout.master(param)
+                    ratio = None if master is None else update_ratio(update, master)
+                self._measure("ratio", name, vpp_stage, ratio)
 
     # ------------------------------------------------------------------------- step end
     def before_transfer(self) -> None:
@@ -161,7 +166,7 @@ class DeepSpeedShardCollector(HookedCollector):
             self.ctx.add(family, name, partials[i], vpp_stage)
 
 
-def _grad_probe(ctx: StepContext, config: MonitorConfig, engine: Any, params: list[tuple[str, torch.nn.Parameter, int]],
+def _grad_probe(ctx: StepContext, config: MonitorConfig, engine: Any, params: list[tuple[str, DeepSpeedParameter, int]],
                 registry: HookRegistry, hooks: StepWrapper, options: AttachOptions) -> Collector:
     """The grad probe on the gradient DeepSpeed steps with (read at the start of ``engine.step()`` on a boundary).
 
@@ -175,7 +180,7 @@ def _grad_probe(ctx: StepContext, config: MonitorConfig, engine: Any, params: li
 
     layout = layout_for(engine, [p for _, p, _ in params] or engine.module.parameters())
 
-    def exp_avg_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+    def exp_avg_of(param: DeepSpeedParameter) -> torch.Tensor | None:
         return layout.state(param, "exp_avg")
 
     # The step wrapper's pre-hooks run on accumulation boundaries only, before DeepSpeed steps
@@ -188,7 +193,7 @@ def _grad_probe(ctx: StepContext, config: MonitorConfig, engine: Any, params: li
                             exp_avg_of=exp_avg_of, group=_dp_group(engine, params, options))
 
 
-def _dp_group(engine: Any, params: list[tuple[str, torch.nn.Parameter, int]], options: AttachOptions) -> Any:
+def _dp_group(engine: Any, params: list[tuple[str, DeepSpeedParameter, int]], options: AttachOptions) -> Any:
     """The group the ZeRO partitions are spread over: ZeRO-3's ``ds_process_group``, else the data-parallel group."""
     if options.dp_group is not None:
         return options.dp_group

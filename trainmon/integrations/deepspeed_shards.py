@@ -13,12 +13,15 @@ cut off), so partial statistics of the shards combine exactly to the whole param
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trainmon import process_groups
 from trainmon.probe.shards import ShardSpec
+
+if TYPE_CHECKING:
+    from trainmon.protocols import DeepSpeedParameter
 
 
 def _inner_optimizer(engine: Any) -> torch.optim.Optimizer | None:
@@ -43,19 +46,19 @@ class ShardLayout:
         self.engine = engine
         self.optimizer = _inner_optimizer(engine)
 
-    def grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+    def grad(self, param: DeepSpeedParameter) -> torch.Tensor | None:
         """The local shard of the reduced gradient (valid between backward and step)."""
         raise NotImplementedError
 
-    def spec(self, param: torch.nn.Parameter) -> ShardSpec:
+    def spec(self, param: DeepSpeedParameter) -> ShardSpec:
         """Which elements of the whole parameter :meth:`grad` holds on this rank (static)."""
         raise NotImplementedError
 
-    def master(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+    def master(self, param: DeepSpeedParameter) -> torch.Tensor | None:
         """The local shard of the fp32 master parameter."""
         raise NotImplementedError
 
-    def state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
+    def state(self, param: DeepSpeedParameter, key: str) -> torch.Tensor | None:
         """The local shard of optimizer state ``key`` (None before the first step)."""
         raise NotImplementedError
 
@@ -85,7 +88,7 @@ class ShardLayout:
 class Zero3Layout(ShardLayout):
     """ZeRO-3: ``safe_get_local_*``; each parameter is split evenly (padded) over the dp group."""
 
-    def _valid(self, param: torch.nn.Parameter, local: torch.Tensor | None) -> torch.Tensor | None:
+    def _valid(self, param: DeepSpeedParameter, local: torch.Tensor | None) -> torch.Tensor | None:
         if local is None:
             return None
         local = local.reshape(-1)
@@ -94,23 +97,23 @@ class Zero3Layout(ShardLayout):
         valid = max(0, min(part, param.ds_numel - index * part))
         return local.narrow(0, 0, valid)
 
-    def spec(self, param: torch.nn.Parameter) -> ShardSpec:
+    def spec(self, param: DeepSpeedParameter) -> ShardSpec:
         part = param.ds_tensor.ds_numel  # the (padded) partition size, equal on every rank
         index = process_groups.group_rank(param.ds_process_group)
         valid = max(0, min(part, param.ds_numel - index * part))
         return ShardSpec.flat(tuple(param.ds_shape), index * part if valid else 0, valid)
 
-    def grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+    def grad(self, param: DeepSpeedParameter) -> torch.Tensor | None:
         from deepspeed.utils import safe_get_local_grad
 
         return self._valid(param, safe_get_local_grad(param))
 
-    def master(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+    def master(self, param: DeepSpeedParameter) -> torch.Tensor | None:
         from deepspeed.utils import safe_get_local_fp32_param
 
         return self._valid(param, safe_get_local_fp32_param(param))
 
-    def state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
+    def state(self, param: DeepSpeedParameter, key: str) -> torch.Tensor | None:
         from deepspeed.utils import safe_get_local_optimizer_state
 
         try:
@@ -125,12 +128,12 @@ class FragmentLayout(ShardLayout):
     ``_hp_mapping`` is None on a rank that holds no element of the parameter.
     """
 
-    def grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+    def grad(self, param: DeepSpeedParameter) -> torch.Tensor | None:
         mapping = param._hp_mapping
         if mapping is None:
             return None
         try:
-            fragment = mapping.get_lp_grad_fragment(param._index_in_param_group)
+            fragment: torch.Tensor = mapping.get_lp_grad_fragment(param._index_in_param_group)
         except ValueError:  # DeepSpeed: "only available immediately after backward and before engine step"
             return None
         fragment = fragment.reshape(-1)
@@ -140,22 +143,24 @@ class FragmentLayout(ShardLayout):
             fragment = fragment.narrow(0, address.start, address.numel)
         return fragment
 
-    def spec(self, param: torch.nn.Parameter) -> ShardSpec:
+    def spec(self, param: DeepSpeedParameter) -> ShardSpec:
         mapping = getattr(param, "_hp_mapping", None)
         if mapping is None:
             return ShardSpec.flat(tuple(param.shape), 0, 0)
         address = mapping.lp_fragment_address  # the fragment's offset in the flattened parameter
         return ShardSpec.flat(tuple(param.shape), address.start, address.numel)
 
-    def master(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+    def master(self, param: DeepSpeedParameter) -> torch.Tensor | None:
         mapping = param._hp_mapping
-        return None if mapping is None else mapping.get_hp_fragment()
+        master: torch.Tensor | None = None if mapping is None else mapping.get_hp_fragment()
+        return master
 
-    def state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
+    def state(self, param: DeepSpeedParameter, key: str) -> torch.Tensor | None:
         mapping = param._hp_mapping
         if mapping is None or not mapping.optim_fragment or key not in mapping.optim_fragment:
             return None
-        return mapping.get_hp_fragment(key)
+        state: torch.Tensor = mapping.get_hp_fragment(key)
+        return state
 
 
 class ReplicatedLayout(ShardLayout):
@@ -175,16 +180,18 @@ class ReplicatedLayout(ShardLayout):
             for low_group, high_group in zip(low, wrapper.fp32_groups):
                 self._master.update((id(p), q) for p, q in zip(low_group, high_group))
 
-    def grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        return param.grad
+    def grad(self, param: DeepSpeedParameter) -> torch.Tensor | None:
+        grad: torch.Tensor | None = param.grad
+        return grad
 
-    def spec(self, param: torch.nn.Parameter) -> ShardSpec:
+    def spec(self, param: DeepSpeedParameter) -> ShardSpec:
         return ShardSpec.flat(tuple(param.shape), 0, param.numel())
 
-    def master(self, param: torch.nn.Parameter) -> torch.Tensor | None:
-        return self._master.get(id(param), param)
+    def master(self, param: DeepSpeedParameter) -> torch.Tensor:
+        master = self._master.get(id(param))
+        return param if master is None else master
 
-    def state(self, param: torch.nn.Parameter, key: str) -> torch.Tensor | None:
+    def state(self, param: DeepSpeedParameter, key: str) -> torch.Tensor | None:
         if self.optimizer is None:
             return None
         state = self.optimizer.state.get(self.master(param))
@@ -192,7 +199,7 @@ class ReplicatedLayout(ShardLayout):
         return value if isinstance(value, torch.Tensor) else None
 
 
-def layout_for(engine: Any, params: Iterable[torch.nn.Parameter]) -> ShardLayout:
+def layout_for(engine: Any, params: Iterable[DeepSpeedParameter]) -> ShardLayout:
     """Pick the layout from the parameters and the engine's optimizer.
 
     Raises:

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -91,8 +91,9 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         self.writes_rows = writes_rows
         self.collective = shards.size > 1
         self._device = _collective_device(shards) if self.collective else None
-        self._pending: list[tuple[str, str, int, torch.Tensor]] = []
-        self._hooked: dict[int, weakref.ref] = {}
+        # (family, name, vpp, partial): the base class's name, so its _drop_pending clears these rows too.
+        self._pending: list[tuple[str, str, int, torch.Tensor]] = []  # type: ignore[assignment]
+        self._hooked: dict[int, weakref.ref[torch.Tensor]] = {}
         self._warned: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------------- hooks
@@ -112,7 +113,8 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         self._pending.clear()
         self._norm, self._norm_final = None, False
 
-    def _find_unsharded(self, entries: list[tuple[str, Any, str, int]]):  # hook closure
+    def _find_unsharded(self, entries: list[tuple[str, Any, str, int]]
+                        ) -> Callable[[torch.nn.Module, Any], None]:  # hook closure
         """Forward pre-hook of an FSDP module, run after FSDP's own (which is prepended and unshards):
         hook the unsharded parameters now set on the modules, once each while armed."""
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -184,7 +186,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
                    param: torch.Tensor) -> None:
         """``update`` and ``ratio`` of the local shard (the same elementwise arithmetic as on whole tensors)."""
         local = {key: _local(value) if isinstance(value, torch.Tensor) else value for key, value in state.items()}
-        families = [f for f in ("update", "ratio") if f in self._states]
+        families: list[str] = [f for f in ("update", "ratio") if f in self._states]
         if param.numel() == 0:
             for family in families:
                 self._pending.append((family, name, vpp_stage, empty_partial(param.device)))
@@ -192,7 +194,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         fused = adam_partials_cpu(local, group, param, self.ctx.specs.get("update"), self.ctx.specs.get("ratio"))
         if fused is not None:
             for family, partial in zip(("update", "ratio"), fused):
-                if family in families:
+                if family in families and partial is not None:  # a family's partial is None without its spec
                     self._pending.append((family, name, vpp_stage, partial))
             return
         update = adam_update(local, group)
@@ -230,7 +232,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         if not self.ctx.collecting or (not pending and norm is None):
             return
         rows = [partial for *_, partial in pending]
-        device = self._device or (rows[0].device if rows else norm.device)
+        device = self._device or (rows[0].device if rows or norm is None else norm.device)
         if norm is not None:  # the local norm as a row: combining takes sqrt(sum of squares) over shards
             norm_row = empty_partial(device)
             norm_row[0] = norm.to(device)
@@ -260,7 +262,9 @@ def _collective_device(shards: ShardGroup) -> torch.device | None:
 def _fsdp_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     from torch.distributed.fsdp import FSDPModule
 
-    return [(plain_name(name), module) for name, module in root.named_modules() if isinstance(module, FSDPModule)]
+    # cast: isinstance narrows each module to FSDPModule, which is a mixin of the module's own class.
+    modules = [(plain_name(name), module) for name, module in root.named_modules() if isinstance(module, FSDPModule)]
+    return cast("list[tuple[str, torch.nn.Module]]", modules)
 
 
 def _unsharded_owners(root: torch.nn.Module, params: Sequence[tuple[str, torch.nn.Parameter, int]],
@@ -337,11 +341,11 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         shards = shard_group_of([(name, p) for name, p, _ in params] + extra)
         chosen = select_params(params, config)
     probe_collector = None
-    if probe:  # its layout check may raise: before any other collector exists
+    if probe and shards is not None:  # its layout check may raise: before any other collector exists
         from trainmon.integrations.fsdp_probe import fsdp_grad_probe
 
         probe_collector = fsdp_grad_probe(ctx, config, chosen, optimizer, registry, shards)
-    if weights:
+    if weights and shards is not None:
         shard_collector = FSDPOptimizerCollector(
             ctx, chosen, optimizer, config, registry, shards,
             _unsharded_owners(root, chosen, _fsdp_modules(root)),

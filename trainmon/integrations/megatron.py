@@ -33,6 +33,7 @@ from trainmon.step_hooks import StepWrapper
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext
     from trainmon.config import MonitorConfig
+    from trainmon.protocols import MegatronParameter
 
 logger = logging.getLogger("trainmon")
 
@@ -147,7 +148,7 @@ def _record_step_result(ctx: StepContext, wrapper: StepWrapper) -> Callable[...,
     ``skipped_iter``) is 1 when the step was skipped for non-finite gradients; ``grad_norm`` is
     Megatron's pre-clip norm; ``loss_scale`` and ``lr/group{i}``.
     """
-    def hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
+    def hook(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         result = wrapper.last_result
         if not ctx.collecting or not (isinstance(result, tuple) and len(result) == 3):
             return
@@ -278,7 +279,7 @@ def _probe_group(mains: dict[int, MainParam], layout: GroupLayout) -> tuple[bool
                      "distributed optimizer (parallel_state's tensor_and_data_parallel group differs)")
 
 
-def grad_probe(ctx: StepContext, config: MonitorConfig, params: list[tuple[str, torch.nn.Parameter, int]],
+def grad_probe(ctx: StepContext, config: MonitorConfig, params: list[tuple[str, MegatronParameter, int]],
                mains: dict[int, MainParam], layout: GroupLayout, registry: HookRegistry) -> Collector | None:
     """The grad probe on what Megatron's torch optimizers step with: ``main.grad`` of each main parameter,
     in their step pre-hooks (after Megatron's unscaling and clipping), with Adam's ``exp_avg`` of it.
@@ -299,11 +300,11 @@ def grad_probe(ctx: StepContext, config: MonitorConfig, params: list[tuple[str, 
         return None
     hooks = _InnerStepHooks(optimizers)
 
-    def grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+    def grad_of(param: MegatronParameter) -> torch.Tensor | None:
         main = mains.get(id(param))
         return None if main is None or main.main.numel() == 0 else main.main.grad
 
-    def exp_avg_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+    def exp_avg_of(param: MegatronParameter) -> torch.Tensor | None:
         main = mains.get(id(param))
         if main is None or main.main.numel() == 0:
             return None
@@ -313,7 +314,7 @@ def grad_probe(ctx: StepContext, config: MonitorConfig, params: list[tuple[str, 
     if not sharded:
         return GradProbe(ctx, params, config, registry, hooks, grad_of=grad_of, exp_avg_of=exp_avg_of)
 
-    def spec_of(param: torch.nn.Parameter) -> ShardSpec:
+    def spec_of(param: MegatronParameter) -> ShardSpec:
         main = mains.get(id(param))
         start, numel = main.piece if main is not None and main.piece is not None else (0, param.numel())
         shape = list(param.shape)
@@ -330,7 +331,8 @@ def grad_probe(ctx: StepContext, config: MonitorConfig, params: list[tuple[str, 
 
 
 def _attach_torch_optimizer(ctx: StepContext, config: MonitorConfig, roots: list[torch.nn.Module],
-                            named_modules: list, params: list, optimizer: torch.optim.Optimizer,
+                            named_modules: list[tuple[str, torch.nn.Module, int]],
+                            params: list[tuple[str, MegatronParameter, int]], optimizer: torch.optim.Optimizer,
                             collectors: list[Collector], registry: HookRegistry, pp_stage: int,
                             tp_size: int = 1) -> Attachment:
     """Megatron-Core model chunks trained with a ``torch.optim`` optimizer.

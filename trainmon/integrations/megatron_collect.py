@@ -28,6 +28,7 @@ from trainmon.records import RowKey, activation_row
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
     from trainmon.config import MonitorConfig
+    from trainmon.protocols import MegatronParameter
 
 _GRADS = "megatron_grads"
 _OPTIMIZER = "megatron_optimizer"
@@ -98,7 +99,7 @@ class MegatronParamCollector(HookedCollector):
         registry: where the hook handles live.
     """
 
-    def __init__(self, ctx: StepContext, params: Sequence[tuple[str, torch.nn.Parameter, int]],
+    def __init__(self, ctx: StepContext, params: Sequence[tuple[str, MegatronParameter, int]],
                  mains: dict[int, MainParam], layout: GroupLayout, config: MonitorConfig,
                  registry: HookRegistry) -> None:
         super().__init__(ctx, registry)
@@ -252,14 +253,15 @@ class MegatronParamCollector(HookedCollector):
         self.reset()
 
 
-def _unreduced_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+def _unreduced_grad(param: MegatronParameter) -> torch.Tensor | None:
     """The parameter's accumulated gradient including the micro-step being accumulated now."""
-    main_grad = getattr(param, "main_grad", None)
+    main_grad: torch.Tensor | None = getattr(param, "main_grad", None)
+    grad: torch.Tensor | None = param.grad
     if main_grad is None:
-        return param.grad
-    if param.grad is None or getattr(param, "grad_added_to_main_grad", False):
+        return grad
+    if grad is None or getattr(param, "grad_added_to_main_grad", False):
         return main_grad  # gradient-accumulation fusion wrote into main_grad already
-    return main_grad + param.grad
+    return main_grad + grad
 
 
 class MegatronActivationCollector(ActivationCollector):
@@ -306,12 +308,13 @@ class MegatronActivationCollector(ActivationCollector):
         super().before_transfer()
         self._grad_calls.clear()
 
-    def _megatron_hook(self, name: str, vpp_stage: int, forward: bool, backward: bool):
+    def _megatron_hook(self, name: str, vpp_stage: int, forward: bool,
+                       backward: bool) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
         measure_forward = self.forward_hook(name, vpp_stage)
         is_checkpointing = self._is_checkpointing
         input_row, output_row = activation_row(name, "input_grad"), activation_row(name, "output_grad")
 
-        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self.ctx.collecting:
                 return
             grad_enabled = torch.is_grad_enabled()
