@@ -10,10 +10,9 @@ for a MindSpore cell.
 
 from __future__ import annotations
 
-import io
 import sys
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -23,6 +22,14 @@ if TYPE_CHECKING:
     from trainmon.actions.perturb import RerunOps
 
 Hook = Callable[..., Any]
+ForwardPreHook = Callable[[Any, tuple[Any, ...], dict[str, Any]], None]
+"""A forward pre-hook given the keyword arguments too: ``(module, args, kwargs)``."""
+ForwardHook = Callable[[Any, tuple[Any, ...], dict[str, Any], Any], Any]
+"""A forward hook given the keyword arguments too: ``(module, args, kwargs, output)``; not None replaces the output."""
+GradHook = Callable[[Any], None]
+"""A gradient hook of a tensor or a parameter: ``(grad)``."""
+CellBackwardHook = Callable[[Any, Any, Any], None]
+"""A MindSpore cell backward hook: ``(cell, grad_input, grad_output)``."""
 
 
 class Framework(Protocol):
@@ -63,7 +70,7 @@ class Framework(Protocol):
     def to_host(self, stats: list[Any]) -> list[list[float]]: ...
     def nbytes(self, tensor: Any) -> int: ...
     def host_copy(self, tensor: Any) -> Any: ...
-    def save(self, host: Any, handle: io.BufferedWriter) -> None: ...
+    def save(self, host: Any, handle: IO[bytes]) -> None: ...
     def host_bytes(self, host: Any) -> bytes: ...
 
     # ---- free benchmark
@@ -196,7 +203,7 @@ class TorchFramework:
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().to("cpu", copy=True)  # sync: the dump's host copy (dump steps only)
 
-    def save(self, host: torch.Tensor, handle: io.BufferedWriter) -> None:
+    def save(self, host: torch.Tensor, handle: IO[bytes]) -> None:
         torch.save(host.contiguous().clone(), handle)
 
     def host_bytes(self, host: torch.Tensor) -> bytes:

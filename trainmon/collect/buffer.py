@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -23,6 +24,27 @@ class HostStep:
     keys: list[RowKey]
     partials: npt.NDArray[np.float64]  # [len(keys), 8]
     scalars: dict[str, float]
+
+
+class Buffer(Protocol):
+    """What ``StepContext.buffer`` is: a :class:`StepBuffer`, or a framework's own step buffer with the same
+    members (MindSpore's ``MindSporeStepBuffer``, whose partials are MindSpore tensors). Only a
+    :class:`StepBuffer` has :meth:`StepBuffer.reserve_orders` and :meth:`StepBuffer.add_block`."""
+
+    keys: list[RowKey]
+    partials: list[Any]
+    scalar_names: list[str]
+    host_scalars: dict[str, float]
+
+    def next_order(self) -> int: ...
+
+    def add(self, key: RowKey, partial: Any) -> None: ...
+
+    def add_scalar(self, name: str, value: Any) -> None: ...
+
+    def __len__(self) -> int: ...
+
+    def transfer(self) -> HostStep: ...
 
 
 @dataclass

@@ -56,7 +56,7 @@ from trainmon.config import COMM_OPS
 from trainmon.records import RowKey
 
 if TYPE_CHECKING:
-    from trainmon.collect.buffer import StepBuffer
+    from trainmon.collect.buffer import Buffer
     from trainmon.collect.context import StepContext
     from trainmon.config import CommunicationConfig
     from trainmon.protocols import Optimizer, ProcessGroup
@@ -127,8 +127,8 @@ class CommCollector(HookedCollector):
         self._calls: dict[tuple[str, int], int] = {}  # ("{op}.{group}", micro_step) -> calls so far
         self._forward_depth = 0  # root forwards running (nested calls of a root count too)
         self._in_optimizer = False
-        self._step_buffer: StepBuffer | None = None
-        self._flushed: StepBuffer | None = None
+        self._step_buffer: Buffer | None = None
+        self._flushed: Buffer | None = None
         self._groups: dict[ProcessGroup, str] = {}
         self._sites: dict[tuple[CodeType, int], str | None] = {}
         self._plumbing: dict[CodeType, bool] = {}
@@ -325,12 +325,12 @@ class CommCollector(HookedCollector):
         return re.sub(r"[^A-Za-z0-9_:-]", "_", f"{stem}:{code.co_name}:{frame.f_lineno}")
 
     # ------------------------------------------------------------------ measuring
-    def _start(self, buffer: StepBuffer) -> StepBuffer:
+    def _start(self, buffer: Buffer) -> Buffer:
         if self._step_buffer is not buffer:  # first measured call of a step
             self._reset(buffer)
         return buffer
 
-    def _reset(self, buffer: StepBuffer | None) -> None:
+    def _reset(self, buffer: Buffer | None) -> None:
         self._rows.clear()
         self._traffic.clear()
         self._calls.clear()
@@ -347,7 +347,7 @@ class CommCollector(HookedCollector):
                 row = self._rows[key] = _Row(self.ctx.buffer.next_order(), micro_step, phase)
             row.partials.append(partial_stats(tensor, spec))
 
-    def _measure_on_completion(self, result: Any, prefix: str, plan: CallPlan, buffer: StepBuffer) -> Any:
+    def _measure_on_completion(self, result: Any, prefix: str, plan: CallPlan, buffer: Buffer) -> Any:
         works = result if isinstance(result, list) else [result]
         if not works or not all(isinstance(w, dist.Work) for w in works):
             return result  # not a member of the group, or a backend without work handles
@@ -362,7 +362,7 @@ class CommCollector(HookedCollector):
         wrapped = [MeasuredWork(w, done) for w in works]
         return wrapped if isinstance(result, list) else wrapped[0]
 
-    def _flush(self, buffer: StepBuffer) -> None:
+    def _flush(self, buffer: Buffer) -> None:
         """Combine the calls of each row on the device (one combination per distinct call count)."""
         items = list(self._rows.items())
         by_shape: dict[tuple[int, torch.device], list[int]] = {}

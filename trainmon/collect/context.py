@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from trainmon.collect.buffer import StepBuffer
+from trainmon.collect.buffer import Buffer, StepBuffer
 from trainmon.collect.stats import StatsSpec, partial_stats, partial_stats_many
 from trainmon.records import RowKey
 
@@ -94,14 +94,14 @@ class StepContext:
 
     specs: dict[str, StatsSpec]
     metrics: dict[str, list[str]]
-    buffer: StepBuffer = field(default_factory=StepBuffer)
+    buffer: Buffer = field(default_factory=StepBuffer)
     step: int = 0
     micro_step: int = 0
     forwards: int = 0
     collecting: bool = False
     grad_acc_steps: int = 1
     pp_stage: int = 0
-    buffer_factory: Callable[[], StepBuffer] = StepBuffer
+    buffer_factory: Callable[[], Buffer] = StepBuffer
     """Makes each step's buffer; an integration with its own tensors (MindSpore) sets its own."""
     stats_fn: Callable[[Any, StatsSpec], Any] = partial_stats
     """Partial statistics of one tensor; MindSpore sets its own."""
@@ -169,13 +169,14 @@ class StepContext:
         if spec is None or not tensors:
             return
         stages = [vpp_stages] * len(tensors) if isinstance(vpp_stages, int) else list(vpp_stages)
-        if self.stats_fn is not partial_stats or not hasattr(self.buffer, "add_block"):
+        buffer = self.buffer
+        if self.stats_fn is not partial_stats or not isinstance(buffer, StepBuffer):
             for i, (name, tensor) in enumerate(zip(names, tensors)):  # another framework's statistics
                 self.record(family, name, tensor, stages[i], micro_step, scale,
                             None if orders is None else orders[i])
             return
         if orders is None:
-            first = self.buffer.reserve_orders(len(tensors))
+            first = buffer.reserve_orders(len(tensors))
             orders = range(first, first + len(tensors))
         micro = self.micro_step if micro_step is None else micro_step
         fresh: list[int] = []
@@ -183,7 +184,7 @@ class StepContext:
             cached = self._cached(tensor, spec)
             if cached is not None:  # measured already this step: reuse (see record)
                 partial = cached if scale is None else unscale_partial(cached, scale)
-                self.buffer.add(RowKey(family, names[i], micro, stages[i], orders[i]), partial)
+                buffer.add(RowKey(family, names[i], micro, stages[i], orders[i]), partial)
             elif getattr(tensor, "layout", torch.strided) != torch.strided:
                 self._cannot_measure(family, names[i], TypeError(f"{tensor.layout} tensors are not measured"))
             else:
@@ -203,7 +204,7 @@ class StepContext:
             if scale is not None:
                 block = unscale_block(block, scale)
             keys = [RowKey(family, names[i], micro, stages[i], orders[i]) for i in rows]
-            self.buffer.add_block(keys, block)
+            buffer.add_block(keys, block)
 
     def _cached(self, tensor: Any, spec: StatsSpec) -> torch.Tensor | None:
         """The partial of ``tensor`` measured earlier this step at its current version, if any."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -22,6 +22,7 @@ from trainmon.records import RowKey
 from trainmon.step_hooks import scale_of
 
 if TYPE_CHECKING:
+    from trainmon.collect.buffer import StepBuffer
     from trainmon.collect.context import StepContext
     from trainmon.config import MonitorConfig
 
@@ -320,7 +321,7 @@ class TorchOptimizerCollector(HookedCollector):
                 block = update_block if which == 1 else ratio_block
                 keys = [RowKey(family, names[i][0], ctx.micro_step, names[i][1],
                                family_orders[i] if family_orders else ctx.buffer.next_order()) for i in indices]
-                ctx.buffer.add_block(keys, block)
+                cast("StepBuffer", ctx.buffer).add_block(keys, block)  # torch statistics: a StepBuffer
 
 
 __all__ = ["_CHUNK", "TorchOptimizerCollector", "adam_partials_cpu", "adam_partials_many", "adam_update",

@@ -44,7 +44,7 @@ class OptimizerStepHooks:
         self.optimizer = optimizer
 
     def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
-        def forward_hook(cell: nn.Cell, args: tuple, output: Any) -> None:
+        def forward_hook(cell: nn.Cell, args: tuple[Any, ...], output: Any) -> None:
             hook(cell, args, {})
 
         return self.optimizer.register_forward_hook(forward_hook)

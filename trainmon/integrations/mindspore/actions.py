@@ -17,12 +17,12 @@ forward started from (``mint`` dropout draws the same mask); every state is rest
 from __future__ import annotations
 
 import copy
-import io
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import IO, Any
 
 import mindspore as ms
 import numpy as np
+import numpy.typing as npt
 from mindspore import Parameter, Tensor, mint, ops
 
 _F32 = ms.float32
@@ -50,10 +50,12 @@ class MindSporeFramework:
 
     # ------------------------------------------------------------------ module tree and hooks
     def named_modules(self, root: Any) -> Iterable[tuple[str, Any]]:
-        return root.cells_and_names()
+        cells: Iterable[tuple[str, Any]] = root.cells_and_names()
+        return cells
 
     def children(self, cell: Any) -> Iterable[tuple[str, Any]]:
-        return cell.name_cells().items()
+        children: Iterable[tuple[str, Any]] = cell.name_cells().items()
+        return children
 
     def own_parameters(self, cell: Any) -> list[tuple[str, Parameter]]:
         # msprobe's naming: the parameter's own name without its cell prefix
@@ -134,20 +136,22 @@ class MindSporeFramework:
         if not stats:
             return []
         stacked = ops.stack([s.astype(ms.float64) for s in stats])
-        return stacked.asnumpy().tolist()  # sync: the one statistics transfer of a dump step
+        values: list[list[float]] = stacked.asnumpy().tolist()  # sync: the one statistics transfer of a dump step
+        return values
 
     def nbytes(self, tensor: Tensor) -> int:
         return int(tensor.nbytes)
 
-    def host_copy(self, tensor: Tensor) -> np.ndarray:
+    def host_copy(self, tensor: Tensor) -> npt.NDArray[Any]:
         if tensor.dtype == ms.bfloat16:  # numpy has no bfloat16 (msprobe saves these as float32 too)
             tensor = tensor.astype(_F32)
-        return tensor.asnumpy().copy()  # sync: the dump's host copy (dump steps only)
+        host: npt.NDArray[Any] = tensor.asnumpy().copy()  # sync: the dump's host copy (dump steps only)
+        return host
 
-    def save(self, host: np.ndarray, handle: io.BufferedWriter) -> None:
+    def save(self, host: npt.NDArray[Any], handle: IO[bytes]) -> None:
         np.save(handle, host, allow_pickle=False)
 
-    def host_bytes(self, host: np.ndarray) -> bytes:
+    def host_bytes(self, host: npt.NDArray[Any]) -> bytes:
         return np.ascontiguousarray(host).tobytes()
 
     def rerun_ops(self) -> MindSporeRerunOps:
@@ -231,7 +235,7 @@ class MindSporeRerunOps:
 
     tensor_type = Tensor
 
-    def save_inputs(self, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    def save_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
         return ms.get_rng_state(), _map(args, lambda t: t.copy()), _map(kwargs, lambda t: t.copy())
 
     def shadow(self, cell: Any, mode: str) -> Any:

@@ -309,7 +309,8 @@ class MindSporeCommCollector(HookedCollector):
         collector = self
 
         def __call__(prim: Any, *args: Any) -> Any:  # the primitive's call
-            call = super(measured, prim).__call__
+            # the primitive class's own __call__; mypy only knows `measured` as some type (made by type() below)
+            call = super(measured, prim).__call__  # type: ignore[misc]
             if not (collector._active and collector._measuring()):
                 return call(*args)
             group = getattr(prim, "group", None)
@@ -318,8 +319,8 @@ class MindSporeCommCollector(HookedCollector):
             plan = _Plan(group, _many(inputs) if sends else [], [], False, result_is_post=True)
             return collector._call(op, plan, lambda: call(*args))
 
-        measured = type(original.__name__, (original,), {"__call__": __call__, "__module__": original.__module__,
-                                                         "__doc__": original.__doc__})
+        measured: type[Any] = type(original.__name__, (original,), {
+            "__call__": __call__, "__module__": original.__module__, "__doc__": original.__doc__})
         return measured
 
     # ------------------------------------------------------------------ measuring
@@ -410,7 +411,10 @@ def combine_partials(partials: list[Tensor]) -> Tensor:
     norm = sqrt(sum of norm^2), sums and counts added, min of mins and max of maxes (NaN wins)."""
     stacked = ops.stack(partials)  # [n, 8]
     nan = Tensor(float("nan"), ms.float32)
-    any_nan = lambda column: mint.isnan(column).any()  # noqa: E731
+
+    def any_nan(column: Tensor) -> Tensor:
+        return mint.isnan(column).any()
+
     lo = ops.select(any_nan(stacked[:, 2]), nan, mint.min(stacked[:, 2]))
     hi = ops.select(any_nan(stacked[:, 3]), nan, mint.max(stacked[:, 3]))
     norm = mint.sqrt(mint.sum(stacked[:, 0] * stacked[:, 0]))

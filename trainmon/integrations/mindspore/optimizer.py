@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mindspore as ms
@@ -41,7 +41,7 @@ _STATE_ATTRS: dict[str, tuple[str, ...]] = {
 
 def _state_tuple(optimizer: nn.Optimizer, family: str) -> Sequence[Parameter] | None:
     for attr in _STATE_ATTRS[family]:
-        value = getattr(optimizer, attr, None)
+        value: Sequence[Parameter] | None = getattr(optimizer, attr, None)
         if value is not None and len(value) == len(optimizer.parameters):
             return value
     return None
@@ -111,7 +111,7 @@ class MindSporeOptimizerCollector(HookedCollector):
             if self._states:
                 self.registry.add(_OPTIMIZER, self.optimizer.register_forward_hook(self._post_step_hook()))
 
-    def _grad_hook(self, name: str, vpp_stage: int):
+    def _grad_hook(self, name: str, vpp_stage: int) -> Callable[[Tensor], None]:
         per_micro_step = self.config.weight_grads.per_micro_step
 
         def hook(grad: Tensor) -> None:
@@ -121,8 +121,8 @@ class MindSporeOptimizerCollector(HookedCollector):
 
         return hook
 
-    def _pre_step_hook(self):
-        def hook(optimizer: nn.Optimizer, args: tuple) -> None:
+    def _pre_step_hook(self) -> Callable[[nn.Optimizer, tuple[Any, ...]], None]:
+        def hook(optimizer: nn.Optimizer, args: tuple[Any, ...]) -> None:
             ctx = self.ctx
             if not ctx.collecting:
                 return
@@ -139,8 +139,8 @@ class MindSporeOptimizerCollector(HookedCollector):
 
         return hook
 
-    def _post_step_hook(self):
-        def hook(optimizer: nn.Optimizer, args: tuple, output: Any) -> None:
+    def _post_step_hook(self) -> Callable[[nn.Optimizer, tuple[Any, ...], Any], None]:
+        def hook(optimizer: nn.Optimizer, args: tuple[Any, ...], output: Any) -> None:
             ctx = self.ctx
             if not ctx.collecting:
                 return
