@@ -40,6 +40,7 @@ from trainmon.safe_io import make_dirs, open_output
 from trainmon.sinks.base import OutputThread
 
 if TYPE_CHECKING:
+    from trainmon.actions.frameworks import CellBackwardHook, ForwardHook, ForwardPreHook, GradHook
     from trainmon.config import DumpConfig
 
 logger = logging.getLogger("trainmon")
@@ -76,7 +77,7 @@ class TargetedDump:
         self.layout = megatron_layout() if getattr(self.framework, "megatron", False) else None
         self._plumbing = ("torch",) if self.framework.name == "pytorch" else ("torch", "mindspore")
         self._registry = HookRegistry()
-        self._requests = StepRequests("dump")
+        self._requests: StepRequests[Key] = StepRequests("dump")
         self._localiser = NonfiniteLocaliser(self.table)
         self._quiet_until = -1
         self._step: int | None = None
@@ -241,11 +242,11 @@ class TargetedDump:
         self._output.submit(item)
 
     # ------------------------------------------------------------------ hooks
-    def _pre_hook(self, key: Key):  # hook closure
+    def _pre_hook(self, key: Key) -> ForwardPreHook:
         framework = self.framework
         prefix = self.table.prefix(key)
 
-        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             capture = self._capture
             if capture is None:
                 return
@@ -284,10 +285,10 @@ class TargetedDump:
 
         return hook
 
-    def _forward_hook(self, key: Key):  # hook closure
+    def _forward_hook(self, key: Key) -> ForwardHook:
         framework = self.framework
 
-        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             capture = self._capture
             if capture is None or not self._open or self._open[-1][0] != key:
                 return
@@ -332,7 +333,7 @@ class TargetedDump:
         return entry
 
     def _gradient_hook(self, capture: Capture, node: str, forward_node: str, side: str, index: int,
-                       count: int):  # hook closure
+                       count: int) -> GradHook:
         def hook(grad: Any) -> None:
             if self._capture is not capture:  # a backward after the dump step ended
                 return
@@ -346,7 +347,7 @@ class TargetedDump:
 
         return hook
 
-    def _module_backward_hook(self, key: Key):  # hook closure
+    def _module_backward_hook(self, key: Key) -> CellBackwardHook:
         """MindSpore: ``(cell, grad_input, grad_output)``; the k-th backward of a cell in the step is
         ``backward.{k}`` (msprobe's numbering)."""
         prefix = self.table.prefix(key)
@@ -369,7 +370,7 @@ class TargetedDump:
 
         return hook
 
-    def _grad_hook(self, key: Key, param_name: str, param: Any):  # hook closure
+    def _grad_hook(self, key: Key, param_name: str, param: Any) -> GradHook:
         partition_dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) \
             else None
         node = f"{self.table.prefix(key)}.parameters_grad"

@@ -29,8 +29,9 @@ def _package_dirs(frameworks: tuple[str, ...]) -> tuple[Path, ...]:
     directories = []
     for name in ("trainmon",) + frameworks:
         package = sys.modules.get(name)
-        if package is not None and getattr(package, "__file__", None):
-            directories.append(Path(package.__file__).resolve().parent)
+        file: str | None = getattr(package, "__file__", None) if package is not None else None
+        if file:
+            directories.append(Path(file).resolve().parent)
     return tuple(directories)
 
 

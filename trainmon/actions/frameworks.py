@@ -17,9 +17,13 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 import torch
 
 from trainmon.collect.context import in_backward
+from trainmon.collect.hooks import post_accumulate_grad_hook
 
 if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
     from trainmon.actions.perturb import RerunOps
+    from trainmon.protocols import MegatronParameter
 
 Hook = Callable[..., Any]
 ForwardPreHook = Callable[[Any, tuple[Any, ...], dict[str, Any]], None]
@@ -41,7 +45,11 @@ class Framework(Protocol):
     """First part of a dump key: ``Module`` (torch) or ``Cell`` (MindSpore), as msprobe writes them."""
     file_suffix: str
     """Tensor files of ``tensor`` mode: ``.pt`` (torch.save) or ``.npy`` (numpy.save)."""
-    tensor_type: type
+    @property
+    def tensor_type(self) -> type:
+        """The framework's tensor class (read only: each implementation names its own)."""
+        ...
+
     tensor_gradients: bool
     """True: backward entries come from gradient hooks on the tensors (torch); False: from a module
     backward hook that gets ``(module, grad_input, grad_output)`` (MindSpore)."""
@@ -102,7 +110,8 @@ class TorchFramework:
 
     # ------------------------------------------------------------------ module tree and hooks
     def named_modules(self, root: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
-        return root.named_modules()
+        modules: Iterable[tuple[str, torch.nn.Module]] = root.named_modules()
+        return modules
 
     def children(self, module: torch.nn.Module) -> Iterable[tuple[str, torch.nn.Module]]:
         return module.named_children()
@@ -126,7 +135,8 @@ class TorchFramework:
         """A gradient hook on a non-leaf tensor of the graph (None for leaves: parameters, user data)."""
         if tensor.grad_fn is None:
             return None
-        return tensor.register_hook(hook)
+        register: Callable[[Hook], RemovableHandle] = tensor.register_hook  # unannotated in torch
+        return register(hook)
 
     def param_grad_hook(self, param: torch.nn.Parameter, hook: Hook) -> Any:
         """``hook(gradient)`` once the parameter's gradient is accumulated (each backward)."""
@@ -137,7 +147,7 @@ class TorchFramework:
             if grad is not None:
                 hook(grad)
 
-        return param.register_post_accumulate_grad_hook(on_accumulated)
+        return post_accumulate_grad_hook(param, on_accumulated)
 
     def grad_enabled(self) -> bool:
         return torch.is_grad_enabled()
@@ -217,7 +227,7 @@ class TorchFramework:
         return TorchRerunOps(megatron=self.megatron)
 
 
-def _accumulated_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+def _accumulated_grad(param: MegatronParameter) -> torch.Tensor | None:
     """Megatron: the gradient accumulated so far on this rank, before the data-parallel reduction."""
     from trainmon.integrations.megatron_collect import _unreduced_grad
 

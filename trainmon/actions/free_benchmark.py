@@ -21,7 +21,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import IO, TYPE_CHECKING, Any
 
 from trainmon.actions.framework_choice import framework_for
 from trainmon.actions.modules import Key, ModuleTable
@@ -32,6 +32,7 @@ from trainmon.sinks.base import OutputThread
 from trainmon.sinks.csv import open_csv_table
 
 if TYPE_CHECKING:
+    from trainmon.actions.frameworks import ForwardHook, ForwardPreHook
     from trainmon.config import FreeBenchmarkConfig
 
 logger = logging.getLogger("trainmon")
@@ -102,14 +103,14 @@ class FreeBenchmark:
         self.parents = self.table.parents[0]
         self._targets = self.table.select(config.targets, "free_benchmark.targets") if config.targets else []
         self._registry = HookRegistry()
-        self._requests = StepRequests("free_benchmark")
+        self._requests: StepRequests[Key] = StepRequests("free_benchmark")
         self._fixed: list[Key] = []
         self._step: int | None = None
         self._done: set[Key] = set()
         self._saved: dict[Key, list[tuple[Any, Any, Any]]] = {}
         self._pending: list[tuple[int, str, int, str, Any, float, str, tuple[int, ...], int]] = []
         self._warned: set[str] = set()
-        self._csv: TextIO | None = None  # opened, written and closed on the writer thread only
+        self._csv: IO[str] | None = None  # opened, written and closed on the writer thread only
         self._output: OutputThread | None = None
         self.results: list[CheckResult] = []
         """Every comparison made so far (passes included), in order."""
@@ -204,10 +205,10 @@ class FreeBenchmark:
             self._output.report()
 
     # ------------------------------------------------------------------ hooks
-    def _pre_hook(self, key: Key):  # hook closure
+    def _pre_hook(self, key: Key) -> ForwardPreHook:
         framework = self.framework
 
-        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if (key in self._done and self.config.handler == "check") or framework.is_rerun():
                 return  # checked once per step; a recompute re-run is never checked
             try:
@@ -218,8 +219,8 @@ class FreeBenchmark:
 
         return hook
 
-    def _forward_hook(self, key: Key):  # hook closure
-        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+    def _forward_hook(self, key: Key) -> ForwardHook:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             saved = self._saved.get(key)
             if not saved or self.framework.is_rerun():
                 return None

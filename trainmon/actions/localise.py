@@ -123,7 +123,7 @@ class NonfiniteLocaliser:
         self._stack: list[int] = []
         self._backward: list[tuple[Key, str, int, int]] = []  # (module, side, extreme index, tensor number)
         self._numbers = itertools.count()
-        self._tensors: dict[int, tuple[weakref.ref, int]] = {}  # id -> (tensor, number): hooks on one tensor
+        self._tensors: dict[int, tuple[weakref.ref[Any], int]] = {}  # id -> (tensor, number): hooks on one tensor
         self._params_seen: set[Key] = set()
         self._root_inputs: list[int] = []
 
@@ -218,14 +218,14 @@ class NonfiniteLocaliser:
                 self._extremes.append(pair)
         return indices
 
-    def _root_hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+    def _root_hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.framework.is_rerun():
             self._root_inputs = self._measure((args, kwargs))
 
     def _pre_hook(self, key: Key) -> Callable[..., None]:
         framework = self.framework
 
-        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if framework.is_rerun():
                 self._stack.append(-1)  # a recompute re-run: only its gradients are watched
             else:
@@ -245,7 +245,7 @@ class NonfiniteLocaliser:
     def _forward_hook(self, key: Key) -> Callable[..., None]:
         framework = self.framework
 
-        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self._stack:
                 return
             index = self._stack.pop()
@@ -296,7 +296,10 @@ class NonfiniteLocaliser:
     # ------------------------------------------------------------------ analysis (host)
     def _analyse(self, flags: list[bool]) -> tuple[str, str, Key, Key] | None:
         """``(phase, kind, module to dump, module whose hook saw it)`` of the first non-finite value."""
-        bad = lambda indices: any(flags[i] for i in indices)  # noqa: E731
+
+        def bad(indices: list[int]) -> bool:
+            return any(flags[i] for i in indices)
+
         calls = self._calls
         for call in (calls[i] for i in self._completed):  # a submodule returns before its parent
             if not bad(call.outputs):

@@ -241,7 +241,7 @@ def shallow_shadow(module: torch.nn.Module, mode: str,
             return seen[id(original)]
         shadow = copy_module(original)
         seen[id(original)] = shadow
-        params = {}
+        params: dict[str, torch.nn.Parameter | None] = {}
         for name, param in original._parameters.items():
             if param is None:
                 params[name] = None
@@ -266,8 +266,10 @@ class CollectiveInRerun(RuntimeError):
     """A re-run tried to communicate: only this rank re-runs, so the collective would never complete."""
 
 
-class _RefuseCollectives(TorchDispatchMode):
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+# TorchDispatchMode is unannotated (its __init_subclass__ and __init__): the two untyped calls are ignored.
+class _RefuseCollectives(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         if getattr(func, "namespace", "") == "c10d":
             raise CollectiveInRerun(f"the forward runs the collective {func}")
         return func(*args, **(kwargs or {}))
@@ -276,9 +278,12 @@ class _RefuseCollectives(TorchDispatchMode):
 class RerunOps(Protocol):
     """What the free benchmark needs from a framework to re-run a module and compare its outputs."""
 
-    tensor_type: type
+    @property
+    def tensor_type(self) -> type:
+        """The framework's tensor class (read only: each implementation names its own)."""
+        ...
 
-    def save_inputs(self, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]: ...
+    def save_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]: ...
     def shadow(self, module: Any, mode: str) -> Any: ...
     def rerun(self, shadow: Any, saved: tuple[Any, Any, Any], mode: str, output: Any) -> Any: ...
     def flat_tensors(self, value: Any) -> Iterator[Any]: ...
@@ -304,7 +309,7 @@ class TorchRerunOps:
     def __init__(self, megatron: bool = False) -> None:
         self.megatron = megatron
 
-    def save_inputs(self, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    def save_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
         """Copies of the inputs (the forward may modify them in place) and the RNG states before the forward."""
         tensors = list(chain_tensors(args, kwargs))
         saved_args = replace_tensors(args, iter([t.detach().clone() for t in flat_tensors(args)]))
@@ -364,7 +369,7 @@ def _no_autocast(output: Any) -> AbstractContextManager[Any]:
 def _refuse_collectives() -> AbstractContextManager[Any]:
     """In a multi-rank job, a collective in a re-run raises :class:`CollectiveInRerun` before it is sent."""
     if process_groups.world_size() > 1:
-        return _RefuseCollectives()
+        return _RefuseCollectives()  # type: ignore[no-untyped-call]
     return nullcontext()
 
 

@@ -24,12 +24,15 @@ model, so every rank takes the same path.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
 from trainmon.actions.frameworks import Hook, TorchFramework
 from trainmon.actions.perturb import CollectiveInRerun, TorchRerunOps, shallow_shadow
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def _fsdp_module_class() -> type:
@@ -38,7 +41,7 @@ def _fsdp_module_class() -> type:
     return FSDPModule
 
 
-def _is_dtensor(tensor: Any) -> bool:
+def _is_dtensor(tensor: Any) -> TypeGuard[DTensor]:
     return hasattr(tensor, "to_local") and hasattr(tensor, "placements")
 
 
@@ -157,6 +160,6 @@ def _without_fsdp_class(module: torch.nn.Module) -> torch.nn.Module:
     ``copy.copy`` cannot be used: ``FSDPModule.__new__`` constructs the original class by calling its
     ``__init__`` without arguments.
     """
-    shadow = object.__new__(_original_class(module))
+    shadow: torch.nn.Module = object.__new__(_original_class(module))
     shadow.__dict__.update(module.__dict__)
     return shadow
