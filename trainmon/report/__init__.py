@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmon.anomaly.analyse import analyse_run, find_files, parse_steps
-from trainmon.csv2tb import CsvFormatError
+from trainmon.csv_reader import CsvFormatError
 from trainmon.errors import UsageError
 from trainmon.inputs import describe_os_error, find_runs, is_dir, rank_dirs_of, runs_hint
 from trainmon.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders

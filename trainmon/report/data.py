@@ -1,6 +1,6 @@
 """What ``trainmon report`` shows, as one compact JSON-able dict (framework-free).
 
-Read with the readers of ``csv2tb`` (:func:`trainmon.csv2tb.read_table`, the CSV files of trainmon or
+Read with the CSV readers (:func:`trainmon.csv_reader.read_table`, the CSV files of trainmon or
 msprobe) and ``analyse`` (:func:`trainmon.anomaly.analyse.analyse_run`, every rank's ``anomalies.jsonl``).
 
 Heatmaps are module x step grids, one per (rank, family, metric), with at most ``max_columns``
@@ -25,7 +25,8 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from trainmon.csv2tb import CsvFormatError, Table, family_of, rank_dirs, read_table
+from trainmon.csv2tb import rank_dirs
+from trainmon.csv_reader import CsvFormatError, Table, family_of, read_table
 from trainmon.inputs import open_regular
 
 Ints: TypeAlias = "npt.NDArray[np.int64]"
@@ -251,7 +252,7 @@ def read_families(files: list[Path], families: list[str] | None, on_file: Callab
 
 
 def read_probe_table(path: Path) -> Table:
-    """``grad_probe/grad_summary.csv`` as a :class:`~trainmon.csv2tb.Table` of its similarity columns."""
+    """``grad_probe/grad_summary.csv`` as a :class:`~trainmon.csv_reader.Table` of its similarity columns."""
     try:
         with open_regular(path, text=True, newline="") as handle:
             reader = csv.reader(handle)
