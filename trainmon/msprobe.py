@@ -12,21 +12,29 @@ with msprobe's meaning, or warned about once with the reason. The semantics are 
   Each key becomes an ``optional:re:`` pattern: msprobe skips a key that names nothing.
 - ``all_xy`` monitors every module; ``alert.dump`` writes the anomaly events (``anomalies.jsonl``,
   msprobe's ``anomaly.json``), not tensors; ``AnomalyTurbulence`` watches every monitored row.
+
+msprobe's names (squashed names, target patterns, rows of target specs) live in
+:mod:`trainmon.msprobe_names`, the value types it accepts in :mod:`trainmon.msprobe_checks`; this module
+reads a config and translates it key by key (and re-exports the names' functions).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 from trainmon.config_files import parse_json, read_text
 from trainmon.errors import ConfigError
-from trainmon.records import ACTIVATION_KINDS, activation_row
+from trainmon.msprobe_checks import KNOWN_KEYS, check_types
+from trainmon.msprobe_names import TARGET_SPEC, module_pattern, param_pattern, squash_name, trainmon_row_name
+from trainmon.records import ACTIVATION_KINDS
 from trainmon.targets import OPTIONAL
+
+__all__ = ["DEFAULT_OUTPUT_DIR", "OUTPUT_DIR_VARIABLE", "module_pattern", "param_pattern", "squash_name",
+           "trainmon_row_name", "translate_msprobe"]
 
 logger = logging.getLogger("trainmon")
 
@@ -37,90 +45,8 @@ OUTPUT_DIR_VARIABLE = "MONITOR_OUTPUT_DIR"
 _OPS = ("norm", "min", "max", "mean", "zeros", "nans")
 _FAMILY_OF_SECTION = {"activations": ("actv", "actv_grad"), "weight_grads": ("grad_unreduced", "grad_reduced"),
                       "optimizer_states": (), "params": ("param",), "communication": ("comm",)}
-_BOOL_KEYS = ("print_struct", "ur_distribution", "xy_distribution", "all_xy", "forward_only", "backward_only",
-              "mv_distribution", "wg_distribution", "mg_distribution", "param_distribution", "mg_direction",
-              "squash_name", "switch", "dynamic_on", "stack_info", "monitor_mbs_grad", "recording_l2_features")
-_INT_KEYS = ("start_step", "step_interval", "collect_times", "step_count_per_record", "ndigits")
 _KINDS = tuple(kind for kinds in ACTIVATION_KINDS.values() for kind in kinds)  # msprobe's are trainmon's
-_SPEC = re.compile(r"tensor|tuple\[(\d+)\](?::(\d+))?")
 _VPP_KEY = re.compile(r"(\d+):(.*)", re.DOTALL)
-
-
-# ----------------------------------------------------------------------------------- names
-_SQUASH_HEADS = (r"layers?\.", r"embeddings?\.")
-_SQUASH_TAILS = ("final", "output", "norm")
-
-
-def squash_name(name: str) -> str:
-    """msprobe's squashed name of a module or parameter (``squash_param_name`` in
-    ``module_metric.py``, used while ``squash_name`` is true): the text after the first
-    ``layer.``/``layers.``, else after the first ``embedding.``/``embeddings.``, else from the first
-    ``final``, ``output`` or ``norm`` on, else the name itself.
-
-    Example:
-        >>> squash_name("model.layers.3.mlp.fc1.weight"), squash_name("decoder.final_norm.weight")
-        ('3.mlp.fc1.weight', 'final_norm.weight')
-    """
-    for head in _SQUASH_HEADS:
-        match = re.search(head + "(.*)", name, re.DOTALL)
-        if match:
-            return match.group(1)
-    for tail in _SQUASH_TAILS:
-        index = name.find(tail)
-        if index >= 0:
-            return name[index:]
-    return name
-
-
-def _squashed_regexes(key: str, whole: bool) -> list[str]:
-    """Regexes (to be anchored with ``^``) of the names whose :func:`squash_name` equals ``key``
-    (``whole``) or starts with it; the plain name itself is matched separately."""
-    end = "$" if whole else ""
-    escaped = re.escape(key)
-    found: list[str] = []
-    excluded = ""
-    for head in _SQUASH_HEADS:
-        found.append(f"{excluded}(?:(?!{head}).)*{head}{escaped}{end}")
-        excluded += f"(?!.*{head})"
-    for tail in _SQUASH_TAILS:
-        if key.startswith(tail):
-            found.append(f"{excluded}(?:(?!{tail}).)*{escaped}{end}")
-        elif not whole and tail.startswith(key):
-            found.append(f"{excluded}(?:(?!{tail}).)*{tail}")
-        excluded += f"(?!.*{tail})"
-    return found
-
-
-def module_pattern(key: str, squash: bool = True) -> str:
-    """The trainmon ``targets.modules`` pattern of a msprobe ``targets`` key (chunk prefix removed):
-    the module named ``key``, or whose squashed name is ``key``. May match nothing."""
-    alternatives = [re.escape(key) + "$"] + (_squashed_regexes(key, whole=True) if squash else [])
-    return f"{OPTIONAL}re:(?s)^(?:{'|'.join(alternatives)})"
-
-
-def param_pattern(key: str, squash: bool) -> str:
-    """The trainmon ``targets.params`` pattern of a msprobe ``targets`` key (chunk prefix removed):
-    parameters whose name (or, with ``squash``, squashed name) starts with ``key``."""
-    alternatives = [re.escape(key)] + (_squashed_regexes(key, whole=False) if squash else [])
-    return f"{OPTIONAL}re:(?s)^(?:{'|'.join(alternatives)})"
-
-
-def trainmon_row_name(module: str, kind: str, spec: str | None = None) -> str:
-    """The trainmon row of msprobe's ``kind`` (``input``, ``output``, ``input_grad``,
-    ``output_grad``) of ``module`` under the target spec ``spec`` (``"tensor"``, ``"tuple[n]:i"``).
-
-    msprobe 1.2.1 measures one tensor: the spec's element ``i`` of a tuple (element 0 by
-    default). trainmon measures every tensor: ``{module}.{kind}`` for a lone tensor,
-    ``{module}.{kind}.{i}`` for the i-th tensor of a tuple holding several.
-
-    Example:
-        >>> trainmon_row_name("layers.0", "input", "tuple[2]:1"), trainmon_row_name("layers.0", "output", "tensor")
-        ('layers.0.input.1', 'layers.0.output')
-    """
-    match = _SPEC.fullmatch(spec or "tensor")
-    if match is None or match.group(1) is None or int(match.group(1)) <= 1:
-        return activation_row(module, kind)
-    return activation_row(module, kind, int(match.group(2) or 0))
 
 
 # ----------------------------------------------------------------------------------- translation
@@ -142,7 +68,7 @@ def translate_msprobe(path: Path, environ: Mapping[str, str] | None = None) -> d
     data = parse_json(read_text(path, "msprobe config"), path)
     if not isinstance(data, dict):
         raise ConfigError(str(path), "a msprobe monitor config must be a JSON object")
-    _check_types(data, path)
+    check_types(data, path)
     return _Translation(data, environ or {}).run()
 
 
@@ -253,7 +179,7 @@ class _Translation:
         for kind, value in spec.items():
             if kind not in _KINDS:
                 self._cannot(f"targets.{key}.{kind}", "msprobe knows input, output, input_grad and output_grad")
-            elif not isinstance(value, str) or _SPEC.fullmatch(value) is None:
+            elif not isinstance(value, str) or TARGET_SPEC.fullmatch(value) is None:
                 self._cannot(f"targets.{key}.{kind}", f"spec {str(value)[:40]!r} is neither 'tensor' nor "
                                                       "'tuple[n]:i' (msprobe ignores it too)")
 
@@ -386,7 +312,7 @@ class _Translation:
             ("stack_info", bool(data.get("stack_info")), "trainmon records call stacks of the dumped modules only "
                                                          "(dump.stack)"),
             *((key, bool(data.get(key)), features) for key in ("recording_l2_features", "l2_targets", "sa_order")),
-            *((key, True, "msprobe 1.2.1 and 26.x have no such monitor key") for key in data if key not in _KNOWN_KEYS),
+            *((key, True, "msprobe 1.2.1 and 26.x have no such monitor key") for key in data if key not in KNOWN_KEYS),
         ]
         if data.get("squash_name"):
             self._differs("squash_name", "trainmon writes full module and parameter names; msprobe's squashed "
@@ -406,62 +332,6 @@ class _Translation:
         if (key, why) not in self.warned:
             self.warned.add((key, why))
             logger.warning(text, key, why)
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> TypeGuard[float]:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is(kind: type) -> Callable[[object], bool]:
-    return lambda value: isinstance(value, kind)
-
-
-def _list_of(fits: Callable[[object], bool]) -> Callable[[object], bool]:
-    return lambda value: isinstance(value, list) and all(fits(item) for item in value)
-
-
-_TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
-    "ops": ("a list of strings", _list_of(_is(str))),
-    "module_ranks": ("a list of integers", _list_of(_is_int)),
-    **{key: ("a JSON object", _is(dict)) for key in ("targets", "alert", "l2_targets", "cc_distribution")},
-    **{key: ("true or false", _is(bool)) for key in _BOOL_KEYS},
-    **{key: ("an integer", _is_int) for key in _INT_KEYS},
-    "eps": ("a number", _is_number),
-    "format": ("a string", _is(str)),
-    "append_output": ("a list", _is(list)),
-}
-"""The value types msprobe accepts for its top-level keys (``validate_config``): ``(what, test)``."""
-_KNOWN_KEYS = frozenset({*_TYPES, "start_step", "step_interval", "collect_times", "print_struct", "sa_order"})
-
-
-def _nested_values(data: dict[str, Any]) -> Iterator[tuple[str, str, object, Callable[[object], bool]]]:
-    """``(key, what, value, test)`` of the nested values msprobe checks, each once the ones above it passed."""
-    for key, spec in data.get("targets", {}).items():
-        yield f"targets.{key}", "a JSON object (e.g. {} or {\"input\": \"tensor\"})", spec, _is(dict)
-    yield ("cc_distribution.cc_codeline", "a list of strings", data.get("cc_distribution", {}).get("cc_codeline", []),
-           _list_of(_is(str)))
-    alert = data.get("alert", {})
-    rules = alert.get("rules") or []
-    yield "alert.rules", "a list of JSON objects", rules, _list_of(_is(dict))
-    for i, rule in enumerate(rules):
-        args = rule.get("args") or {}
-        yield f"alert.rules[{i}].args", "a JSON object", args, _is(dict)
-        yield (f"alert.rules[{i}].args.threshold", "a number >= 0", args.get("threshold", 0.5),
-               lambda value: value is None or (_is_number(value) and value >= 0))
-    if "dump" in alert:
-        yield "alert.dump", "true or false", alert["dump"], _is(bool)
-
-
-def _check_types(data: dict[str, Any], path: Path) -> None:
-    """Reject the value types msprobe rejects (``validate_config``); the rest is checked by trainmon's schema."""
-    top = ((key, what, data[key], fits) for key, (what, fits) in _TYPES.items() if key in data)
-    for key, what, value, fits in itertools.chain(top, _nested_values(data)):
-        if not fits(value):
-            raise ConfigError(str(path), f"msprobe key {key}: must be {what}, got {str(value)[:60]!r}")
 
 
 def _codeline_regex(codeline: str) -> str:
