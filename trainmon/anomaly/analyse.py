@@ -1,33 +1,24 @@
-"""``trainmon analyse RUN_DIR``: merge every rank's ``anomalies.jsonl`` and find the first origin.
+"""``trainmon analyse RUN_DIR``: the command that merges every rank's ``anomalies.jsonl`` and shows the first origin.
 
-Events are ordered earliest first with the DESIGN.md rule (see :mod:`trainmon.anomaly.ordering`).
-Only the top ``K`` events, the earliest event of every step and counts are kept in memory, so a
-1,024-rank run with 1,000 events per rank is analysed in seconds. Corrupt lines are reported with
-their file and line number and skipped.
+Arguments, the printed summary and table, and ``anomaly_analyse.json`` (never over a file trainmon did not
+write). Reading and merging the files is :mod:`trainmon.anomaly.merge`'s (:func:`analyse_run`, whose names are
+re-exported here); msprobe's anomaly events are read by :mod:`trainmon.msprobe_output`.
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import os
-import re
 import sys
-from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeAlias
-
-import numpy as np
-import numpy.typing as npt
+from typing import TYPE_CHECKING, Any
 
 from trainmon.anomaly.events import decode_float
-from trainmon.anomaly.ordering import PHASE_RANK, sort_key_fields
+from trainmon.anomaly.merge import RANK_DIR, StepRanges, analyse_run, bounded_int, find_files, parse_steps, printable
 from trainmon.errors import UsageError
-from trainmon.inputs import INT64_MAX, find_runs, is_dir, rank_dirs_of, read_regular, runs_hint
+from trainmon.inputs import find_runs, is_dir, rank_dirs_of, read_regular, runs_hint
 from trainmon.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders
-from trainmon.progress import Bar
 
 if TYPE_CHECKING:
     from trainmon.protocols import Subparsers
@@ -36,344 +27,13 @@ OUTPUT_NAME = "anomaly_analyse.json"
 MSPROBE_OUTPUT_NAME = "trainmon_anomaly_analyse.json"
 """Written next to msprobe's own ``anomaly_analyse.json``, under another name."""
 WRITTEN_BY = "trainmon analyse"
-_INT_FIELDS = ("step", "micro_step", "rank", "order", "pp_stage", "vpp_stage")
-_STR_FIELDS = ("phase", "family", "name", "metric", "detector", "message")
-_MAX_CORRUPT_KEPT = 1000
-_RANK_DIR = re.compile(r"rank(\d+)$")
-
-
-class StepRanges:
-    """A set of steps kept as sorted, merged, inclusive ranges: ``0-99999999999999`` costs two integers.
-
-    Steps beyond int64 cannot occur in a run, so ranges are clipped to ``0..2**63-1``.
-
-    Example:
-        >>> steps = parse_steps("9,1,3,5-8")
-        >>> str(steps), 7 in steps, 4 in steps, list(steps)
-        ('1,3,5-9', True, False, [1, 3, 5, 6, 7, 8, 9])
-    """
-
-    def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
-        merged: list[list[int]] = []
-        for low, high in sorted((max(low, 0), min(high, INT64_MAX)) for low, high in ranges):
-            if low > high:
-                continue
-            if merged and low <= merged[-1][1] + 1:
-                merged[-1][1] = max(merged[-1][1], high)
-            else:
-                merged.append([low, high])
-        self.ranges: tuple[tuple[int, int], ...] = tuple((low, high) for low, high in merged)
-
-    @classmethod
-    def of(cls, steps: Iterable[int]) -> StepRanges:
-        """From individual steps (a set or list of ints)."""
-        return cls((step, step) for step in steps)
-
-    def __contains__(self, step: object) -> bool:
-        return isinstance(step, int) and any(low <= step <= high for low, high in self.ranges)
-
-    def __iter__(self) -> Iterator[int]:
-        for low, high in self.ranges:
-            yield from range(low, high + 1)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, StepRanges) and self.ranges == other.ranges
-
-    def __hash__(self) -> int:
-        return hash(self.ranges)
-
-    def __str__(self) -> str:
-        return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in self.ranges)
-
-    def __repr__(self) -> str:
-        return f"StepRanges({str(self)!r})"
-
-    def mask(self, steps: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
-        """Which entries of an int64 array are in the set (vectorised: one binary search per entry)."""
-        if not self.ranges:
-            return np.zeros(steps.shape, dtype=bool)
-        lows = np.array([low for low, _ in self.ranges], dtype=np.int64)
-        highs = np.array([high for _, high in self.ranges], dtype=np.int64)
-        index = np.searchsorted(lows, steps, side="right") - 1
-        return (index >= 0) & (steps <= highs[np.clip(index, 0, None)])
-
-
-def parse_steps(text: str) -> StepRanges:
-    """``"1,3,5-9"`` -> the steps 1, 3 and 5 to 9, as lazy ranges (``0-99999999999999`` is cheap).
-
-    Raises:
-        ValueError: malformed text or a descending range.
-    """
-    ranges = []
-    for part in text.split(","):
-        part = part.strip()
-        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not match:
-            raise ValueError(f"bad step list {text[:50]!r}: expected e.g. 1,3,5-9")
-        low = _bounded(match.group(1))
-        high = _bounded(match.group(2)) if match.group(2) else low
-        if high < low:
-            raise ValueError(f"bad step range {part[:50]!r}: end before start")
-        ranges.append((low, high))
-    return StepRanges(ranges)
-
-
-def _bounded(digits: str) -> int:
-    """The integer of a digit string, or INT64_MAX + 1 for anything larger (no 4,300-digit int limit)."""
-    digits = digits.lstrip("0") or "0"
-    return int(digits) if len(digits) <= 19 else INT64_MAX + 1
-
-
-def _check(event: Any) -> tuple[int, ...]:
-    """Fully validate one parsed event; return its earliest-first sort key."""
-    if not isinstance(event, dict):
-        raise ValueError(f"expected a JSON object, got {type(event).__name__}")
-    for name in _INT_FIELDS:
-        value = event.get(name, 0) if name in ("pp_stage", "vpp_stage") else event[name]
-        if type(value) is not int:
-            raise ValueError(f"field {name!r} must be an integer, got {str(value)[:50]}")
-        if not -INT64_MAX <= value <= INT64_MAX:
-            raise ValueError(f"field {name!r} is out of the int64 range: {str(value)[:50]}...")
-    for name in _STR_FIELDS:
-        if type(event[name]) is not str:
-            raise ValueError(f"field {name!r} must be a string, got {event[name]!r}")
-    if event["phase"] not in PHASE_RANK:
-        raise ValueError(f"unknown phase {event['phase']!r}")
-    decode_float(event["value"])
-    decode_float(event["baseline"])
-    return sort_key_fields(event["step"], event["micro_step"], event["phase"], event.get("pp_stage", 0),
-                           event.get("vpp_stage", 0), event["order"], event["rank"])
-
-
-def find_files(run_dir: Path) -> list[Path]:
-    """``rank{R}/anomalies.jsonl`` files of a run, by rank (or the file of one rank directory)."""
-    if _RANK_DIR.match(run_dir.name) and os.path.lexists(run_dir / "anomalies.jsonl"):
-        return [run_dir / "anomalies.jsonl"]
-    found = []
-    for path in run_dir.glob("rank*/anomalies.jsonl"):
-        match = _RANK_DIR.match(path.parent.name)
-        if match:
-            found.append((int(match.group(1)), path))
-    return [path for _, path in sorted(found)]
-
-
-# A line as AnomalyEvent.to_json writes it (events.WRITE_ORDER, compact separators, ASCII): the
-# sort-key fields first, then every other field in order, each checked for its JSON type. One regex
-# per file reads a whole file several times faster than json.loads per line. A line that does not
-# match it entirely (another writer's key order or spacing, corruption anywhere in the line) takes
-# the slow path: json.loads and a full check, else it is reported as corrupt. The events that are
-# reported (top K, first per step) are always fully parsed and validated.
-_INT = r"(0|[1-9]\d{0,17})"  # at most 18 digits: always an int64 (longer: the checked slow path)
-_STRING = r'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"'
-_FLOAT = r'(?:-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?|"nan"|"inf"|"-inf")'
-_FAST = re.compile(
-    rf'^\{{"step":{_INT},"micro_step":{_INT},"rank":{_INT},"phase":"([a-z]+)","pp_stage":{_INT},'
-    rf'"vpp_stage":{_INT},"order":{_INT},"detector":"(\w+)","family":{_STRING},"name":{_STRING},'
-    rf'"metric":{_STRING},"value":{_FLOAT},"baseline":{_FLOAT},"message":{_STRING},"time":{_STRING}\}}$',
-    re.M)
-_Fields: TypeAlias = tuple[str, ...]  # (step, micro_step, rank, phase, pp_stage, vpp_stage, order, detector)
-
-
-def _slow_line(line: str) -> _Fields:
-    match = _FAST.match(line)
-    if match and match.group(4) in PHASE_RANK:
-        return match.groups()
-    event = _loads(line)
-    _check(event)
-    return (str(event["step"]), str(event["micro_step"]), str(event["rank"]), event["phase"],
-            str(event.get("pp_stage", 0)), str(event.get("vpp_stage", 0)), str(event["order"]), event["detector"])
-
-
-def _loads(line: str) -> Any:
-    """``json.loads`` that reports a too deeply nested line as a ValueError, not a RecursionError."""
-    try:
-        return json.loads(line)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
-
-
-class _Merger:
-    """Folds files into the top-K heap, the first event per step, counts and corrupt lines."""
-
-    def __init__(self, top: int, steps: StepRanges | None) -> None:
-        self.top = top
-        self.steps = steps
-        self.heap: list[tuple[tuple[int, ...], int, dict[str, Any]]] = []  # keys negated: a max-heap
-        self.first_by_step: dict[int, tuple[tuple[int, ...], str, int, str]] = {}
-        self.by_rank: Counter[int] = Counter()
-        self.by_step: Counter[int] = Counter()
-        self.by_detector: Counter[str] = Counter()
-        self.by_rank_step: Counter[tuple[int, int]] | None = None  # with analyse_run(rank_steps=True)
-        self.events = 0
-        self.corrupt: list[dict[str, Any]] = []
-        self.corrupt_total = 0
-        self._seen = 0
-
-    def bad(self, label: str, line: int, error: str) -> None:
-        self.corrupt_total += 1
-        if len(self.corrupt) < _MAX_CORRUPT_KEPT:
-            self.corrupt.append({"file": label, "line": line, "error": _printable(error[:200])})
-
-    def scan(self, path: Path, label: str) -> None:
-        try:
-            text = read_regular(path).decode("utf-8", errors="replace")
-        except OSError as exc:
-            self.bad(label, 0, f"cannot read: {exc.strerror or exc}")
-            return
-        numbered = [(n, line) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
-        fields = _FAST.findall(text)
-        if len(fields) != len(numbered) or not set(f[3] for f in fields) <= PHASE_RANK.keys():
-            fields, kept = [], []
-            for number, line in numbered:
-                try:
-                    fields.append(_slow_line(line))
-                    kept.append((number, line))
-                except (ValueError, KeyError, TypeError) as exc:
-                    self.bad(label, number, f"missing field {exc}" if isinstance(exc, KeyError) else str(exc))
-            numbered = kept
-        if fields:
-            self._fold(fields, numbered, label)
-
-    def _fold(self, fields: list[_Fields], numbered: list[tuple[int, str]], label: str) -> None:
-        columns = list(zip(*fields))
-        # One C-level parse of the six integer columns (much faster than int() or astype per value).
-        text = ",".join(",".join(columns[i]) for i in (0, 1, 2, 4, 5, 6))
-        ints = np.fromstring(text, dtype=np.int64, sep=",").reshape(6, -1)
-        step, micro, rank, pp_stage, vpp_stage, order = ints
-        phase = np.array([PHASE_RANK[p] for p in columns[3]], dtype=np.int64)
-        detectors: Sequence[str] = columns[7]
-        if self.steps is not None:
-            keep = self.steps.mask(step)
-            step, micro, rank, pp_stage, vpp_stage, order, phase = (
-                a[keep] for a in (step, micro, rank, pp_stage, vpp_stage, order, phase))
-            numbered = [item for item, k in zip(numbered, keep.tolist()) if k]
-            detectors = [d for d, k in zip(detectors, keep.tolist()) if k]
-            if not numbered:
-                return
-        self.events += len(step)
-        self.by_detector.update(detectors)
-        for counter, values in ((self.by_rank, rank), (self.by_step, step)):
-            unique, counts = np.unique(values, return_counts=True)
-            counter.update(dict(zip(unique.tolist(), counts.tolist())))
-        if self.by_rank_step is not None:
-            pairs, counts = np.unique(np.stack([rank, step], axis=1), axis=0, return_counts=True)
-            self.by_rank_step.update(dict(zip(map(tuple, pairs.tolist()), counts.tolist())))
-        sign = np.where(phase == PHASE_RANK["backward"], -1, 1)
-        keys = np.stack([step, micro, phase, sign * vpp_stage, sign * pp_stage, order, rank], axis=1)
-        ranking = np.lexsort(keys.T[::-1])
-        for index in ranking[: self.top].tolist():
-            self._offer_top(tuple(keys[index].tolist()), numbered[index], label)
-        first_steps, first_at = np.unique(step[ranking], return_index=True)
-        for step_value, at in zip(first_steps.tolist(), first_at.tolist()):
-            index = int(ranking[at])
-            key = tuple(keys[index].tolist())
-            known = self.first_by_step.get(step_value)
-            if known is None or key < known[0]:
-                self.first_by_step[step_value] = (key, label, *numbered[index])
-
-    def _offer_top(self, key: tuple[int, ...], numbered: tuple[int, str], label: str) -> None:
-        entry_key = tuple(-k for k in key)
-        if len(self.heap) >= self.top and (entry_key, -self._seen) <= self.heap[0][:2]:
-            return
-        event = self._full(label, *numbered)
-        if event is None:
-            return
-        entry = (entry_key, -self._seen, event)
-        self._seen += 1
-        if len(self.heap) < self.top:
-            heapq.heappush(self.heap, entry)
-        else:
-            heapq.heapreplace(self.heap, entry)
-
-    def _full(self, label: str, number: int, line: str) -> dict[str, Any] | None:
-        """A reported event: parsed and validated in full (None, and reported, if corrupt)."""
-        try:
-            event: dict[str, Any] = _loads(line)  # a dict: _check says so
-            _check(event)
-        except (ValueError, KeyError, TypeError) as exc:
-            self.bad(label, number, f"missing field {exc}" if isinstance(exc, KeyError) else str(exc))
-            return None
-        return event
-
-    def first_events(self) -> list[dict[str, Any]]:
-        out = []
-        for _, (_, label, number, line) in sorted(self.first_by_step.items()):
-            event = self._full(label, number, line)
-            if event is not None:
-                out.append(event)
-        return out
-
-
-def analyse_run(run_dir: str | Path, top: int = 20, steps: StepRanges | Iterable[int] | None = None,
-                progress: bool = False, rank_steps: bool = False) -> dict[str, Any]:
-    """Merge the anomalies of every rank of a run.
-
-    Args:
-        run_dir: ``{output_dir}/{run_name}``, holding ``rank{R}/anomalies.jsonl``.
-        top: how many earliest events to keep.
-        steps: only these steps (None: all): a :class:`StepRanges` (see :func:`parse_steps`) or ints.
-        progress: draw a progress bar (files, rate, ETA, events) on stderr when it is a terminal.
-        rank_steps: also count events per (rank, step): ``counts["by_rank_step"]``, a list of
-            ``[rank, step, events]`` (the cross-rank timeline of ``trainmon report``).
-
-    Returns:
-        ``{"run_dir", "files", "events", "steps", "first_origin", "top", "first_by_step",
-        "counts": {"by_rank", "by_step", "by_detector"}, "corrupt", "corrupt_total"}``; events as
-        they appear in ``anomalies.jsonl`` (non-finite values as "nan"/"inf" strings); ``steps`` is the
-        selection as text (``"1,3,5-9"``) or None.
-
-    Raises:
-        FileNotFoundError: ``run_dir`` is not a directory.
-
-    Example:
-        >>> analyse_run("/nonexistent")  # doctest: +IGNORE_EXCEPTION_DETAIL
-        Traceback (most recent call last):
-        FileNotFoundError: run directory /nonexistent does not exist
-    """
-    root = Path(run_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"run directory {root} does not exist")
-    if top < 1:
-        raise ValueError(f"top must be >= 1, got {top}")
-    if steps is not None and not isinstance(steps, StepRanges):
-        steps = StepRanges.of(steps)
-    files = find_files(root)
-    merger = _Merger(top, steps)
-    if rank_steps:
-        merger.by_rank_step = Counter()
-    with Bar(len(files), "analyse", enabled=None if progress else False) as bar:
-        for path in files:
-            merger.scan(path, str(path.relative_to(root)))
-            bar.advance(events=merger.events)
-    ordered = [event for _, _, event in sorted(merger.heap, reverse=True)]
-    return {
-        "run_dir": str(root),
-        "files": len(files),
-        "events": merger.events,
-        "steps": str(steps) if steps is not None else None,
-        "first_origin": ordered[0] if ordered else None,
-        "top": ordered,
-        "first_by_step": merger.first_events(),
-        "counts": {"by_rank": {str(k): v for k, v in sorted(merger.by_rank.items())},
-                   "by_step": {str(k): v for k, v in sorted(merger.by_step.items())},
-                   "by_detector": dict(sorted(merger.by_detector.items())),
-                   **({"by_rank_step": [[r, s, n] for (r, s), n in sorted(merger.by_rank_step.items())]}
-                      if merger.by_rank_step is not None else {})},
-        "corrupt": merger.corrupt,
-        "corrupt_total": merger.corrupt_total,
-    }
-
-
-def _printable(text: str) -> str:
-    """Control characters escaped: a crafted file cannot break the table or drive the terminal."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def format_table(events: list[dict[str, Any]]) -> str:
     """Plain-text table: rank, step, micro-step, phase, name, metric, value, detector."""
     header = ("rank", "step", "micro", "phase", "name", "metric", "value", "detector")
-    rows = [header] + [(str(e["rank"]), str(e["step"]), str(e["micro_step"]), e["phase"], _printable(e["name"]),
-                        _printable(e["metric"]), f"{decode_float(e['value']):.6g}", e["detector"]) for e in events]
+    rows = [header] + [(str(e["rank"]), str(e["step"]), str(e["micro_step"]), e["phase"], printable(e["name"]),
+                        printable(e["metric"]), f"{decode_float(e['value']):.6g}", e["detector"]) for e in events]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
@@ -386,7 +46,7 @@ def _steps_arg(text: str) -> StepRanges:
 
 
 def _positive(text: str) -> int:
-    value = _bounded(text.strip()) if text.strip().isdigit() else 0
+    value = bounded_int(text.strip()) if text.strip().isdigit() else 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text[:50]!r}")
     return value
@@ -432,7 +92,7 @@ def run_cli(args: argparse.Namespace) -> int:
         default_name = MSPROBE_OUTPUT_NAME
         runs = [run for run in find_runs(run_dir) if run.name != ANOMALY_FOLDER]
         print(f"read msprobe's anomaly events: {len(msprobe_files)} anomaly.json file"
-              f"{'s' if len(msprobe_files) != 1 else ''} ({', '.join(_printable(str(p)) for p in msprobe_files[:3])}"
+              f"{'s' if len(msprobe_files) != 1 else ''} ({', '.join(printable(str(p)) for p in msprobe_files[:3])}"
               f"{', ...' if len(msprobe_files) > 3 else ''}), ordered by msprobe's rule; names are msprobe's")
         if runs:
             print(f"note: {run_dir} also holds trainmon runs; analyse one with: trainmon analyse {runs[-1]}")
@@ -444,12 +104,12 @@ def run_cli(args: argparse.Namespace) -> int:
             if rank_folders(run_dir):
                 raise UsageError(f"{run_dir} is msprobe output without anomaly events (msprobe writes "
                                  f"{ANOMALY_FOLDER}/rank*/anomaly.json only with alert.dump: true)")
-            if not _RANK_DIR.match(run_dir.name):
+            if not RANK_DIR.match(run_dir.name):
                 raise UsageError(f"{run_dir} is not a run directory (no rank*/ folders)")
         result = analyse_run(run_dir, top=args.top, steps=args.steps, progress=True)
         default_name = OUTPUT_NAME
         print(f"read trainmon's anomaly events: {result['files']} rank*/anomalies.jsonl file"
-              f"{'s' if result['files'] != 1 else ''} under {_printable(str(run_dir))}")
+              f"{'s' if result['files'] != 1 else ''} under {printable(str(run_dir))}")
     result = {"written_by": WRITTEN_BY, **result}
     out = Path(args.output) if args.output else run_dir
     target = out if out.suffix == ".json" else out / default_name
@@ -471,7 +131,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"no anomalies{' in the selected steps' if args.steps is not None else ''}")
     else:
         first = result["first_origin"]
-        print(f"{result['events']} anomalies in {result['files']} files; first origin: {_printable(first['message'])}")
+        print(f"{result['events']} anomalies in {result['files']} files; first origin: {printable(first['message'])}")
         print(format_table(result["top"]))
     print(f"wrote {target}")
     return 0
@@ -495,3 +155,7 @@ def _refuse_foreign(target: Path) -> None:
     if not ours:
         raise UsageError(f"{target} exists and was not written by trainmon analyse (msprobe's own "
                          f"{OUTPUT_NAME}?); it is left as it is: pass -o to write elsewhere")
+
+
+__all__ = ["MSPROBE_OUTPUT_NAME", "OUTPUT_NAME", "WRITTEN_BY", "StepRanges", "add_parser", "analyse_run",
+           "find_files", "format_table", "parse_steps", "run_cli"]

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainmon.anomaly.analyse import analyse_run, find_files, parse_steps
+from trainmon.anomaly.merge import analyse_run, find_files, parse_steps
 from trainmon.csv_reader import CsvFormatError
 from trainmon.errors import UsageError
 from trainmon.inputs import describe_os_error, find_runs, is_dir, rank_dirs_of, runs_hint
@@ -88,7 +88,7 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
     """Read ``run_dir``, write the report to ``output``; returns what it did (counts, bytes, seconds).
 
     Args:
-        ranks: ranks with heatmaps and curves (a :class:`~trainmon.anomaly.analyse.StepRanges` or
+        ranks: ranks with heatmaps and curves (a :class:`~trainmon.anomaly.merge.StepRanges` or
             ints; None: the first :data:`MAX_RANKS`).
         families: only these families' heatmaps (None: all).
         metrics: only these metrics' heatmaps (None: all).

@@ -1,7 +1,7 @@
 """What ``trainmon report`` shows, as one compact JSON-able dict (framework-free).
 
 Read with the CSV readers (:func:`trainmon.csv_reader.read_table`, the CSV files of trainmon or
-msprobe) and ``analyse`` (:func:`trainmon.anomaly.analyse.analyse_run`, every rank's ``anomalies.jsonl``).
+msprobe) and ``analyse`` (:func:`trainmon.anomaly.merge.analyse_run`, every rank's ``anomalies.jsonl``).
 
 Heatmaps are module x step grids, one per (rank, family, metric), with at most ``max_columns``
 columns: when a run has more collected steps, each column is a bin of consecutive collected steps
@@ -219,7 +219,7 @@ def _floats(values: npt.NDArray[np.float64]) -> list[float | None]:
 
 
 def timeline(result: dict[str, Any], max_columns: int) -> dict[str, Any]:
-    """The cross-rank anomaly timeline from :func:`~trainmon.anomaly.analyse.analyse_run`'s
+    """The cross-rank anomaly timeline from :func:`~trainmon.anomaly.merge.analyse_run`'s
     ``by_rank_step`` counts: ``[rank, first step of the bin, events]``, steps binned to ``max_columns``."""
     cells = result["counts"].get("by_rank_step", [])
     if not cells:
