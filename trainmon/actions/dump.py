@@ -16,35 +16,36 @@ raise into training: a failure is logged once and the dump goes on without that 
 
 When the first-origin event of an anomaly names no module (the loss, with activations off), the
 dump first localises the module that makes the non-finite value (:mod:`trainmon.actions.localise`).
+
+This module decides which modules are dumped on which step and hands each step's capture to the writer
+thread (:mod:`trainmon.actions.dump_writer`); the hooks that fill the capture are in
+:mod:`trainmon.actions.dump_hooks`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import traceback
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmon.actions.capture import Capture
-from trainmon.actions.dump_writer import is_plumbing, write_dump
+from trainmon.actions.dump_hooks import DumpHooks
+from trainmon.actions.dump_writer import write_dump
 from trainmon.actions.framework_choice import framework_for
 from trainmon.actions.frameworks import megatron_layout
 from trainmon.actions.localise import Localisation, NonfiniteLocaliser
 from trainmon.actions.modules import Key, ModuleTable
 from trainmon.actions.naming import describe_event, is_nonfinite_event, names_activation
 from trainmon.actions.requests import StepRequests
-from trainmon.collect.hooks import HookRegistry
 from trainmon.safe_io import make_dirs, open_output
 from trainmon.sinks.base import OutputThread
 
 if TYPE_CHECKING:
-    from trainmon.actions.frameworks import CellBackwardHook, ForwardHook, ForwardPreHook, GradHook
     from trainmon.config import DumpConfig
 
 logger = logging.getLogger("trainmon")
-_GROUP = "dump"
 _MAX_PENDING = 4  # dumps queued for the writer (each holds its host copies) before one is dropped
 
 
@@ -75,13 +76,11 @@ class TargetedDump:
         self.table = ModuleTable(model, self.framework)
         self.parents = self.table.parents[0]
         self.layout = megatron_layout() if getattr(self.framework, "megatron", False) else None
-        self._plumbing = ("torch",) if self.framework.name == "pytorch" else ("torch", "mindspore")
-        self._registry = HookRegistry()
+        self._hooks = DumpHooks(self.table, self.framework, config.stack)
         self._requests: StepRequests[Key] = StepRequests("dump")
         self._localiser = NonfiniteLocaliser(self.table)
         self._quiet_until = -1
         self._step: int | None = None
-        self._capture: Capture | None = None
         self._dumps = 0
         self._refused = False
         self._output: OutputThread | None = None
@@ -89,11 +88,6 @@ class TargetedDump:
         """Dump directories written so far (complete once :meth:`flush` returns)."""
         self.localisations: list[Localisation] = []
         """What the localiser found for anomalies whose first origin named no module."""
-        self._calls: dict[Key, int] = {}
-        self._reruns: dict[Key, int] = {}
-        self._backwards: dict[Key, int] = {}
-        self._open: list[tuple[Key, str, bool]] = []
-        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ requests
     def request(self, modules: Iterable[str], steps: Iterable[int] | None = None) -> list[str]:
@@ -149,7 +143,7 @@ class TargetedDump:
     # ------------------------------------------------------------------ step lifecycle
     def begin_step(self, step: int) -> None:
         """Arm hooks on the modules requested for ``step``; costs a dict lookup otherwise."""
-        if self._capture is not None or self._localiser.armed:
+        if self._hooks.capture is not None or self._localiser.armed:
             self.end_step()
         self._step = step
         self._localiser.begin_step(step)
@@ -162,20 +156,7 @@ class TargetedDump:
                                self.config.max_dumps)
             self._refused = True
             return
-        self._capture = Capture(step, self.config.mode, self.config.max_bytes, self.framework)
-        self._calls, self._reruns, self._backwards, self._open = {}, {}, {}, []
-        framework = self.framework
-        wanted = set(keys)
-        for key in (k for k in self.table.entries if k in wanted):
-            module = self.table.entries[key].module
-            self._registry.add(_GROUP, framework.forward_pre_hook(module, self._pre_hook(key)))
-            self._registry.add(_GROUP, framework.forward_hook(module, self._forward_hook(key)))
-            if not framework.tensor_gradients:
-                self._registry.add(_GROUP, framework.backward_hook(module, self._module_backward_hook(key)))
-            for param_name, param in framework.own_parameters(module):
-                if param.requires_grad:
-                    hook = self._grad_hook(key, param_name, param)
-                    self._registry.add(_GROUP, framework.param_grad_hook(param, hook))
+        self._hooks.arm(Capture(step, self.config.mode, self.config.max_bytes, self.framework), keys)
 
     def end_step(self) -> Path | None:
         """Remove the hooks and hand the step's dump to its writer thread (never waits for the disk).
@@ -184,9 +165,8 @@ class TargetedDump:
             The dump directory being written (``step{S}``; ``step{S}-{n}`` if a resumed run already
             dumped that step), or None when this step was not dumped.
         """
-        self._registry.remove(_GROUP)
+        capture = self._hooks.disarm()
         self._localised(self._localiser.end_step())
-        capture, self._capture = self._capture, None
         if capture is None:
             return None
         self._dumps += 1
@@ -209,9 +189,9 @@ class TargetedDump:
     def close(self) -> None:
         """Finish a dump in progress, remove every hook and let the writer finish within a bounded
         time (idempotent, never raises for an output failure)."""
-        if self._capture is not None:
+        if self._hooks.capture is not None:
             self.end_step()
-        self._registry.remove_all()
+        self._hooks.close()
         self._localiser.close()
         if self._output is not None:
             self._output.close()
@@ -241,161 +221,6 @@ class TargetedDump:
             self._output = OutputThread("dump", self._write_job, max_pending=_MAX_PENDING, disable_on_error=False)
         self._output.submit(item)
 
-    # ------------------------------------------------------------------ hooks
-    def _pre_hook(self, key: Key) -> ForwardPreHook:
-        framework = self.framework
-        prefix = self.table.prefix(key)
-
-        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            capture = self._capture
-            if capture is None:
-                return
-            try:
-                if framework.is_rerun():  # a recompute re-run: only its gradients are recorded
-                    call = self._reruns.get(key, 0)
-                    self._reruns[key] = call + 1
-                    node = f"{prefix}.forward.{call}"
-                    self._open.append((key, node, True))
-                    if framework.tensor_gradients:
-                        self._watch_gradients(capture, node, "output", _tensors(framework, args, kwargs))
-                    return
-                call = self._calls.get(key, 0)
-                self._calls[key] = call + 1
-                node = f"{prefix}.forward.{call}"
-                capture.data[node] = {
-                    "input_args": capture.describe(list(args), f"{node}.input"),
-                    "input_kwargs": capture.describe(dict(kwargs), f"{node}.input"),
-                    "parameters": {pn: capture.describe(p, f"{node}.parameters.{pn}")
-                                   for pn, p in framework.own_parameters(module)},
-                }
-                parent = next((n for _, n, rerun in reversed(self._open) if not rerun), None)
-                capture.construct[node] = parent
-                if self.config.stack:
-                    frames = traceback.extract_stack()[:-1]
-                    capture.stack[node] = [f"File {f.filename}, line {f.lineno}, in {f.name}, \n {f.line}"
-                                           for f in frames if not is_plumbing(f.filename, self._plumbing)]
-                self._open.append((key, node, False))
-                if framework.tensor_gradients:
-                    # Registered now, before the forward runs: a module that modifies its input in
-                    # place (ReLU(inplace=True)) leaves the hook on the old version, whose gradient it sees.
-                    self._watch_gradients(capture, node, "output", _tensors(framework, args, kwargs))
-            except Exception as exc:  # a dump must never stop training
-                self._warn_once("hook", "trainmon dump: the forward pre-hook of %s failed (%r); the dump of step "
-                                "%d may be incomplete", self.table.label(key), exc, capture.step)
-
-        return hook
-
-    def _forward_hook(self, key: Key) -> ForwardHook:
-        framework = self.framework
-
-        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            capture = self._capture
-            if capture is None or not self._open or self._open[-1][0] != key:
-                return
-            try:
-                _, node, rerun = self._open.pop()
-                outputs = list(output) if isinstance(output, (list, tuple)) else [output]
-                if not rerun:
-                    capture.data[node]["output"] = capture.describe(outputs, f"{node}.output")
-                if framework.tensor_gradients:
-                    # msprobe convention: a backward's input is the gradient w.r.t. the forward output.
-                    self._watch_gradients(capture, node, "input", _tensors(framework, outputs, {}))
-            except Exception as exc:  # a dump must never stop training
-                self._warn_once("hook", "trainmon dump: the forward hook of %s failed (%r); the dump of step %d "
-                                "may be incomplete", self.table.label(key), exc, capture.step)
-
-        return hook
-
-    def _watch_gradients(self, capture: Capture, forward_node: str, side: str, tensors: list[Any]) -> None:
-        """Record the gradients of ``tensors`` under ``backward.{call}[side][i]`` with tensor hooks (torch).
-
-        Tensor hooks only observe (unlike ``register_full_backward_hook``, whose view outputs break
-        a later in-place modification). Only non-leaf tensors that are part of the graph get a hook:
-        parameters and user inputs are leaves and keep no hook of ours.
-        """
-        if not self.framework.grad_enabled():
-            return
-        node = _as_backward(forward_node)
-        for index, tensor in enumerate(tensors):
-            if tensor is None:
-                continue
-            handle = self.framework.tensor_hook(tensor, self._gradient_hook(capture, node, forward_node, side,
-                                                                              index, len(tensors)))
-            if handle is not None:
-                self._registry.add(_GROUP, handle)
-
-    def _backward_entry(self, capture: Capture, node: str, forward_node: str) -> dict[str, Any]:
-        entry = capture.data.get(node)
-        if entry is None:
-            entry = capture.data[node] = {"input": [], "output": []}
-            parent = capture.construct.get(forward_node)
-            capture.construct[node] = _as_backward(parent) if parent else None
-        return entry
-
-    def _gradient_hook(self, capture: Capture, node: str, forward_node: str, side: str, index: int,
-                       count: int) -> GradHook:
-        def hook(grad: Any) -> None:
-            if self._capture is not capture:  # a backward after the dump step ended
-                return
-            try:
-                slots = self._backward_entry(capture, node, forward_node)[side]
-                slots.extend([None] * (count - len(slots)))
-                slots[index] = capture.describe(grad, f"{node}.{side}.{index}")
-            except Exception as exc:  # a dump must never stop training
-                self._warn_once("hook", "trainmon dump: a gradient hook of %s failed (%r); the dump of step %d "
-                                "may be incomplete", node, exc, capture.step)
-
-        return hook
-
-    def _module_backward_hook(self, key: Key) -> CellBackwardHook:
-        """MindSpore: ``(cell, grad_input, grad_output)``; the k-th backward of a cell in the step is
-        ``backward.{k}`` (msprobe's numbering)."""
-        prefix = self.table.prefix(key)
-
-        def hook(module: Any, grad_input: Any, grad_output: Any) -> None:
-            capture = self._capture
-            if capture is None:
-                return
-            try:
-                call = self._backwards.get(key, 0)
-                self._backwards[key] = call + 1
-                forward_node = f"{prefix}.forward.{call}"
-                node = _as_backward(forward_node)
-                entry = self._backward_entry(capture, node, forward_node)
-                entry["input"] = capture.describe(list(grad_output), f"{node}.input")
-                entry["output"] = capture.describe(list(grad_input), f"{node}.output")
-            except Exception as exc:  # a dump must never stop training
-                self._warn_once("hook", "trainmon dump: the backward hook of %s failed (%r); the dump of step %d "
-                                "may be incomplete", self.table.label(key), exc, capture.step)
-
-        return hook
-
-    def _grad_hook(self, key: Key, param_name: str, param: Any) -> GradHook:
-        partition_dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) \
-            else None
-        node = f"{self.table.prefix(key)}.parameters_grad"
-
-        def hook(grad: Any) -> None:
-            capture = self._capture
-            if capture is None:
-                return
-            try:
-                desc = capture.describe(grad, f"{node}.{param_name}")
-                if partition_dim is not None:
-                    desc["tp_partition_dim"] = int(partition_dim)
-                # msprobe's layout: {param: [description]}; the last micro-step's call wins
-                capture.data.setdefault(node, {})[param_name] = [desc]
-            except Exception as exc:  # a dump must never stop training
-                self._warn_once("hook", "trainmon dump: the gradient hook of %s.%s failed (%r); the dump of step "
-                                "%d may be incomplete", self.table.label(key), param_name, exc, capture.step)
-
-        return hook
-
-    def _warn_once(self, key: str, message: str, *args: Any) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning(message, *args)
-
     # ------------------------------------------------------------------ writer thread
     def _write_job(self, item: tuple[str, Any, Any, Any]) -> None:
         kind, payload, values, directory = item
@@ -407,19 +232,3 @@ class TargetedDump:
             return
         extra = {"parallel": self.layout} if self.layout else None
         self.written.append(write_dump(payload, values, directory, root, extra))
-
-
-def _tensors(framework: Any, args: Any, kwargs: dict[str, Any]) -> list[Any]:
-    """The top-level positional arguments (or outputs) and keyword arguments that are tensors, in order;
-    None for every other positional argument so indices match ``input_args``."""
-    tensor_type = framework.tensor_type
-    out: list[Any] = [a if isinstance(a, tensor_type) else None for a in args]
-    out += [v for v in kwargs.values() if isinstance(v, tensor_type)]
-    return out
-
-
-def _as_backward(node: str) -> str:
-    head, kind, call = node.rsplit(".", 2)
-    assert kind == "forward", node
-    return f"{head}.backward.{call}"
-
