@@ -19,6 +19,9 @@ wrapper calls straight through. Rows and scalars are those of torch: ``{op}.{gro
 (op names in torch's vocabulary, e.g. ``AllReduce`` is ``all_reduce``, ``AllGather``
 ``all_gather_into_tensor``), ``comm/{op}.{group}/calls`` and ``/bytes``. Statistics are computed with
 MindSpore ops on the device and reach the host with the step's one transfer.
+
+What each API sends and receives (its call plan) is in :mod:`trainmon.integrations.mindspore.comm_plans`;
+this module installs the wrappers and measures, rows and flushes what they see.
 """
 
 from __future__ import annotations
@@ -38,6 +41,17 @@ from mindspore import Tensor, mint, ops
 from trainmon.collect.comm_ops import ArgumentBinder, group_label
 from trainmon.collect.hooks import HookedCollector
 from trainmon.config import COMM_OPS
+from trainmon.integrations.mindspore.comm_plans import (
+    COMM_FUNC_PLANS,
+    MINT_PLANS,
+    OPS_NAMES,
+    PRIMITIVES,
+    MeasuredHandle,
+    Plan,
+    either,
+    one_tensor,
+    tensors_of,
+)
 from trainmon.integrations.mindspore.stats import partial_stats
 from trainmon.process_groups import mindspore_layout
 from trainmon.records import RowKey
@@ -49,99 +63,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 FAMILY = "comm"
 _WORLD_NAMES = frozenset({"hccl_world_group", "nccl_world_group", "mccl_world_group"})
-
-
-@dataclass
-class _Plan:
-    group: Any
-    pre: list[tuple[int, Tensor]]
-    post: list[tuple[int, Tensor]]
-    async_op: bool = False
-    result_is_post: bool = False
-    """Functional collectives (``comm_func``, primitives): the returned value is what was received."""
-    result_may_be_post: bool = False
-    """``mindspore.ops``' collectives work in place or return the result, by MindSpore's own setting."""
-
-
-def _one(tensor: Any) -> list[tuple[int, Tensor]]:
-    return [(0, tensor)] if isinstance(tensor, Tensor) else []
-
-
-def _many(tensors: Any) -> list[tuple[int, Tensor]]:
-    return [(i, t) for i, t in enumerate(tensors or ()) if isinstance(t, Tensor)]
-
-
-def _in_place(pre: str, post: str, many_pre: bool = False, many_post: bool = False) -> Callable[..., _Plan]:
-    def plan(args: dict[str, Any], rank: int, ranks: Callable[[Any], list[int]]) -> _Plan:
-        return _Plan(args.get("group"), _many(args[pre]) if many_pre else _one(args[pre]),
-                     _many(args[post]) if many_post else _one(args[post]), bool(args.get("async_op")))
-
-    return plan
-
-
-def _rooted(key: str, sends: bool, many: str | None = None) -> Callable[..., _Plan]:
-    """broadcast/scatter (``sends``: the root contributes) and reduce/gather (the root receives)."""
-    def plan(args: dict[str, Any], rank: int, ranks: Callable[[Any], list[int]]) -> _Plan:
-        group = args.get("group")
-        root = args.get(key, 0)
-        mine = root == rank
-        tensor = _one(args["tensor"])
-        listed = _many(args.get(many)) if many else tensor
-        if sends:
-            return _Plan(group, listed if mine else [], tensor, bool(args.get("async_op")))
-        return _Plan(group, tensor, listed if mine else [], bool(args.get("async_op")))
-
-    return plan
-
-
-def _p2p(sends: bool, asynchronous: bool) -> Callable[..., _Plan]:
-    def plan(args: dict[str, Any], rank: int, ranks: Callable[[Any], list[int]]) -> _Plan:
-        tensor = _one(args["tensor"])
-        return _Plan(args.get("group"), tensor if sends else [], [] if sends else tensor, asynchronous)
-
-    return plan
-
-
-def _either(planner: Callable[..., _Plan]) -> Callable[..., _Plan]:
-    """``planner``'s plan, whose received tensors are the returned ones when a value is returned."""
-    def plan(args: dict[str, Any], rank: int, ranks: Callable[[Any], list[int]]) -> _Plan:
-        result = planner(args, rank, ranks)
-        result.result_may_be_post = True
-        return result
-
-    return plan
-
-
-def _functional(args: dict[str, Any], rank: int, ranks: Callable[[Any], list[int]]) -> _Plan:
-    return _Plan(args.get("group"), _one(args["tensor"]), [], bool(args.get("async_op")), result_is_post=True)
-
-
-_MINT: dict[str, Callable[..., _Plan]] = {
-    "all_reduce": _in_place("tensor", "tensor"),
-    "broadcast": _rooted("src", sends=True),
-    "all_gather": _in_place("tensor", "tensor_list", many_post=True),
-    "all_gather_into_tensor": _in_place("input_tensor", "output_tensor"),
-    "reduce_scatter_tensor": _in_place("input", "output"),
-    "reduce_scatter": _in_place("input_list", "output", many_pre=True),
-    "reduce": _rooted("dst", sends=False),
-    "all_to_all": _in_place("input_tensor_list", "output_tensor_list", many_pre=True, many_post=True),
-    "all_to_all_single": _in_place("input", "output"),
-    "gather": _rooted("dst", sends=False, many="gather_list"),
-    "scatter": _rooted("src", sends=True, many="scatter_list"),
-    "send": _p2p(True, False), "recv": _p2p(False, False), "isend": _p2p(True, True), "irecv": _p2p(False, True),
-}
-"""``mindspore.mint.distributed`` functions (torch's signatures and in-place semantics)."""
-_COMM_FUNC: dict[str, Callable[..., _Plan]] = {
-    "all_reduce": _functional, "all_gather_into_tensor": _functional, "reduce_scatter_tensor": _functional,
-}
-"""``mindspore.communication.comm_func`` functions that return what they received."""
-_OPS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
-        "reduce", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv")
-"""``mindspore.ops`` (``mindspore.ops.function.comm_func``) collectives: torch's signatures, as
-``mint.distributed``'s, but in place or returning the result depending on MindSpore's mode."""
-_PRIMITIVES: dict[str, str] = {"AllReduce": "all_reduce", "AllGather": "all_gather_into_tensor",
-                               "ReduceScatter": "reduce_scatter_tensor", "Broadcast": "broadcast"}
-"""Collective primitives and their names in rows (torch's vocabulary)."""
 
 
 @dataclass
@@ -160,24 +81,6 @@ class _Swap:
     name: str
     original: Any
     replacement: Any
-
-
-class _MeasuredHandle:
-    """An async handle whose ``wait()`` measures the received tensors once the call completed."""
-
-    def __init__(self, handle: Any, on_complete: Callable[[], None]) -> None:
-        self._handle = handle
-        self._on_complete: Callable[[], None] | None = on_complete
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._handle.wait(*args, **kwargs)
-        callback, self._on_complete = self._on_complete, None
-        if callback is not None:
-            callback()
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._handle, name)
 
 
 class MindSporeCommCollector(HookedCollector):
@@ -261,8 +164,9 @@ class MindSporeCommCollector(HookedCollector):
         import mindspore.mint.distributed as mint_distributed
         from mindspore.ops.function import comm_func as ops_comm_func
 
-        ops_planners = {name: _either(_MINT[name]) for name in _OPS if name in _MINT}
-        for planners, package in ((_MINT, mint_distributed), (_COMM_FUNC, comm_func), (ops_planners, ops_comm_func)):
+        ops_planners = {name: either(MINT_PLANS[name]) for name in OPS_NAMES if name in MINT_PLANS}
+        packages = ((MINT_PLANS, mint_distributed), (COMM_FUNC_PLANS, comm_func), (ops_planners, ops_comm_func))
+        for planners, package in packages:
             for name, planner in planners.items():
                 original = getattr(package, name, None)
                 if original is None or name not in self._ops:
@@ -271,7 +175,7 @@ class MindSporeCommCollector(HookedCollector):
                 self._swap_everywhere(name, original, wrapper)
         from mindspore.ops.operations import comm_ops
 
-        for class_name, op in _PRIMITIVES.items():
+        for class_name, op in PRIMITIVES.items():
             original = getattr(comm_ops, class_name, None)
             if original is None or op not in self._ops:
                 continue
@@ -290,7 +194,7 @@ class MindSporeCommCollector(HookedCollector):
                 setattr(module, name, replacement)
                 self._swaps.append(_Swap(module, name, original, replacement))
 
-    def _wrap_function(self, name: str, original: Callable[..., Any], planner: Callable[..., _Plan]) -> Any:
+    def _wrap_function(self, name: str, original: Callable[..., Any], planner: Callable[..., Plan]) -> Any:
         binder = ArgumentBinder(original)
 
         @functools.wraps(original)
@@ -316,7 +220,7 @@ class MindSporeCommCollector(HookedCollector):
             group = getattr(prim, "group", None)
             inputs = args[0] if op == "broadcast" and args and isinstance(args[0], (tuple, list)) else args
             sends = op != "broadcast" or getattr(prim, "root_rank", 0) == collector._rank
-            plan = _Plan(group, _many(inputs) if sends else [], [], False, result_is_post=True)
+            plan = Plan(group, tensors_of(inputs) if sends else [], [], False, result_is_post=True)
             return collector._call(op, plan, lambda: call(*args))
 
         measured: type[Any] = type(original.__name__, (original,), {
@@ -329,7 +233,7 @@ class MindSporeCommCollector(HookedCollector):
         return (self._active and ctx.collecting and FAMILY in ctx.specs and ctx.buffer is not self._flushed
                 and not getattr(self._local, "depth", 0))
 
-    def _call(self, name: str, plan: _Plan, run: Callable[[], Any]) -> Any:
+    def _call(self, name: str, plan: Plan, run: Callable[[], Any]) -> Any:
         self._local.depth = getattr(self._local, "depth", 0) + 1
         try:
             prefix = f"{name}.{self._group(plan.group)}"
@@ -346,7 +250,7 @@ class MindSporeCommCollector(HookedCollector):
             paired = plan.async_op and isinstance(result, tuple) and len(result) >= 2  # (output, handle)
             value = result[0] if paired else result
             if plan.result_is_post or (plan.result_may_be_post and isinstance(value, (Tensor, tuple, list))):
-                post = _many(value) if isinstance(value, (tuple, list)) else _one(value)
+                post = tensors_of(value) if isinstance(value, (tuple, list)) else one_tensor(value)
                 handle = result[1] if paired else None
             traffic = self._traffic.setdefault(prefix, [0, 0])
             traffic[0] += 1
@@ -354,7 +258,7 @@ class MindSporeCommCollector(HookedCollector):
             if not plan.async_op or handle is None or not hasattr(handle, "wait"):
                 self._measure(row, "post", post)
                 return result
-            measured = _MeasuredHandle(handle, lambda: self._measure_if_current(buffer, row, post))
+            measured = MeasuredHandle(handle, lambda: self._measure_if_current(buffer, row, post))
             return (result[0], measured) + tuple(result[2:]) if paired else measured
         finally:
             self._local.depth -= 1
