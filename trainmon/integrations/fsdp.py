@@ -91,8 +91,8 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         self.writes_rows = writes_rows
         self.collective = shards.size > 1
         self._device = _collective_device(shards) if self.collective else None
-        # (family, name, vpp, partial): the base class's name, so its _drop_pending clears these rows too.
-        self._pending: list[tuple[str, str, int, torch.Tensor]] = []  # type: ignore[assignment]
+        self._rows: list[tuple[str, str, int, torch.Tensor]] = []
+        """This rank's shard rows ``(family, name, vpp, partial)``, combined in the step's one collective."""
         self._hooked: dict[int, weakref.ref[torch.Tensor]] = {}
         self._warned: set[tuple[str, str]] = set()
 
@@ -110,7 +110,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
 
     def reset(self) -> None:
         self._hooked.clear()
-        self._pending.clear()
+        self._rows.clear()
         self._norm, self._norm_final = None, False
 
     def _find_unsharded(self, entries: list[tuple[str, Any, str, int]]
@@ -189,13 +189,13 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         families: list[str] = [f for f in ("update", "ratio") if f in self._states]
         if param.numel() == 0:
             for family in families:
-                self._pending.append((family, name, vpp_stage, empty_partial(param.device)))
+                self._rows.append((family, name, vpp_stage, empty_partial(param.device)))
             return
         fused = adam_partials_cpu(local, group, param, self.ctx.specs.get("update"), self.ctx.specs.get("ratio"))
         if fused is not None:
             for family, partial in zip(("update", "ratio"), fused):
                 if family in families and partial is not None:  # a family's partial is None without its spec
-                    self._pending.append((family, name, vpp_stage, partial))
+                    self._rows.append((family, name, vpp_stage, partial))
             return
         update = adam_update(local, group)
         if update is None:  # the same on every rank (same state keys): rows stay aligned
@@ -223,11 +223,11 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
                 logger.warning("trainmon: cannot measure %s/%s (%s: %s); that row is empty",
                                family, name, type(exc).__name__, exc)
             partial = empty_partial(local.device)
-        self._pending.append((family, name, vpp_stage, partial))
+        self._rows.append((family, name, vpp_stage, partial))
 
     # ------------------------------------------------------------------------- step end
     def before_transfer(self) -> None:
-        pending, self._pending = self._pending, []
+        pending, self._rows = self._rows, []
         norm, self._norm, self._norm_final = self._norm, None, False
         if not self.ctx.collecting or (not pending and norm is None):
             return
