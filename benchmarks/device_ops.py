@@ -46,6 +46,7 @@ from trainmon import TrainerMonitor  # noqa: E402
 from trainmon.collect import stats  # noqa: E402
 from trainmon.collect.buffer import StepBuffer  # noqa: E402
 from trainmon.collect.context import StepContext  # noqa: E402
+from trainmon.collect.grouped import GroupedRows  # noqa: E402
 from trainmon.records import FAMILIES  # noqa: E402
 
 METRICS6 = ["norm", "min", "max", "mean", "nans", "infs"]
@@ -147,7 +148,8 @@ class SyncCounter:
 
 
 class RowBytes:
-    """Bytes of each monitored row's tensor (``record``/``record_many``; other rows: the parameter's size)."""
+    """Bytes of each monitored row's tensor (``record``/``record_many``/grouped ``record``; other rows: the parameter's
+    size)."""
 
     def __init__(self) -> None:
         self.by_row: dict[tuple[str, str], int] = {}
@@ -183,6 +185,7 @@ class RowBytes:
             return wrapper
 
         patch(StepContext, "record", record)
+        patch(GroupedRows, "record", record)
         patch(StepContext, "record_many", record_many)
         patch(StepBuffer, "transfer", transfer)
         return self

@@ -10,6 +10,9 @@ Cases (alternating rounds, same seed and data; per case, the median step of its 
   uncollected   everything on, step_interval 100 (measured steps are not collected)
   grad_probe    weights + the grad probe at level L1 (summaries, packed signs, in-run similarity),
                 every step; compared with `weights`, the same run without the grad probe
+  weights_async, activations_async
+                `weights` / `activations` with async_results: true (each step finished when the next
+                one ends: no wait for the device; for GPUs)
 Peak memory is measured per case in a fresh subprocess (CUDA: max_memory_allocated; CPU: peak RSS
 growth during training). Targets (4-layer d=256, 1 thread): weights <= 1.12x, activations <= 1.40x,
 uncollected <= 1.01x, grad_probe <= 1.15x weights, peak memory <= +2%.
@@ -44,6 +47,10 @@ CASES = {
                     "activations": {"enabled": True, "metrics": METRICS6}, "step_interval": 100, "start_step": 1},
     "grad_probe": {"weight_grads": {"metrics": METRICS6}, "optimizer_states": {"metrics": METRICS6},
                    "grad_probe": {"enabled": True, "level": "L1"}},
+    "weights_async": {"weight_grads": {"metrics": METRICS6}, "optimizer_states": {"metrics": METRICS6},
+                      "async_results": True},
+    "activations_async": {"weight_grads": {"metrics": METRICS6}, "optimizer_states": {"metrics": METRICS6},
+                          "activations": {"enabled": True, "metrics": METRICS6}, "async_results": True},
 }
 MODELS = {  # name -> (TinyGPT shape, batch)
     "gpt": (dict(vocab=1024, d=256, layers=4, heads=4, seq=128), 8),  # 3.7 M parameters: the CPU figures
@@ -150,13 +157,13 @@ def main() -> int:
     print(f"device {args.device} ({name}), torch {torch.__version__}, model {SHAPE} ({params / 1e6:.0f} M parameters, "
           f"{args.dtype}), batch {BATCH}, threads {torch.get_num_threads()}, clock {args.clock}, "
           f"sinks {'+'.join(args.sinks)}, {args.rounds} rounds x {args.steps} steps (best round's median)")
-    print(f"{'case':<12} {'step ms':>15} {'time ratio':>11} {'peak MB':>9} {'memory ratio':>13}")
+    print(f"{'case':<17} {'step ms':>10} {'time ratio':>11} {'peak MB':>9} {'memory ratio':>13}")
     for case in args.cases:
         median = statistics.median(times[case])
         ratio = median / base_time if base_time else float("nan")
         peak = memory.get(case, float("nan"))
         mem_ratio = peak / memory["none"] if memory.get("none", 0) > 0 else float("nan")
-        print(f"{case:<12} {median * 1e3:>15.1f} {ratio:>10.3f}x {peak:>9.1f} {mem_ratio:>12.3f}x")
+        print(f"{case:<17} {median * 1e3:>10.1f} {ratio:>10.3f}x {peak:>9.1f} {mem_ratio:>12.3f}x")
     if "grad_probe" in times and "weights" in times:
         probe_ratio = statistics.median(times["grad_probe"]) / statistics.median(times["weights"])
         print(f"grad_probe / weights (the same run without the grad probe): {probe_ratio:.3f}x")

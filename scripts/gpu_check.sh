@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 code=0
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider -rfEs tests/gpu 2>&1 | tee "$LOGS/pytest_gpu.log" || code=1
 timeout 240 "$PY" benchmarks/overhead.py --device cuda --model 1b --dtype bfloat16 --rounds 3 --steps 8 --skip-memory \
-  --cases none weights activations uncollected 2>&1 | tee "$LOGS/overhead_1b_bf16.txt" || code=1
+  --cases none weights activations uncollected weights_async activations_async 2>&1 | tee "$LOGS/overhead_1b_bf16.txt" || code=1
 timeout 120 "$PY" benchmarks/overhead.py --device cuda --rounds 3 --steps 10 --skip-memory \
   --cases none weights activations uncollected 2>&1 | tee "$LOGS/overhead_gpt_fp32.txt" || code=1
 exit $code

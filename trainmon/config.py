@@ -117,6 +117,12 @@ class ActivationsConfig:
     target, ``out += x``): torch rejects that under full backward hooks. ``module`` switches to ``tensor`` by
     itself, with a warning, when a target module has ``inplace=True``. MindSpore always uses cell backward
     hooks."""
+    group_mb: float = setting(256.0, minimum=0)
+    """On the device path (GPU, Ascend, low-precision tensors), activations are kept by their hooks and measured
+    together, a few kernels per group, when the root module's forward or a backward pass ends, or once the kept
+    tensors reach this many MiB (the most memory they keep alive beyond what autograd keeps). 0 measures each
+    tensor in its hook (one kernel call each). A row whose tensor the model modifies in place after the hook is
+    measured in its hook (learned on its first collected step)."""
 
 
 @dataclass
@@ -289,6 +295,11 @@ class MonitorConfig:
     """Stop after this many collected steps; null means no limit."""
     eps: float = setting(1e-8, minimum=0.0)
     """``zeros`` counts elements with ``|x| < eps``."""
+    async_results: bool = False
+    """Finish each collected step one step later (for GPUs): the step's statistics are copied to the host without
+    waiting for the device, and its rows are written and checked for anomalies when the next step ends (or at
+    ``close``). ``monitor.step()`` then returns the previous collected step's record, and an anomaly's actions
+    (``raise`` included) come one step later. Off: the step waits for its statistics (one synchronisation)."""
     flush_seconds: float = setting(2.0, check=_timeout)
     """Outputs flush as soon as their writer is idle, and at least this often while it is busy (and on close)."""
     targets: TargetsConfig = field(default_factory=TargetsConfig)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmon import integrations
+from trainmon.collect.buffer import HostStep, StepBuffer, Transfer
 from trainmon.collect.context import StepContext
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.stats import StatsSpec
@@ -47,6 +48,8 @@ class Session:
         self.ctx = StepContext(specs=_specs(metrics, config.eps), metrics=metrics, step=self.options.start_step,
                                grad_acc_steps=self.options.grad_acc_steps)
         self.actions: dict[str, HandOffAction] = {}
+        self.in_flight: tuple[int, Transfer] | None = None
+        """``async_results``: the collected step whose transfer has started and whose record is not made yet."""
         self.boundary = HookRegistry()
         self.lifecycle = StepLifecycle(self.ctx, end_step=lambda: self.end_step(None, {}, by_user=False))
         self.attachment: Attachment = self._attach(config)
@@ -197,18 +200,19 @@ class Session:
                 buffer.add_scalar("loss", loss if not hasattr(loss, "detach") else loss.detach().float().mean())
             for name, value in scalars.items():
                 buffer.add_scalar(name, value)
+            ctx.grouped.flush()
             for collector in self.attachment.collectors:
                 collector.before_transfer()
-            host = buffer.transfer()  # sync: the one device-to-host transfer of this step
-            record = build_record(ctx.step, self.attachment.rank, ctx.pp_stage, host.keys, host.partials,
-                                  host.scalars, ctx.metrics)
             self.schedule.collected += 1
-            if self.writes:
-                self.writer.submit(record)
-                try:
-                    self.anomaly.process(record)
-                except AnomalyError as exc:
-                    error = exc
+            if self.config.async_results and isinstance(buffer, StepBuffer):
+                # the copy starts now, without waiting for the device; the previous step's ended long ago
+                transfer = buffer.start_transfer()
+                record, error = self.finish_in_flight()
+                self.in_flight = (ctx.step, transfer)
+            else:
+                record, error = self._finish(ctx.step, buffer.transfer())  # sync: the one transfer of this step
+        elif self.in_flight is not None:
+            record, error = self.finish_in_flight()
         if self.struct is not None and self.struct.seen and not self.struct.done:
             self._write_struct()
         ctx.step += 1
@@ -222,6 +226,26 @@ class Session:
         if error is not None:
             raise error
         return record
+
+    def _finish(self, step: int, host: HostStep) -> tuple[StepRecord, AnomalyError | None]:
+        """The host side of a collected step: its record, handed to the writer and the anomaly engine."""
+        record = build_record(step, self.attachment.rank, self.ctx.pp_stage, host.keys, host.partials, host.scalars,
+                              self.ctx.metrics)
+        error = None
+        if self.writes:
+            self.writer.submit(record)
+            try:
+                self.anomaly.process(record)
+            except AnomalyError as exc:
+                error = exc
+        return record, error
+
+    def finish_in_flight(self) -> tuple[StepRecord | None, AnomalyError | None]:
+        """Finish the step whose transfer is in flight (``async_results``), if any."""
+        if self.in_flight is None:
+            return None, None
+        (step, transfer), self.in_flight = self.in_flight, None
+        return self._finish(step, transfer.result())
 
     def _arm(self, collecting: bool) -> None:
         if collecting == self.ctx.collecting and collecting:
@@ -282,6 +306,7 @@ class Session:
         try:
             if self.ctx.collecting and len(self.ctx.buffer) and self.lifecycle.active:
                 self.end_step(None, {}, by_user=False)  # the last step when the user never called step()
+            self.finish_in_flight()  # async_results: the last collected step
         except AnomalyError:
             pass
         except Exception as exc:

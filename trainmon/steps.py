@@ -196,8 +196,10 @@ class StepLifecycle:
             self._rollback(frame.mark)
             return
         self.forwards[frame.root] = self.forwards.get(frame.root, 0) + 1
-        if self.ctx.collecting and torch.is_grad_enabled():
-            self._watch_backward(frame, output)
+        if self.ctx.collecting:
+            self.ctx.grouped.flush()  # the forward's activations, measured together
+            if torch.is_grad_enabled():
+                self._watch_backward(frame, output)
 
     def _watch_backward(self, frame: _Frame, output: Any) -> None:
         """A hook on the forward's output tensors: marks when its backward begins and ends."""
@@ -233,6 +235,7 @@ class StepLifecycle:
             self._pending.backward_done = True
         if not self.ctx.collecting:
             return
+        self.ctx.grouped.flush()  # the pass's activation gradients, measured together
         for hook in list(self.ctx.backward_end):
             try:
                 hook()
@@ -252,10 +255,9 @@ class StepLifecycle:
         self._pending = None
 
     def _rollback(self, mark: int) -> None:
-        buffer = self.ctx.buffer
-        if 0 <= mark < len(buffer.keys):
-            del buffer.keys[mark:]
-            del buffer.partials[mark:]
+        self.ctx.grouped.discard()  # kept since the pass began: they belong to it
+        if mark >= 0:
+            self.ctx.buffer.truncate(mark)
 
     def _optimizer_post(self, *args: Any) -> None:
         self.optimizer_stepped = True

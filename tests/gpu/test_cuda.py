@@ -112,14 +112,14 @@ def test_triton_adam_update_and_ratio_match_float64(dtype):
                     (dtype, i, half, metric, values[metric], want[metric])
 
 
-def _run_with_references(tmp_path, dtype: torch.dtype, steps: int = 3):
+def _run_with_references(tmp_path, dtype: torch.dtype, steps: int = 3, async_results: bool = False):
     torch.manual_seed(0)
     model = TinyNet(vocab=64, d=128).to(CUDA, dtype)
     with torch.no_grad():
         model.layers[0].fc1.bias.zero_()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     config = {"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"], "activations": ALL,
-              "weight_grads": ALL, "params": ALL,
+              "weight_grads": ALL, "params": ALL, "async_results": async_results,
               "optimizer_states": {"metrics": METRICS, "states": ["exp_avg", "exp_avg_sq", "update", "ratio"]}}
     ref: dict[tuple[str, str, int], np.ndarray] = {}
     outputs: dict[str, np.ndarray] = {}
@@ -159,9 +159,11 @@ def _run_with_references(tmp_path, dtype: torch.dtype, steps: int = 3):
     return model, ref, tmp_path / "run" / "rank0"
 
 
+@pytest.mark.parametrize("async_results", [False, True], ids=["finished-now", "async-results"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_family_on_cuda_matches_float64(tmp_path, dtype):
-    model, ref, rank_dir = _run_with_references(tmp_path, dtype)
+def test_every_family_on_cuda_matches_float64(tmp_path, dtype, async_results):
+    """Activations are grouped from the second step on (the first measures them in their hooks)."""
+    model, ref, rank_dir = _run_with_references(tmp_path, dtype, async_results=async_results)
     n_params = len(list(model.parameters()))
     rtol = 1e-5 if dtype == torch.float32 else 1e-3  # bf16 update/ratio: m, v are bf16, computed in fp32
     for family, kind in [("grad_unreduced", "grad"), ("grad_reduced", "grad"), ("param", "param"),
@@ -229,6 +231,10 @@ def test_one_synchronisation_per_collected_step_and_none_otherwise(tmp_path, dty
     monitored = run(config)
     extra = [m - b for m, b in zip(monitored, baseline)]
     assert extra == [1, 0, 1, 0, 1, 0], (baseline, monitored)  # steps 0, 2, 4 collected: one each; else none
+    # async_results: the copy to pinned memory and its event; the next step waits on that event only (not flagged)
+    monitored = run({**config, "step_interval": 1, "async_results": True})
+    extra = [m - b for m, b in zip(monitored, baseline)]
+    assert extra == [0] * 6, (baseline, monitored)
 
 
 def test_gpt_bf16_all_families_rows_and_no_fallback(tmp_path, caplog):

@@ -162,14 +162,17 @@ class _RaiseInBackward(torch.autograd.Function):
         raise RuntimeError("out of memory in backward (simulated)")
 
 
+@pytest.mark.parametrize("failing", [1, 2], ids=["first-micro-step", "second-micro-step"])
 @pytest.mark.parametrize("where", ["forward", "backward"])
-def test_a_pass_that_raises_leaves_no_rows_and_no_micro_step(tmp_path, where):
+def test_a_pass_that_raises_leaves_no_rows_and_no_micro_step(tmp_path, where, failing):
+    """The second micro-step's case: the first one's gradients are already rows (one block), which stay."""
     torch.manual_seed(0)
     model = _Flaky()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    cfg = config(tmp_path, activations=ACTIVATIONS, targets={"modules": ["net.fc1", "net.fc2"]})
+    cfg = config(tmp_path, activations=ACTIVATIONS, targets={"modules": ["net.fc1", "net.fc2"]},
+                 weight_grads={"metrics": METRICS, "unreduced": True, "per_micro_step": True})
     monitor = TrainerMonitor(cfg).attach(model, optimizer, grad_acc_steps=2)
-    used = {}
+    used, accumulated = {}, {}
     counter = _TransferCounter().__enter__()
     for step in range(3):
         done = 0
@@ -177,13 +180,14 @@ def test_a_pass_that_raises_leaves_no_rows_and_no_micro_step(tmp_path, where):
         while done < 2:
             x, y = data(10 * step + attempt)
             attempt += 1
-            fail = step == 1 and attempt == 1
+            fail = step == 1 and attempt == failing
             model.fail_forward, model.fail_backward = fail and where == "forward", fail and where == "backward"
             try:
                 (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
             except RuntimeError:
                 optimizer.zero_grad()  # the user skips the batch
                 continue
+            accumulated[(step, done)] = grads64(model)
             done += 1
         used[step] = grads64(model)
         optimizer.step()
@@ -197,6 +201,8 @@ def test_a_pass_that_raises_leaves_no_rows_and_no_micro_step(tmp_path, where):
         at = actv[(actv.step == step) & (actv.name == "net.fc1.output")]
         assert sorted(at.micro_step) == [0, 1], (step, list(at.micro_step))
         assert_rows_match(reduced, step, used[step])
+        for micro in (0, 1):
+            assert_rows_match(rows(tmp_path, "grad_unreduced"), step, accumulated[(step, micro)], micro_step=micro)
     assert set(rows(tmp_path, "actv_grad").micro_step) == {0, 1}
 
 

@@ -109,6 +109,7 @@ class ActivationCollector(HookedCollector):
         self.backward_hook = backward_hook
         self.grad_hooks = config.grad_hooks if tensor_type is torch.Tensor else "module"
         self._quiet = QuietOutputOnlyBackward()
+        ctx.grouped.limit_bytes = int(config.group_mb * 2**20)
 
     def install_hooks(self) -> None:
         forward = self.config.forward and "actv" in self.ctx.specs
@@ -164,11 +165,11 @@ class ActivationCollector(HookedCollector):
                 return
             if self.config.inputs:
                 for row, tensor in named_tensors(args, input_row, self.tensor_type):
-                    self.ctx.record("actv", row, tensor, vpp_stage)
+                    self.ctx.grouped.record("actv", row, tensor, vpp_stage)
                 for row, tensor in named_tensors(kwargs, input_row, self.tensor_type):
-                    self.ctx.record("actv", row, tensor, vpp_stage)
+                    self.ctx.grouped.record("actv", row, tensor, vpp_stage)
             for row, tensor in named_tensors(output, output_row, self.tensor_type):
-                self.ctx.record("actv", row, tensor, vpp_stage)
+                self.ctx.grouped.record("actv", row, tensor, vpp_stage)
 
         return hook
 
@@ -183,11 +184,11 @@ class ActivationCollector(HookedCollector):
             # so that rows are named like the forward rows of the same tensors.
             for row, tensor in named_tensors(grad_output, output_row, self.tensor_type,
                                              none_holds_position=True):
-                self.ctx.record("actv_grad", row, tensor, vpp_stage)
+                self.ctx.grouped.record("actv_grad", row, tensor, vpp_stage)
             if self.config.inputs:
                 for row, tensor in named_tensors(grad_input, input_row, self.tensor_type,
                                                  none_holds_position=True):
-                    self.ctx.record("actv_grad", row, tensor, vpp_stage)
+                    self.ctx.grouped.record("actv_grad", row, tensor, vpp_stage)
 
         return hook
 
@@ -226,6 +227,6 @@ class ActivationCollector(HookedCollector):
     def _tensor_grad_hook(self, row: str, vpp_stage: int) -> TensorHook:
         def hook(grad: torch.Tensor) -> None:
             if self.ctx.collecting:
-                self.ctx.record("actv_grad", row, grad, vpp_stage)
+                self.ctx.grouped.record("actv_grad", row, grad, vpp_stage)
 
         return hook

@@ -42,6 +42,8 @@ class Buffer(Protocol):
 
     def add_scalar(self, name: str, value: Any) -> None: ...
 
+    def truncate(self, n_rows: int) -> None: ...
+
     def __len__(self) -> int: ...
 
     def transfer(self) -> HostStep: ...
@@ -86,6 +88,21 @@ class StepBuffer:
         self.keys.extend(keys)
         self.partials.append(block)
 
+    def truncate(self, n_rows: int) -> None:
+        """Keep the first ``n_rows`` rows only (the rows of a pass that raised go); a block is cut where needed."""
+        if n_rows >= len(self.keys):
+            return
+        del self.keys[n_rows:]
+        kept: list[torch.Tensor] = []
+        rows = 0
+        for partial in self.partials:  # each holds numel / 8 rows: host metadata, no sync
+            if rows >= n_rows:
+                break
+            count = partial.numel() // PARTIAL_SLOTS
+            kept.append(partial if rows + count <= n_rows else partial.reshape(-1)[:(n_rows - rows) * PARTIAL_SLOTS])
+            rows += count
+        self.partials = kept
+
     def add_scalar(self, name: str, value: torch.Tensor | float | int) -> None:
         if isinstance(value, torch.Tensor):
             self.scalar_names.append(name)
@@ -98,31 +115,79 @@ class StepBuffer:
 
     def transfer(self) -> HostStep:
         """Concatenate and copy to the host: THE host synchronisation of a collected step."""
+        return self.start_transfer(wait=True).result()
+
+    def start_transfer(self, wait: bool = False) -> Transfer:
+        """Concatenate and start the copy to the host; :meth:`Transfer.result` gives the :class:`HostStep`.
+
+        ``wait=False``: a device's copy goes to pinned host memory without waiting for the device, and an
+        event marks its end (``result`` waits for that event only); a device without events is copied
+        at once. ``wait=True``: every copy is made now (the step's one synchronisation).
+        """
         # Entries in the order they were added (row blocks, then the scalars), grouped by device so
         # that a model spread over devices still costs one copy per device.
         entries: list[torch.Tensor] = [p if p.dim() == 1 else p.reshape(-1) for p in self.partials]
+        scalar_devices: dict[torch.device, list[int]] = {}
         if self.scalar_values:
-            scalar_devices: dict[torch.device, list[int]] = {}
             for i, value in enumerate(self.scalar_values):
                 scalar_devices.setdefault(value.device, []).append(i)
-            scalar_pieces = {device: torch.stack([self.scalar_values[i] for i in indices])
-                             for device, indices in scalar_devices.items()}
-            entries.extend(scalar_pieces.values())
+            entries.extend(torch.stack([self.scalar_values[i] for i in indices])
+                           for indices in scalar_devices.values())
         by_device: dict[torch.device, list[int]] = {}
         for i, tensor in enumerate(entries):
             by_device.setdefault(tensor.device, []).append(i)
-        pieces: list[npt.NDArray[np.float32]] = [np.empty(0, np.float32)] * len(entries)
+        copies = []
         for indices in by_device.values():
             stacked = torch.cat([entries[i] for i in indices]) if len(indices) > 1 else entries[indices[0]]
-            values = stacked.cpu().numpy()  # sync: the one device-to-host transfer of the step
-            sizes = np.cumsum([entries[i].numel() for i in indices])[:-1]
-            for i, piece in zip(indices, np.split(values, sizes)):
+            copies.append((indices, [entries[i].numel() for i in indices], *_copy_to_host(stacked, wait)))
+        scalar_names = [[self.scalar_names[i] for i in indices] for indices in scalar_devices.values()]
+        return Transfer(list(self.keys), len(self.partials), len(entries), copies, scalar_names,
+                        dict(self.host_scalars))
+
+
+def _copy_to_host(tensor: torch.Tensor, wait: bool) -> tuple[torch.Tensor, Any]:
+    """``(host tensor, event or None)``: a copy started on the device's stream, or made now."""
+    if tensor.device.type == "cpu" or wait:
+        return tensor.cpu(), None  # sync (on a device): the one device-to-host transfer of the step
+    module = getattr(torch, tensor.device.type, None)
+    event_type = getattr(module, "Event", None)
+    if event_type is None:
+        return tensor.cpu(), None
+    try:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    except RuntimeError:  # no pinned memory here: torch stages the copy itself
+        host = torch.empty(tensor.shape, dtype=tensor.dtype)
+    host.copy_(tensor, non_blocking=True)  # into pinned memory: the host does not wait for the device
+    event = event_type()
+    event.record()
+    return host, event
+
+
+@dataclass
+class Transfer:
+    """A step's partials on their way to the host (:meth:`StepBuffer.start_transfer`)."""
+
+    keys: list[RowKey]
+    n_blocks: int
+    n_entries: int
+    copies: list[tuple[list[int], list[int], torch.Tensor, Any]]
+    """Per device: entry indices, their sizes, the host tensor, the event that ends its copy (or None)."""
+    scalar_names: list[list[str]]
+    host_scalars: dict[str, float]
+
+    def result(self) -> HostStep:
+        """The host copy (waits for the copies' events only, which have long ended one step later)."""
+        pieces: list[npt.NDArray[np.float32]] = [np.empty(0, np.float32)] * self.n_entries
+        for indices, sizes, host, event in self.copies:
+            if event is not None:
+                event.synchronize()  # this copy only, not the device
+            values = host.numpy()
+            for i, piece in zip(indices, np.split(values, np.cumsum(sizes)[:-1])):
                 pieces[i] = piece
-        n_blocks = len(self.partials)
+        n_blocks = self.n_blocks
         partials = (np.concatenate(pieces[:n_blocks]).astype(np.float64).reshape(-1, PARTIAL_SLOTS) if n_blocks
                     else np.empty((0, PARTIAL_SLOTS)))
         scalars = dict(self.host_scalars)
-        if self.scalar_values:
-            for (_device, indices), piece in zip(scalar_devices.items(), pieces[n_blocks:]):
-                scalars.update((self.scalar_names[i], float(value)) for i, value in zip(indices, piece))
-        return HostStep(list(self.keys), partials, scalars)
+        for names, piece in zip(self.scalar_names, pieces[n_blocks:]):
+            scalars.update((name, float(value)) for name, value in zip(names, piece))
+        return HostStep(self.keys, partials, scalars)

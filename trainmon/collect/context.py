@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from trainmon.collect.buffer import Buffer, StepBuffer
+from trainmon.collect.grouped import GroupedRows
 from trainmon.collect.stats import StatsSpec, partial_stats, partial_stats_many
 from trainmon.records import RowKey
 
@@ -115,9 +116,15 @@ class StepContext:
     schedule_backward_end: Callable[[], None] = lambda: None
     """Called from inside a backward pass: makes sure :attr:`backward_end` runs when the pass ends
     (set by :class:`trainmon.steps.StepLifecycle`; idempotent within one pass)."""
+    grouped: GroupedRows = field(init=False)
+    """Activation rows measured in groups at flush points (:mod:`trainmon.collect.grouped`; off until a
+    collector sets its ``limit_bytes``)."""
     _measured: dict[int, tuple[weakref.ref[Any], int, StatsSpec, torch.Tensor, int | None]] = field(
         default_factory=dict)
     _unmeasurable: set[tuple[str, str]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.grouped = GroupedRows(self)
 
     def wants(self, family: str) -> bool:
         return self.collecting and family in self.specs

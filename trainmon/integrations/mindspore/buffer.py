@@ -44,6 +44,11 @@ class MindSporeStepBuffer:
         self.keys.append(key)
         self.partials.append(partial)
 
+    def truncate(self, n_rows: int) -> None:
+        """Keep the first ``n_rows`` rows only (one partial per row here)."""
+        del self.keys[n_rows:]
+        del self.partials[n_rows:]
+
     def add_scalar(self, name: str, value: Any) -> None:
         """A MindSpore tensor stays on the device (its mean, in float32); a number is kept as is."""
         if isinstance(value, Tensor):
