@@ -299,7 +299,8 @@ class MonitorConfig:
     """Finish each collected step one step later (for GPUs): the step's statistics are copied to the host without
     waiting for the device, and its rows are written and checked for anomalies when the next step ends (or at
     ``close``). ``monitor.step()`` then returns the previous collected step's record, and an anomaly's actions
-    (``raise`` included) come one step later. Off: the step waits for its statistics (one synchronisation)."""
+    (``raise`` included) come one step later. Off: the step waits for its statistics (one synchronisation).
+    MindSpore runs always finish at once."""
     flush_seconds: float = setting(2.0, check=_timeout)
     """Outputs flush as soon as their writer is idle, and at least this often while it is busy (and on close)."""
     targets: TargetsConfig = field(default_factory=TargetsConfig)

@@ -3,14 +3,23 @@ Triton is installed, on the first CUDA tensor measured).
 
 A group of tensors (one dtype: float16, bfloat16 or float32, each contiguous) is measured by two
 launches whatever its size: the first reads every element once, each program a span of
-``BLOCK * ITERS`` elements of one tensor, and writes the 7 partial sums/extremes of its span; the
-second combines the spans of each tensor. NaN/Inf counts come from the same registers as min/max (no
-second pass). The tensors' addresses, sizes and spans are one small int64 table copied to the device
-without waiting for it (no host sync). Tested on a real GPU against float64 references by
-tests/gpu/test_cuda.py (``bash scripts/gpu_check.sh``; Triton 3.6's interpreter cannot run
-``_combine_spans``, whose loop bounds are loaded values).
-"""
+``BLOCK * ITERS`` elements of one tensor, and writes the partial sums/extremes of its span; the
+second combines the spans of each tensor. The tensors' addresses, sizes and spans are one small
+int64 table copied to the device without waiting for it (no host sync).
 
+The first kernel does little per element, so that it is bound by memory, not by instructions: a
+whole span (every span of a tensor but its last) loads unmasked and does square-add, add, min and max
+(and the zero test when ``zeros`` is asked for). NaN and Inf are not tested per element: either makes
+a span's sum of squares or sum non-finite, and only then does its program read the span again to
+count them. For a bf16 span on sm_90 that is 5 instructions per element and 56 registers a thread,
+against about 40 and 108 when every element was also tested for NaN, Inf and the mask (ptxas figures of
+Triton 3.6's output).
+
+Tested on a real GPU against float64 references by tests/gpu/test_cuda.py (``bash
+scripts/gpu_check.sh``); tests/unit/test_triton_kernels.py runs the span kernels in Triton's
+interpreter on CPU and compiles every kernel for sm_80 and sm_90 where Triton is installed (the
+interpreter cannot run ``_combine_spans``, whose loop bounds are loaded values).
+"""
 from __future__ import annotations
 
 import logging
@@ -31,6 +40,7 @@ from trainmon.records import PARTIAL_SLOTS
 logger = logging.getLogger("trainmon")
 DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 BLOCK = 1024
+ADAM_BLOCK = 512  # two values (update, ratio) per element: 1024 would need ~140 registers a thread (56 at 512)
 WARPS = 4
 _ROWS = 128
 _LIST_SPANS = 256
@@ -48,50 +58,63 @@ def supported(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 @triton.jit
-def _accumulate(x, mask, threshold, sq, sm, lo, hi, zeros, nans, infs):
-    nan = x != x
-    inf = tl.abs(x) == float("inf")
-    x = tl.where(mask, x, 0.0)
-    valid = mask & (x == x)
-    sq += x * x
-    sm += x
-    lo = tl.minimum(lo, tl.where(valid, x, float("inf")))
-    hi = tl.maximum(hi, tl.where(valid, x, -float("inf")))
-    small = tl.where(threshold == 0.0, x == 0.0, tl.abs(x) < threshold)
-    zeros += (mask & small).to(tl.float32)
-    nans += (mask & nan).to(tl.float32)
-    infs += (mask & inf).to(tl.float32)
-    return sq, sm, lo, hi, zeros, nans, infs
+def _small(x, threshold):
+    """``|x| < threshold``, or ``x == 0`` when the threshold is 0 (the ``zeros`` metric)."""
+    return tl.where(threshold == 0.0, x == 0.0, tl.abs(x) < threshold)
 
 
 @triton.jit
-def _store_span(row, sq, sm, lo, hi, zeros, nans, infs):
-    tl.store(row + 0, tl.sum(sq, 0))
-    tl.store(row + 1, tl.sum(sm, 0))
+def _non_finite(total_sq, total):
+    """A NaN or Inf among the values that gave these sums (or a square past float32's range)."""
+    return (total_sq != total_sq) | (total_sq == float("inf")) | (total != total) | (tl.abs(total) == float("inf"))
+
+
+@triton.jit
+def _add(x, sq, sm, lo, hi, zeros, threshold, ZEROS: tl.constexpr):
+    """Accumulate a whole block: square-add, add, min, max (and the zero test when ``ZEROS``)."""
+    sq += x * x
+    sm += x
+    lo = tl.minimum(lo, x)
+    hi = tl.maximum(hi, x)
+    if ZEROS:
+        zeros += _small(x, threshold).to(tl.float32)
+    return sq, sm, lo, hi, zeros
+
+
+@triton.jit
+def _add_masked(x, mask, sq, sm, lo, hi, zeros, threshold, ZEROS: tl.constexpr):
+    """Accumulate a block whose masked lanes hold 0 (neutral for the sums; kept out of min, max and zeros)."""
+    sq += x * x
+    sm += x
+    lo = tl.minimum(lo, tl.where(mask, x, float("inf")))
+    hi = tl.maximum(hi, tl.where(mask, x, -float("inf")))
+    if ZEROS:
+        zeros += (mask & _small(x, threshold)).to(tl.float32)
+    return sq, sm, lo, hi, zeros
+
+
+@triton.jit
+def _store_sums(row, total_sq, total, lo, hi, zeros):
+    """Slots 0-4 of a span's row: sum of squares, sum, min, max, zeros."""
+    tl.store(row + 0, total_sq)
+    tl.store(row + 1, total)
     tl.store(row + 2, tl.min(lo, 0))
     tl.store(row + 3, tl.max(hi, 0))
     tl.store(row + 4, tl.sum(zeros, 0))
-    tl.store(row + 5, tl.sum(nans, 0))
-    tl.store(row + 6, tl.sum(infs, 0))
-
-
-@triton.jit
-def _load(base, offsets, n, full):
-    """``BLOCK`` values from ``base + offsets`` as float32: unmasked (vectorised) when the block is full."""
-    if full:  # noqa: SIM108 - a branch on the device; a ternary would be a select of two loads
-        x = tl.load(base + offsets)
-    else:
-        x = tl.load(base + offsets, mask=offsets < n, other=0.0)
-    return x.to(tl.float32)
 
 
 @triton.jit
 def _span_partials(table, n_tensors, n_spans, spans, threshold, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                   ITERS: tl.constexpr, ALIGNED: tl.constexpr):
-    """One program per span; table = [addresses N, numels N, span tensor S, span start S, first span N+1].
+                   ITERS: tl.constexpr, ALIGNED: tl.constexpr, ZEROS: tl.constexpr):
+    """One program per span; table = [addresses N, numels N, span tensor S, span start S, first N+1].
 
     Addresses come from a table, so Triton cannot see their alignment: ``ALIGNED`` (every tensor
-    16-byte aligned, checked on the host) says it, and full blocks load unmasked, so loads vectorise.
+    16-byte aligned, checked on the host) says it. A span that is whole (every span of a tensor but its
+    last) loads unmasked and does 5 operations per element: widen, square-add, add, min, max (plus the
+    zero test when ``ZEROS``). NaN and Inf are not tested per element: either makes the span's sum of
+    squares or sum non-finite, and only then does the program read its span again to count them (a
+    finite span, the common case, is read once). Where a NaN is present its min and max are NaN anyway
+    (``_combine_spans``), so how ``minimum`` treats NaN does not matter.
     """
     pid = tl.program_id(0)
     t = tl.load(table + 2 * n_tensors + pid)
@@ -103,23 +126,70 @@ def _span_partials(table, n_tensors, n_spans, spans, threshold, DTYPE: tl.conste
     sq = tl.zeros([BLOCK], tl.float32)
     sm = tl.zeros([BLOCK], tl.float32)
     zeros = tl.zeros([BLOCK], tl.float32)
-    nans = tl.zeros([BLOCK], tl.float32)
-    infs = tl.zeros([BLOCK], tl.float32)
     lo = tl.full([BLOCK], float("inf"), tl.float32)
     hi = tl.full([BLOCK], -float("inf"), tl.float32)
-    for i in range(ITERS):
-        offsets = start + i * BLOCK + tl.arange(0, BLOCK)
+    if start + ITERS * BLOCK <= n:  # a whole span: no mask
+        for i in range(ITERS):
+            x = tl.load(base + (start + i * BLOCK + tl.arange(0, BLOCK))).to(tl.float32)
+            sq, sm, lo, hi, zeros = _add(x, sq, sm, lo, hi, zeros, threshold, ZEROS)
+    else:  # a tensor's last span: masked lanes read 0 (neutral for the sums) and are kept out of min/max/zeros
+        for i in range(ITERS):
+            offsets = start + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < n
+            x = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
+            sq, sm, lo, hi, zeros = _add_masked(x, mask, sq, sm, lo, hi, zeros, threshold, ZEROS)
+    total_sq, total = tl.sum(sq, 0), tl.sum(sm, 0)
+    row = spans + pid * 8
+    _store_sums(row, total_sq, total, lo, hi, zeros)
+    n_nans = tl.full([], 0.0, tl.float32)
+    n_infs = tl.full([], 0.0, tl.float32)
+    if _non_finite(total_sq, total):  # a NaN or an Inf in the span: count them, reading the span again
+        nans = tl.zeros([BLOCK], tl.float32)
+        infs = tl.zeros([BLOCK], tl.float32)
+        for i in range(ITERS):
+            offsets = start + i * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(base + offsets, mask=offsets < n, other=0.0).to(tl.float32)
+            nans += (x != x).to(tl.float32)
+            infs += (tl.abs(x) == float("inf")).to(tl.float32)
+        n_nans = tl.sum(nans, 0)
+        n_infs = tl.sum(infs, 0)
+    tl.store(row + 5, n_nans)  # stored once: two stores to one address from one program have no order
+    tl.store(row + 6, n_infs)
+
+
+@triton.jit
+def _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO: tl.constexpr, MASKED: tl.constexpr, n):
+    """The update m / (sqrt(v) + eps) * scale and the update/param ratio (0 where the param is 0) at ``offsets``.
+
+    Masked lanes read m = v = p = 0: update 0 / (0 + eps) = 0 and ratio 0, neutral for the sums.
+    """
+    if MASKED:
         mask = offsets < n
-        x = _load(base, offsets, n, start + (i + 1) * BLOCK <= n)
-        sq, sm, lo, hi, zeros, nans, infs = _accumulate(x, mask, threshold, sq, sm, lo, hi, zeros, nans, infs)
-    _store_span(spans + pid * 8, sq, sm, lo, hi, zeros, nans, infs)
+        m = tl.load(m_base + offsets, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_base + offsets, mask=mask, other=0.0).to(tl.float32)
+    else:
+        m = tl.load(m_base + offsets).to(tl.float32)
+        v = tl.load(v_base + offsets).to(tl.float32)
+    update = m / (tl.sqrt(v) + eps) * scale
+    ratio = update
+    if RATIO:
+        if MASKED:
+            p = tl.load(p_base + offsets, mask=offsets < n, other=0.0).to(tl.float32)
+        else:
+            p = tl.load(p_base + offsets).to(tl.float32)
+        ratio = tl.where(p != 0.0, update / tl.where(p != 0.0, p, 1.0), 0.0)
+    return update, ratio
 
 
 @triton.jit
 def _adam_span_partials(table, coefficients, n_tensors, n_spans, spans, threshold,
                         M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, RATIO: tl.constexpr,
-                        BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr):
-    """Update and ratio spans; table = [m N, v N, p N, numels N, span tensor S, span start S, first N+1]."""
+                        BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, ZEROS: tl.constexpr):
+    """Update and ratio spans; table = [m N, v N, p N, numels N, span tensor S, span start S, first N+1].
+
+    As :func:`_span_partials`: whole spans load unmasked, NaN/Inf are counted only when a span's sums
+    are not finite (reading its m, v and p again), zeros only when ``ZEROS``.
+    """
     pid = tl.program_id(0)
     t = tl.load(table + 4 * n_tensors + pid)
     start = tl.multiple_of(tl.load(table + 4 * n_tensors + n_spans + pid), BLOCK)
@@ -136,33 +206,57 @@ def _adam_span_partials(table, coefficients, n_tensors, n_spans, spans, threshol
     sq = tl.zeros([BLOCK], tl.float32)
     sm = tl.zeros([BLOCK], tl.float32)
     zeros = tl.zeros([BLOCK], tl.float32)
-    nans = tl.zeros([BLOCK], tl.float32)
-    infs = tl.zeros([BLOCK], tl.float32)
     lo = tl.full([BLOCK], float("inf"), tl.float32)
     hi = tl.full([BLOCK], -float("inf"), tl.float32)
     r_sq = tl.zeros([BLOCK], tl.float32)
     r_sm = tl.zeros([BLOCK], tl.float32)
     r_zeros = tl.zeros([BLOCK], tl.float32)
-    r_nans = tl.zeros([BLOCK], tl.float32)
-    r_infs = tl.zeros([BLOCK], tl.float32)
     r_lo = tl.full([BLOCK], float("inf"), tl.float32)
     r_hi = tl.full([BLOCK], -float("inf"), tl.float32)
-    for i in range(ITERS):
-        offsets = start + i * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        full = start + (i + 1) * BLOCK <= n
-        m = _load(m_base, offsets, n, full)
-        v = _load(v_base, offsets, n, full)  # masked lanes: 0 / (0 + eps), excluded below
-        update = m / (tl.sqrt(v) + eps) * scale
-        sq, sm, lo, hi, zeros, nans, infs = _accumulate(update, mask, threshold, sq, sm, lo, hi, zeros, nans, infs)
-        if RATIO:
-            p = _load(p_base, offsets, n, full)
-            ratio = tl.where(p != 0.0, update / tl.where(p != 0.0, p, 1.0), 0.0)
-            r_sq, r_sm, r_lo, r_hi, r_zeros, r_nans, r_infs = _accumulate(
-                ratio, mask, threshold, r_sq, r_sm, r_lo, r_hi, r_zeros, r_nans, r_infs)
-    _store_span(spans + pid * 16, sq, sm, lo, hi, zeros, nans, infs)
+    if start + ITERS * BLOCK <= n:  # a whole span: no mask
+        for i in range(ITERS):
+            offsets = start + i * BLOCK + tl.arange(0, BLOCK)
+            update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, False, n)
+            sq, sm, lo, hi, zeros = _add(update, sq, sm, lo, hi, zeros, threshold, ZEROS)
+            if RATIO:
+                r_sq, r_sm, r_lo, r_hi, r_zeros = _add(ratio, r_sq, r_sm, r_lo, r_hi, r_zeros, threshold, ZEROS)
+    else:
+        for i in range(ITERS):
+            offsets = start + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < n
+            update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, True, n)
+            sq, sm, lo, hi, zeros = _add_masked(update, mask, sq, sm, lo, hi, zeros, threshold, ZEROS)
+            if RATIO:
+                r_sq, r_sm, r_lo, r_hi, r_zeros = _add_masked(ratio, mask, r_sq, r_sm, r_lo, r_hi, r_zeros, threshold,
+                                                              ZEROS)
+    row = spans + pid * 16
+    total_sq, total = tl.sum(sq, 0), tl.sum(sm, 0)
+    r_total_sq, r_total = tl.sum(r_sq, 0), tl.sum(r_sm, 0)
+    _store_sums(row, total_sq, total, lo, hi, zeros)
+    n_nans = tl.full([], 0.0, tl.float32)
+    n_infs = tl.full([], 0.0, tl.float32)
+    r_nans = tl.full([], 0.0, tl.float32)
+    r_infs = tl.full([], 0.0, tl.float32)
+    if _non_finite(total_sq, total) | _non_finite(r_total_sq, r_total):  # count them, reading the span again
+        nans = tl.zeros([BLOCK], tl.float32)
+        infs = tl.zeros([BLOCK], tl.float32)
+        r_nan_lanes = tl.zeros([BLOCK], tl.float32)
+        r_inf_lanes = tl.zeros([BLOCK], tl.float32)
+        for i in range(ITERS):
+            offsets = start + i * BLOCK + tl.arange(0, BLOCK)
+            update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, True, n)
+            nans += (update != update).to(tl.float32)
+            infs += (tl.abs(update) == float("inf")).to(tl.float32)
+            r_nan_lanes += (ratio != ratio).to(tl.float32)
+            r_inf_lanes += (tl.abs(ratio) == float("inf")).to(tl.float32)
+        n_nans, n_infs = tl.sum(nans, 0), tl.sum(infs, 0)
+        r_nans, r_infs = tl.sum(r_nan_lanes, 0), tl.sum(r_inf_lanes, 0)
+    tl.store(row + 5, n_nans)
+    tl.store(row + 6, n_infs)
     if RATIO:
-        _store_span(spans + pid * 16 + 8, r_sq, r_sm, r_lo, r_hi, r_zeros, r_nans, r_infs)
+        _store_sums(row + 8, r_total_sq, r_total, r_lo, r_hi, r_zeros)
+        tl.store(row + 13, r_nans)
+        tl.store(row + 14, r_infs)
 
 
 @triton.jit
@@ -277,7 +371,7 @@ def partials_triton(tensors: list[torch.Tensor], flags: list[int], eps: float) -
     partial = torch.empty(spans * 8, dtype=torch.float32, device=device)
     threshold = zero_threshold(eps, dtype)
     _span_partials[(spans,)](table, n, spans, partial, threshold, DTYPE=DTYPES[dtype], BLOCK=BLOCK,
-                             ITERS=per // BLOCK, ALIGNED=_aligned(addresses), num_warps=WARPS)
+                             ITERS=per // BLOCK, ALIGNED=_aligned(addresses), ZEROS=bool(flags[2]), num_warps=WARPS)
     out = torch.empty(PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
     _combine_spans[(n,)](table[2 * n + 2 * spans:], table[n:2 * n], partial, out, STRIDE=8, ROWS=_ROWS,
                          **_flag_kwargs(flags))
@@ -298,10 +392,12 @@ def adam_triton(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], par
     table = _table([*columns, numels, owner, start, first], device)
     partial = torch.empty(spans * 16, dtype=torch.float32, device=device)
     threshold = zero_threshold(eps, torch.float32)
+    zeros = any(bool(flags[2]) for flags in (update_flags, ratio_flags) if flags)
     _adam_span_partials[(spans,)](table, coefficients, n, spans, partial, threshold,
                                   M_DTYPE=DTYPES[exp_avg[0].dtype], V_DTYPE=DTYPES[exp_avg_sq[0].dtype],
-                                  P_DTYPE=DTYPES[p_list[0].dtype], RATIO=ratio, BLOCK=BLOCK, ITERS=per // BLOCK,
-                                  ALIGNED=all(_aligned(column) for column in columns), num_warps=WARPS)
+                                  P_DTYPE=DTYPES[p_list[0].dtype], RATIO=ratio, BLOCK=ADAM_BLOCK,
+                                  ITERS=per // ADAM_BLOCK, ALIGNED=all(_aligned(column) for column in columns),
+                                  ZEROS=zeros, num_warps=WARPS)
     out = torch.zeros(2 * PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
     first_spans, numel_column = table[4 * n + 2 * spans:], table[3 * n:4 * n]
     for half, flags in enumerate((update_flags, ratio_flags)):

@@ -1,0 +1,149 @@
+"""The Triton kernels without a GPU: the span kernels run in Triton's interpreter on CPU tensors against
+float64 numpy, and every kernel compiles for sm_80 and sm_90 (ptxas ships with Triton). Both need the
+``triton`` package, which CPU builds of torch do not install: the tests skip without it. On a GPU,
+tests/gpu/test_cuda.py runs the compiled kernels against float64."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.reference import np_stats
+
+pytest.importorskip("triton", reason="needs the triton package (not installed with a CPU build of torch)")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Runs in a subprocess: TRITON_INTERPRET must be set before the kernels are decorated.
+_INTERPRETED = textwrap.dedent("""
+    import json, sys
+    import numpy as np, torch
+    import trainmon.collect.triton_kernels as tk
+
+    def combine(rows, owner, n):  # what _combine_spans does, per tensor, in float64
+        out = []
+        for t in range(n):
+            r = rows[owner == t]
+            nans = r[:, 5].sum()
+            lo, hi = (np.nan, np.nan) if nans else (r[:, 2].min(), r[:, 3].max())
+            out.append([float(np.sqrt(r[:, 0].sum())), float(r[:, 1].sum()), float(lo), float(hi),
+                        float(r[:, 4].sum()), float(nans), float(r[:, 6].sum())])
+        return out
+
+    rng = np.random.default_rng(0)
+    cases = []
+    for case in range(12):
+        dtype = [torch.float32, torch.bfloat16, torch.float16][case % 3]
+        sizes = [int(rng.choice([1, 3, 1024, 16385, 40000])) for _ in range(1 + case % 3)]
+        xs = []
+        for n in sizes:
+            x = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(dtype)
+            x[int(rng.integers(0, n))] = 0.0
+            if case % 4 == 1:
+                x[int(rng.integers(0, n))] = float("nan")
+            if case % 4 == 2:
+                x[int(rng.integers(0, n))] = float("-inf")
+            xs.append(x[1:] if case % 5 == 4 and n > 1 else x)  # an unaligned view
+        numels = [x.numel() for x in xs]
+        per, owner, start, first = tk._spans(numels)
+        addresses = [x.data_ptr() for x in xs]
+        table = tk._table([addresses, numels, owner, start, first], torch.device("cpu"))
+        spans = torch.zeros(len(owner) * 8)
+        tk._span_partials[(len(owner),)](table, len(xs), len(owner), spans, 1e-3, DTYPE=tk.DTYPES[dtype],
+                                         BLOCK=tk.BLOCK, ITERS=per // tk.BLOCK, ALIGNED=tk._aligned(addresses),
+                                         ZEROS=True)
+        got = combine(spans.view(-1, 8).double().numpy(), np.asarray(owner), len(xs))
+        cases.append({"kind": "partials", "values": [x.double().tolist() for x in xs], "got": got})
+    for case in range(6):
+        dtype = [torch.float32, torch.bfloat16][case % 2]
+        sizes = [int(rng.choice([5, 1024, 16385, 40000])) for _ in range(1 + case % 2)]
+        ms = [torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 1e-3).to(dtype) for n in sizes]
+        vs = [torch.from_numpy(rng.standard_normal(n).astype(np.float32) ** 2 * 1e-6).to(dtype) for n in sizes]
+        ps = [torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(dtype) for n in sizes]
+        for p in ps:
+            p[0] = 0.0  # the ratio is 0 there
+        if case == 3:
+            ms[0][1] = float("nan")
+        coefficients = torch.tensor([v for _ in sizes for v in (1.7, 1e-8)], dtype=torch.float32)
+        per, owner, start, first = tk._spans(sizes)
+        columns = [[t.data_ptr() for t in group] for group in (ms, vs, ps)]
+        table = tk._table([*columns, sizes, owner, start, first], torch.device("cpu"))
+        spans = torch.zeros(len(owner) * 16)
+        tk._adam_span_partials[(len(owner),)](
+            table, coefficients, len(sizes), len(owner), spans, 1e-3, M_DTYPE=tk.DTYPES[dtype],
+            V_DTYPE=tk.DTYPES[dtype], P_DTYPE=tk.DTYPES[dtype], RATIO=True, BLOCK=tk.ADAM_BLOCK,
+            ITERS=per // tk.ADAM_BLOCK, ALIGNED=True, ZEROS=True)
+        rows = spans.view(-1, 2, 8).double().numpy()
+        got = [combine(rows[:, half], np.asarray(owner), len(sizes)) for half in (0, 1)]
+        cases.append({"kind": "adam", "m": [t.double().tolist() for t in ms], "v": [t.double().tolist() for t in vs],
+                      "p": [t.double().tolist() for t in ps], "got": got})
+    json.dump(cases, sys.stdout)
+""")
+
+METRICS = ["norm", "sum", "min", "max", "zeros", "nans", "infs"]
+
+
+def _check(got: list[float], reference: np.ndarray, rtol: float, label: str) -> None:
+    want = np_stats(reference, eps=1e-3)
+    want = {**want, "sum": float(np.sum(reference)), "zeros": want["zeros"] * reference.size}
+    for metric, value in zip(METRICS, got):
+        expected = want[metric]
+        assert np.isclose(value, expected, rtol=rtol, atol=1e-6, equal_nan=True), (label, metric, value, expected)
+
+
+def test_span_kernels_in_the_interpreter_match_float64():
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = json.loads(done.stdout)
+    for i, case in enumerate(cases):
+        if case["kind"] == "partials":
+            for j, values in enumerate(case["values"]):
+                _check(case["got"][j], np.asarray(values), 1e-5, f"partials case {i} tensor {j}")
+            continue
+        for j in range(len(case["m"])):
+            m, v, p = (np.asarray(case[key][j]) for key in ("m", "v", "p"))
+            update = m / (np.sqrt(v) + 1e-8) * 1.7
+            with np.errstate(invalid="ignore", divide="ignore"):
+                ratio = np.where(p != 0, update / np.where(p != 0, p, 1.0), 0.0)
+            _check(case["got"][0][j], update, 1e-4, f"update case {i} tensor {j}")
+            _check(case["got"][1][j], ratio, 1e-4, f"ratio case {i} tensor {j}")
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90():
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from trainmon.collect import triton_kernels as tk
+
+    span = {"table": "*i64", "n_tensors": "i32", "n_spans": "i32", "spans": "*fp32", "threshold": "fp32"}
+    adam = {"table": "*i64", "coefficients": "*fp32", "n_tensors": "i32", "n_spans": "i32", "spans": "*fp32",
+            "threshold": "fp32"}
+    combine = {"first": "*i64", "numels": "*i64", "spans": "*fp32", "out": "*fp32"}
+    kernels = []
+    for dtype in (tl.float16, tl.bfloat16, tl.float32):
+        for flag in (False, True):
+            kernels.append((tk._span_partials, span, {"DTYPE": dtype, "BLOCK": tk.BLOCK, "ITERS": 16,
+                                                      "ALIGNED": flag, "ZEROS": flag}))
+            kernels.append((tk._adam_span_partials, adam, {"M_DTYPE": dtype, "V_DTYPE": tl.float32, "P_DTYPE": dtype,
+                                                           "RATIO": flag, "BLOCK": tk.ADAM_BLOCK, "ITERS": 32,
+                                                           "ALIGNED": flag, "ZEROS": not flag}))
+    kernels.append((tk._combine_spans, combine, {"STRIDE": 8, "NORM": True, "SUM": True, "ZEROS": True, "NANS": True,
+                                                 "INFS": True, "ROWS": 128}))
+    for arch in (80, 90):
+        for fn, signature, constexprs in kernels:
+            signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+            compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                      target=GPUTarget("cuda", arch, 32), options={"num_warps": tk.WARPS})
+            assert compiled.asm["cubin"], (fn.__name__, arch, constexprs)
