@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The test command: set up (idempotent), then run the tests in two environments.
+# The test command: set up (idempotent), then run the tests three times, in two environments.
 #   1. .venv      every test (DeepSpeed, Megatron-Core, MindSpore; numpy<2 for MindSpore), slow
 #                 multi-process tests included;
-#   2. .venv-np2  numpy 2 and pandas 3 as users get them, torch and no other training framework: the
+#   2. .venv      again, with every CPU tensor on the device path (see below);
+#   3. .venv-np2  numpy 2 and pandas 3 as users get them, torch and no other training framework: the
 #                 tests not marked slow (the single-process framework-free and plain-torch ones; the
 #                 DeepSpeed/Megatron/MindSpore ones skip there). The slow multi-process tests check
 #                 process-group plumbing that numpy does not touch and would double this run's time.
-# Arguments go to pytest in both runs instead (e.g. a test file: then the np2 run takes it as it is).
-# The exit code is 0 only when both runs pass.
+# Arguments go to pytest in runs 1 and 3 instead (e.g. a test file: then the np2 run takes it as it is; run 2
+# is skipped). The exit code is 0 only when every run passes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} DS_ACCELERATOR=cpu
@@ -21,9 +22,15 @@ lane() {  # lane NAME VENV: run pytest in VENV; prints its closing line and time
   return $code
 }
 
-main_code=0 np2_code=0
+main_code=0 np2_code=0 device_code=0
 bash scripts/setup.sh main
 lane main .venv "$@" || main_code=$?
+# 2. .venv again, every CPU tensor on the device path (TRAINMON_TEST_DEVICE_PATH=1, tests/conftest.py): the
+#    fused kernels and grouped activations that CUDA and Ascend run, under every single-process test
+#    (`not slow`; multi-process tests start processes of their own, which keep the numpy path).
+if [ $# -eq 0 ]; then
+  TRAINMON_TEST_DEVICE_PATH=1 lane device-path .venv -m "not slow" || device_code=$?
+fi
 start=$SECONDS
 if bash scripts/setup.sh np2; then
   echo "=== .venv-np2 set up in $((SECONDS - start)) s ==="
@@ -33,5 +40,8 @@ else
   np2_code=$?
   echo "=== .venv-np2 set-up failed (exit $np2_code) ==="
 fi
-echo "=== test.sh: main exit $main_code, np2 exit $np2_code ==="
-exit $((main_code != 0 ? main_code : np2_code))
+echo "=== test.sh: main exit $main_code, device-path exit $device_code, np2 exit $np2_code ==="
+for code in $main_code $device_code $np2_code; do
+  if [ "$code" -ne 0 ]; then exit "$code"; fi
+done
+exit 0

@@ -40,6 +40,18 @@ def _keys(obj, attrs):
 
 
 @pytest.fixture(autouse=True)
+def forced_device_path(monkeypatch):
+    """``TRAINMON_TEST_DEVICE_PATH=1`` (scripts/test.sh's device-path lane): every CPU tensor of this process
+    takes the device path that CUDA and Ascend run (fused kernels, grouped activations), not the numpy one,
+    so that every float64-reference test checks both. Tests that start processes of their own keep their
+    numpy path."""
+    if os.environ.get("TRAINMON_TEST_DEVICE_PATH") == "1":
+        from trainmon.collect import stats
+
+        monkeypatch.setattr(stats, "_NUMPY_VIEWABLE", ())
+
+
+@pytest.fixture(autouse=True)
 def no_leftovers(monkeypatch):
     """Fails a test whose monitor leaves a hook on a module, parameter or optimizer it attached to,
     a global module hook, or a process group alive.

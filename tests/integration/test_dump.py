@@ -111,6 +111,7 @@ def test_nan_at_step5_dumps_layer2_at_step6(tmp_path: Path) -> None:
         if torch.isfinite(loss):  # skip the poisoned step, as a loss scaler would
             opt.step()
         dump.end_step()
+        ctx.grouped.flush()  # as the session does at the end of a step (device path: activations kept until then)
         host = ctx.buffer.transfer()
         ctx.buffer = StepBuffer()
         engine.process(build_record(step, 0, 0, host.keys, host.partials, host.scalars, ctx.metrics))

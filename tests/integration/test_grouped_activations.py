@@ -17,14 +17,14 @@ from trainmon.collect import stats
 
 
 class _AddsInPlace(torch.nn.Module):
-    """fc1 -> (its output modified in place by the parent, from step ``from_step`` on) -> fc2.
+    """fc1 -> (its output modified in place by the parent, from step ``from_step`` on) -> fc2 -> fc3.
 
     ``seen`` holds float64 copies of every target's input and output as the hooks see them.
     """
 
     def __init__(self, from_step: int = 0) -> None:
         super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.fc1, self.fc2, self.fc3 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(4, 4)
         self.from_step, self.step = from_step, 0
         self.seen: dict[str, np.ndarray] = {}
 
@@ -35,7 +35,7 @@ class _AddsInPlace(torch.nn.Module):
             h += 1.5  # after fc1's forward hook: its row must keep the value before this
         out = self.fc2(torch.tanh(h))
         self.seen["fc2.output"] = _f64(out)
-        return out
+        return self.fc3(out)  # fc3's input is fc2's output: one tensor, two rows
 
 
 def _f64(tensor: torch.Tensor) -> np.ndarray:
@@ -121,9 +121,8 @@ def test_rows_are_measured_together_and_equal_those_measured_in_hooks(tmp_path, 
     grouped, in_hook, bounded = runs[256], runs[0], runs[1e-5]
     for family in (0, 1):
         for other in (in_hook, bounded):
-            a = grouped[family].sort_values(["step", "name"]).reset_index(drop=True)
-            b = other[family].sort_values(["step", "name"]).reset_index(drop=True)
-            assert list(a.name) == list(b.name) and len(a) > 0
+            a, b = grouped[family], other[family]  # rows in execution order, as written
+            assert a[["step", "name"]].values.tolist() == b[["step", "name"]].values.tolist() and len(a) > 0
             np.testing.assert_allclose(a[METRICS].to_numpy(float), b[METRICS].to_numpy(float), rtol=1e-6)
     rows_per_step = (len(grouped[0]) + len(grouped[1])) // 3
     # In hooks: one call per tensor (the next module's input is the same tensor: measured once).

@@ -141,6 +141,19 @@ class StepContext:
         Returns the device partial vector (so a caller can reuse it), or None when the family is off
         or the tensor cannot be measured (a sparse tensor, say: warned once per row, then skipped).
         """
+        partial = self.measure(family, name, tensor)
+        if partial is None:
+            return None
+        if scale is not None:
+            partial = unscale_partial(partial, scale)
+        self.add(family, name, partial, vpp_stage, micro_step, order)
+        return partial
+
+    def measure(self, family: str, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The device partial vector of ``tensor`` for ``family`` (row ``name``), not added to the buffer.
+
+        None when the family is off or the tensor cannot be measured (warned once per row).
+        """
         spec = self.specs.get(family)
         if spec is None:
             return None
@@ -155,9 +168,6 @@ class StepContext:
                 self._cannot_measure(family, name, exc)
                 return None
             self._remember(tensor, spec, partial, None)
-        if scale is not None:
-            partial = unscale_partial(partial, scale)
-        self.add(family, name, partial, vpp_stage, micro_step, order)
         return partial
 
     def record_many(self, family: str, names: Sequence[str], tensors: Sequence[torch.Tensor],

@@ -38,12 +38,17 @@ _GROUPED, _IN_HOOK = True, False
 
 @dataclass
 class _Kept:
-    """The tensors of one family kept since the last flush, and the rows that read them."""
+    """The rows of one family since the last flush, in execution order, and the tensors kept for them.
+
+    A row is ``(key, position)``, the position of its kept tensor, or ``(key, partial)``: statistics
+    computed in its hook (a row measured in its hook, a tensor measured earlier this step, a CPU tensor),
+    held back so that the rows reach the buffer, and the CSV, in execution order.
+    """
 
     tensors: list[torch.Tensor] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     index: dict[int, int] = field(default_factory=dict)  # id(tensor) -> position (the tensor is held: ids are stable)
-    rows: list[tuple[RowKey, int]] = field(default_factory=list)
+    rows: list[tuple[RowKey, int | torch.Tensor]] = field(default_factory=list)
 
 
 class GroupedRows:
@@ -66,37 +71,32 @@ class GroupedRows:
     def record(self, family: str, name: str, tensor: Any, vpp_stage: int = 0, micro_step: int | None = None) -> None:
         """:meth:`StepContext.record` of a tensor, now or at the next flush point."""
         ctx = self.ctx
-        spec = ctx.specs.get(family)
-        if spec is None:
-            return
-        mode = self._mode.get((family, name))
-        if (mode is _IN_HOOK or not self.limit_bytes or not isinstance(tensor, torch.Tensor)
-                or ctx.stats_fn is not partial_stats or not isinstance(ctx.buffer, StepBuffer)
-                or tensor.layout != torch.strided or numpy_viewable(tensor) or tensor.numel() == 0
-                or tensor.is_inference()):  # an inference tensor has no version counter
+        if (not self.limit_bytes or ctx.stats_fn is not partial_stats or not isinstance(ctx.buffer, StepBuffer)
+                or family not in ctx.specs):
             ctx.record(family, name, tensor, vpp_stage, micro_step)
-            return
-        if mode is None:  # first seen: measured now, its tensor kept and watched until the next flush point
-            ctx.record(family, name, tensor, vpp_stage, micro_step)
-            self._watched.append((family, name, tensor, tensor._version))
-            self._add_bytes(tensor)
             return
         key = RowKey(family, name, ctx.micro_step if micro_step is None else micro_step, vpp_stage,
                      ctx.buffer.next_order())
-        cached = ctx._cached(tensor, spec)
-        if cached is not None:  # measured already this step at this version
-            ctx.buffer.add(key, cached)
-            return
         kept = self._kept.setdefault(family, _Kept())
+        mode = self._mode.get((family, name))
+        cached = ctx._cached(tensor, ctx.specs[family])
+        if mode is not _GROUPED or cached is not None or not _groupable(tensor):
+            partial = cached if cached is not None else ctx.measure(family, name, tensor)
+            if partial is not None:
+                kept.rows.append((key, partial))
+            if mode is None and partial is not None and _groupable(tensor):  # learning: watched to the flush
+                self._watched.append((family, name, tensor, tensor._version))
+                self._add_bytes(tensor)
+            return
         position = kept.index.get(id(tensor))
-        if position is None or kept.versions[position] != tensor._version:
-            position = kept.index[id(tensor)] = len(kept.tensors)
-            kept.tensors.append(tensor)
-            kept.versions.append(tensor._version)
-            kept.rows.append((key, position))
-            self._add_bytes(tensor)
-        else:
-            kept.rows.append((key, position))
+        if position is not None and kept.versions[position] == tensor._version:
+            kept.rows.append((key, position))  # a second row of a kept tensor (an output that is the next input)
+            return
+        position = kept.index[id(tensor)] = len(kept.tensors)
+        kept.tensors.append(tensor)
+        kept.versions.append(tensor._version)
+        kept.rows.append((key, position))
+        self._add_bytes(tensor)  # may flush: after the row is in
 
     def _add_bytes(self, tensor: torch.Tensor) -> None:
         self._bytes += tensor.numel() * tensor.element_size()
@@ -119,7 +119,6 @@ class GroupedRows:
         """Forget the kept tensors and watches (the pass that recorded them raised: its rows go)."""
         self._kept, self._bytes = {}, 0
         self._watched.clear()
-        self._bytes = 0
 
     def _settle(self, watched: list[tuple[str, str, torch.Tensor, int]]) -> None:
         """Rows measured in their hook while learning: grouped from now on unless their tensor changed since."""
@@ -138,31 +137,45 @@ class GroupedRows:
             for row, j in enumerate(indices):
                 where[intact[j]] = (block, row)
                 ctx._remember(kept.tensors[intact[j]], spec, block, row)
-        firsts: dict[int, list[RowKey]] = {}  # id(block) -> keys of its rows, in block order
-        blocks: dict[int, torch.Tensor] = {}
-        taken: set[int] = set()
-        for key, position in kept.rows:
-            found = where.get(position)
+        # Into the buffer in execution order: runs of consecutive rows of one block go in as one block.
+        run: list[RowKey] = []
+        run_block, first = None, 0
+        for key, source in kept.rows:
+            if isinstance(source, torch.Tensor):
+                _add_run(buffer, run, run_block, first)
+                run, run_block = [], None
+                buffer.add(key, source)
+                continue
+            found = where.get(source)
             if found is None:  # modified in place after its hook: its value then is gone
                 self._mode[(family, key.name)] = _IN_HOOK
                 self._warn_once((family, key.name), "trainmon: %s/%s was modified in place after its hook; that row "
                                 "is skipped this step and measured in its hook from now on", family, key.name)
                 continue
             block, row = found
-            if position in taken:  # a second row of the same tensor (an output that is the next input)
-                buffer.add(key, block[row * PARTIAL_SLOTS:(row + 1) * PARTIAL_SLOTS])
-                continue
-            taken.add(position)
-            firsts.setdefault(id(block), []).append(key)
-            blocks[id(block)] = block
-        for block_id, keys in firsts.items():
-            block = blocks[block_id]
-            if len(keys) * PARTIAL_SLOTS == block.numel():
-                buffer.add_block(keys, block)
-            else:  # pragma: no cover - every tensor of a block has a first row
-                raise AssertionError("grouped rows and their block disagree")
+            if block is not run_block or row != first + len(run):
+                _add_run(buffer, run, run_block, first)
+                run, run_block, first = [], block, row
+            run.append(key)
+        _add_run(buffer, run, run_block, first)
 
     def _warn_once(self, key: tuple[str, str], message: str, *args: Any) -> None:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message, *args)
+
+
+def _groupable(tensor: Any) -> bool:
+    """Whether a tensor can be kept and measured later: a non-empty strided device-path tensor with a version."""
+    return (isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided and tensor.numel() > 0
+            and not numpy_viewable(tensor) and not tensor.is_inference())  # an inference tensor has no version
+
+
+def _add_run(buffer: StepBuffer, keys: list[RowKey], block: torch.Tensor | None, first: int) -> None:
+    """Rows ``first .. first + len(keys)`` of ``block``: the block itself when they are all of it, else a view."""
+    if not keys or block is None:
+        return
+    if first == 0 and len(keys) * PARTIAL_SLOTS == block.numel():
+        buffer.add_block(keys, block)
+    else:
+        buffer.add_block(keys, block[first * PARTIAL_SLOTS:(first + len(keys)) * PARTIAL_SLOTS])
