@@ -1,7 +1,7 @@
 """transformers.Trainer with trainmon's one-line callback: a randomly initialised GPT-2 on random tokens,
-gradient accumulation, clipping, evaluation every 2 steps. References: the Trainer's own log (its
-pre-clip grad_norm), the gradients the optimizer used (the test's own callback, float64) and the
-losses the model returned (the test's own forward hook)."""
+gradient accumulation, clipping, evaluation every 2 steps, with and without gradient checkpointing.
+References: the Trainer's own log (its pre-clip grad_norm), the gradients the optimizer used (the test's
+own callback, float64) and the losses the model returned (the test's own forward hook)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ class _Reference(transformers.TrainerCallback):
                                             for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_trainer_with_the_callback(tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_trainer_with_the_callback(tmp_path, checkpointing):
+    """With ``gradient_checkpointing``, the blocks' forwards re-run in the backward: measured once, not twice."""
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
@@ -49,14 +51,15 @@ def test_trainer_with_the_callback(tmp_path):
         lambda m, a, out: losses.append(float(out.loss)) if m.training and torch.is_grad_enabled() else None)
     monitor_config = {"output_dir": str(tmp_path / "tm"), "run_name": "run", "sinks": ["csv"],
                       "activations": {"enabled": True, "metrics": ["norm"]},
-                      "targets": {"modules": ["transformer.h.0.mlp"]},
+                      "targets": {"modules": ["transformer.h.0.mlp", "transformer.h.0.mlp.c_fc",
+                                              "transformer.h.0.attn"]},
                       "weight_grads": {"metrics": ["norm", "min", "max", "mean"]}}
     reference = _Reference()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "hf"), max_steps=STEPS, per_device_train_batch_size=4,
         per_device_eval_batch_size=4, gradient_accumulation_steps=ACC, learning_rate=1e-3, max_grad_norm=0.05,
         logging_steps=1, eval_strategy="steps", eval_steps=2, save_strategy="no", report_to=[], use_cpu=True,
-        disable_tqdm=True, dataloader_num_workers=0, seed=0)
+        disable_tqdm=True, dataloader_num_workers=0, seed=0, gradient_checkpointing=checkpointing)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(64, 1), eval_dataset=_Tokens(8, 2),
                                    callbacks=[TrainmonCallback(monitor_config), reference])
     trainer.train()
@@ -82,3 +85,6 @@ def test_trainer_with_the_callback(tmp_path):
     mlp = actv[actv.name == "transformer.h.0.mlp.output"]
     assert sorted(set(mlp.step)) == list(range(1, STEPS + 1))
     assert all(sorted(group.micro_step) == [0, 1] for _, group in mlp.groupby("step"))  # no evaluation rows
+    # checkpointing re-runs attn and c_fc (not mlp: torch stops the re-run early) in the backward: no second row
+    assert set(actv.name) >= {"transformer.h.0.attn.output", "transformer.h.0.mlp.c_fc.output"}
+    assert not actv.duplicated(["step", "micro_step", "name"]).any()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import (
     BackwardHook,
     ForwardHook,
@@ -161,7 +162,7 @@ class ActivationCollector(HookedCollector):
         input_row, output_row = activation_row(name, "input"), activation_row(name, "output")
 
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if not self.ctx.collecting:
+            if not self.ctx.collecting or in_backward():  # in a backward: activation checkpointing's re-run
                 return
             if self.config.inputs:
                 for row, tensor in named_tensors(args, input_row, self.tensor_type):
