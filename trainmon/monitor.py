@@ -111,10 +111,12 @@ class TrainerMonitor:
             **scalars: extra scalars written to ``scalars.csv``.
 
         Returns:
-            The step's record when the step was collected, else None.
+            The step's record when the step was collected, else None. With ``async_results: true``: the
+            record of the previous collected step, finished now (None when there is none).
 
         Raises:
-            AnomalyError: the ``raise`` action fired (after the step was fully recorded).
+            AnomalyError: the ``raise`` action fired (after the step was fully recorded; with
+                ``async_results``, at the end of the next step).
         """
         if self._session is None:
             raise RuntimeError("attach() a model before calling step()")

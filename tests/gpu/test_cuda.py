@@ -268,3 +268,47 @@ def test_gpt_bf16_all_families_rows_and_no_fallback(tmp_path, caplog):
     for _, row in last.iterrows():
         assert_close(row, np_stats(grads[row["name"]]), METRICS, atol=1e-6, label=row["name"])
     assert len(read_family(tmp_path / "run" / "rank0", "actv")) > 0
+
+
+class _SideStream(torch.nn.Module):
+    """fc1 on the default stream, fc2 on a side stream (the user synchronises around it), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.head = torch.nn.Linear(512, 512), torch.nn.Linear(512, 512), torch.nn.Linear(512, 1)
+        self.side = torch.cuda.Stream()
+        self.seen: dict[str, np.ndarray] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            y = self.fc2(h)  # its forward hook runs with the side stream current
+            self.seen["fc2.output"] = y.detach().double().cpu().numpy()
+        torch.cuda.current_stream().wait_stream(self.side)
+        return self.head(torch.relu(y))
+
+
+def test_activations_made_on_a_side_stream_match_float64(tmp_path):
+    """Grouped activations are read at the flush on the current stream, which first waits for the stream each
+    tensor was made on (``grouped._follow_streams``)."""
+    torch.manual_seed(0)
+    model = _SideStream().to(CUDA)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    config = {"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"], "activations": ALL,
+              "weight_grads": {"enabled": False}, "optimizer_states": {"enabled": False}}
+    seen = {}
+    with TrainerMonitor(config) as monitor:
+        monitor.attach(model, optimizer)
+        for step in range(3):
+            x = torch.randn(256, 512, device=CUDA)
+            model(x).square().mean().backward()
+            seen[step] = model.seen["fc2.output"]
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step()
+    actv = read_family(tmp_path / "run" / "rank0", "actv")
+    rows = actv[actv.name == "fc2.output"]
+    assert list(rows.step) == [0, 1, 2]
+    for _, row in rows.iterrows():
+        assert_close(row, np_stats(seen[row["step"]]), METRICS, rtol=1e-5, atol=1e-6, label=f"step {row['step']}")

@@ -47,6 +47,7 @@ class _Kept:
 
     tensors: list[torch.Tensor] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    streams: list[Any] = field(default_factory=list)  # the stream current at each tensor's hook (None on CPU)
     index: dict[int, int] = field(default_factory=dict)  # id(tensor) -> position (the tensor is held: ids are stable)
     rows: list[tuple[RowKey, int | torch.Tensor]] = field(default_factory=list)
 
@@ -95,6 +96,7 @@ class GroupedRows:
         position = kept.index[id(tensor)] = len(kept.tensors)
         kept.tensors.append(tensor)
         kept.versions.append(tensor._version)
+        kept.streams.append(_current_stream(tensor.device))
         kept.rows.append((key, position))
         self._add_bytes(tensor)  # may flush: after the row is in
 
@@ -132,6 +134,7 @@ class GroupedRows:
         if spec is None or not kept.rows or not isinstance(buffer, StepBuffer):
             return
         intact = [i for i, tensor in enumerate(kept.tensors) if tensor._version == kept.versions[i]]
+        _follow_streams([kept.tensors[i] for i in intact], [kept.streams[i] for i in intact])
         where: dict[int, tuple[torch.Tensor, int]] = {}
         for indices, block in partial_stats_many([kept.tensors[i] for i in intact], spec) if intact else []:
             for row, j in enumerate(indices):
@@ -179,3 +182,34 @@ def _add_run(buffer: StepBuffer, keys: list[RowKey], block: torch.Tensor | None,
         buffer.add_block(keys, block)
     else:
         buffer.add_block(keys, block[first * PARTIAL_SLOTS:(first + len(keys)) * PARTIAL_SLOTS])
+
+
+def _current_stream(device: torch.device) -> Any:
+    """The stream work is queued on for ``device`` now (a CUDA or NPU stream), or None (CPU, or no stream API)."""
+    if device.type == "cpu":
+        return None
+    module = getattr(torch, device.type, None)
+    current = getattr(module, "current_stream", None)
+    return current(device) if current is not None else None
+
+
+def _follow_streams(tensors: list[torch.Tensor], streams: list[Any]) -> None:
+    """Make the stream that measures now wait for the streams the tensors were made on, where they differ.
+
+    Measured in its hook, a tensor is read on the stream that made it. Kept, it is read at the flush, on the
+    stream current then: that stream first waits for the tensor's stream (on the device, no host sync), and
+    the tensor is marked as used by it, so that its memory is not reused before the read.
+    """
+    waited: set[Any] = set()
+    current: dict[torch.device, Any] = {}
+    for tensor, stream in zip(tensors, streams):
+        if stream is None:
+            continue
+        device = tensor.device
+        now = current[device] if device in current else current.setdefault(device, _current_stream(device))
+        if now is None or stream == now:
+            continue
+        if stream not in waited:
+            now.wait_stream(stream)
+            waited.add(stream)
+        tensor.record_stream(now)
