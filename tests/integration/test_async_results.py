@@ -6,6 +6,8 @@ tests/gpu/test_cuda.py checks that a step then makes no synchronisation at all."
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -81,3 +83,24 @@ def test_raise_comes_one_step_later_and_names_the_step_of_the_fault(tmp_path):
     assert steps_run[-1] == 4  # raised at the end of step 4, when step 3 was finished
     # step 4 ran (its weights are NaN after step 3's update) and is finished by close(): its event is written too
     assert [e["step"] for e in read_events(tmp_path / "run" / "rank0" / "anomalies.jsonl")] == [3, 4]
+
+
+def test_anomaly_actions_come_one_step_later(tmp_path):
+    """The NaN of step 5 is seen when step 6 ends: the dump and the free benchmark of its module run on step 7
+    (step 6 when finished at once: tests/integration/test_monitor_actions.py)."""
+    from tests.integration.test_monitor_actions import train as train_with_nan_at_step5
+
+    monitor = TrainerMonitor({
+        "output_dir": str(tmp_path), "run_name": "run", "sinks": [], "async_results": True,
+        "activations": {"enabled": True, "metrics": ["norm", "nans"]},
+        "weight_grads": {"enabled": False}, "optimizer_states": {"enabled": False},
+        "anomaly": {"detectors": [{"type": "nonfinite"}], "actions": ["jsonl", "dump", "free_benchmark"]},
+        "dump": {"enabled": True, "depth": 0}, "free_benchmark": {"enabled": True, "pert_mode": "change_value"}})
+    train_with_nan_at_step5(monitor)
+    rank_dir = tmp_path / "run" / "rank0"
+    assert [e["step"] for e in read_events(rank_dir / "anomalies.jsonl")] == [5]
+    assert sorted(p.name for p in (rank_dir / "dump").iterdir()) == ["step2", "step7"]  # step 2: asked by hand
+    dumped = json.loads((rank_dir / "dump" / "step7" / "dump.json").read_text())["data"]
+    assert set(dumped) == {"Module.layers.2.Block.forward.0", "Module.layers.2.Block.backward.0"}
+    checks = pd.read_csv(rank_dir / "free_benchmark.csv")
+    assert list(zip(checks["step"], checks["name"])) == [(3, "layers.1"), (7, "layers.2")]
