@@ -26,6 +26,7 @@ _INTERPRETED = textwrap.dedent("""
     import json, sys
     import numpy as np, torch
     import trainmon.collect.triton_kernels as tk
+    import trainmon.collect.triton_adam as ta
 
     def combine(rows, owner, n):  # what _combine_spans does, per tensor, in float64
         out = []
@@ -76,10 +77,10 @@ _INTERPRETED = textwrap.dedent("""
         columns = [[t.data_ptr() for t in group] for group in (ms, vs, ps)]
         table = tk._table([*columns, sizes, owner, start, first], torch.device("cpu"))
         spans = torch.zeros(len(owner) * 16)
-        tk._adam_span_partials[(len(owner),)](
+        ta._adam_span_partials[(len(owner),)](
             table, coefficients, len(sizes), len(owner), spans, 1e-3, M_DTYPE=tk.DTYPES[dtype],
-            V_DTYPE=tk.DTYPES[dtype], P_DTYPE=tk.DTYPES[dtype], RATIO=True, BLOCK=tk.ADAM_BLOCK,
-            ITERS=per // tk.ADAM_BLOCK, ALIGNED=True, ZEROS=True)
+            V_DTYPE=tk.DTYPES[dtype], P_DTYPE=tk.DTYPES[dtype], RATIO=True, BLOCK=ta.ADAM_BLOCK,
+            ITERS=per // ta.ADAM_BLOCK, ALIGNED=True, ZEROS=True)
         rows = spans.view(-1, 2, 8).double().numpy()
         got = [combine(rows[:, half], np.asarray(owner), len(sizes)) for half in (0, 1)]
         cases.append({"kind": "adam", "m": [t.double().tolist() for t in ms], "v": [t.double().tolist() for t in vs],
@@ -125,6 +126,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from trainmon.collect import triton_adam as ta
     from trainmon.collect import triton_kernels as tk
 
     span = {"table": "*i64", "n_tensors": "i32", "n_spans": "i32", "spans": "*fp32", "threshold": "fp32"}
@@ -136,8 +138,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
         for flag in (False, True):
             kernels.append((tk._span_partials, span, {"DTYPE": dtype, "BLOCK": tk.BLOCK, "ITERS": 16,
                                                       "ALIGNED": flag, "ZEROS": flag}))
-            kernels.append((tk._adam_span_partials, adam, {"M_DTYPE": dtype, "V_DTYPE": tl.float32, "P_DTYPE": dtype,
-                                                           "RATIO": flag, "BLOCK": tk.ADAM_BLOCK, "ITERS": 32,
+            kernels.append((ta._adam_span_partials, adam, {"M_DTYPE": dtype, "V_DTYPE": tl.float32, "P_DTYPE": dtype,
+                                                           "RATIO": flag, "BLOCK": ta.ADAM_BLOCK, "ITERS": 32,
                                                            "ALIGNED": flag, "ZEROS": not flag}))
     kernels.append((tk._combine_spans, combine, {"STRIDE": 8, "NORM": True, "SUM": True, "ZEROS": True, "NANS": True,
                                                  "INFS": True, "ROWS": 128}))

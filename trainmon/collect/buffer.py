@@ -152,7 +152,7 @@ def _copy_to_host(tensor: torch.Tensor, wait: bool) -> tuple[torch.Tensor, Any]:
     module = getattr(torch, tensor.device.type, None)
     event_type = getattr(module, "Event", None)
     if event_type is None:
-        return tensor.cpu(), None
+        return tensor.cpu(), None  # sync: a device without events copies the step's one transfer now
     try:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     except RuntimeError:  # no pinned memory here: torch stages the copy itself
@@ -181,7 +181,7 @@ class Transfer:
         for indices, sizes, host, event in self.copies:
             if event is not None:
                 event.synchronize()  # this copy only, not the device
-            values = host.numpy()
+            values = host.numpy()  # host memory (its copy ended with the event): no sync
             for i, piece in zip(indices, np.split(values, np.cumsum(sizes)[:-1])):
                 pieces[i] = piece
         n_blocks = self.n_blocks

@@ -211,7 +211,7 @@ def _load_cuda() -> None:
     global _loaded_cuda
     _loaded_cuda = True
     try:
-        from trainmon.collect import triton_kernels
+        from trainmon.collect import triton_adam, triton_kernels  # noqa: F401 - triton_adam registers its kernel
     except ImportError:  # no Triton: CUDA uses the plain torch ops
         return
     if not triton_kernels.available():

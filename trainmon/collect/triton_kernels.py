@@ -1,5 +1,5 @@
-"""CUDA kernels of ``trainmon::partials`` and ``trainmon::adam_partials`` in Triton (imported only where
-Triton is installed, on the first CUDA tensor measured).
+"""CUDA kernels of ``trainmon::partials`` in Triton, and the pieces :mod:`trainmon.collect.triton_adam` shares
+(imported only where Triton is installed, on the first CUDA tensor measured).
 
 A group of tensors (one dtype: float16, bfloat16 or float32, each contiguous) is measured by two
 launches whatever its size: the first reads every element once, each program a span of
@@ -20,6 +20,7 @@ scripts/gpu_check.sh``); tests/unit/test_triton_kernels.py runs the span kernels
 interpreter on CPU and compiles every kernel for sm_80 and sm_90 where Triton is installed (the
 interpreter cannot run ``_combine_spans``, whose loop bounds are loaded values).
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,14 +34,13 @@ import torch
 import triton
 import triton.language as tl
 
-from trainmon.collect.kernel_ops import adam_partials_op, partials_op
+from trainmon.collect.kernel_ops import partials_op
 from trainmon.collect.stats_base import zero_threshold
 from trainmon.records import PARTIAL_SLOTS
 
 logger = logging.getLogger("trainmon")
 DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 BLOCK = 1024
-ADAM_BLOCK = 512  # two values (update, ratio) per element: 1024 would need ~140 registers a thread (56 at 512)
 WARPS = 4
 _ROWS = 128
 _LIST_SPANS = 256
@@ -67,6 +67,13 @@ def _small(x, threshold):
 def _non_finite(total_sq, total):
     """A NaN or Inf among the values that gave these sums (or a square past float32's range)."""
     return (total_sq != total_sq) | (total_sq == float("inf")) | (total != total) | (tl.abs(total) == float("inf"))
+
+
+@triton.jit
+def _fresh(BLOCK: tl.constexpr):
+    """Empty running accumulators of one block's lanes: sum of squares, sum, min, max, zeros."""
+    return (tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32), tl.full([BLOCK], float("inf"), tl.float32),
+            tl.full([BLOCK], -float("inf"), tl.float32), tl.zeros([BLOCK], tl.float32))
 
 
 @triton.jit
@@ -123,11 +130,7 @@ def _span_partials(table, n_tensors, n_spans, spans, threshold, DTYPE: tl.conste
     base = tl.load(table + t).to(tl.pointer_type(DTYPE))
     if ALIGNED:
         base = tl.multiple_of(base, 16)
-    sq = tl.zeros([BLOCK], tl.float32)
-    sm = tl.zeros([BLOCK], tl.float32)
-    zeros = tl.zeros([BLOCK], tl.float32)
-    lo = tl.full([BLOCK], float("inf"), tl.float32)
-    hi = tl.full([BLOCK], -float("inf"), tl.float32)
+    sq, sm, lo, hi, zeros = _fresh(BLOCK)
     if start + ITERS * BLOCK <= n:  # a whole span: no mask
         for i in range(ITERS):
             x = tl.load(base + (start + i * BLOCK + tl.arange(0, BLOCK))).to(tl.float32)
@@ -155,108 +158,6 @@ def _span_partials(table, n_tensors, n_spans, spans, threshold, DTYPE: tl.conste
         n_infs = tl.sum(infs, 0)
     tl.store(row + 5, n_nans)  # stored once: two stores to one address from one program have no order
     tl.store(row + 6, n_infs)
-
-
-@triton.jit
-def _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO: tl.constexpr, MASKED: tl.constexpr, n):
-    """The update m / (sqrt(v) + eps) * scale and the update/param ratio (0 where the param is 0) at ``offsets``.
-
-    Masked lanes read m = v = p = 0: update 0 / (0 + eps) = 0 and ratio 0, neutral for the sums.
-    """
-    if MASKED:
-        mask = offsets < n
-        m = tl.load(m_base + offsets, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_base + offsets, mask=mask, other=0.0).to(tl.float32)
-    else:
-        m = tl.load(m_base + offsets).to(tl.float32)
-        v = tl.load(v_base + offsets).to(tl.float32)
-    update = m / (tl.sqrt(v) + eps) * scale
-    ratio = update
-    if RATIO:
-        if MASKED:
-            p = tl.load(p_base + offsets, mask=offsets < n, other=0.0).to(tl.float32)
-        else:
-            p = tl.load(p_base + offsets).to(tl.float32)
-        ratio = tl.where(p != 0.0, update / tl.where(p != 0.0, p, 1.0), 0.0)
-    return update, ratio
-
-
-@triton.jit
-def _adam_span_partials(table, coefficients, n_tensors, n_spans, spans, threshold,
-                        M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, RATIO: tl.constexpr,
-                        BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, ZEROS: tl.constexpr):
-    """Update and ratio spans; table = [m N, v N, p N, numels N, span tensor S, span start S, first N+1].
-
-    As :func:`_span_partials`: whole spans load unmasked, NaN/Inf are counted only when a span's sums
-    are not finite (reading its m, v and p again), zeros only when ``ZEROS``.
-    """
-    pid = tl.program_id(0)
-    t = tl.load(table + 4 * n_tensors + pid)
-    start = tl.multiple_of(tl.load(table + 4 * n_tensors + n_spans + pid), BLOCK)
-    n = tl.load(table + 3 * n_tensors + t)
-    m_base = tl.load(table + t).to(tl.pointer_type(M_DTYPE))
-    v_base = tl.load(table + n_tensors + t).to(tl.pointer_type(V_DTYPE))
-    p_base = tl.load(table + 2 * n_tensors + t).to(tl.pointer_type(P_DTYPE))
-    if ALIGNED:
-        m_base = tl.multiple_of(m_base, 16)
-        v_base = tl.multiple_of(v_base, 16)
-        p_base = tl.multiple_of(p_base, 16)
-    scale = tl.load(coefficients + 2 * t).to(tl.float32)
-    eps = tl.load(coefficients + 2 * t + 1).to(tl.float32)
-    sq = tl.zeros([BLOCK], tl.float32)
-    sm = tl.zeros([BLOCK], tl.float32)
-    zeros = tl.zeros([BLOCK], tl.float32)
-    lo = tl.full([BLOCK], float("inf"), tl.float32)
-    hi = tl.full([BLOCK], -float("inf"), tl.float32)
-    r_sq = tl.zeros([BLOCK], tl.float32)
-    r_sm = tl.zeros([BLOCK], tl.float32)
-    r_zeros = tl.zeros([BLOCK], tl.float32)
-    r_lo = tl.full([BLOCK], float("inf"), tl.float32)
-    r_hi = tl.full([BLOCK], -float("inf"), tl.float32)
-    if start + ITERS * BLOCK <= n:  # a whole span: no mask
-        for i in range(ITERS):
-            offsets = start + i * BLOCK + tl.arange(0, BLOCK)
-            update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, False, n)
-            sq, sm, lo, hi, zeros = _add(update, sq, sm, lo, hi, zeros, threshold, ZEROS)
-            if RATIO:
-                r_sq, r_sm, r_lo, r_hi, r_zeros = _add(ratio, r_sq, r_sm, r_lo, r_hi, r_zeros, threshold, ZEROS)
-    else:
-        for i in range(ITERS):
-            offsets = start + i * BLOCK + tl.arange(0, BLOCK)
-            mask = offsets < n
-            update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, True, n)
-            sq, sm, lo, hi, zeros = _add_masked(update, mask, sq, sm, lo, hi, zeros, threshold, ZEROS)
-            if RATIO:
-                r_sq, r_sm, r_lo, r_hi, r_zeros = _add_masked(ratio, mask, r_sq, r_sm, r_lo, r_hi, r_zeros, threshold,
-                                                              ZEROS)
-    row = spans + pid * 16
-    total_sq, total = tl.sum(sq, 0), tl.sum(sm, 0)
-    r_total_sq, r_total = tl.sum(r_sq, 0), tl.sum(r_sm, 0)
-    _store_sums(row, total_sq, total, lo, hi, zeros)
-    n_nans = tl.full([], 0.0, tl.float32)
-    n_infs = tl.full([], 0.0, tl.float32)
-    r_nans = tl.full([], 0.0, tl.float32)
-    r_infs = tl.full([], 0.0, tl.float32)
-    if _non_finite(total_sq, total) | _non_finite(r_total_sq, r_total):  # count them, reading the span again
-        nans = tl.zeros([BLOCK], tl.float32)
-        infs = tl.zeros([BLOCK], tl.float32)
-        r_nan_lanes = tl.zeros([BLOCK], tl.float32)
-        r_inf_lanes = tl.zeros([BLOCK], tl.float32)
-        for i in range(ITERS):
-            offsets = start + i * BLOCK + tl.arange(0, BLOCK)
-            update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, True, n)
-            nans += (update != update).to(tl.float32)
-            infs += (tl.abs(update) == float("inf")).to(tl.float32)
-            r_nan_lanes += (ratio != ratio).to(tl.float32)
-            r_inf_lanes += (tl.abs(ratio) == float("inf")).to(tl.float32)
-        n_nans, n_infs = tl.sum(nans, 0), tl.sum(infs, 0)
-        r_nans, r_infs = tl.sum(r_nan_lanes, 0), tl.sum(r_inf_lanes, 0)
-    tl.store(row + 5, n_nans)
-    tl.store(row + 6, n_infs)
-    if RATIO:
-        _store_sums(row + 8, r_total_sq, r_total, r_lo, r_hi, r_zeros)
-        tl.store(row + 13, r_nans)
-        tl.store(row + 14, r_infs)
 
 
 @triton.jit
@@ -378,42 +279,6 @@ def partials_triton(tensors: list[torch.Tensor], flags: list[int], eps: float) -
     return out
 
 
-def adam_triton(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
-                coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
-                eps: float) -> torch.Tensor:
-    """Flat ``[2, N, 8]`` update and ratio partials: three launches, ``m``, ``v`` (and ``p``) read once."""
-    device = exp_avg[0].device
-    ratio = bool(ratio_flags)
-    numels = [t.numel() for t in exp_avg]
-    per, owner, start, first = _spans(numels)
-    n, spans = len(exp_avg), len(owner)
-    p_list = params if ratio else exp_avg
-    columns = [[t.data_ptr() for t in group] for group in (exp_avg, exp_avg_sq, p_list)]
-    table = _table([*columns, numels, owner, start, first], device)
-    partial = torch.empty(spans * 16, dtype=torch.float32, device=device)
-    threshold = zero_threshold(eps, torch.float32)
-    zeros = any(bool(flags[2]) for flags in (update_flags, ratio_flags) if flags)
-    _adam_span_partials[(spans,)](table, coefficients, n, spans, partial, threshold,
-                                  M_DTYPE=DTYPES[exp_avg[0].dtype], V_DTYPE=DTYPES[exp_avg_sq[0].dtype],
-                                  P_DTYPE=DTYPES[p_list[0].dtype], RATIO=ratio, BLOCK=ADAM_BLOCK,
-                                  ITERS=per // ADAM_BLOCK, ALIGNED=all(_aligned(column) for column in columns),
-                                  ZEROS=zeros, num_warps=WARPS)
-    out = torch.zeros(2 * PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
-    first_spans, numel_column = table[4 * n + 2 * spans:], table[3 * n:4 * n]
-    for half, flags in enumerate((update_flags, ratio_flags)):
-        if flags:
-            _combine_spans[(n,)](first_spans, numel_column, partial[8 * half:], out[PARTIAL_SLOTS * n * half:],
-                                 STRIDE=16, ROWS=_ROWS, **_flag_kwargs(flags))
-    return out
-
-
 @partials_op.register_kernel("cuda")
 def _partials_cuda(tensors: list[torch.Tensor], flags: list[int], eps: float) -> torch.Tensor:
     return partials_triton(tensors, flags, eps)
-
-
-@adam_partials_op.register_kernel("cuda")
-def _adam_partials_cuda(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
-                        coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
-                        eps: float) -> torch.Tensor:
-    return adam_triton(exp_avg, exp_avg_sq, params, coefficients, update_flags, ratio_flags, eps)
