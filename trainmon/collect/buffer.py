@@ -141,16 +141,22 @@ class StepBuffer:
             stacked = torch.cat([entries[i] for i in indices]) if len(indices) > 1 else entries[indices[0]]
             copies.append((indices, [entries[i].numel() for i in indices], *_copy_to_host(stacked, wait)))
         scalar_names = [[self.scalar_names[i] for i in indices] for indices in scalar_devices.values()]
-        return Transfer(list(self.keys), len(self.partials), len(entries), copies, scalar_names,
-                        dict(self.host_scalars))
+        return Transfer(list(self.keys), len(self.partials), copies, scalar_names, dict(self.host_scalars))
+
+
+def device_module(device_type: str) -> Any:
+    """``torch.cuda``, ``torch.npu``, ...: the module of a device type's streams and events (None: torch has none)."""
+    try:
+        return torch.get_device_module(device_type)
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def _copy_to_host(tensor: torch.Tensor, wait: bool) -> tuple[torch.Tensor, Any]:
     """``(host tensor, event or None)``: a copy started on the device's stream, or made now."""
     if tensor.device.type == "cpu" or wait:
         return tensor.cpu(), None  # sync (on a device): the one device-to-host transfer of the step
-    module = getattr(torch, tensor.device.type, None)
-    event_type = getattr(module, "Event", None)
+    event_type = getattr(device_module(tensor.device.type), "Event", None)
     if event_type is None:
         return tensor.cpu(), None  # sync: a device without events copies the step's one transfer now
     try:
@@ -169,7 +175,6 @@ class Transfer:
 
     keys: list[RowKey]
     n_blocks: int
-    n_entries: int
     copies: list[tuple[list[int], list[int], torch.Tensor, Any]]
     """Per device: entry indices, their sizes, the host tensor, the event that ends its copy (or None)."""
     scalar_names: list[list[str]]
@@ -177,7 +182,7 @@ class Transfer:
 
     def result(self) -> HostStep:
         """The host copy (waits for the copies' events only, which have long ended one step later)."""
-        pieces: list[npt.NDArray[np.float32]] = [np.empty(0, np.float32)] * self.n_entries
+        pieces: list[npt.NDArray[np.float32]] = [np.empty(0, np.float32)] * sum(len(c[0]) for c in self.copies)
         for indices, sizes, host, event in self.copies:
             if event is not None:
                 event.synchronize()  # this copy only, not the device

@@ -160,14 +160,14 @@ class StepContext:
         # The same tensor object at the same version was already measured this step (an output
         # that is the next module's input, a gradient unchanged between accumulation and the
         # optimizer step): reuse its statistics instead of reading the tensor again.
-        partial = self._cached(tensor, spec)
+        partial = self.cached(tensor, spec)
         if partial is None:
             try:
                 partial = self.stats_fn(tensor, spec)
             except Exception as exc:  # a tensor we cannot measure must not break the user's step
                 self._cannot_measure(family, name, exc)
                 return None
-            self._remember(tensor, spec, partial, None)
+            self.remember(tensor, spec, partial, None)
         return partial
 
     def record_many(self, family: str, names: Sequence[str], tensors: Sequence[torch.Tensor],
@@ -198,7 +198,7 @@ class StepContext:
         micro = self.micro_step if micro_step is None else micro_step
         fresh: list[int] = []
         for i, tensor in enumerate(tensors):
-            cached = self._cached(tensor, spec)
+            cached = self.cached(tensor, spec)
             if cached is not None:  # measured already this step: reuse (see record)
                 partial = cached if scale is None else unscale_partial(cached, scale)
                 buffer.add(RowKey(family, names[i], micro, stages[i], orders[i]), partial)
@@ -217,13 +217,13 @@ class StepContext:
         for indices, block in groups:
             rows = [fresh[j] for j in indices]
             for row, i in enumerate(rows):
-                self._remember(tensors[i], spec, block, row)
+                self.remember(tensors[i], spec, block, row)
             if scale is not None:
                 block = unscale_block(block, scale)
             keys = [RowKey(family, names[i], micro, stages[i], orders[i]) for i in rows]
             buffer.add_block(keys, block)
 
-    def _cached(self, tensor: Any, spec: StatsSpec) -> torch.Tensor | None:
+    def cached(self, tensor: Any, spec: StatsSpec) -> torch.Tensor | None:
         """The partial of ``tensor`` measured earlier this step at its current version, if any."""
         version = getattr(tensor, "_version", None)  # torch tensors; others are always measured
         seen = self._measured.get(id(tensor)) if version is not None else None
@@ -232,7 +232,7 @@ class StepContext:
         block, row = seen[3], seen[4]
         return block if row is None else block[row * 8:(row + 1) * 8]
 
-    def _remember(self, tensor: Any, spec: StatsSpec, block: Any, row: int | None) -> None:
+    def remember(self, tensor: Any, spec: StatsSpec, block: Any, row: int | None) -> None:
         version = getattr(tensor, "_version", None)
         if version is not None:
             self._measured[id(tensor)] = (weakref.ref(tensor), version, spec, block, row)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.collect.buffer import StepBuffer
+from trainmon.collect.buffer import StepBuffer, device_module
 from trainmon.collect.stats import numpy_viewable, partial_stats, partial_stats_many
 from trainmon.records import PARTIAL_SLOTS, RowKey
 
@@ -80,7 +80,7 @@ class GroupedRows:
                      ctx.buffer.next_order())
         kept = self._kept.setdefault(family, _Kept())
         mode = self._mode.get((family, name))
-        cached = ctx._cached(tensor, ctx.specs[family])
+        cached = ctx.cached(tensor, ctx.specs[family])
         if mode is not _GROUPED or cached is not None or not _groupable(tensor):
             partial = cached if cached is not None else ctx.measure(family, name, tensor)
             if partial is not None:
@@ -139,7 +139,7 @@ class GroupedRows:
         for indices, block in partial_stats_many([kept.tensors[i] for i in intact], spec) if intact else []:
             for row, j in enumerate(indices):
                 where[intact[j]] = (block, row)
-                ctx._remember(kept.tensors[intact[j]], spec, block, row)
+                ctx.remember(kept.tensors[intact[j]], spec, block, row)
         # Into the buffer in execution order: runs of consecutive rows of one block go in as one block.
         run: list[RowKey] = []
         run_block, first = None, 0
@@ -188,9 +188,9 @@ def _current_stream(device: torch.device) -> Any:
     """The stream work is queued on for ``device`` now (a CUDA or NPU stream), or None (CPU, or no stream API)."""
     if device.type == "cpu":
         return None
-    module = getattr(torch, device.type, None)
-    current = getattr(module, "current_stream", None)
+    current = getattr(device_module(device.type), "current_stream", None)
     return current(device) if current is not None else None
+
 
 
 def _follow_streams(tensors: list[torch.Tensor], streams: list[Any]) -> None:
