@@ -44,11 +44,29 @@ def forced_device_path(monkeypatch):
     """``TRAINMON_TEST_DEVICE_PATH=1`` (scripts/test.sh's device-path lane): every CPU tensor of this process
     takes the device path that CUDA and Ascend run (fused kernels, grouped activations), not the numpy one,
     so that every float64-reference test checks both. Tests that start processes of their own keep their
-    numpy path."""
-    if os.environ.get("TRAINMON_TEST_DEVICE_PATH") == "1":
+    numpy path.
+
+    ``TRAINMON_TEST_DEVICE_PATH=triton`` with ``TRITON_INTERPRET=1`` (the Triton lane): the same, with CUDA's
+    kernels too: the Triton launchers and kernels (span tables, unmasked whole spans, the NaN/Inf recount,
+    ``_combine_spans``, the Adam kernel) run on the CPU tensors in Triton's interpreter."""
+    mode = os.environ.get("TRAINMON_TEST_DEVICE_PATH")
+    if mode in ("1", "triton"):
         from trainmon.collect import stats
 
         monkeypatch.setattr(stats, "_NUMPY_VIEWABLE", ())
+    if mode != "triton":
+        yield
+        return
+    assert os.environ.get("TRITON_INTERPRET") == "1", "the Triton lane needs TRITON_INTERPRET=1 (no GPU here)"
+    from trainmon.collect import kernels
+
+    for table in (kernels.PARTIALS, kernels.ADAM, kernels.ADAM_DIRECT):
+        monkeypatch.setitem(table, "cpu", None)  # the entries as they were come back after the test
+    kernels.use_triton("cpu")
+    triton_partials = kernels.PARTIALS["cpu"]
+    yield
+    # a kernel that raised would have been given up for the plain torch ops, with right values: fail instead
+    assert kernels.PARTIALS.get("cpu") is triton_partials, "the Triton kernels failed (see the log): given up"
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,9 @@
-"""The Triton kernels without a GPU: the span kernels run in Triton's interpreter on CPU tensors against
-float64 numpy, and every kernel compiles for sm_80 and sm_90 (ptxas ships with Triton). Both need the
-``triton`` package, which CPU builds of torch do not install: the tests skip without it. On a GPU,
-tests/gpu/test_cuda.py runs the compiled kernels against float64."""
+"""The Triton kernels without a GPU: the launchers CUDA calls (``partials_triton``, ``adam_triton``: span tables,
+both span kernels, ``_combine_spans``) run in Triton's interpreter on CPU tensors against float64 numpy, and
+every kernel compiles for sm_80 and sm_90 (ptxas ships with Triton). Both need the ``triton`` package, which
+CPU builds of torch do not install: the tests skip without it. scripts/test.sh's Triton lane runs the
+monitored loops through the same launchers; on a GPU, tests/gpu/test_cuda.py runs the compiled kernels
+against float64."""
 
 from __future__ import annotations
 
@@ -21,46 +23,31 @@ pytest.importorskip("triton", reason="needs the triton package (not installed wi
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Runs in a subprocess: TRITON_INTERPRET must be set before the kernels are decorated.
+# Runs in a subprocess: TRITON_INTERPRET must be set before the kernels are decorated. It calls the launchers
+# CUDA calls (span tables, both kernels, _combine_spans), on CPU tensors.
 _INTERPRETED = textwrap.dedent("""
     import json, sys
     import numpy as np, torch
     import trainmon.collect.triton_kernels as tk
     import trainmon.collect.triton_adam as ta
 
-    def combine(rows, owner, n):  # what _combine_spans does, per tensor, in float64
-        out = []
-        for t in range(n):
-            r = rows[owner == t]
-            nans = r[:, 5].sum()
-            lo, hi = (np.nan, np.nan) if nans else (r[:, 2].min(), r[:, 3].max())
-            out.append([float(np.sqrt(r[:, 0].sum())), float(r[:, 1].sum()), float(lo), float(hi),
-                        float(r[:, 4].sum()), float(nans), float(r[:, 6].sum())])
-        return out
-
     rng = np.random.default_rng(0)
     cases = []
-    for case in range(12):
+    for case in range(14):
         dtype = [torch.float32, torch.bfloat16, torch.float16][case % 3]
         sizes = [int(rng.choice([1, 3, 1024, 16385, 40000])) for _ in range(1 + case % 3)]
+        if case >= 12:  # 193 spans of one tensor: more than _combine_spans's ROWS (128)
+            sizes = [3 * 2**20 + 5, 7]
         xs = []
         for n in sizes:
             x = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(dtype)
             x[int(rng.integers(0, n))] = 0.0
-            if case % 4 == 1:
-                x[int(rng.integers(0, n))] = float("nan")
-            if case % 4 == 2:
+            if case % 4 == 1 or case == 13:
+                x[int(rng.integers(n // 2, n))] = float("nan")  # past the 128th span of the large tensor
+            if case % 4 == 2 or case == 13:
                 x[int(rng.integers(0, n))] = float("-inf")
             xs.append(x[1:] if case % 5 == 4 and n > 1 else x)  # an unaligned view
-        numels = [x.numel() for x in xs]
-        per, owner, start, first = tk._spans(numels)
-        addresses = [x.data_ptr() for x in xs]
-        table = tk._table([addresses, numels, owner, start, first], torch.device("cpu"))
-        spans = torch.zeros(len(owner) * 8)
-        tk._span_partials[(len(owner),)](table, len(xs), len(owner), spans, 1e-3, DTYPE=tk.DTYPES[dtype],
-                                         BLOCK=tk.BLOCK, ITERS=per // tk.BLOCK, ALIGNED=tk._aligned(addresses),
-                                         ZEROS=True)
-        got = combine(spans.view(-1, 8).double().numpy(), np.asarray(owner), len(xs))
+        got = tk.partials_triton(xs, [1, 1, 1, 1, 1], 1e-3).view(-1, 8).double().tolist()
         cases.append({"kind": "partials", "values": [x.double().tolist() for x in xs], "got": got})
     for case in range(6):
         dtype = [torch.float32, torch.bfloat16][case % 2]
@@ -72,34 +59,27 @@ _INTERPRETED = textwrap.dedent("""
             p[0] = 0.0  # the ratio is 0 there
         if case == 3:
             ms[0][1] = float("nan")
-        coefficients = torch.tensor([v for _ in sizes for v in (1.7, 1e-8)], dtype=torch.float32)
-        per, owner, start, first = tk._spans(sizes)
-        columns = [[t.data_ptr() for t in group] for group in (ms, vs, ps)]
-        table = tk._table([*columns, sizes, owner, start, first], torch.device("cpu"))
-        spans = torch.zeros(len(owner) * 16)
-        ta._adam_span_partials[(len(owner),)](
-            table, coefficients, len(sizes), len(owner), spans, 1e-3, M_DTYPE=tk.DTYPES[dtype],
-            V_DTYPE=tk.DTYPES[dtype], P_DTYPE=tk.DTYPES[dtype], RATIO=True, BLOCK=ta.ADAM_BLOCK,
-            ITERS=per // ta.ADAM_BLOCK, ALIGNED=True, ZEROS=True)
-        rows = spans.view(-1, 2, 8).double().numpy()
-        got = [combine(rows[:, half], np.asarray(owner), len(sizes)) for half in (0, 1)]
+        coefficients = torch.tensor([[1.7, 1e-8] for _ in sizes], dtype=torch.float64)  # as adam.py makes them
+        out = ta.adam_triton(ms, vs, ps, coefficients, [1, 1, 1, 1, 1], [1, 1, 1, 1, 1], 1e-3)
+        got = out.view(2, len(sizes), 8).double().tolist()
         cases.append({"kind": "adam", "m": [t.double().tolist() for t in ms], "v": [t.double().tolist() for t in vs],
                       "p": [t.double().tolist() for t in ps], "got": got})
     json.dump(cases, sys.stdout)
 """)
 
-METRICS = ["norm", "sum", "min", "max", "zeros", "nans", "infs"]
+METRICS = ["norm", "sum", "min", "max", "zeros", "nans", "infs", "numel"]
 
 
 def _check(got: list[float], reference: np.ndarray, rtol: float, label: str) -> None:
     want = np_stats(reference, eps=1e-3)
-    want = {**want, "sum": float(np.sum(reference)), "zeros": want["zeros"] * reference.size}
+    want = {**want, "sum": float(np.sum(reference)), "zeros": want["zeros"] * reference.size,
+            "numel": reference.size}
     for metric, value in zip(METRICS, got):
         expected = want[metric]
         assert np.isclose(value, expected, rtol=rtol, atol=1e-6, equal_nan=True), (label, metric, value, expected)
 
 
-def test_span_kernels_in_the_interpreter_match_float64():
+def test_kernels_in_the_interpreter_match_float64():
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     done = subprocess.run([sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, env=env,
@@ -149,3 +129,41 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
             compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                       target=GPUTarget("cuda", arch, 32), options={"num_warps": tk.WARPS})
             assert compiled.asm["cubin"], (fn.__name__, arch, constexprs)
+
+
+def test_a_triton_kernel_that_raises_is_given_up_for_plain_torch_ops(monkeypatch, caplog):
+    """A kernel that cannot run (a Triton or driver version mismatch, say) costs no row: one warning, then the
+    plain torch ops give the same values, for the statistics and the Adam update alike."""
+    import torch
+
+    from trainmon.collect import kernels, stats, triton_kernels
+    from trainmon.collect.adam import adam_partials_many
+    from trainmon.collect.stats_base import StatsSpec
+
+    for table in (kernels.PARTIALS, kernels.ADAM, kernels.ADAM_DIRECT):
+        monkeypatch.setitem(table, "cpu", None)
+    kernels.use_triton("cpu")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(triton_kernels, "partials_triton", broken)
+    x = torch.linspace(-2, 3, 1000, dtype=torch.bfloat16)
+    spec = StatsSpec.from_metrics(["norm", "min", "max", "mean", "nans", "infs"], 1e-8)
+    with caplog.at_level("WARNING", logger="trainmon"):
+        got = stats.device_partials([x], spec)
+    assert "Triton statistics kernels failed" in caplog.text
+    assert "cpu" not in kernels.PARTIALS  # given up: the plain torch ops from now on
+    want = np_stats(x.double().numpy())
+    assert np.isclose(float(got[0]), want["norm"], rtol=1e-5) and float(got[2]) == want["min"]
+
+    kernels.use_triton("cpu")
+    monkeypatch.setitem(kernels.ADAM_DIRECT, "cpu", broken)  # the launcher as use_triton registers it, raising
+    param = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+    state = {"exp_avg": torch.randn(64, dtype=torch.bfloat16) * 1e-3,
+             "exp_avg_sq": torch.rand(64, dtype=torch.bfloat16) * 1e-6, "step": torch.tensor(3.0)}
+    _, blocks = adam_partials_many([(param, state, {"betas": (0.9, 0.999), "eps": 1e-8})], spec, None)
+    (_, update, _), = blocks
+    assert "cpu" not in kernels.ADAM_DIRECT
+    m, v = state["exp_avg"].double().numpy() / (1 - 0.9**3), state["exp_avg_sq"].double().numpy() / (1 - 0.999**3)
+    assert np.isclose(float(update[0]), np.linalg.norm(m / (np.sqrt(v) + 1e-8)), rtol=1e-3)

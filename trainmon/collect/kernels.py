@@ -200,9 +200,11 @@ def _fused_partials(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.T
 
 
 PARTIALS: dict[str, Callable[[Sequence[torch.Tensor], StatsSpec], torch.Tensor]] = {"cpu": _fused_partials}
-"""Device type -> ``(tensors, spec) -> flat [8 N] partials`` through ``trainmon::partials``."""
+"""Device type -> ``(tensors, spec) -> flat [8 N] partials`` (``trainmon::partials`` or a kernel called directly)."""
 ADAM: dict[str, Callable[[Sequence[torch.Tensor]], bool]] = {"cpu": lambda tensors: True}
 """Device type -> whether ``trainmon::adam_partials`` takes these tensors (``m``, ``v`` and ``p``)."""
+ADAM_DIRECT: dict[str, Callable[..., torch.Tensor]] = {}
+"""Device type -> the Adam kernel called directly, not through the dispatcher (the Triton one)."""
 _loaded_cuda = False
 
 
@@ -211,30 +213,38 @@ def _load_cuda() -> None:
     global _loaded_cuda
     _loaded_cuda = True
     try:
-        from trainmon.collect import triton_adam, triton_kernels  # noqa: F401 - triton_adam registers its kernel
+        from trainmon.collect import triton_kernels
     except ImportError:  # no Triton: CUDA uses the plain torch ops
         return
-    if not triton_kernels.available():
-        return
+    if triton_kernels.available():
+        use_triton("cuda")
 
-    def cuda_partials(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Tensor:
+
+def use_triton(device_type: str) -> None:
+    """Measures ``device_type``'s tensors with the Triton kernels, called directly (no dispatcher: ~60 µs of
+    Python per call saved; no autograd here). CUDA's, on its first tensor; the tests also put CPU tensors
+    through them in Triton's interpreter (``TRITON_INTERPRET=1``), the CUDA code path without a GPU."""
+    from trainmon.collect import triton_adam, triton_kernels
+
+    def triton_partials(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Tensor:
         if not triton_kernels.supported(tensors):  # float64, non-contiguous: the plain torch ops
             return partials_torch(tensors, spec)
-        try:  # the kernel itself, not through the dispatcher (~60 µs of Python per call saved; no autograd here)
+        try:
             return triton_kernels.partials_triton(list(tensors), spec_flags(spec), spec.eps)
         except Exception as exc:  # a kernel that does not compile here must not cost the rows
-            _give_up_cuda(exc)
+            _give_up_triton(device_type, exc)
             return partials_torch(tensors, spec)
 
-    PARTIALS["cuda"] = cuda_partials
-    ADAM["cuda"] = triton_kernels.supported
+    PARTIALS[device_type] = triton_partials
+    ADAM[device_type] = triton_kernels.supported
+    ADAM_DIRECT[device_type] = triton_adam.adam_triton
 
 
-def _give_up_cuda(exc: Exception) -> None:
+def _give_up_triton(device_type: str, exc: Exception) -> None:
     logger.warning("trainmon: the Triton statistics kernels failed (%s: %s); using plain torch ops",
                    type(exc).__name__, exc)
-    PARTIALS.pop("cuda", None)
-    ADAM.pop("cuda", None)
+    for table in (PARTIALS, ADAM, ADAM_DIRECT):
+        table.pop(device_type, None)
 
 
 def partials_kernel(device_type: str) -> Callable[[Sequence[torch.Tensor], StatsSpec], torch.Tensor] | None:
@@ -259,12 +269,14 @@ def adam_partials(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], p
     """``trainmon::adam_partials``; None when the kernel failed (then the plain torch ops are used)."""
     spec = update_spec or ratio_spec
     assert spec is not None, "adam_partials needs the update or the ratio statistics"
+    device_type = exp_avg[0].device.type
+    kernel = ADAM_DIRECT.get(device_type, adam_partials_op)
     try:
-        partials: torch.Tensor = adam_partials_op(exp_avg, exp_avg_sq, params, coefficients,
-                                                  spec_flags(update_spec), spec_flags(ratio_spec), spec.eps)
+        partials: torch.Tensor = kernel(exp_avg, exp_avg_sq, params, coefficients,
+                                        spec_flags(update_spec), spec_flags(ratio_spec), spec.eps)
         return partials
     except Exception as exc:
-        if exp_avg[0].device.type == "cpu":
+        if kernel is adam_partials_op and device_type == "cpu":
             raise
-        _give_up_cuda(exc)
+        _give_up_triton(device_type, exc)
         return None

@@ -16,9 +16,10 @@ against about 40 and 108 when every element was also tested for NaN, Inf and the
 Triton 3.6's output).
 
 Tested on a real GPU against float64 references by tests/gpu/test_cuda.py (``bash
-scripts/gpu_check.sh``); tests/unit/test_triton_kernels.py runs the span kernels in Triton's
-interpreter on CPU and compiles every kernel for sm_80 and sm_90 where Triton is installed (the
-interpreter cannot run ``_combine_spans``, whose loop bounds are loaded values).
+scripts/gpu_check.sh``). Without one, Triton's interpreter runs these launchers and kernels on CPU
+tensors: tests/unit/test_triton_kernels.py against float64 numpy (NaN, Inf, zeros, unaligned views,
+more spans than ``_ROWS``), and scripts/test.sh's Triton lane under the monitored loops; the unit test
+also compiles every kernel for sm_80 and sm_90.
 """
 
 from __future__ import annotations
