@@ -112,9 +112,10 @@ def test_triton_adam_update_and_ratio_match_float64(dtype):
                     (dtype, i, half, metric, values[metric], want[metric])
 
 
-def _run_with_references(tmp_path, dtype: torch.dtype, steps: int = 3, async_results: bool = False):
+def _run_with_references(tmp_path, dtype: torch.dtype, steps: int = 3, async_results: bool = False,
+                         device: str = CUDA):
     torch.manual_seed(0)
-    model = TinyNet(vocab=64, d=128).to(CUDA, dtype)
+    model = TinyNet(vocab=64, d=128).to(device, dtype)
     with torch.no_grad():
         model.layers[0].fc1.bias.zero_()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
@@ -132,7 +133,7 @@ def _run_with_references(tmp_path, dtype: torch.dtype, steps: int = 3, async_res
     handles = [m.register_forward_hook(capture(n)) for n, m in model.named_modules() if n and "." in n]
     monitor = TrainerMonitor(config).attach(model, optimizer)
     for step in range(steps):
-        tokens, targets = (t.to(CUDA) for t in batch(step, vocab=64))
+        tokens, targets = (t.to(device) for t in batch(step, vocab=64))
         loss = loss_fn(model, tokens, targets)
         loss.float().backward()
         for key, value in outputs.items():
@@ -183,6 +184,22 @@ def test_every_family_on_cuda_matches_float64(tmp_path, dtype, async_results):
             assert_close(row, np_stats(ref[key]), METRICS, atol=1e-6, label=f"{dtype} actv {row['name']}")
             checked += 1
     assert checked >= 3 * 8, checked
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("async_results", [False, True], ids=["finished-now", "async-results"])
+def test_a_model_on_another_gpu_than_the_current_one_matches_float64(tmp_path, async_results):
+    """The model on the last GPU, the current device left at 0 (as HF device_map="auto" leaves it for later
+    layers): Triton must launch on the tensors' device, and the copy's event wait for the tensors' stream."""
+    assert torch.cuda.current_device() == 0
+    device = f"cuda:{torch.cuda.device_count() - 1}"
+    model, ref, rank_dir = _run_with_references(tmp_path, torch.bfloat16, async_results=async_results, device=device)
+    for family, kind in [("grad_reduced", "grad"), ("exp_avg", "exp_avg"), ("update", "update")]:
+        frame = read_family(rank_dir, family)
+        assert len(frame) == 3 * len(list(model.parameters())), family
+        for _, row in frame.iterrows():
+            assert_close(row, np_stats(ref[(kind, row["name"], row["step"])]), METRICS,
+                         rtol=1e-3 if kind == "update" else 1e-5, atol=1e-6, label=f"{family} {row['name']}")
 
 
 def _sync_warnings(step) -> int:

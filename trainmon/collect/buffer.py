@@ -156,17 +156,24 @@ def _copy_to_host(tensor: torch.Tensor, wait: bool) -> tuple[torch.Tensor, Any]:
     """``(host tensor, event or None)``: a copy started on the device's stream, or made now."""
     if tensor.device.type == "cpu" or wait:
         return tensor.cpu(), None  # sync (on a device): the one device-to-host transfer of the step
-    event_type = getattr(device_module(tensor.device.type), "Event", None)
-    if event_type is None:
+    module = device_module(tensor.device.type)
+    if getattr(module, "Event", None) is None or getattr(module, "current_stream", None) is None:
         return tensor.cpu(), None  # sync: a device without events copies the step's one transfer now
     try:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     except RuntimeError:  # no pinned memory here: torch stages the copy itself
         host = torch.empty(tensor.shape, dtype=tensor.dtype)
     host.copy_(tensor, non_blocking=True)  # into pinned memory: the host does not wait for the device
-    event = event_type()
-    event.record()
-    return host, event
+    return host, copy_done(module, tensor.device)
+
+
+def copy_done(module: Any, device: torch.device) -> Any:
+    """An event that ends what was queued so far on ``device``'s current stream, where a copy of a tensor of
+    ``device`` went: that device need not be the current one (a model spread over GPUs in one process, as
+    ``device_map="auto"`` does), and an event recorded on the current device's stream would end too early."""
+    event = module.Event()
+    event.record(module.current_stream(device))
+    return event
 
 
 @dataclass

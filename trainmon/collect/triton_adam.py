@@ -31,6 +31,7 @@ from trainmon.collect.triton_kernels import (
     _spans,
     _store_sums,
     _table,
+    on_device,
 )
 from trainmon.records import PARTIAL_SLOTS
 
@@ -148,17 +149,18 @@ def adam_triton(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], par
     partial = torch.empty(spans * 16, dtype=torch.float32, device=device)
     threshold = zero_threshold(eps, torch.float32)
     zeros = any(bool(flags[2]) for flags in (update_flags, ratio_flags) if flags)
-    _adam_span_partials[(spans,)](table, coefficients, n, spans, partial, threshold,
-                                  M_DTYPE=DTYPES[exp_avg[0].dtype], V_DTYPE=DTYPES[exp_avg_sq[0].dtype],
-                                  P_DTYPE=DTYPES[p_list[0].dtype], RATIO=ratio, BLOCK=ADAM_BLOCK,
-                                  ITERS=per // ADAM_BLOCK, ALIGNED=all(_aligned(column) for column in columns),
-                                  ZEROS=zeros, num_warps=WARPS)
     out = torch.zeros(2 * PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
     first_spans, numel_column = table[4 * n + 2 * spans:], table[3 * n:4 * n]
-    for half, flags in enumerate((update_flags, ratio_flags)):
-        if flags:
-            _combine_spans[(n,)](first_spans, numel_column, partial[8 * half:], out[PARTIAL_SLOTS * n * half:],
-                                 STRIDE=16, ROWS=_ROWS, **_flag_kwargs(flags))
+    with on_device(device):
+        _adam_span_partials[(spans,)](table, coefficients, n, spans, partial, threshold,
+                                      M_DTYPE=DTYPES[exp_avg[0].dtype], V_DTYPE=DTYPES[exp_avg_sq[0].dtype],
+                                      P_DTYPE=DTYPES[p_list[0].dtype], RATIO=ratio, BLOCK=ADAM_BLOCK,
+                                      ITERS=per // ADAM_BLOCK, ALIGNED=all(_aligned(column) for column in columns),
+                                      ZEROS=zeros, num_warps=WARPS)
+        for half, flags in enumerate((update_flags, ratio_flags)):
+            if flags:
+                _combine_spans[(n,)](first_spans, numel_column, partial[8 * half:], out[PARTIAL_SLOTS * n * half:],
+                                     STRIDE=16, ROWS=_ROWS, **_flag_kwargs(flags))
     return out
 
 

@@ -24,10 +24,11 @@ also compiles every kernel for sm_80 and sm_90.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -252,6 +253,16 @@ def _table(columns: list[_Column], device: torch.device) -> torch.Tensor:
     return table.to(device, non_blocking=True)
 
 
+def on_device(device: torch.device) -> Any:
+    """A context in which kernels launch on ``device``: Triton launches on the current CUDA device and its
+    stream, not the tensors'. A model on ``cuda:1`` in a process whose current device is ``cuda:0`` (no
+    ``torch.cuda.set_device``) would otherwise be read by a kernel on the wrong device: an illegal address,
+    which ends the process's CUDA context and the training with it."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 def _aligned(addresses: list[int]) -> bool:
     """Every address 16-byte aligned (fresh torch allocations are; a view at an odd offset is not)."""
     return all(address % 16 == 0 for address in addresses)
@@ -272,11 +283,13 @@ def partials_triton(tensors: list[torch.Tensor], flags: list[int], eps: float) -
     table = _table([addresses, numels, owner, start, first], device)
     partial = torch.empty(spans * 8, dtype=torch.float32, device=device)
     threshold = zero_threshold(eps, dtype)
-    _span_partials[(spans,)](table, n, spans, partial, threshold, DTYPE=DTYPES[dtype], BLOCK=BLOCK,
-                             ITERS=per // BLOCK, ALIGNED=_aligned(addresses), ZEROS=bool(flags[2]), num_warps=WARPS)
     out = torch.empty(PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
-    _combine_spans[(n,)](table[2 * n + 2 * spans:], table[n:2 * n], partial, out, STRIDE=8, ROWS=_ROWS,
-                         **_flag_kwargs(flags))
+    with on_device(device):
+        _span_partials[(spans,)](table, n, spans, partial, threshold, DTYPE=DTYPES[dtype], BLOCK=BLOCK,
+                                 ITERS=per // BLOCK, ALIGNED=_aligned(addresses), ZEROS=bool(flags[2]),
+                                 num_warps=WARPS)
+        _combine_spans[(n,)](table[2 * n + 2 * spans:], table[n:2 * n], partial, out, STRIDE=8, ROWS=_ROWS,
+                             **_flag_kwargs(flags))
     return out
 
 
