@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainmon.collect.buffer import copy_done, device_module
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.probe import device as dev
 from trainmon.probe.storage import (
@@ -70,10 +71,14 @@ def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _record_event(device: torch.device) -> Any:
+    """The end of the copies queued for ``device``, on its own stream (not the current device's: see
+    :func:`trainmon.collect.buffer.copy_done`)."""
     if device.type == "cpu":
         return None
-    cuda_event: Callable[[], Any] = torch.cuda.Event  # torch leaves its constructor unannotated
-    event = cuda_event() if device.type == "cuda" else torch.Event(device=device)
+    module = device_module(device.type)
+    if getattr(module, "Event", None) is not None and getattr(module, "current_stream", None) is not None:
+        return copy_done(module, device)
+    event = torch.Event(device=device)
     event.record()
     return event
 
