@@ -8,6 +8,8 @@ The group is the parameters of benchmarks/overhead.py's GPT (``1b``: 245 tensors
 - ``partials``: ``trainmon::partials`` with 6 metrics (norm min max mean nans infs): one read of the group;
 - ``partials+zeros``: the same with ``zeros`` (the zero test per element);
 - ``adam``: ``trainmon::adam_partials`` (update and ratio): reads m, v and the parameter;
+- ``adam+states``: the same, with the statistics of m and v themselves (what a step with ``exp_avg``,
+  ``exp_avg_sq``, ``update`` and ``ratio`` runs);
 - ``_foreach_norm``: torch's multi-tensor L2 norm, the bandwidth a simple reduction reaches;
 - ``with a NaN``: ``partials`` when one tensor holds a NaN (its spans are read twice).
 Needs CUDA (exits 2 without it).
@@ -75,6 +77,7 @@ def main() -> int:
     rows = [("partials", lambda: partials(xs, spec), nbytes),
             ("partials+zeros", lambda: partials(xs, spec_zeros), nbytes),
             ("adam", lambda: kernels.adam_partials(ms, vs, xs, coefficients, spec, spec), 3 * nbytes),
+            ("adam+states", lambda: kernels.adam_partials(ms, vs, xs, coefficients, spec, spec, spec), 3 * nbytes),
             ("_foreach_norm", lambda: torch._foreach_norm(xs), nbytes)]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {len(xs)} {args.dtype} tensors, "
           f"{nbytes / 1e9:.2f} GB")

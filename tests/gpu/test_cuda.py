@@ -91,9 +91,12 @@ def test_triton_adam_update_and_ratio_match_float64(dtype):
     spec = StatsSpec.from_metrics(METRICS, eps=1e-8)
     with torch.no_grad():
         out = kernels.adam_partials([i[0] for i in items], [i[1] for i in items], [i[2] for i in items],
-                                    coefficients, spec, spec)
+                                    coefficients, spec, spec, spec)
     assert out is not None, "the Triton Adam kernel failed"
-    got = out.view(2, -1, 8).cpu().numpy()
+    got = out.view(4, -1, 8).cpu().numpy()
+    for i, p in enumerate(params):  # exp_avg and exp_avg_sq themselves, from the same read
+        for part, family in ((2, "exp_avg"), (3, "exp_avg_sq")):
+            _assert_partials(got[part, i:i + 1], [optimizer.state[p][family]], 1e-8, f"{dtype} {family} {i}")
     b1, b2 = group["betas"]
     for i, p in enumerate(params):  # the reference from the optimizer's own state, in float64
         state = optimizer.state[p]

@@ -214,7 +214,7 @@ def test_adam_fallback_matches_float64(variant, dtype, amsgrad, monkeypatch):
     spec = StatsSpec.from_metrics(["norm", "min", "max", "mean", "nans", "infs"], eps=1e-8)
     adam_indices, blocks = adam.adam_partials_many(entries, spec, spec)
     assert adam_indices == list(range(len(entries)))
-    (indices, update_block, ratio_block), = blocks
+    (indices, update_block, ratio_block, _), = blocks
     assert indices == adam_indices
     _assert_adam(update_block, ratio_block, entries, label=variant)
 

@@ -239,13 +239,21 @@ def _adam_reference(param, state, group) -> tuple[np.ndarray, np.ndarray]:
 def test_adam_partials_many_match_float64(path, dtype, poison, amsgrad):
     entries = _adam_states(dtype, poison, amsgrad)
     entries.insert(1, (torch.nn.Parameter(torch.ones(3)), {"momentum_buffer": torch.ones(3)}, entries[0][2]))
-    adam, blocks = adam_partials_many(entries, SPEC, SPEC)
+    adam, blocks = adam_partials_many(entries, SPEC, SPEC, SPEC)
     assert adam == [0, 2, 3, 4]
-    assert sorted(i for indices, _, _ in blocks for i in indices) == adam
-    for indices, update_block, ratio_block in blocks:
+    assert sorted(i for indices, *_ in blocks for i in indices) == adam
+    for indices, update_block, ratio_block, states in blocks:
+        # exp_avg and exp_avg_sq from the same read: by the fused kernel on the device path (not the CPU
+        # fast path's float32 numpy views), and only where v is exp_avg_sq itself (AMSGrad reads max_exp_avg_sq)
+        fast_path = path == "numpy" and dtype == torch.float32
+        assert (states is not None) == (path != "torch" and not fast_path and not amsgrad), (path, amsgrad)
         for row, i in enumerate(indices):
             update, ratio = _adam_reference(*entries[i])
-            for label, block, want in (("update", update_block, update), ("ratio", ratio_block, ratio)):
+            checks = [("update", update_block, update), ("ratio", ratio_block, ratio)]
+            if states is not None:
+                checks += [(family, block, entries[i][1][family].double().numpy())
+                           for family, block in zip(("exp_avg", "exp_avg_sq"), states)]
+            for label, block, want in checks:
                 got = _metrics(block.view(-1, 8)[row].numpy())
                 reference = {**np_stats(want), "numel": float(want.size)}
                 for metric, value in reference.items():
@@ -259,7 +267,8 @@ def test_adam_partials_many_computes_only_what_is_asked(path, which):
     entries = _adam_states(torch.float32)
     update_spec, ratio_spec = (SPEC, None) if which == "update" else (None, SPEC)
     _, blocks = adam_partials_many(entries, update_spec, ratio_spec)
-    (_, update_block, ratio_block), = blocks
+    (_, update_block, ratio_block, states), = blocks
+    assert states is None  # not asked for
     skipped = ratio_block if which == "update" else update_block
     assert not skipped.any()
     assert (update_block if which == "update" else ratio_block).view(-1, 8)[:, 7].tolist() == \
@@ -272,9 +281,11 @@ def test_adam_constants_as_device_scalars(implementation):
     entries = _adam_states(torch.float32)
     items = [(m, v, p, torch.tensor(scale, dtype=torch.float64), torch.tensor(eps, dtype=torch.float64))
              for m, v, p, scale, eps in _adam_items(entries)]
-    run = _adam_fused if implementation == "fused" else _adam_torch
     with torch.no_grad():  # as adam_partials_many calls them
-        update_block, ratio_block = run(items, SPEC, SPEC, torch.device("cpu"))
+        if implementation == "fused":
+            update_block, ratio_block, _ = _adam_fused(items, SPEC, SPEC, None, torch.device("cpu"))
+        else:
+            update_block, ratio_block = _adam_torch(items, SPEC, SPEC, torch.device("cpu"))
     for row, entry in enumerate(entries):
         update, ratio = _adam_reference(*entry)
         for block, want in ((update_block, update), (ratio_block, ratio)):

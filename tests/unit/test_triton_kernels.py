@@ -57,11 +57,17 @@ _INTERPRETED = textwrap.dedent("""
         ps = [torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(dtype) for n in sizes]
         for p in ps:
             p[0] = 0.0  # the ratio is 0 there
-        if case == 3:
+        if case in (3, 5):
             ms[0][1] = float("nan")
+        if case == 4:
+            vs[0][2] = float("inf")  # the update is 0 there (finite): only v's own sums see it
         coefficients = torch.tensor([[1.7, 1e-8] for _ in sizes], dtype=torch.float64)  # as adam.py makes them
-        out = ta.adam_triton(ms, vs, ps, coefficients, [1, 1, 1, 1, 1], [1, 1, 1, 1, 1], 1e-3)
-        got = out.view(2, len(sizes), 8).double().tolist()
+        states = [1, 1, 1, 1, 1] if case % 3 else []  # exp_avg and exp_avg_sq from the same read, or not
+        out = ta.adam_triton(ms, vs, ps, coefficients, [1, 1, 1, 1, 1], [1, 1, 1, 1, 1], states, 1e-3)
+        got = out.view(4, len(sizes), 8).double().tolist()
+        if not states:
+            assert not any(any(row) for part in got[2:] for row in part)  # not asked: left 0
+            got = got[:2]
         cases.append({"kind": "adam", "m": [t.double().tolist() for t in ms], "v": [t.double().tolist() for t in vs],
                       "p": [t.double().tolist() for t in ps], "got": got})
     json.dump(cases, sys.stdout)
@@ -98,6 +104,9 @@ def test_kernels_in_the_interpreter_match_float64():
                 ratio = np.where(p != 0, update / np.where(p != 0, p, 1.0), 0.0)
             _check(case["got"][0][j], update, 1e-4, f"update case {i} tensor {j}")
             _check(case["got"][1][j], ratio, 1e-4, f"ratio case {i} tensor {j}")
+            if len(case["got"]) == 4:
+                _check(case["got"][2][j], m, 1e-5, f"exp_avg case {i} tensor {j}")
+                _check(case["got"][3][j], v, 1e-5, f"exp_avg_sq case {i} tensor {j}")
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90():
@@ -111,16 +120,17 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
 
     span = {"table": "*i64", "n_tensors": "i32", "n_spans": "i32", "spans": "*fp32", "threshold": "fp32"}
     adam = {"table": "*i64", "coefficients": "*fp32", "n_tensors": "i32", "n_spans": "i32", "spans": "*fp32",
-            "threshold": "fp32"}
+            "threshold": "fp32", "state_threshold": "fp32"}
     combine = {"first": "*i64", "numels": "*i64", "spans": "*fp32", "out": "*fp32"}
     kernels = []
     for dtype in (tl.float16, tl.bfloat16, tl.float32):
         for flag in (False, True):
             kernels.append((tk._span_partials, span, {"DTYPE": dtype, "BLOCK": tk.BLOCK, "ITERS": 16,
                                                       "ALIGNED": flag, "ZEROS": flag}))
-            kernels.append((ta._adam_span_partials, adam, {"M_DTYPE": dtype, "V_DTYPE": tl.float32, "P_DTYPE": dtype,
-                                                           "RATIO": flag, "BLOCK": ta.ADAM_BLOCK, "ITERS": 32,
-                                                           "ALIGNED": flag, "ZEROS": not flag}))
+            for states in (False, True):
+                kernels.append((ta._adam_span_partials, adam, {
+                    "M_DTYPE": dtype, "V_DTYPE": tl.float32, "P_DTYPE": dtype, "RATIO": flag, "STATES": states,
+                    "BLOCK": ta.ADAM_BLOCK // (2 if states else 1), "ITERS": 32, "ALIGNED": flag, "ZEROS": not flag}))
     kernels.append((tk._combine_spans, combine, {"STRIDE": 8, "NORM": True, "SUM": True, "ZEROS": True, "NANS": True,
                                                  "INFS": True, "ROWS": 128}))
     for arch in (80, 90):
@@ -162,8 +172,9 @@ def test_a_triton_kernel_that_raises_is_given_up_for_plain_torch_ops(monkeypatch
     param = torch.nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
     state = {"exp_avg": torch.randn(64, dtype=torch.bfloat16) * 1e-3,
              "exp_avg_sq": torch.rand(64, dtype=torch.bfloat16) * 1e-6, "step": torch.tensor(3.0)}
-    _, blocks = adam_partials_many([(param, state, {"betas": (0.9, 0.999), "eps": 1e-8})], spec, None)
-    (_, update, _), = blocks
+    _, blocks = adam_partials_many([(param, state, {"betas": (0.9, 0.999), "eps": 1e-8})], spec, None, spec)
+    (_, update, _, states), = blocks
     assert "cpu" not in kernels.ADAM_DIRECT
+    assert states is None  # the plain torch ops do not measure exp_avg/exp_avg_sq: the collector records them
     m, v = state["exp_avg"].double().numpy() / (1 - 0.9**3), state["exp_avg_sq"].double().numpy() / (1 - 0.999**3)
     assert np.isclose(float(update[0]), np.linalg.norm(m / (np.sqrt(v) + 1e-8)), rtol=1e-3)

@@ -12,7 +12,7 @@ from trainmon.collect import kernels
 from trainmon.collect.fallback import bounded_batches
 from trainmon.collect.kernels import ratio_into as _ratio_into
 from trainmon.collect.kernels import update_into as _update_into
-from trainmon.collect.stats import StatsSpec, combine_partials_torch, fused_kernel, partials_torch
+from trainmon.collect.stats import StatsSpec, combine_partials_torch, fused_kernel, numpy_viewable, partials_torch
 from trainmon.records import PARTIAL_SLOTS
 
 AdamEntry: TypeAlias = "tuple[torch.Tensor, dict[str, Any], dict[str, Any]]"
@@ -130,42 +130,57 @@ _TEMPORARY_ELEMENTS = 1 << 22
 """Plain torch fallback: elements of update (and ratio) temporaries alive at once (16 MiB each in float32)."""
 
 
+AdamBlocks: TypeAlias = "tuple[list[int], torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]"
+"""``(indices, update_block, ratio_block, (exp_avg_block, exp_avg_sq_block) or None)`` of one group."""
+
+
 def adam_partials_many(entries: Sequence[AdamEntry],
-                       update_spec: StatsSpec | None, ratio_spec: StatsSpec | None
-                       ) -> tuple[list[int], list[tuple[list[int], torch.Tensor, torch.Tensor]]]:
+                       update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
+                       state_spec: StatsSpec | None = None) -> tuple[list[int], list[AdamBlocks]]:
     """Partials of the Adam ``update`` and ``ratio`` of many parameters, without full-size temporaries.
 
     Args:
         entries: ``(param, state, param_group)`` per parameter.
+        state_spec: also the statistics of ``exp_avg`` and ``exp_avg_sq``, from the same read, where a
+            fused kernel reads them on the device path (the groups whose ``v`` is ``exp_avg_sq`` itself, not
+            AMSGrad's ``max_exp_avg_sq``, and of one dtype with ``m``); None: not wanted.
 
     Returns:
         ``(adam, blocks)``: the indices of the entries whose state is Adam's, and per group of
-        them (same device and dtypes) ``(indices, update_block, ratio_block)``, flat ``[8 k]``
-        float32 on the device (a block of zeros where its spec is None). A fused kernel reads
-        ``m``, ``v`` (and the parameter) once per group; the plain torch fallback computes the
+        them (same device and dtypes) ``(indices, update_block, ratio_block, states)``, flat ``[8 k]``
+        float32 on the device (a block of zeros where its spec is None); ``states`` is the
+        ``(exp_avg, exp_avg_sq)`` blocks, or None where they were not measured here. A fused kernel
+        reads ``m``, ``v`` (and the parameter) once per group; the plain torch fallback computes the
         update in float32 chunks of bounded size. Never synchronises with the host.
     """
     items = _adam_items(entries)
     adam = [i for i, (_, state, _) in enumerate(entries)
             if state.get("exp_avg") is not None and state.get("exp_avg_sq") is not None
             and state.get("step") is not None]  # the entries _adam_items kept
-    groups: dict[tuple[torch.device, torch.dtype, torch.dtype, torch.dtype, torch.device], list[int]] = {}
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype, torch.dtype, torch.device, bool], list[int]] = {}
     for j, (m, v, p, _, _) in enumerate(items):
-        groups.setdefault((m.device, m.dtype, v.dtype, p.dtype, p.device), []).append(j)
-    blocks = []
+        own_v = state_spec is None or v is entries[adam[j]][1]["exp_avg_sq"]  # not AMSGrad's max_exp_avg_sq
+        groups.setdefault((m.device, m.dtype, v.dtype, p.dtype, p.device, own_v), []).append(j)
+    blocks: list[AdamBlocks] = []
     with torch.no_grad():
-        for (device, *_), members in groups.items():
+        for (device, m_dtype, v_dtype, _, _, own_v), members in groups.items():
             chosen = [items[j] for j in members]
             fused = None
             if fused_kernel(device) is not None and kernels.adam_kernel_takes([t for item in chosen for t in item[:3]]):
-                fused = _adam_fused(chosen, update_spec, ratio_spec, device)
-            update, ratio = fused if fused is not None else _adam_torch(chosen, update_spec, ratio_spec, device)
-            blocks.append(([adam[j] for j in members], update, ratio))
+                # on the CPU fast path (float32 numpy views) m and v are cheaper whole than in the chunks
+                states = state_spec if own_v and m_dtype == v_dtype and not numpy_viewable(chosen[0][0]) else None
+                fused = _adam_fused(chosen, update_spec, ratio_spec, states, device)
+            if fused is None:
+                blocks.append(([adam[j] for j in members], *_adam_torch(chosen, update_spec, ratio_spec, device),
+                               None))
+            else:
+                blocks.append(([adam[j] for j in members], *fused))
     return adam, blocks
 
 
 def _adam_fused(items: list[_Item], update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+                state_spec: StatsSpec | None, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
     """One ``trainmon::adam_partials`` for the group: ``m``, ``v`` (and ``p``) read once."""
     scales, epses = [item[3] for item in items], [item[4] for item in items]
     if all(isinstance(x, float) for x in scales + epses):
@@ -178,11 +193,11 @@ def _adam_fused(items: list[_Item], update_spec: StatsSpec | None, ratio_spec: S
                                     for a, b in zip(scales, epses)])
     out = kernels.adam_partials([item[0] for item in items], [item[1] for item in items],
                                 [item[2] for item in items] if ratio_spec is not None else [],
-                                coefficients, update_spec, ratio_spec)
+                                coefficients, update_spec, ratio_spec, state_spec)
     if out is None:
         return None
-    half = PARTIAL_SLOTS * len(items)
-    return out[:half], out[half:]
+    update, ratio, m, v = out.view(4, -1).unbind()
+    return update, ratio, (m, v) if state_spec is not None else None
 
 
 def _adam_torch(items: list[_Item], update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,

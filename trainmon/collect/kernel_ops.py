@@ -13,6 +13,8 @@ import torch
 from trainmon.records import PARTIAL_SLOTS
 
 _F32 = torch.float32
+ADAM_PARTS = 4
+"""Parts of ``trainmon::adam_partials``'s result: update, ratio, exp_avg, exp_avg_sq."""
 
 
 @torch.library.custom_op("trainmon::partials", mutates_args=())
@@ -29,16 +31,18 @@ def _(tensors: list[torch.Tensor], flags: list[int], eps: float) -> torch.Tensor
 @torch.library.custom_op("trainmon::adam_partials", mutates_args=())
 def adam_partials_op(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
                      coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
-                     eps: float) -> torch.Tensor:
-    """Flat ``[2, N, 8]`` partials: the Adam updates of ``N`` parameters, then their ratios to the parameters.
+                     state_flags: list[int], eps: float) -> torch.Tensor:
+    """Flat ``[4, N, 8]`` partials of ``N`` parameters: their Adam updates, their ratios to the parameters, and
+    the statistics of ``exp_avg`` and ``exp_avg_sq`` themselves (read for the update anyway).
 
     ``coefficients`` is ``[N, 2]`` float64 ``(scale, eps')`` with update = m * scale / (sqrt(v) + eps').
-    Empty flags: that half is not computed (left 0); ``params`` is read only for the ratio.
+    Empty flags: that part is not computed (left 0); ``params`` is read only for the ratio.
     """
     raise NotImplementedError(f"trainmon::adam_partials has no kernel for {exp_avg[0].device.type}")
 
 
 @adam_partials_op.register_fake
 def _(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
-      coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int], eps: float) -> torch.Tensor:
-    return exp_avg[0].new_empty(2 * PARTIAL_SLOTS * len(exp_avg), dtype=_F32)
+      coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int], state_flags: list[int],
+      eps: float) -> torch.Tensor:
+    return exp_avg[0].new_empty(ADAM_PARTS * PARTIAL_SLOTS * len(exp_avg), dtype=_F32)

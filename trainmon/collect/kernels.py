@@ -7,8 +7,9 @@ Two torch operators, registered with ``torch.library`` so that they dispatch lik
   every slot from one read of each tensor (NaN/Inf counts come free with min/max: no second pass,
   no temporary).
 - ``trainmon::adam_partials(exp_avg, exp_avg_sq, params, coefficients, update_flags, ratio_flags,
-  eps)``: the partials of the Adam update ``m_hat / (sqrt(v_hat) + eps)`` and of ``update / param``
-  of ``N`` parameters, from one read of ``m``, ``v`` (and ``p``), without the full-size update.
+  state_flags, eps)``: the partials of the Adam update ``m_hat / (sqrt(v_hat) + eps)`` and of
+  ``update / param`` of ``N`` parameters, and those of ``m`` and ``v`` themselves, from one read of
+  ``m``, ``v`` (and ``p``), without the full-size update.
 
 Kernels: CPU (numpy over cache-sized chunks; bfloat16 is widened chunk by chunk from its bits) and
 CUDA (Triton, :mod:`trainmon.collect.triton_kernels`, where Triton is installed). Devices without
@@ -26,7 +27,7 @@ import numpy.typing as npt
 import torch
 
 from trainmon.collect.fallback import partials_torch
-from trainmon.collect.kernel_ops import adam_partials_op, partials_op
+from trainmon.collect.kernel_ops import ADAM_PARTS, adam_partials_op, partials_op
 from trainmon.collect.stats_base import StatsSpec, partial_numpy
 from trainmon.records import PARTIAL_SLOTS, combine_partials
 
@@ -145,8 +146,10 @@ def ratio_into(update: Array, param: Array, out: Array) -> None:
 
 def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, scale: float, eps: float,
                       update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
-                      update_out: Array, ratio_out: Array) -> None:
-    """Update and ratio partials of one CPU parameter, chunk by chunk (no full-size update or ratio)."""
+                      update_out: Array, ratio_out: Array, state_spec: StatsSpec | None = None,
+                      m_out: Array | None = None, v_out: Array | None = None) -> None:
+    """Update and ratio partials of one CPU parameter, chunk by chunk (no full-size update or ratio); with
+    ``state_spec``, the partials of ``m`` and ``v`` too, from the same chunks."""
     n = m.numel()
     if n == 0:
         return
@@ -155,8 +158,7 @@ def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, 
         sources = [(np.ascontiguousarray(values), widen) for values, widen in sources]
     pieces = [list(flat_chunks(values)) for values, _ in sources]
     chunks = len(pieces[0])
-    parts_u = np.zeros((chunks, PARTIAL_SLOTS))
-    parts_r = np.zeros((chunks, PARTIAL_SLOTS))
+    parts = np.zeros((ADAM_PARTS, chunks, PARTIAL_SLOTS))  # update, ratio, m, v
     size = min(n, CHUNK)
     widened = [np.empty(size, np.float32) if widen else None for _, widen in sources]
     buffer_u, buffer_r = np.empty(size, np.float32), np.empty(size, np.float32)
@@ -164,32 +166,36 @@ def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, 
         arrays = [_widen(piece[i], wide) if wide is not None else piece[i] for piece, wide in zip(pieces, widened)]
         k = arrays[0].size
         u, r = buffer_u[:k], buffer_r[:k]
+        if state_spec is not None:
+            partial_numpy(arrays[0], state_spec, parts[2, i])
+            partial_numpy(arrays[1], state_spec, parts[3, i])
         update_into(arrays[0], arrays[1], u, scale, eps)
         if update_spec is not None:
-            partial_numpy(u, update_spec, parts_u[i])
+            partial_numpy(u, update_spec, parts[0, i])
         if ratio_spec is not None:
             ratio_into(u, arrays[2], r)
-            partial_numpy(r, ratio_spec, parts_r[i])
-    if update_spec is not None:
-        update_out[:] = combine_partials(parts_u[:, None, :])[0]
-    if ratio_spec is not None:
-        ratio_out[:] = combine_partials(parts_r[:, None, :])[0]
+            partial_numpy(r, ratio_spec, parts[1, i])
+    for spec, out, part in ((update_spec, update_out, parts[0]), (ratio_spec, ratio_out, parts[1]),
+                            (state_spec, m_out, parts[2]), (state_spec, v_out, parts[3])):
+        if spec is not None and out is not None:
+            out[:] = combine_partials(part[:, None, :])[0]
 
 
 @adam_partials_op.register_kernel("cpu")
 def _adam_partials_cpu(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
                        coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
-                       eps: float) -> torch.Tensor:
+                       state_flags: list[int], eps: float) -> torch.Tensor:
     update_spec = _spec(update_flags, eps) if update_flags else None
     ratio_spec = _spec(ratio_flags, eps) if ratio_flags else None
+    state_spec = _spec(state_flags, eps) if state_flags else None
     n = len(exp_avg)
-    out = torch.zeros(2 * PARTIAL_SLOTS * n, dtype=_F32)
-    rows = out.numpy().reshape(2, n, PARTIAL_SLOTS)  # CPU view: no sync
+    out = torch.zeros(ADAM_PARTS * PARTIAL_SLOTS * n, dtype=_F32)
+    rows = out.numpy().reshape(ADAM_PARTS, n, PARTIAL_SLOTS)  # CPU view: no sync
     constants = coefficients.numpy()  # a CPU tensor: a view, no sync
     for i in range(n):
         adam_partial_into(exp_avg[i], exp_avg_sq[i], params[i] if ratio_spec is not None else None,
                           float(constants[i, 0]), float(constants[i, 1]), update_spec, ratio_spec,
-                          rows[0, i], rows[1, i])
+                          rows[0, i], rows[1, i], state_spec, rows[2, i], rows[3, i])
     return out
 
 
@@ -264,16 +270,17 @@ def adam_kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def adam_partials(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
-                  coefficients: torch.Tensor, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None
-                  ) -> torch.Tensor | None:
-    """``trainmon::adam_partials``; None when the kernel failed (then the plain torch ops are used)."""
+                  coefficients: torch.Tensor, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
+                  state_spec: StatsSpec | None = None) -> torch.Tensor | None:
+    """``trainmon::adam_partials``: flat ``[4, N, 8]`` (update, ratio, exp_avg, exp_avg_sq; a part whose spec
+    is None is left 0); None when the kernel failed (then the plain torch ops are used)."""
     spec = update_spec or ratio_spec
     assert spec is not None, "adam_partials needs the update or the ratio statistics"
     device_type = exp_avg[0].device.type
     kernel = ADAM_DIRECT.get(device_type, adam_partials_op)
     try:
-        partials: torch.Tensor = kernel(exp_avg, exp_avg_sq, params, coefficients,
-                                        spec_flags(update_spec), spec_flags(ratio_spec), spec.eps)
+        partials: torch.Tensor = kernel(exp_avg, exp_avg_sq, params, coefficients, spec_flags(update_spec),
+                                        spec_flags(ratio_spec), spec_flags(state_spec), spec.eps)
         return partials
     except Exception as exc:
         if kernel is adam_partials_op and device_type == "cpu":

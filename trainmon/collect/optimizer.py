@@ -270,9 +270,16 @@ class TorchOptimizerCollector(HookedCollector):
                         rows[family].append((name, param, vpp_stage))
                 adam_entries.append((param, state, group_of[id(param)]))
                 adam_rows.append((name, vpp_stage))
-        orders = self._record_interleaved(rows, skip=("update", "ratio"))
+        # exp_avg and exp_avg_sq from the update's read of m and v, where a fused kernel makes it (one spec: the
+        # kernel takes one set of flags for both)
+        fused_states: list[str] = []
+        if adam_entries and derived:
+            wanted: list[str] = [family for family in ("exp_avg", "exp_avg_sq") if family in self._states]
+            if len({ctx.specs[family] for family in wanted}) == 1:
+                fused_states = wanted
+        orders = self._record_interleaved(rows, skip=("update", "ratio", *fused_states))
         if adam_entries:
-            self._record_adam(adam_entries, adam_rows, orders)
+            self._record_adam(adam_entries, adam_rows, orders, rows, fused_states)
 
     def _record_interleaved(self, rows: dict[str, list[tuple[str, torch.Tensor, int]]],
                             skip: Sequence[str] = ()) -> dict[str, list[int]]:
@@ -304,24 +311,40 @@ class TorchOptimizerCollector(HookedCollector):
                             orders=orders[family] or None)
         return orders
 
-    def _record_adam(self, entries: list[AdamEntry], names: list[tuple[str, int]],
-                     orders: dict[str, list[int]]) -> None:
-        """``update`` and ``ratio`` rows of the Adam-like parameters, without full-size temporaries."""
+    def _record_adam(self, entries: list[AdamEntry], names: list[tuple[str, int]], orders: dict[str, list[int]],
+                     rows: dict[str, list[tuple[str, torch.Tensor, int]]], states: Sequence[str]) -> None:
+        """``update`` and ``ratio`` rows of the Adam-like parameters, without full-size temporaries; and the
+        rows of ``states`` (``exp_avg``/``exp_avg_sq``, not recorded yet) from the same read of ``m`` and ``v``
+        where a fused kernel made it, else as any state. ``rows``/``orders``: every family's rows and orders."""
         ctx = self.ctx
         update_spec = ctx.specs.get("update") if "update" in self._states else None
         ratio_spec = ctx.specs.get("ratio") if "ratio" in self._states else None
-        if update_spec is None and ratio_spec is None:
-            return
-        _, blocks = adam_partials_many(entries, update_spec, ratio_spec)
-        for family, spec, which in (("update", update_spec, 1), ("ratio", ratio_spec, 2)):
-            if spec is None:
-                continue
-            family_orders = orders.get(family) or None
-            for indices, update_block, ratio_block in blocks:
-                block = update_block if which == 1 else ratio_block
+        blocks = adam_partials_many(entries, update_spec, ratio_spec, ctx.specs[states[0]] if states else None)[1] \
+            if update_spec is not None or ratio_spec is not None else []
+        positions = {family: {entry[0]: k for k, entry in enumerate(rows[family])}
+                     for family in ("update", "ratio", *states)}
+        done: dict[str, set[str]] = {family: set() for family in states}
+        for indices, update_block, ratio_block, state_blocks in blocks:
+            parts = [("update", update_spec is not None, update_block), ("ratio", ratio_spec is not None, ratio_block)]
+            parts += [(family, family in states, block)
+                      for family, block in zip(("exp_avg", "exp_avg_sq"), state_blocks or ())]
+            for family, wanted, block in parts:
+                if not wanted:
+                    continue
+                family_orders = orders.get(family) or None
                 keys = [RowKey(family, names[i][0], ctx.micro_step, names[i][1],
-                               family_orders[i] if family_orders else ctx.buffer.next_order()) for i in indices]
+                               family_orders[positions[family][names[i][0]]] if family_orders
+                               else ctx.buffer.next_order()) for i in indices]
                 cast("StepBuffer", ctx.buffer).add_block(keys, block)  # torch statistics: a StepBuffer
+                if family in done:
+                    done[family].update(names[i][0] for i in indices)
+        for family in states:  # the rest (the plain torch ops, AMSGrad's v): measured as any state
+            rest = [k for k, entry in enumerate(rows[family]) if entry[0] not in done[family]]
+            family_orders = orders.get(family)
+            if rest:
+                ctx.record_many(family, [rows[family][k][0] for k in rest], [rows[family][k][1] for k in rest],
+                                [rows[family][k][2] for k in rest],
+                                orders=[family_orders[k] for k in rest] if family_orders else None)
 
 
 __all__ = ["_CHUNK", "TorchOptimizerCollector", "adam_partials_cpu", "adam_partials_many", "adam_update",

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainmon.collect.kernel_ops import adam_partials_op
+from trainmon.collect.kernel_ops import ADAM_PARTS, adam_partials_op
 from trainmon.collect.stats_base import zero_threshold
 from trainmon.collect.triton_kernels import (
     _ROWS,
@@ -40,9 +40,8 @@ ADAM_BLOCK = 512
 
 @triton.jit
 def _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO: tl.constexpr, MASKED: tl.constexpr, n):
-    """The update m / (sqrt(v) + eps) * scale and the update/param ratio (0 where the param is 0) at ``offsets``.
-
-    Masked lanes read m = v = p = 0: update 0 / (0 + eps) = 0 and ratio 0, neutral for the sums.
+    """``m``, ``v``, the update m / (sqrt(v) + eps) * scale and the update/param ratio (0 where the param is 0)
+    at ``offsets``. Masked lanes read m = v = p = 0: update 0 / (0 + eps) = 0 and ratio 0, neutral for the sums.
     """
     if MASKED:
         mask = offsets < n
@@ -59,15 +58,16 @@ def _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO: tl.constexp
         else:
             p = tl.load(p_base + offsets).to(tl.float32)
         ratio = tl.where(p != 0.0, update / tl.where(p != 0.0, p, 1.0), 0.0)
-    return update, ratio
-
+    return m, v, update, ratio
 
 
 @triton.jit
-def _adam_span_partials(table, coefficients, n_tensors, n_spans, spans, threshold,
+def _adam_span_partials(table, coefficients, n_tensors, n_spans, spans, threshold, state_threshold,
                         M_DTYPE: tl.constexpr, V_DTYPE: tl.constexpr, P_DTYPE: tl.constexpr, RATIO: tl.constexpr,
-                        BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, ZEROS: tl.constexpr):
-    """Update and ratio spans; table = [m N, v N, p N, numels N, span tensor S, span start S, first N+1].
+                        STATES: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr,
+                        ZEROS: tl.constexpr):
+    """Update and ratio spans (and, with ``STATES``, those of ``m`` and ``v``: rows of 32 slots, update, ratio,
+    m, v); table = [m N, v N, p N, numels N, span tensor S, span start S, first N+1].
 
     As :func:`_span_partials`: whole spans load unmasked, NaN/Inf are counted only when a span's sums
     are not finite (reading its m, v and p again), zeros only when ``ZEROS``.
@@ -87,85 +87,98 @@ def _adam_span_partials(table, coefficients, n_tensors, n_spans, spans, threshol
     eps = tl.load(coefficients + 2 * t + 1).to(tl.float32)
     sq, sm, lo, hi, zeros = _fresh(BLOCK)
     r_sq, r_sm, r_lo, r_hi, r_zeros = _fresh(BLOCK)
+    m_sq, m_sm, m_lo, m_hi, m_zeros = _fresh(BLOCK)
+    v_sq, v_sm, v_lo, v_hi, v_zeros = _fresh(BLOCK)
     if start + ITERS * BLOCK <= n:  # a whole span: no mask
         for i in range(ITERS):
             offsets = start + i * BLOCK + tl.arange(0, BLOCK)
-            update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, False, n)
+            m, v, update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, False, n)
             sq, sm, lo, hi, zeros = _add(update, sq, sm, lo, hi, zeros, threshold, ZEROS)
             if RATIO:
                 r_sq, r_sm, r_lo, r_hi, r_zeros = _add(ratio, r_sq, r_sm, r_lo, r_hi, r_zeros, threshold, ZEROS)
+            if STATES:
+                m_sq, m_sm, m_lo, m_hi, m_zeros = _add(m, m_sq, m_sm, m_lo, m_hi, m_zeros, state_threshold, ZEROS)
+                v_sq, v_sm, v_lo, v_hi, v_zeros = _add(v, v_sq, v_sm, v_lo, v_hi, v_zeros, state_threshold, ZEROS)
     else:
         for i in range(ITERS):
             offsets = start + i * BLOCK + tl.arange(0, BLOCK)
             mask = offsets < n
-            update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, True, n)
+            m, v, update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, True, n)
             sq, sm, lo, hi, zeros = _add_masked(update, mask, sq, sm, lo, hi, zeros, threshold, ZEROS)
             if RATIO:
                 r_sq, r_sm, r_lo, r_hi, r_zeros = _add_masked(ratio, mask, r_sq, r_sm, r_lo, r_hi, r_zeros, threshold,
                                                               ZEROS)
-    row = spans + pid * 16
+            if STATES:
+                m_sq, m_sm, m_lo, m_hi, m_zeros = _add_masked(m, mask, m_sq, m_sm, m_lo, m_hi, m_zeros,
+                                                              state_threshold, ZEROS)
+                v_sq, v_sm, v_lo, v_hi, v_zeros = _add_masked(v, mask, v_sq, v_sm, v_lo, v_hi, v_zeros,
+                                                              state_threshold, ZEROS)
+    row = spans + pid * 32
     total_sq, total = tl.sum(sq, 0), tl.sum(sm, 0)
     r_total_sq, r_total = tl.sum(r_sq, 0), tl.sum(r_sm, 0)
+    m_total_sq, m_total = tl.sum(m_sq, 0), tl.sum(m_sm, 0)
+    v_total_sq, v_total = tl.sum(v_sq, 0), tl.sum(v_sm, 0)
     _store_sums(row, total_sq, total, lo, hi, zeros)
-    n_nans = tl.full([], 0.0, tl.float32)
-    n_infs = tl.full([], 0.0, tl.float32)
-    r_nans = tl.full([], 0.0, tl.float32)
-    r_infs = tl.full([], 0.0, tl.float32)
-    if _non_finite(total_sq, total) | _non_finite(r_total_sq, r_total):  # count them, reading the span again
-        nans = tl.zeros([BLOCK], tl.float32)
-        infs = tl.zeros([BLOCK], tl.float32)
-        r_nan_lanes = tl.zeros([BLOCK], tl.float32)
-        r_inf_lanes = tl.zeros([BLOCK], tl.float32)
+    counts = tl.zeros([8], tl.float32)  # NaN and Inf counts: update, ratio, m, v
+    # a NaN or an Inf in a span of m or v makes the update's sums non-finite too (unless m is 0 where v is Inf)
+    if _non_finite(total_sq, total) | _non_finite(r_total_sq, r_total) | _non_finite(m_total_sq, m_total) \
+            | _non_finite(v_total_sq, v_total):  # count them, reading the span again
+        lanes = tl.arange(0, 8)
         for i in range(ITERS):
             offsets = start + i * BLOCK + tl.arange(0, BLOCK)
-            update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, True, n)
-            nans += (update != update).to(tl.float32)
-            infs += (tl.abs(update) == float("inf")).to(tl.float32)
-            r_nan_lanes += (ratio != ratio).to(tl.float32)
-            r_inf_lanes += (tl.abs(ratio) == float("inf")).to(tl.float32)
-        n_nans, n_infs = tl.sum(nans, 0), tl.sum(infs, 0)
-        r_nans, r_infs = tl.sum(r_nan_lanes, 0), tl.sum(r_inf_lanes, 0)
-    tl.store(row + 5, n_nans)
-    tl.store(row + 6, n_infs)
+            m, v, update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, True, n)
+            counts += tl.where(lanes == 0, tl.sum((update != update).to(tl.float32), 0), 0.0)
+            counts += tl.where(lanes == 1, tl.sum((tl.abs(update) == float("inf")).to(tl.float32), 0), 0.0)
+            counts += tl.where(lanes == 2, tl.sum((ratio != ratio).to(tl.float32), 0), 0.0)
+            counts += tl.where(lanes == 3, tl.sum((tl.abs(ratio) == float("inf")).to(tl.float32), 0), 0.0)
+            counts += tl.where(lanes == 4, tl.sum((m != m).to(tl.float32), 0), 0.0)
+            counts += tl.where(lanes == 5, tl.sum((tl.abs(m) == float("inf")).to(tl.float32), 0), 0.0)
+            counts += tl.where(lanes == 6, tl.sum((v != v).to(tl.float32), 0), 0.0)
+            counts += tl.where(lanes == 7, tl.sum((tl.abs(v) == float("inf")).to(tl.float32), 0), 0.0)
+    slots = tl.arange(0, 8)
+    tl.store(row + 5 + (slots // 2) * 8 + slots % 2, counts)  # slots 5 and 6 of each part
     if RATIO:
         _store_sums(row + 8, r_total_sq, r_total, r_lo, r_hi, r_zeros)
-        tl.store(row + 13, r_nans)
-        tl.store(row + 14, r_infs)
-
+    if STATES:
+        _store_sums(row + 16, m_total_sq, m_total, m_lo, m_hi, m_zeros)
+        _store_sums(row + 24, v_total_sq, v_total, v_lo, v_hi, v_zeros)
 
 
 def adam_triton(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
                 coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
-                eps: float) -> torch.Tensor:
-    """Flat ``[2, N, 8]`` update and ratio partials: three launches, ``m``, ``v`` (and ``p``) read once."""
+                state_flags: list[int], eps: float) -> torch.Tensor:
+    """Flat ``[4, N, 8]`` update, ratio, exp_avg and exp_avg_sq partials: ``m``, ``v`` (and ``p``) read once,
+    a launch for the spans and one per part wanted."""
     device = exp_avg[0].device
-    ratio = bool(ratio_flags)
+    ratio, states = bool(ratio_flags), bool(state_flags)
     numels = [t.numel() for t in exp_avg]
     per, owner, start, first = _spans(numels)
     n, spans = len(exp_avg), len(owner)
     p_list = params if ratio else exp_avg
     columns = [[t.data_ptr() for t in group] for group in (exp_avg, exp_avg_sq, p_list)]
     table = _table([*columns, numels, owner, start, first], device)
-    partial = torch.empty(spans * 16, dtype=torch.float32, device=device)
+    partial = torch.zeros(spans * 32, dtype=torch.float32, device=device)
     threshold = zero_threshold(eps, torch.float32)
-    zeros = any(bool(flags[2]) for flags in (update_flags, ratio_flags) if flags)
-    out = torch.zeros(2 * PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
+    state_threshold = zero_threshold(eps, exp_avg[0].dtype)  # exp_avg_sq is of the same dtype (adam.py)
+    zeros = any(bool(flags[2]) for flags in (update_flags, ratio_flags, state_flags) if flags)
+    block = ADAM_BLOCK // 2 if states else ADAM_BLOCK  # four sets of accumulators: the registers of two
+    out = torch.zeros(ADAM_PARTS * PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
     first_spans, numel_column = table[4 * n + 2 * spans:], table[3 * n:4 * n]
     with on_device(device):
-        _adam_span_partials[(spans,)](table, coefficients, n, spans, partial, threshold,
+        _adam_span_partials[(spans,)](table, coefficients, n, spans, partial, threshold, state_threshold,
                                       M_DTYPE=DTYPES[exp_avg[0].dtype], V_DTYPE=DTYPES[exp_avg_sq[0].dtype],
-                                      P_DTYPE=DTYPES[p_list[0].dtype], RATIO=ratio, BLOCK=ADAM_BLOCK,
-                                      ITERS=per // ADAM_BLOCK, ALIGNED=all(_aligned(column) for column in columns),
+                                      P_DTYPE=DTYPES[p_list[0].dtype], RATIO=ratio, STATES=states, BLOCK=block,
+                                      ITERS=per // block, ALIGNED=all(_aligned(column) for column in columns),
                                       ZEROS=zeros, num_warps=WARPS)
-        for half, flags in enumerate((update_flags, ratio_flags)):
+        for part, flags in enumerate((update_flags, ratio_flags, state_flags, state_flags)):
             if flags:
-                _combine_spans[(n,)](first_spans, numel_column, partial[8 * half:], out[PARTIAL_SLOTS * n * half:],
-                                     STRIDE=16, ROWS=_ROWS, **_flag_kwargs(flags))
+                _combine_spans[(n,)](first_spans, numel_column, partial[8 * part:], out[PARTIAL_SLOTS * n * part:],
+                                     STRIDE=32, ROWS=_ROWS, **_flag_kwargs(flags))
     return out
 
 
 @adam_partials_op.register_kernel("cuda")
 def _adam_partials_cuda(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
                         coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
-                        eps: float) -> torch.Tensor:
-    return adam_triton(exp_avg, exp_avg_sq, params, coefficients, update_flags, ratio_flags, eps)
+                        state_flags: list[int], eps: float) -> torch.Tensor:
+    return adam_triton(exp_avg, exp_avg_sq, params, coefficients, update_flags, ratio_flags, state_flags, eps)
