@@ -123,12 +123,15 @@ def test_without_the_scaler_gradients_are_scaled_but_the_step_is_still_counted(t
         assert_rows_match(reduced, step, ref["used"][step])
 
 
-def test_clipping_without_amp_reports_the_pre_clip_norm(tmp_path):
+@pytest.mark.parametrize("params", [["*"], ["fc1.*"]], ids=["every-parameter", "one-layer"])
+def test_clipping_without_amp_reports_the_pre_clip_norm(tmp_path, params):
+    """Every parameter a target: the norm comes from the grad_unreduced partials (no second read of the
+    gradients); one layer: from the gradients themselves. Both are the norm over every gradient."""
     torch.manual_seed(0)
     model = MLP()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     used, norms = {}, {}
-    monitor = TrainerMonitor(config(tmp_path)).attach(model, optimizer)
+    monitor = TrainerMonitor(config(tmp_path, targets={"modules": ["*"], "params": params})).attach(model, optimizer)
     handle = optimizer.register_step_pre_hook(lambda opt, a, k: used.__setitem__(step, grads64(model)))
     for step in range(4):
         x, y = data(step)
@@ -143,5 +146,6 @@ def test_clipping_without_amp_reports_the_pre_clip_norm(tmp_path):
     for step in range(4):
         assert np.isclose(values.loc[step, "grad_norm"], norms[step], rtol=1e-5)
         assert norms[step] > 0.01
-        assert_rows_match(reduced, step, used[step])  # clipped: what SGD stepped with
+        assert_rows_match(reduced, step, {name: g for name, g in used[step].items()
+                                          if params == ["*"] or name.startswith("fc1.")})  # what SGD stepped with
         assert np.isclose(global_norm(used[step]), 0.01, rtol=1e-4)

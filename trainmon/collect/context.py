@@ -225,12 +225,36 @@ class StepContext:
 
     def cached(self, tensor: Any, spec: StatsSpec) -> torch.Tensor | None:
         """The partial of ``tensor`` measured earlier this step at its current version, if any."""
+        seen = self._seen(tensor, spec)
+        if seen is None:
+            return None
+        block, row = seen
+        return block if row is None else block[row * 8:(row + 1) * 8]
+
+    def cached_norms(self, tensors: Sequence[Any], spec: StatsSpec) -> list[torch.Tensor] | None:
+        """The L2 norms of ``tensors``, in no particular order, from partials measured earlier this step at
+        their current versions: the norm column of each block they fill (a view, no read of the tensors).
+        None unless every tensor was measured with a spec that has the norm, in blocks holding only them (an
+        index into part of a block would be a host-to-device copy)."""
+        if not spec.norm:
+            return None
+        rows: dict[int, tuple[torch.Tensor, set[int]]] = {}
+        for tensor in tensors:
+            seen = self._seen(tensor, spec)
+            if seen is None:
+                return None
+            block, row = seen
+            rows.setdefault(id(block), (block, set()))[1].add(0 if row is None else row)
+        if any(len(at) * 8 != block.numel() for block, at in rows.values()):
+            return None
+        return [block.view(-1, 8)[:, 0] for block, _ in rows.values()]
+
+    def _seen(self, tensor: Any, spec: StatsSpec) -> tuple[torch.Tensor, int | None] | None:
         version = getattr(tensor, "_version", None)  # torch tensors; others are always measured
         seen = self._measured.get(id(tensor)) if version is not None else None
         if seen is None or seen[0]() is not tensor or seen[1] != version or seen[2] != spec:
             return None
-        block, row = seen[3], seen[4]
-        return block if row is None else block[row * 8:(row + 1) * 8]
+        return seen[3], seen[4]
 
     def remember(self, tensor: Any, spec: StatsSpec, block: Any, row: int | None) -> None:
         version = getattr(tensor, "_version", None)

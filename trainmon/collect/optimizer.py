@@ -184,7 +184,14 @@ class TorchOptimizerCollector(HookedCollector):
             return
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         if grads:
-            norm = global_grad_norm(grads)
+            # every gradient measured just now as grad_unreduced, as a group (one process: nothing reduced them
+            # since; every parameter a target): the norm from those partials, without reading them again. With
+            # several processes the hooks measured them before the reduction, which need not bump versions.
+            spec = ctx.specs.get("grad_unreduced")
+            norms = ctx.cached_norms(grads, spec) if spec is not None and self.batch_unreduced else None
+            device = grads[0].device
+            norm = global_grad_norm(grads) if norms is None else \
+                vector_norm(torch.cat([n.to(device) for n in norms]) if len(norms) > 1 else norms[0])
             scale = scale_of(ctx.scaler)
             self._norm = norm if scale is None else norm / scale.to(norm.device, torch.float32)
 
