@@ -245,7 +245,7 @@ def test_adam_partials_many_match_float64(path, dtype, poison, amsgrad):
     for indices, update_block, ratio_block, states in blocks:
         # exp_avg and exp_avg_sq from the same read: by the fused kernel on the device path (not the CPU
         # fast path's float32 numpy views), and only where v is exp_avg_sq itself (AMSGrad reads max_exp_avg_sq)
-        fast_path = path == "numpy" and dtype == torch.float32
+        fast_path = stats.numpy_viewable(entries[indices[0]][1]["exp_avg"])  # float32 on CPU, unless forced off
         assert (states is not None) == (path != "torch" and not fast_path and not amsgrad), (path, amsgrad)
         for row, i in enumerate(indices):
             update, ratio = _adam_reference(*entries[i])
