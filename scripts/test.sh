@@ -33,7 +33,7 @@ if [ $# -eq 0 ]; then
   TRAINMON_TEST_DEVICE_PATH=1 lane device-path .venv -m "not slow" || device_code=$?
   # 2b. The same with CUDA's kernels (TRAINMON_TEST_DEVICE_PATH=triton): the Triton launchers and kernels that
   #     a GPU runs, executed on the CPU tensors by Triton's interpreter (TRITON_INTERPRET=1), under the loops
-  #     that check every family against float64. The interpreter is slow: these tests only (~2.5 min).
+  #     that check every family against float64. The interpreter is slow: these tests only (~5 min on 2 cores).
   if .venv/bin/python -c "import triton" 2>/dev/null; then
     TRAINMON_TEST_DEVICE_PATH=triton TRITON_INTERPRET=1 lane triton-interpreted .venv -m "not slow" \
       tests/loops tests/integration/test_torch_families.py tests/integration/test_grouped_activations.py \
