@@ -156,8 +156,8 @@ def _copy_to_host(tensor: torch.Tensor, wait: bool) -> tuple[torch.Tensor, Any]:
     """``(host tensor, event or None)``: a copy started on the device's stream, or made now."""
     if tensor.device.type == "cpu" or wait:
         return tensor.cpu(), None  # sync (on a device): the one device-to-host transfer of the step
-    module = device_module(tensor.device.type)
-    if getattr(module, "Event", None) is None or getattr(module, "current_stream", None) is None:
+    module = events_module(tensor.device.type)
+    if module is None:
         return tensor.cpu(), None  # sync: a device without events copies the step's one transfer now
     try:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -165,6 +165,14 @@ def _copy_to_host(tensor: torch.Tensor, wait: bool) -> tuple[torch.Tensor, Any]:
         host = torch.empty(tensor.shape, dtype=tensor.dtype)
     host.copy_(tensor, non_blocking=True)  # into pinned memory: the host does not wait for the device
     return host, copy_done(module, tensor.device)
+
+
+def events_module(device_type: str) -> Any:
+    """The device module (``torch.cuda``, ``torch.npu``, ...) when it has events and streams, else None."""
+    module = device_module(device_type)
+    if getattr(module, "Event", None) is None or getattr(module, "current_stream", None) is None:
+        return None
+    return module
 
 
 def copy_done(module: Any, device: torch.device) -> Any:

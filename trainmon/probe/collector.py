@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.collect.buffer import copy_done, device_module
+from trainmon.collect.buffer import copy_done, events_module
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.probe import device as dev
 from trainmon.probe.storage import (
@@ -75,8 +75,8 @@ def _record_event(device: torch.device) -> Any:
     :func:`trainmon.collect.buffer.copy_done`)."""
     if device.type == "cpu":
         return None
-    module = device_module(device.type)
-    if getattr(module, "Event", None) is not None and getattr(module, "current_stream", None) is not None:
+    module = events_module(device.type)
+    if module is not None:
         return copy_done(module, device)
     event = torch.Event(device=device)
     event.record()
