@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from trainmon.config import MonitorConfig, load_config
-from trainmon.errors import AnomalyError, ConfigError, TargetError
+from trainmon.errors import AnomalyError, ConfigError, TargetError, UnsupportedSetupError
 from trainmon.monitor import TrainerMonitor
 from trainmon.version import __version__
 
@@ -26,4 +26,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["AnomalyError", "AnomalyEvent", "ConfigError", "MonitorConfig", "TargetError", "TrainerMonitor",
-           "__version__", "load_config"]
+           "UnsupportedSetupError", "__version__", "load_config"]

@@ -16,6 +16,11 @@ class TargetError(ConfigError):
     """A target pattern matched no module or parameter of the attached model."""
 
 
+class UnsupportedSetupError(ValueError):
+    """``attach`` refuses a set-up that trainmon cannot monitor correctly (never half-monitored): the message
+    names the set-up and what to do instead."""
+
+
 class AnomalyError(RuntimeError):
     """Raised at the end of a step by the ``raise`` anomaly action."""
 

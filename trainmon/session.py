@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ from trainmon.records import StepRecord, build_record, family_metrics
 from trainmon.rundir import default_run_name, run_json, unused_name, write_json
 from trainmon.sinks import SinkWriter, build_sinks
 from trainmon.step_schedule import StepSchedule
-from trainmon.steps import StepLifecycle
+from trainmon.steps import StepLifecycle, part_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -47,6 +48,8 @@ class Session:
         metrics = family_metrics(config)
         self.ctx = StepContext(specs=_specs(metrics, config.eps), metrics=metrics, step=self.options.start_step,
                                grad_acc_steps=self.options.grad_acc_steps)
+        self.guard = self.ctx.guard
+        """Every hook's fail-safe guard (:mod:`trainmon.guard`): a part that raised is off from then on."""
         self.actions: dict[str, HandOffAction] = {}
         self.in_flight: tuple[int, Transfer] | None = None
         """``async_results``: the collected step whose transfer has started and whose record is not made yet."""
@@ -154,8 +157,13 @@ class Session:
 
             actions["free_benchmark"] = FreeBenchmark(root, self.rank_dir, config.free_benchmark,
                                                       rank=self.attachment.rank)
+        import torch
+
         for name, action in actions.items():
-            self.anomaly.register_action(name, action.on_anomaly)
+            framework = getattr(action, "framework", None)
+            if framework is not None:  # the action's hooks under the fail-safe guard, as part ``name``
+                framework.wrap = functools.partial(self.guard.wrap, name, bypass=torch.compiler.is_compiling)
+            self.anomaly.register_action(name, self.guard.wrap(name, action.on_anomaly))
             action.begin_step(self.ctx.step)
         return actions
 
@@ -182,6 +190,35 @@ class Session:
 
     # ----------------------------------------------------------------------------- step loop
     def end_step(self, loss: Scalar | None, scalars: dict[str, Scalar], by_user: bool) -> StepRecord | None:
+        """End the current step (from ``monitor.step()`` or the step model); never raises trainmon's own
+        exceptions (the ``raise`` action's :class:`AnomalyError` is the user's choice and passes)."""
+        guard = self.guard
+        if guard.stopped:
+            if by_user:  # outside any hook: the place to take the hooks of a stopped monitor away
+                self._stop()
+            return None
+        try:
+            return self._end_step(loss, scalars, by_user)
+        except AnomalyError:
+            raise
+        except Exception as exc:
+            guard.fail("step", exc)
+            if by_user:
+                self._stop()
+            return None
+
+    def _stop(self) -> None:
+        """The monitor failed as a whole: remove every hook of the collectors (the step model's stay, inert)."""
+        if self.ctx.collecting or any(getattr(c, "armed", False) for c in self.attachment.collectors):
+            self.ctx.collecting = False
+            for collector in self.attachment.collectors:
+                try:
+                    collector.disarm()
+                except Exception as exc:
+                    logger.debug("trainmon: disarming %s failed: %s", type(collector).__name__, exc)
+
+    def _end_step(self, loss: Scalar | None, scalars: dict[str, Scalar], by_user: bool) -> StepRecord | None:
+        guard = self.guard
         lifecycle = self.lifecycle
         lifecycle.user_steps = lifecycle.user_steps or by_user
         ctx = self.ctx
@@ -191,8 +228,8 @@ class Session:
                 ctx.buffer.add_scalar(f"loss/micro{ctx.micro_step}", loss.detach().float().mean())
             return None
         lifecycle.before_end(by_user, has_scalars=loss is not None or bool(scalars))
-        for action in self.actions.values():
-            action.end_step()
+        for name, action in self.actions.items():
+            guard.run(name, action.end_step)
         record, error = None, None
         if ctx.collecting:
             buffer = ctx.buffer
@@ -200,9 +237,11 @@ class Session:
                 buffer.add_scalar("loss", loss if not hasattr(loss, "detach") else loss.detach().float().mean())
             for name, value in scalars.items():
                 buffer.add_scalar(name, value)
-            ctx.grouped.flush()
+            guard.run("activations", ctx.grouped.flush)
             for collector in self.attachment.collectors:
-                collector.before_transfer()
+                guard.run(part_of(collector), collector.before_transfer)
+            if guard.failures:  # in the run's records, every collected step from the first failure on
+                buffer.add_scalar("trainmon_failures", float(guard.total))
             self.schedule.collected += 1
             if self.config.async_results and isinstance(buffer, StepBuffer):
                 # the copy starts now, without waiting for the device; the previous step's ended long ago
@@ -218,8 +257,8 @@ class Session:
         ctx.step += 1
         ctx.new_step()
         lifecycle.reset()
-        for action in self.actions.values():
-            action.begin_step(ctx.step)
+        for name, action in self.actions.items():
+            guard.run(name, action.begin_step, ctx.step)
         if self.watcher is not None:
             self._reload(self.watcher.poll())
         self._arm(self.schedule.is_collected(ctx.step))
@@ -235,7 +274,7 @@ class Session:
         if self.writes:
             self.writer.submit(record)
             try:
-                self.anomaly.process(record)
+                self.guard.run("anomaly", self.anomaly.process, record)
             except AnomalyError as exc:
                 error = exc
         return record, error
@@ -248,11 +287,22 @@ class Session:
         return self._finish(step, transfer.result())
 
     def _arm(self, collecting: bool) -> None:
+        """At a step boundary: arm the collectors for a collected step, disarm them for another. A collector
+        whose part failed is disarmed for good (its hooks, inert since the failure, are removed here)."""
+        guard = self.guard
+        if guard.failures:
+            for collector in self.attachment.collectors:
+                if guard.off(part_of(collector)) and getattr(collector, "armed", True):
+                    guard.run("step", collector.disarm)
         if collecting == self.ctx.collecting and collecting:
             return
-        self.ctx.collecting = collecting
+        self.ctx.collecting = collecting and not guard.stopped
         for collector in self.attachment.collectors:
-            collector.arm() if collecting else collector.disarm()
+            part = part_of(collector)
+            if collecting and not guard.off(part):
+                guard.run(part, collector.arm)
+            else:
+                guard.run("step", collector.disarm)
 
     def _write_struct(self) -> None:
         assert self.struct is not None
@@ -314,6 +364,17 @@ class Session:
         finally:
             self.ctx.collecting = False
             self._release()
+            self._write_failures()
+
+    def _write_failures(self) -> None:
+        """``rank{R}/failures.json``: what the fail-safe guard caught in this run (only when it caught something)."""
+        if not self.guard.failures or self.rank_dir is None:
+            return
+        try:
+            write_json(unused_name(self.rank_dir, "failures", ".json", "resume"), self.guard.summary(),
+                       root=self.run_dir)
+        except Exception as exc:
+            logger.warning("trainmon: could not write failures.json (%s: %s)", type(exc).__name__, exc)
 
 
 # Features an integration does not provide yet: enabling them warns once at attach instead of

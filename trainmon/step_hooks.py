@@ -130,15 +130,17 @@ class ScalerHooks:
     """
 
     def __init__(self, scaler: GradScaler,
-                 on_update: Callable[[torch.Tensor | None, torch.Tensor | None], None]) -> None:
+                 on_update: Callable[[torch.Tensor | None, torch.Tensor | None], None], *,
+                 wrap: Callable[[Callable[[], None]], Callable[[], None]] = lambda fn: fn) -> None:
         self.scaler = scaler
         self._on_update = on_update
         self._inner = scaler.update
         self.active = True
+        read = wrap(self._read)  # trainmon's part, under the fail-safe guard; the user's update() outside it
 
         def update(*args: Any, **kwargs: Any) -> Any:
             if self.active:
-                self._read()
+                read()
             return self._inner(*args, **kwargs)
 
         self._wrapper = update

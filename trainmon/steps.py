@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainmon.collect.activations import named_tensors
-from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.hooks import H, HookRegistry
 from trainmon.step_hooks import ScalerHooks
 
 if TYPE_CHECKING:
@@ -88,14 +88,21 @@ class StepLifecycle:
         self._backward_task: int | None = None
 
     # ------------------------------------------------------------------ set-up
+    def guarded(self, fn: H) -> H:
+        """``fn`` (a hook of the step model) under the fail-safe guard as part ``step``: when it fails, the
+        monitor cannot tell steps apart any more and switches itself off (:mod:`trainmon.guard`). While
+        dynamo traces it (a root inside ``torch.compile``) it is called as it is, as without the guard."""
+        return self.ctx.guard.wrap("step", fn, bypass=torch.compiler.is_compiling)
+
     def hook_roots(self, roots: list[Any]) -> None:
+        guarded = self.guarded
         for root in roots:
             if isinstance(root, torch.nn.Module):
-                self.registry.add(_ROOTS, root.register_forward_pre_hook(self._forward_pre))
-                self.registry.add(_ROOTS, root.register_forward_hook(self._forward_ok))
-                self.registry.add(_ROOTS, root.register_forward_hook(self._forward_done, always_call=True))
+                self.registry.add(_ROOTS, root.register_forward_pre_hook(guarded(self._forward_pre)))
+                self.registry.add(_ROOTS, root.register_forward_hook(guarded(self._forward_ok)))
+                self.registry.add(_ROOTS, root.register_forward_hook(guarded(self._forward_done), always_call=True))
             else:  # MindSpore cells: every forward is a training micro-step
-                self.registry.add(_ROOTS, root.register_forward_pre_hook(self._forward_pre_plain))
+                self.registry.add(_ROOTS, root.register_forward_pre_hook(guarded(self._forward_pre_plain)))
 
     # ------------------------------------------------------------------ driven by a trainer's callbacks
     def drive_by_callbacks(self) -> None:
@@ -129,11 +136,11 @@ class StepLifecycle:
     def hook_optimizer(self, optimizer: Optimizer | None) -> None:
         self.optimizer = optimizer
         if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
-            self.registry.add(_ROOTS, optimizer.register_step_post_hook(self._optimizer_post))
+            self.registry.add(_ROOTS, optimizer.register_step_post_hook(self.guarded(self._optimizer_post)))
 
     def hook_scaler(self, scaler: GradScaler | None) -> None:
         if scaler is not None and self.scaler is None:
-            self.scaler = ScalerHooks(scaler, self._scaler_update)
+            self.scaler = ScalerHooks(scaler, self._scaler_update, wrap=self.guarded)
             self.ctx.scaler = scaler
 
     def close(self) -> None:
@@ -207,7 +214,7 @@ class StepLifecycle:
         self._pending = frame
         for _, tensor in named_tensors(output, ""):
             if tensor.requires_grad and tensor.grad_fn is not None:  # a hook on a leaf would outlive the step
-                self.registry.add(_BACKWARD, tensor.register_hook(self._backward_begins))
+                self.registry.add(_BACKWARD, tensor.register_hook(self.guarded(self._backward_begins)))
 
     def _backward_begins(self, grad: Any) -> None:
         if self._pending is not None:
@@ -227,7 +234,8 @@ class StepLifecycle:
             return
         self._backward_task = task
         engine = torch.autograd.Variable._execution_engine
-        engine.queue_callback(lambda: engine.queue_callback(self._backward_ends))
+        backward_ends = self.guarded(self._backward_ends)  # it runs inside the user's backward()
+        engine.queue_callback(lambda: engine.queue_callback(backward_ends))
 
     def _backward_ends(self) -> None:
         self._backward_task = None
@@ -236,12 +244,9 @@ class StepLifecycle:
         if not self.ctx.collecting:
             return
         self.ctx.grouped.flush()  # the pass's activation gradients, measured together
-        for hook in list(self.ctx.backward_end):
-            try:
-                hook()
-            except Exception as exc:  # a monitor failure never reaches the user's backward
-                self._warn_once(f"backward:{exc!r}", "trainmon: end-of-backward measurement failed (%s: %s)",
-                                type(exc).__name__, exc)
+        guard = self.ctx.guard
+        for hook in list(self.ctx.backward_end):  # each under its collector's part: one failing stops only that
+            guard.run(part_of(hook), hook)
 
     def _drop_failed_backward(self) -> None:
         """A backward that began and never ended raised: drop its micro-step's rows."""
@@ -290,3 +295,11 @@ class StepLifecycle:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message, *args)
+
+
+def part_of(owner: Any) -> str:
+    """The fail-safe guard's part of a collector, or of a collector's bound method (its ``PART``); else ``step``."""
+    part = getattr(owner, "PART", None)
+    if part is None:
+        part = getattr(getattr(owner, "__self__", None), "PART", None)
+    return part if isinstance(part, str) else "step"

@@ -95,3 +95,46 @@ def test_lightning_with_the_callback(tmp_path, manual):
     assert all(sorted(g.micro_step) == list(range(acc)) for _, g in fc1.groupby("step"))  # no validation rows
     unreduced = read_family(rank_dir, "grad_unreduced")
     assert set(unreduced.micro_step) == {acc - 1}
+
+
+@pytest.mark.parametrize("kind", ["callback", "optimizer_pre_hook"])
+def test_a_failure_of_trainmon_inside_lightning_never_reaches_fit(tmp_path, monkeypatch, caplog, kind):
+    """Fail-safe: trainmon's own exception in a callback body (part ``step``) or in an optimizer hook (part
+    ``weights``) during ``trainer.fit``: fit completes, the weights are bit-identical to a fit without trainmon,
+    one warning names the part."""
+    import logging
+
+    from tests.faults import patched
+    from trainmon.steps import StepLifecycle
+
+    def fit(callbacks):
+        torch.manual_seed(0)
+        module = _Module()
+        trainer = L.Trainer(max_steps=4, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+                            limit_val_batches=0, callbacks=callbacks)
+        trainer.fit(module, _loader(16, 0))
+        return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+    expected = fit([])
+    if kind == "callback":
+        calls = [0]
+        original = StepLifecycle.micro_step_begins
+
+        def failing(self):
+            calls[0] += 1
+            if calls[0] >= 3:
+                raise RuntimeError("injected fault in micro_step_begins")
+            original(self)
+
+        monkeypatch.setattr(StepLifecycle, "micro_step_begins", failing)
+        part = "step"
+    else:
+        part = patched(monkeypatch, kind, after=2).part
+    config = {"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"]}
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        got = fit([TrainmonCallback(config)])
+    for name, param in expected.items():
+        assert torch.equal(got[name], param), name
+    warnings = [r.getMessage() for r in caplog.records if "is off for the rest of this run" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith(f"trainmon: {part} failed"), warnings

@@ -61,6 +61,8 @@ class Framework(Protocol):
     def class_name(self, module: Any) -> str:
         """The module's class in dump keys (``Module.{name}.{Class}``), as the user's code names it."""
         ...
+    wrap: Callable[[Hook], Hook]
+    """Applied to every hook before it is registered: the session puts the action's fail-safe guard here."""
     def forward_pre_hook(self, module: Any, hook: Hook) -> Any: ...
     def forward_hook(self, module: Any, hook: Hook) -> Any: ...
     def backward_hook(self, module: Any, hook: Hook) -> Any: ...
@@ -102,6 +104,7 @@ class TorchFramework:
 
     def __init__(self, megatron: bool = False) -> None:
         self.megatron = megatron
+        self.wrap: Callable[[Hook], Hook] = _unwrapped
         self._is_checkpointing: Callable[[], bool] | None = None
         if megatron:
             from megatron.core.tensor_parallel.random import is_checkpointing
@@ -123,10 +126,10 @@ class TorchFramework:
         return type(module).__name__
 
     def forward_pre_hook(self, module: torch.nn.Module, hook: Hook) -> Any:
-        return module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module.register_forward_pre_hook(self.wrap(hook), with_kwargs=True)
 
     def forward_hook(self, module: torch.nn.Module, hook: Hook) -> Any:
-        return module.register_forward_hook(hook, with_kwargs=True)
+        return module.register_forward_hook(self.wrap(hook), with_kwargs=True)
 
     def backward_hook(self, module: torch.nn.Module, hook: Hook) -> Any:
         raise NotImplementedError("torch backward entries come from tensor hooks")
@@ -136,7 +139,7 @@ class TorchFramework:
         if tensor.grad_fn is None:
             return None
         register: Callable[[Hook], RemovableHandle] = tensor.register_hook  # unannotated in torch
-        return register(hook)
+        return register(self.wrap(hook))
 
     def param_grad_hook(self, param: torch.nn.Parameter, hook: Hook) -> Any:
         """``hook(gradient)`` once the parameter's gradient is accumulated (each backward)."""
@@ -147,7 +150,7 @@ class TorchFramework:
             if grad is not None:
                 hook(grad)
 
-        return post_accumulate_grad_hook(param, on_accumulated)
+        return post_accumulate_grad_hook(param, self.wrap(on_accumulated))
 
     def grad_enabled(self) -> bool:
         return torch.is_grad_enabled()
@@ -243,3 +246,7 @@ def megatron_layout() -> dict[str, int] | None:
             "pp_rank": state.get_pipeline_model_parallel_rank(),
             "pp_size": state.get_pipeline_model_parallel_world_size()}
 
+
+def _unwrapped(hook: Hook) -> Hook:
+    """The default :attr:`Framework.wrap`: the hook as it is."""
+    return hook

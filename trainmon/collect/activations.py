@@ -99,6 +99,7 @@ class ActivationCollector(HookedCollector):
     HOOK_GROUP = "activations"
     TENSOR_HOOK_GROUP = "activation_tensors"
     HOOK_GROUPS = (HOOK_GROUP, TENSOR_HOOK_GROUP)
+    PART = "activations"
 
     def __init__(self, ctx: StepContext, modules: Sequence[tuple[str, Any, int]], config: ActivationsConfig,
                  registry: HookRegistry, *, tensor_type: type = torch.Tensor,
@@ -119,20 +120,22 @@ class ActivationCollector(HookedCollector):
             self._avoid_in_place_targets()
         for name, module, vpp_stage in self.modules:
             if forward:
-                handle = module.register_forward_hook(self.forward_hook(name, vpp_stage), with_kwargs=True)
+                handle = module.register_forward_hook(self.guarded(self.forward_hook(name, vpp_stage)),
+                                                      with_kwargs=True)
                 self.registry.add(self.HOOK_GROUP, handle)
             if backward and self.grad_hooks == "tensor":
                 if self.config.inputs:
-                    handle = module.register_forward_pre_hook(self._input_grad_hooks(name, vpp_stage),
+                    handle = module.register_forward_pre_hook(self.guarded(self._input_grad_hooks(name, vpp_stage)),
                                                               with_kwargs=True)
                     self.registry.add(self.HOOK_GROUP, handle)
-                handle = module.register_forward_hook(self._output_grad_hooks(name, vpp_stage), with_kwargs=True)
+                handle = module.register_forward_hook(self.guarded(self._output_grad_hooks(name, vpp_stage)),
+                                                      with_kwargs=True)
                 self.registry.add(self.HOOK_GROUP, handle)
             elif backward:
-                handle = getattr(module, self.backward_hook)(self._backward_hook(name, vpp_stage))
+                handle = getattr(module, self.backward_hook)(self.guarded(self._backward_hook(name, vpp_stage)))
                 self.registry.add(self.HOOK_GROUP, handle)
                 if self.tensor_type is torch.Tensor:  # torch's "no inputs require gradients" warning
-                    for quiet in self._quiet.hooks(module, handle):
+                    for quiet in self._quiet.hooks(module, handle, self.guarded):
                         self.registry.add(self.HOOK_GROUP, quiet)
 
     def _avoid_in_place_targets(self) -> None:
@@ -222,7 +225,7 @@ class ActivationCollector(HookedCollector):
         """
         for row, tensor in named_tensors(value, prefix, self.tensor_type):
             if tensor.requires_grad and tensor.grad_fn is not None:
-                handle = tensor.register_hook(self._tensor_grad_hook(row, vpp_stage))
+                handle = tensor.register_hook(self.guarded(self._tensor_grad_hook(row, vpp_stage)))
                 self.registry.add(self.TENSOR_HOOK_GROUP, handle)
 
     def _tensor_grad_hook(self, row: str, vpp_stage: int) -> TensorHook:

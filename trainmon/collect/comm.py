@@ -115,6 +115,8 @@ class CommCollector(HookedCollector):
         >>> collector.before_transfer(); collector.close()          # originals restored  # doctest: +SKIP
     """
 
+    PART = "communication"
+
     def __init__(self, ctx: StepContext, config: CommunicationConfig, roots: Sequence[torch.nn.Module] = (),
                  optimizer: Optimizer | None = None) -> None:
         super().__init__(ctx)
@@ -184,12 +186,12 @@ class CommCollector(HookedCollector):
     def _hook_phases(self, roots: Sequence[torch.nn.Module], optimizer: Optimizer | None) -> None:
         """One-line hooks that track whether a root forward or the optimizer step is running."""
         for root in roots:
-            self.keep(root.register_forward_pre_hook(self._enter_forward))
-            self.keep(root.register_forward_hook(self._leave_forward, always_call=True))
+            self.keep(root.register_forward_pre_hook(self.guarded(self._enter_forward)))
+            self.keep(root.register_forward_hook(self.guarded(self._leave_forward), always_call=True))
         if (optimizer is not None and hasattr(optimizer, "register_step_pre_hook")
                 and hasattr(optimizer, "register_step_post_hook")):
-            self.keep(optimizer.register_step_pre_hook(self._enter_optimizer))
-            self.keep(optimizer.register_step_post_hook(self._leave_optimizer))
+            self.keep(optimizer.register_step_pre_hook(self.guarded(self._enter_optimizer)))
+            self.keep(optimizer.register_step_post_hook(self.guarded(self._leave_optimizer)))
 
     def _enter_forward(self, *args: Any) -> None:
         self._forward_depth += 1
@@ -247,10 +249,24 @@ class CommCollector(HookedCollector):
         return wrap
 
     def _call(self, name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The collective, measured: trainmon's work before and after it runs under the fail-safe guard, the
+        collective itself outside it (its own errors reach the caller unchanged, and it always runs once)."""
+        guard = self.ctx.guard
+        started = guard.run(self.PART, self._before, name, original, args, kwargs)
+        if started is None:
+            return original(*args, **kwargs)
+        prefix, plan, buffer = started
+        result = original(*args, **kwargs)
+        after = guard.run(self.PART, self._after, result, prefix, plan, buffer)
+        return result if after is None else after
+
+    def _before(self, name: str, original: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> tuple[str, CallPlan, Buffer] | None:
+        """Plan a call and measure its inputs: ``(row prefix, plan, buffer)``, or None when not measured."""
         plan = self._plan(name, original, args, kwargs)
         site = None if plan is None else self._site(plan)
         if plan is None or site is None:
-            return original(*args, **kwargs)
+            return None
         prefix = f"{name}.{site}"
         buffer = self._start(self.ctx.buffer)
         traffic = self._traffic.setdefault(prefix, [0, 0])
@@ -262,7 +278,10 @@ class CommCollector(HookedCollector):
             self._calls[counter] = index + 1
             prefix = f"{prefix}.call{index}"
         self._measure(prefix, "pre", plan.pre)
-        result = original(*args, **kwargs)
+        return prefix, plan, buffer
+
+    def _after(self, result: Any, prefix: str, plan: CallPlan, buffer: Buffer) -> Any:
+        """Measure a call's outputs (an async one's when its work completes); returns what the caller gets."""
         if not plan.post or in_coalescing(plan.group):
             return result  # inside _coalescing_manager the call only runs at the manager's exit
         if not plan.async_op:
@@ -359,7 +378,8 @@ class CommCollector(HookedCollector):
             if pending[0] == 0 and self._active and self.ctx.collecting and self._step_buffer is buffer:
                 self._measure(prefix, "post", plan.post)
 
-        wrapped = [MeasuredWork(w, done) for w in works]
+        # done() runs from the user's work.wait(): under the guard, like the hooks
+        wrapped = [MeasuredWork(w, self.ctx.guard.wrap(self.PART, done)) for w in works]
         return wrapped if isinstance(result, list) else wrapped[0]
 
     def _flush(self, buffer: Buffer) -> None:

@@ -13,6 +13,7 @@ import torch
 from trainmon.collect.buffer import Buffer, StepBuffer
 from trainmon.collect.grouped import GroupedRows
 from trainmon.collect.stats import StatsSpec, partial_stats, partial_stats_many
+from trainmon.guard import Guard
 from trainmon.records import RowKey
 
 if TYPE_CHECKING:
@@ -116,6 +117,8 @@ class StepContext:
     schedule_backward_end: Callable[[], None] = lambda: None
     """Called from inside a backward pass: makes sure :attr:`backward_end` runs when the pass ends
     (set by :class:`trainmon.steps.StepLifecycle`; idempotent within one pass)."""
+    guard: Guard = field(default_factory=Guard)
+    """Catches trainmon's own exceptions in every hook, per part (:mod:`trainmon.guard`); owned by the session."""
     grouped: GroupedRows = field(init=False)
     """Activation rows measured in groups at flush points (:mod:`trainmon.collect.grouped`; off until a
     collector sets its ``limit_bytes``)."""

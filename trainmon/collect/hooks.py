@@ -7,13 +7,16 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast
 
 if TYPE_CHECKING:
     import torch
     from torch.utils.hooks import RemovableHandle
 
     from trainmon.collect.context import StepContext
+
+
+H = TypeVar("H", bound=Callable[..., Any])
 
 
 class _Handle(Protocol):
@@ -101,12 +104,26 @@ class HookedCollector:
 
     HOOK_GROUPS: tuple[str, ...] = ()
     """The registry groups of the hooks installed by :meth:`install_hooks` (removed by :meth:`disarm`)."""
+    PART: str = "weights"
+    """What this collector is called by the fail-safe guard (:mod:`trainmon.guard`): a failure in one of its
+    hooks switches off every collector of this part for the rest of the run."""
 
     def __init__(self, ctx: StepContext, registry: HookRegistry | None = None) -> None:
         self.ctx = ctx
         self.registry = registry if registry is not None else HookRegistry()
         self._closed = False
         self._kept = f"{type(self).__name__}@{id(self):x}"  # this instance's own group of kept hooks
+
+    def guarded(self, fn: H) -> H:
+        """``fn`` (a hook this collector registers) with its body under the monitor's fail-safe guard, as
+        :attr:`PART`. While dynamo traces it (a hook inside a compiled region) it is called as it is."""
+        guard = getattr(self.ctx, "guard", None)
+        if guard is None:
+            return fn
+        import torch
+
+        wrapped: H = guard.wrap(self.PART, fn, bypass=torch.compiler.is_compiling)
+        return wrapped
 
     @property
     def armed(self) -> bool:
@@ -184,9 +201,11 @@ class QuietOutputOnlyBackward:
         self._inputs: dict[int, bool] = {}  # id(module) -> every grad-enabled call had no grad input
         self._filters: list[_Filter] = []
 
-    def hooks(self, module: torch.nn.Module, own: RemovableHandle) -> list[RemovableHandle]:
+    def hooks(self, module: torch.nn.Module, own: RemovableHandle,
+              wrap: Callable[[Any], Any] = lambda fn: fn) -> list[RemovableHandle]:
         """Registers the two hooks on ``module`` whose own full backward hook has handle ``own``;
-        returns their handles (for the caller's :class:`HookRegistry`)."""
+        returns their handles (for the caller's :class:`HookRegistry`). ``wrap`` puts them under the
+        caller's fail-safe guard."""
         import torch
 
         key = id(module)
@@ -204,8 +223,8 @@ class QuietOutputOnlyBackward:
                 _filters().insert(0, entry)
                 self._filters.append(entry)
 
-        forward_handle = module.register_forward_pre_hook(note_inputs)
-        pre_handle = module.register_full_backward_pre_hook(before_backward)
+        forward_handle = module.register_forward_pre_hook(wrap(note_inputs))
+        pre_handle = module.register_full_backward_pre_hook(wrap(before_backward))
         return [forward_handle, pre_handle]
 
     def lift(self) -> None:

@@ -112,12 +112,12 @@ class TorchOptimizerCollector(HookedCollector):
         if "grad_unreduced" in self.ctx.specs:
             for name, param, vpp_stage in self.params:
                 if param.requires_grad:
-                    hook = self._grad_hook(name, vpp_stage)
+                    hook = self.guarded(self._grad_hook(name, vpp_stage))
                     self.registry.add(_GRADS, post_accumulate_grad_hook(param, hook))
         if self.optimizer is not None:
-            self.registry.add(_OPTIMIZER, self.optimizer.register_step_pre_hook(self._pre_step))
+            self.registry.add(_OPTIMIZER, self.optimizer.register_step_pre_hook(self.guarded(self._pre_step)))
             if self._states:
-                self.registry.add(_OPTIMIZER, self.optimizer.register_step_post_hook(self._post_step))
+                self.registry.add(_OPTIMIZER, self.optimizer.register_step_post_hook(self.guarded(self._post_step)))
 
     def before_transfer(self) -> None:
         self._measure_pending()
@@ -211,8 +211,8 @@ class TorchOptimizerCollector(HookedCollector):
             nonlocal measured
             loss = closure(*closure_args, **closure_kwargs)
             if not measured:  # LBFGS re-evaluates: the step's direction comes from the first call
-                measured = True
-                self._measure_step(optimizer)
+                measured = True  # called by the optimizer, outside the pre-hook's guard: guarded here
+                self.ctx.guard.run(self.PART, self._measure_step, optimizer)
             return loss
 
         if "closure" in kwargs:

@@ -20,6 +20,7 @@ class StructRecorder(HookedCollector):
     """Records input/output shapes and dtypes (metadata only: no sync) of every module once."""
 
     HOOK_GROUPS = (_GROUP,)
+    PART = "print_struct"
 
     def __init__(self, ctx: StepContext, modules: Sequence[tuple[str, torch.nn.Module, int]],
                  registry: HookRegistry) -> None:
@@ -32,8 +33,8 @@ class StructRecorder(HookedCollector):
         if self.done:
             return
         for name, module, vpp_stage in self.modules:
-            self.registry.add(_GROUP, module.register_forward_hook(self._hook(name or "(root)", vpp_stage),
-                                                                   with_kwargs=True))
+            hook = self.guarded(self._hook(name or "(root)", vpp_stage))
+            self.registry.add(_GROUP, module.register_forward_hook(hook, with_kwargs=True))
 
     def _hook(self, name: str, vpp_stage: int) -> ForwardHook:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:

@@ -76,8 +76,8 @@ class DeepSpeedShardCollector(HookedCollector):
         self.writes_rows = process_groups.is_lowest_selected(dp_group, config.ranks)
         self.collective = not self.layout.replicated and world > 1
         self._pending: list[tuple[str, str, int, torch.Tensor]] = []
-        self.keep(hooks.register_step_pre_hook(self._pre_step))
-        self.keep(hooks.register_step_post_hook(self._post_step))
+        self.keep(hooks.register_step_pre_hook(self.guarded(self._pre_step)))
+        self.keep(hooks.register_step_post_hook(self.guarded(self._post_step)))
 
     def reset(self) -> None:
         self._pending.clear()

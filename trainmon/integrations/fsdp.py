@@ -102,11 +102,12 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
     def install_hooks(self) -> None:
         if "grad_unreduced" in self.ctx.specs:
             for module, entries in self.unsharded_owners:
-                self.registry.add(_UNSHARDED, module.register_forward_pre_hook(self._find_unsharded(entries)))
+                hook = self.guarded(self._find_unsharded(entries))
+                self.registry.add(_UNSHARDED, module.register_forward_pre_hook(hook))
         if self.optimizer is not None:
-            self.registry.add(_STEP, self.optimizer.register_step_pre_hook(self._pre_step))
+            self.registry.add(_STEP, self.optimizer.register_step_pre_hook(self.guarded(self._pre_step)))
             if self._states:
-                self.registry.add(_STEP, self.optimizer.register_step_post_hook(self._post_step))
+                self.registry.add(_STEP, self.optimizer.register_step_post_hook(self.guarded(self._post_step)))
 
     def reset(self) -> None:
         self._hooked.clear()
@@ -128,7 +129,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
                 if seen is not None and seen() is param:
                     continue
                 self._hooked[id(param)] = weakref.ref(param)
-                handle = param.register_post_accumulate_grad_hook(self._grad_hook(name, vpp_stage))
+                handle = param.register_post_accumulate_grad_hook(self.guarded(self._grad_hook(name, vpp_stage)))
                 self.registry.add(_UNSHARDED, handle)
 
         return hook

@@ -80,7 +80,7 @@ class FSDPFramework(TorchFramework):
 
     def forward_hook(self, module: torch.nn.Module, hook: Hook) -> Any:
         # FSDP's post-forward hook reshards its parameters: run before it, while they are unsharded.
-        return module.register_forward_hook(hook, with_kwargs=True,
+        return module.register_forward_hook(self.wrap(hook), with_kwargs=True,
                                             prepend=isinstance(module, _fsdp_module_class()))
 
     def param_grad_hook(self, param: torch.nn.Parameter, hook: Hook) -> Any:
@@ -104,7 +104,7 @@ class FSDPFramework(TorchFramework):
             hooked.add(id(unsharded))
             handles.handles.append(super(FSDPFramework, self).param_grad_hook(unsharded, hook))
 
-        handles.handles.append(module.register_forward_pre_hook(find_unsharded))
+        handles.handles.append(module.register_forward_pre_hook(self.wrap(find_unsharded)))
         return handles
 
     # ------------------------------------------------------------------ tensors: a shard is never gathered

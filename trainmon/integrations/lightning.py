@@ -16,21 +16,30 @@ What the callback does (see docs/lightning.md):
   the sum of the normalised batch losses Lightning returns (automatic optimisation: their mean
   over the accumulated batches), or their mean (manual). Steps are numbered like
   ``trainer.global_step`` before the update, as ``self.log`` in ``training_step`` numbers them;
-- ``on_train_end`` and ``on_exception`` close the monitor.
+- ``on_train_end`` and ``on_exception`` close the monitor;
+- fail-safe: a refusal at attach (:class:`~trainmon.errors.ConfigError`,
+  :class:`~trainmon.errors.UnsupportedSetupError`) is raised when training starts; any other exception of
+  trainmon's in a callback is caught by the monitor's guard (part ``step``: the monitor stops, with one
+  warning) and never reaches Lightning.
 
 Lightning is imported only when this module is (``lightning``, else ``pytorch_lightning``).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainmon.config import MonitorConfig
+from trainmon.errors import ConfigError, UnsupportedSetupError
 from trainmon.integrations.losses import output_loss
 from trainmon.monitor import TrainerMonitor
+
+logger = logging.getLogger("trainmon")
 
 try:
     from lightning.pytorch import Callback
@@ -62,6 +71,17 @@ class TrainmonCallback(Callback):
     # ------------------------------------------------------------------ lifecycle
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._release()
+        try:
+            self._attach(trainer, pl_module)
+        except (ConfigError, UnsupportedSetupError):
+            self._release()
+            raise  # a refusal: the message says what to change
+        except Exception as exc:
+            self._release()
+            logger.warning("trainmon: could not attach to this Lightning run (%s: %s); training goes on "
+                           "without the monitor", type(exc).__name__, exc)
+
+    def _attach(self, trainer: Any, pl_module: Any) -> None:
         optimizers = list(trainer.optimizers)
         options: dict[str, Any] = {"grad_acc_steps": max(1, int(trainer.accumulate_grad_batches)),
                                    "start_step": int(trainer.global_step)}
@@ -84,14 +104,15 @@ class TrainmonCallback(Callback):
 
     # ------------------------------------------------------------------ micro-steps and steps
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if self.monitor is not None:
-            self._lifecycle().micro_step_begins()
+        self._guarded(lambda: self._lifecycle().micro_step_begins())
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        if self.monitor is not None:
-            self._lifecycle().backward_ended()
+        self._guarded(lambda: self._lifecycle().backward_ended())
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._guarded(self._batch_end, trainer, outputs)
+
+    def _batch_end(self, trainer: Any, outputs: Any) -> None:
         if self.monitor is None:
             return
         loss = outputs if isinstance(outputs, torch.Tensor) else output_loss(outputs)
@@ -107,14 +128,18 @@ class TrainmonCallback(Callback):
 
     # ------------------------------------------------------------------ evaluation records nothing
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.monitor is not None:
-            self._lifecycle().suspend()
+        self._guarded(lambda: self._lifecycle().suspend())
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.monitor is not None:
-            self._lifecycle().resume()
+        self._guarded(lambda: self._lifecycle().resume())
 
     # ------------------------------------------------------------------ helpers
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run a callback's body under the monitor's fail-safe guard (part ``step``); nothing when not attached."""
+        session = self.monitor._session if self.monitor is not None else None
+        if session is not None:
+            session.guard.run("step", fn, *args)
+
     def _lifecycle(self) -> Any:
         assert self.monitor is not None and self.monitor._session is not None
         return self.monitor._session.lifecycle

@@ -205,7 +205,7 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
     step_hooks = None
     if optimizer is not None:
         step_hooks = StepWrapper(optimizer).install()
-        step_hooks.register_step_post_hook(_record_step_result(ctx, step_hooks))
+        step_hooks.register_step_post_hook(ctx.guard.wrap("step", _record_step_result(ctx, step_hooks)))
     mains = main_params(optimizer) if optimizer is not None else {}
     layout = GroupLayout(tp_group, tp_size, tp_rank)
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:

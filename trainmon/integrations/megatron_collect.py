@@ -128,14 +128,15 @@ class MegatronParamCollector(HookedCollector):
         if "grad_unreduced" in self.ctx.specs:
             for i, (_, param, _) in enumerate(self.params):
                 if param.requires_grad:
-                    self.registry.add(_GRADS, param.register_post_accumulate_grad_hook(self._grad_hook(i)))
+                    hook = self.guarded(self._grad_hook(i))
+                    self.registry.add(_GRADS, param.register_post_accumulate_grad_hook(hook))
         wants_pre = any(f in self.ctx.specs for f in ("grad_reduced", "param"))
         wants_post = any(f in self.ctx.specs for f in ("exp_avg", "exp_avg_sq", "update", "ratio"))
         for optimizer in self._optimizers:
             if wants_pre:
-                self.registry.add(_OPTIMIZER, optimizer.register_step_pre_hook(self._pre_step))
+                self.registry.add(_OPTIMIZER, optimizer.register_step_pre_hook(self.guarded(self._pre_step)))
             if wants_post:
-                self.registry.add(_OPTIMIZER, optimizer.register_step_post_hook(self._post_step))
+                self.registry.add(_OPTIMIZER, optimizer.register_step_post_hook(self.guarded(self._post_step)))
 
     def reset(self) -> None:
         self._slots = _Slots(len(self._slots.partials), self._slots.device)
@@ -297,7 +298,7 @@ class MegatronActivationCollector(ActivationCollector):
         if not (forward or backward):
             return
         for name, module, vpp_stage in self.modules:
-            hook = self._megatron_hook(name, vpp_stage, forward, backward)
+            hook = self.guarded(self._megatron_hook(name, vpp_stage, forward, backward))
             self.registry.add(self.HOOK_GROUP, module.register_forward_hook(hook, with_kwargs=True))
 
     def reset(self) -> None:

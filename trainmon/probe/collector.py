@@ -142,10 +142,11 @@ class GradProbe(HookedCollector):
                                     flush_seconds=self._flush_seconds, max_pending=4, disable_on_error=False)
 
     HOOK_GROUPS = (_GROUP,)
+    PART = "grad_probe"
 
     def install_hooks(self) -> None:
         if self._hookable and self.optimizer is not None:
-            self.registry.add(_GROUP, self.optimizer.register_step_pre_hook(self._pre_step))
+            self.registry.add(_GROUP, self.optimizer.register_step_pre_hook(self.guarded(self._pre_step)))
 
     def before_transfer(self) -> None:
         if not self._hookable:

@@ -48,6 +48,10 @@ class MindSporeFramework:
     tensor_gradients = False
     megatron = False
 
+    def __init__(self) -> None:
+        self.wrap: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda hook: hook
+        """Applied to every hook before it is registered: the session puts the action's fail-safe guard here."""
+
     # ------------------------------------------------------------------ module tree and hooks
     def named_modules(self, root: Any) -> Iterable[tuple[str, Any]]:
         cells: Iterable[tuple[str, Any]] = root.cells_and_names()
@@ -65,13 +69,13 @@ class MindSporeFramework:
         return type(cell).__name__
 
     def forward_pre_hook(self, cell: Any, hook: Callable[..., Any]) -> Any:
-        return cell.register_forward_pre_hook(hook, with_kwargs=True)
+        return cell.register_forward_pre_hook(self.wrap(hook), with_kwargs=True)
 
     def forward_hook(self, cell: Any, hook: Callable[..., Any]) -> Any:
-        return cell.register_forward_hook(hook, with_kwargs=True)
+        return cell.register_forward_hook(self.wrap(hook), with_kwargs=True)
 
     def backward_hook(self, cell: Any, hook: Callable[..., Any]) -> Any:
-        return cell.register_backward_hook(hook)
+        return cell.register_backward_hook(self.wrap(hook))
 
     def tensor_hook(self, tensor: Tensor, hook: Callable[..., Any]) -> Any:
         raise NotImplementedError("MindSpore backward entries come from cell backward hooks")
@@ -80,7 +84,7 @@ class MindSporeFramework:
         def on_gradient(grad: Tensor) -> None:
             hook(grad)
 
-        return param.register_hook(on_gradient)
+        return param.register_hook(self.wrap(on_gradient))
 
     def grad_enabled(self) -> bool:
         return True

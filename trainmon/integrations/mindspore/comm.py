@@ -93,6 +93,8 @@ class MindSporeCommCollector(HookedCollector):
         optimizer: the optimizer cell; collectives inside its call have phase ``optimizer``.
     """
 
+    PART = "communication"
+
     def __init__(self, ctx: StepContext, config: CommunicationConfig, root: Any = None, optimizer: Any = None) -> None:
         super().__init__(ctx)
         self.config = config
@@ -150,8 +152,8 @@ class MindSporeCommCollector(HookedCollector):
         def leave(*args: Any) -> None:
             self._depth[phase] = max(self._depth[phase] - 1, 0)
 
-        self.keep(cell.register_forward_pre_hook(enter))
-        self.keep(cell.register_forward_hook(leave, always_call=True))
+        self.keep(cell.register_forward_pre_hook(self.guarded(enter)))
+        self.keep(cell.register_forward_hook(self.guarded(leave), always_call=True))
 
     def _phase(self) -> str:
         if self._depth["forward"]:

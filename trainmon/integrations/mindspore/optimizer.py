@@ -105,11 +105,12 @@ class MindSporeOptimizerCollector(HookedCollector):
         if "grad_unreduced" in self.ctx.specs:
             for name, param, vpp_stage in self.params:
                 if param.requires_grad:
-                    self.registry.add(_GRADS, param.register_hook(self._grad_hook(name, vpp_stage)))
+                    self.registry.add(_GRADS, param.register_hook(self.guarded(self._grad_hook(name, vpp_stage))))
         if self.optimizer is not None:
-            self.registry.add(_OPTIMIZER, self.optimizer.register_forward_pre_hook(self._pre_step_hook()))
+            pre_step, post_step = self.guarded(self._pre_step_hook()), self.guarded(self._post_step_hook())
+            self.registry.add(_OPTIMIZER, self.optimizer.register_forward_pre_hook(pre_step))
             if self._states:
-                self.registry.add(_OPTIMIZER, self.optimizer.register_forward_hook(self._post_step_hook()))
+                self.registry.add(_OPTIMIZER, self.optimizer.register_forward_hook(post_step))
 
     def _grad_hook(self, name: str, vpp_stage: int) -> Callable[[Tensor], None]:
         per_micro_step = self.config.weight_grads.per_micro_step
