@@ -130,32 +130,19 @@ class Guard:
         off = self._off
         self._note(part)
 
-        if bypass is None:
-            @functools.wraps(fn)
-            def guarded(*args: Any, **kwargs: Any) -> Any:
-                if part in off:
-                    return None
-                try:
-                    return fn(*args, **kwargs)
-                except AnomalyError:
-                    raise
-                except Exception as exc:
-                    self.fail(part, exc)
-                    return None
-        else:
-            @functools.wraps(fn)
-            def guarded(*args: Any, **kwargs: Any) -> Any:
-                if bypass():
-                    return fn(*args, **kwargs)
-                if part in off:
-                    return None
-                try:
-                    return fn(*args, **kwargs)
-                except AnomalyError:
-                    raise
-                except Exception as exc:
-                    self.fail(part, exc)
-                    return None
+        @functools.wraps(fn)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if bypass is not None and bypass():
+                return fn(*args, **kwargs)
+            if part in off:
+                return None
+            try:
+                return fn(*args, **kwargs)
+            except AnomalyError:
+                raise
+            except Exception as exc:
+                self.fail(part, exc)
+                return None
 
         guarded.__trainmon_guard_part__ = part  # type: ignore[attr-defined]
         return guarded  # type: ignore[return-value]
