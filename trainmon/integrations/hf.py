@@ -195,7 +195,9 @@ def _check_setup(args: Any, trainer: Trainer | None) -> None:
                          "process per GPU instead (torchrun or accelerate launch), or make one GPU visible.")
     if trainer is None:
         return
-    sizes = {"tensor": trainer.get_tp_size(), "context": trainer.get_cp_size(), "sequence": trainer.get_sp_size()}
+    # (getattr: older transformers have only some of these methods, and then none of those parallelisms)
+    sizes = {kind: getattr(trainer, f"get_{short}_size", lambda: 1)()
+             for kind, short in (("tensor", "tp"), ("context", "cp"), ("sequence", "sp"))}
     parallel = [f"{kind} parallel size {size}" for kind, size in sizes.items() if int(size) > 1]
     if parallel:
         raise ValueError(f"trainmon's TrainmonCallback does not support a Trainer with {', '.join(parallel)}: "

@@ -2,7 +2,8 @@
 
 Run by tests/trainers/test_hf_trainer.py through ``tests/launch.run_ranks`` on 1 or 2 local ranks (gloo, CPU).
 CASE is a JSON object ``{"name", "acc", "avg_tokens", "zero" (null, 2 or 3: DeepSpeed ZeRO stage),
-"model" (gpt2 or nokwargs), "steps", "monitor" (false: an unmonitored run, for timing)}``. Writes
+"model" (gpt2 or nokwargs), "steps", "clip", "monitor" and "reference" (false: no trainmon, no reference
+reads: for timing)}``. Writes
 ``OUT/<name>/tm/run/rank{R}/`` (trainmon) and ``OUT/<name>/ref_rank{R}.json``: the Trainer's
 ``log_history``, the rank's float64 token-loss sums and item counts per micro-batch, and per step the float64
 norms of the gradients the optimizer used and (DeepSpeed) of ``exp_avg`` after the step, read by the test's own
@@ -42,8 +43,8 @@ def _norm(tensor: torch.Tensor) -> float:
 class Reference(transformers.TrainerCallback):
     """The test's own record of the gradients the optimizer used and (DeepSpeed) its exp_avg after the step."""
 
-    def __init__(self, trainer_box: list) -> None:
-        self.trainer_box = trainer_box
+    def __init__(self, trainer_box: list, read_tensors: bool = True) -> None:
+        self.trainer_box, self.read_tensors = trainer_box, read_tensors
         self.grads: dict[int, dict[str, float]] = {}
         self.exp_avg: dict[int, dict[str, float]] = {}
         self.step_seconds: list[float] = []
@@ -51,7 +52,7 @@ class Reference(transformers.TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         trainer = self.trainer_box[0]
-        if not trainer.is_deepspeed_enabled:
+        if not trainer.is_deepspeed_enabled or not self.read_tensors:
             return
         from deepspeed.utils import safe_get_full_grad, safe_get_full_optimizer_state
 
@@ -74,7 +75,7 @@ class Reference(transformers.TrainerCallback):
         self._t = time.perf_counter()
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if not self.trainer_box[0].is_deepspeed_enabled:
+        if self.read_tensors and not self.trainer_box[0].is_deepspeed_enabled:
             self.grads[state.global_step + 1] = {n: _norm(p.grad) for n, p in model.named_parameters()
                                                  if p.grad is not None}
 
@@ -110,7 +111,7 @@ def main() -> None:
         dataloader_num_workers=0, seed=0, average_tokens_across_devices=case["avg_tokens"], deepspeed=ds_config,
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 and ds_config is None else None)
     box: list = []
-    reference = Reference(box)
+    reference = Reference(box, read_tensors=case.get("reference", True))
     monitor_config = {"output_dir": str(run / "tm"), "run_name": "run", "sinks": ["csv"],
                       "weight_grads": {"metrics": ["norm"]},
                       "optimizer_states": {"states": ["exp_avg"], "metrics": ["norm"]}}
