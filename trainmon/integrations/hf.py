@@ -4,10 +4,14 @@ What the callback does (see docs/hf.md):
 
 - ``on_train_begin``: attaches a :class:`~trainmon.TrainerMonitor` to the Trainer's model and
   optimizer. accelerate's ``AcceleratedOptimizer`` is unwrapped (its ``GradScaler`` found), and
-  ``grad_acc_steps`` is ``args.gradient_accumulation_steps``.
+  ``grad_acc_steps`` is ``args.gradient_accumulation_steps``. Under DeepSpeed
+  (``TrainingArguments(deepspeed=...)``) it attaches to the Trainer's ``DeepSpeedEngine`` instead
+  (``trainer.model_wrapped``), through trainmon's DeepSpeed integration;
 - the training loss of every step: HF callbacks never receive it, so a forward hook on the model
-  reads ``outputs.loss`` of each training forward (a device tensor, no host sync) and the step's
-  ``loss`` is the mean over its micro-batches;
+  reads ``outputs.loss`` of each training forward (a device tensor, no host sync) and scales it as
+  ``Trainer.training_step`` does (:class:`TrainerLoss`); with several processes the step's value is
+  their mean (one all-reduce of two floats per step). The ``loss`` scalar is then what the Trainer
+  logs with ``logging_steps=1``;
 - ``on_step_end``: ends the monitor step. Steps are numbered like the Trainer's ``global_step``
   after the update (the first optimizer step is step 1), so trainmon's rows line up with the
   Trainer's own logs;
@@ -20,14 +24,18 @@ What the callback does (see docs/hf.md):
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
+import torch
+from transformers import Trainer, TrainerCallback
 
 from trainmon.config import MonitorConfig
-from trainmon.integrations.losses import LossTracker
+from trainmon.integrations import framework_of
+from trainmon.integrations.losses import output_loss
 from trainmon.monitor import TrainerMonitor
+from trainmon.step_hooks import unwrap_optimizer
 
 
 class TrainmonCallback(TrainerCallback):
@@ -37,6 +45,11 @@ class TrainmonCallback(TrainerCallback):
         config: a trainmon config (path to YAML/JSON, dict, :class:`MonitorConfig`, or None).
         **attach_options: extra keyword arguments for :meth:`TrainerMonitor.attach` (process
             groups, ``scaler``).
+
+    Raises:
+        ValueError: at ``on_train_begin``, for a set-up the callback cannot monitor correctly
+            (``torch.nn.DataParallel`` over several GPUs in one process, tensor/context/sequence
+            parallelism, DeepSpeed without a Trainer to take its engine from).
 
     Example:
         >>> trainer = Trainer(model=model, args=args, train_dataset=data,          # doctest: +SKIP
@@ -48,17 +61,26 @@ class TrainmonCallback(TrainerCallback):
         self.config = config
         self.attach_options = attach_options
         self.monitor: TrainerMonitor | None = None
-        self._losses: LossTracker | None = None
+        self._losses: TrainerLoss | None = None
         TrainerMonitor(config)  # validate the config now, when the Trainer is built, not at train begin
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
         self._release()
-        self.monitor = TrainerMonitor(self.config)
-        options = {"grad_acc_steps": max(1, int(args.gradient_accumulation_steps)),
-                   "start_step": int(state.global_step) + 1, **self.attach_options}
-        self.monitor.attach(model, optimizer, **options)
-        self._losses = LossTracker(model)
+        trainer = _calling_trainer()
+        _check_setup(args, trainer)
+        engine = _deepspeed_engine(trainer, optimizer)
+        monitor = TrainerMonitor(self.config)
+        start_step = int(state.global_step) + 1
+        if engine is not None:
+            # DeepSpeed owns the optimizer and the accumulation: the engine is the one thing to attach
+            monitor.attach(engine, None, start_step=start_step, **self.attach_options)
+        else:
+            monitor.attach(model, optimizer, **{"grad_acc_steps": max(1, int(args.gradient_accumulation_steps)),
+                                                "start_step": start_step, **self.attach_options})
+        self.monitor = monitor
+        self._losses = TrainerLoss(model, bool(getattr(args, "average_tokens_across_devices", False)),
+                                   args.device)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.monitor is not None and self._losses is not None:
@@ -74,3 +96,129 @@ class TrainmonCallback(TrainerCallback):
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
+
+
+class TrainerLoss:
+    """The loss the Trainer logs for each step (``logging_steps=1``), from the model's ``outputs.loss``.
+
+    ``Trainer.training_step`` adds, per micro-batch, ``outputs.loss`` as it went into the backward:
+
+    - when the Trainer passed ``num_items_in_batch`` to the model (a model whose ``forward`` takes
+      ``**kwargs``; transformers 5), the model already divided its summed loss by the items of the
+      whole accumulated batch (of every process with ``average_tokens_across_devices``, in which case
+      ``compute_loss`` multiplies it by the number of processes);
+    - otherwise ``outputs.loss`` is the micro-batch's mean and is divided by the number of
+      micro-batches of the step.
+
+    It then logs the mean of those sums over the processes. This class keeps the sum on the device
+    (a forward hook with a removable handle, no host sync) and :meth:`take` makes the step's value.
+    A ``compute_loss`` of a Trainer subclass, label smoothing or ``compute_loss_func`` compute the
+    loss outside the model: their loss is not seen (the model returns none, or one the Trainer does
+    not use as is).
+
+    Args:
+        model: the Trainer's model (``trainer.model``, inside any DDP or DeepSpeed wrapper).
+        average_tokens_across_devices: ``TrainingArguments.average_tokens_across_devices``.
+        device: ``TrainingArguments.device`` (where the cross-process mean is taken).
+    """
+
+    def __init__(self, model: torch.nn.Module, average_tokens_across_devices: bool, device: torch.device) -> None:
+        self.device = device
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.world_size = torch.distributed.get_world_size() if distributed else 1
+        self._items_factor = float(self.world_size) if average_tokens_across_devices else 1.0
+        self._sum: torch.Tensor | None = None
+        self._count = 0
+        self._normalised = False
+        self._handle = model.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        loss = output_loss(output)
+        if loss is None:
+            return
+        value = loss.detach().float().reshape(())
+        if kwargs.get("num_items_in_batch") is not None:  # normalised over the whole accumulated batch
+            self._normalised = True
+            value = value * self._items_factor
+        self._sum = value if self._sum is None else self._sum + value
+        self._count += 1
+
+    def take(self) -> torch.Tensor | None:
+        """The step's loss as the Trainer logs it (None when no forward had a loss); resets.
+
+        With several processes every one of them joins one all-reduce here, every step, loss or not
+        (on a GPU it is queued on the stream: no host sync).
+        """
+        total, count, normalised = self._sum, self._count, self._normalised
+        self._sum, self._count, self._normalised = None, 0, False
+        local = None if total is None else (total if normalised else total / count)
+        if self.world_size == 1:
+            return local
+        # [sum of the processes' losses, how many processes had one]: the same collective on every rank
+        pair = torch.zeros(2, device=self.device) if local is None else torch.stack(
+            [local.to(self.device), torch.ones((), device=self.device)])
+        torch.distributed.all_reduce(pair)
+        # the Trainer's own compute_loss raises where the model returns no loss, so either every process has
+        # one or none has; the count keeps the collective the same on every rank whatever happens
+        return None if local is None else pair[0] / pair[1]
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def _calling_trainer() -> Trainer | None:
+    """The ``transformers.Trainer`` whose callback event is running, found up the call stack.
+
+    Callbacks are given the model and the optimizer, not the Trainer; under DeepSpeed the engine that
+    owns both exists only as ``trainer.model_wrapped``. Events are raised by the Trainer's own methods
+    (``self.callback_handler.on_train_begin(...)``), so its frame is a few levels up.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, Trainer):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # no reference cycle through the frames
+
+
+def _check_setup(args: Any, trainer: Trainer | None) -> None:
+    """Refuse, with the alternative, the set-ups whose loss and statistics the callback would get wrong."""
+    if int(getattr(args, "n_gpu", 1)) > 1:
+        raise ValueError(f"trainmon's TrainmonCallback does not support torch.nn.DataParallel (the Trainer runs "
+                         f"one process on {args.n_gpu} GPUs): its hooks would run once per replica. Launch one "
+                         "process per GPU instead (torchrun or accelerate launch), or make one GPU visible.")
+    if trainer is None:
+        return
+    # (getattr: older transformers have only some of these methods, and then none of those parallelisms)
+    sizes = {kind: getattr(trainer, f"get_{short}_size", lambda: 1)()
+             for kind, short in (("tensor", "tp"), ("context", "cp"), ("sequence", "sp"))}
+    parallel = [f"{kind} parallel size {size}" for kind, size in sizes.items() if int(size) > 1]
+    if parallel:
+        raise ValueError(f"trainmon's TrainmonCallback does not support a Trainer with {', '.join(parallel)}: "
+                         "its loss and gradient statistics would be those of one shard. Monitor a data-parallel "
+                         "(DDP, FSDP or DeepSpeed) run, or attach TrainerMonitor to the model in your own loop.")
+
+
+def _deepspeed_engine(trainer: Trainer | None, optimizer: Any) -> Any:
+    """The Trainer's ``DeepSpeedEngine`` when it trains under DeepSpeed, else None.
+
+    Raises:
+        ValueError: DeepSpeed is in use but its engine cannot be found.
+    """
+    inner, _ = unwrap_optimizer(optimizer) if optimizer is not None else (None, None)
+    deepspeed = (inner is not None and type(inner).__module__.split(".")[0] == "deepspeed") or bool(
+        trainer is not None and getattr(trainer, "is_deepspeed_enabled", False))
+    if not deepspeed:
+        return None
+    engine = getattr(trainer, "model_wrapped", None)
+    if engine is None or framework_of(engine) != "deepspeed":
+        raise ValueError("trainmon's TrainmonCallback found a DeepSpeed optimizer but not the Trainer's "
+                         f"DeepSpeedEngine (trainer.model_wrapped is {type(engine).__name__}): attach "
+                         "TrainerMonitor to the engine yourself (monitor.attach(trainer.model_wrapped)).")
+    return engine
