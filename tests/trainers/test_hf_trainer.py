@@ -29,6 +29,7 @@ from tests.trainers.hf_common import (  # noqa: E402
     gpt2,
     trainer_counts_every_label,
 )
+from trainmon.errors import UnsupportedSetupError  # noqa: E402
 from trainmon.integrations.hf import TrainmonCallback  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "trainers" / "scripts" / "hf_train.py"
@@ -184,7 +185,7 @@ def test_data_parallel_in_one_process_is_refused(tmp_path):
 
     callback = TrainmonCallback({"output_dir": str(tmp_path), "sinks": []})
     args = SimpleNamespace(n_gpu=2, gradient_accumulation_steps=1)
-    with pytest.raises(ValueError, match="DataParallel.*one process per GPU"):
+    with pytest.raises(UnsupportedSetupError, match="DataParallel.*one process per GPU"):
         callback.on_train_begin(args, SimpleNamespace(global_step=0), None, model=gpt2(), optimizer=None)
     assert callback.monitor is None
 
@@ -257,3 +258,44 @@ def test_deepspeed_zero(tmp_path, zero):
             assert len(norms) > 10
             for name, norm in norms.items():
                 assert np.isclose(table.loc[(int(step), name), "norm"], norm, rtol=1e-4, atol=1e-9), (family, name)
+
+
+@pytest.mark.parametrize("kind", ["loss_hook", "optimizer_pre_hook", "step_end"])
+def test_a_failure_of_trainmon_inside_the_trainer_never_reaches_train(tmp_path, monkeypatch, caplog, kind):
+    """Fail-safe: trainmon's own exception in the callback's loss hook (part ``loss``), an optimizer hook or the
+    end of a step (part ``weights``) during ``trainer.train()``: training completes, the weights are bit-identical
+    to a run without trainmon, one warning names the part."""
+    import logging
+
+    from tests.faults import patched
+    from trainmon.integrations.hf import TrainerLoss
+
+    def train(callbacks):
+        torch.manual_seed(0)
+        model = gpt2()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "hf"), max_steps=4, per_device_train_batch_size=4,
+            gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
+            use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0)
+        transformers.Trainer(model=model, args=args, train_dataset=PaddedTokens(64, 1), callbacks=callbacks).train()
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    expected = train([])
+    if kind == "loss_hook":
+        original = TrainerLoss._hook
+
+        def failing(self, *args, **kwargs):
+            raise RuntimeError("injected fault in TrainerLoss._hook")
+
+        monkeypatch.setattr(TrainerLoss, "_hook", failing)
+        assert original is not failing
+        part = "loss"
+    else:
+        part = patched(monkeypatch, kind, after=2).part
+    config = {"output_dir": str(tmp_path / "tm"), "run_name": "run", "sinks": ["csv"]}
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        got = train([TrainmonCallback(config)])
+    for name, param in expected.items():
+        assert torch.equal(got[name], param), name
+    warnings = [r.getMessage() for r in caplog.records if "is off for the rest of this run" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith(f"trainmon: {part} failed"), warnings

@@ -24,7 +24,10 @@ What the callback does (see docs/hf.md):
 
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +35,13 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from trainmon.config import MonitorConfig
+from trainmon.errors import ConfigError, UnsupportedSetupError
 from trainmon.integrations import framework_of
 from trainmon.integrations.losses import output_loss
 from trainmon.monitor import TrainerMonitor
 from trainmon.step_hooks import unwrap_optimizer
+
+logger = logging.getLogger("trainmon")
 
 
 class TrainmonCallback(TrainerCallback):
@@ -47,7 +53,7 @@ class TrainmonCallback(TrainerCallback):
             groups, ``scaler``).
 
     Raises:
-        ValueError: at ``on_train_begin``, for a set-up the callback cannot monitor correctly
+        UnsupportedSetupError: at ``on_train_begin``, for a set-up the callback cannot monitor correctly
             (``torch.nn.DataParallel`` over several GPUs in one process, tensor/context/sequence
             parallelism, DeepSpeed without a Trainer to take its engine from).
 
@@ -67,6 +73,17 @@ class TrainmonCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
         self._release()
+        try:
+            self._attach(args, state, model, optimizer)
+        except (ConfigError, UnsupportedSetupError):
+            self._release()
+            raise  # a refusal: the message says what to change
+        except Exception as exc:
+            self._release()
+            logger.warning("trainmon: could not attach to this Trainer (%s: %s); training goes on without the "
+                           "monitor", type(exc).__name__, exc)
+
+    def _attach(self, args: Any, state: Any, model: Any, optimizer: Any) -> None:
         trainer = _calling_trainer()
         _check_setup(args, trainer)
         engine = _deepspeed_engine(trainer, optimizer)
@@ -79,12 +96,15 @@ class TrainmonCallback(TrainerCallback):
             monitor.attach(model, optimizer, **{"grad_acc_steps": max(1, int(args.gradient_accumulation_steps)),
                                                 "start_step": start_step, **self.attach_options})
         self.monitor = monitor
+        guard = monitor._session.guard if monitor._session is not None else None
         self._losses = TrainerLoss(model, bool(getattr(args, "average_tokens_across_devices", False)),
-                                   args.device)
+                                   args.device, wrap=None if guard is None else functools.partial(guard.wrap, "loss"))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.monitor is not None and self._losses is not None:
-            self.monitor.step(loss=self._losses.take())
+        monitor, losses = self.monitor, self._losses
+        if monitor is not None and losses is not None and monitor._session is not None:
+            # under the monitor's fail-safe guard: trainmon's own exception never reaches the Trainer
+            monitor._session.guard.run("step", lambda: monitor.step(loss=losses.take()))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._release()
@@ -122,7 +142,8 @@ class TrainerLoss:
         device: ``TrainingArguments.device`` (where the cross-process mean is taken).
     """
 
-    def __init__(self, model: torch.nn.Module, average_tokens_across_devices: bool, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, average_tokens_across_devices: bool, device: torch.device,
+                 wrap: Callable[[Callable[..., None]], Callable[..., None]] | None = None) -> None:
         self.device = device
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.world_size = torch.distributed.get_world_size() if distributed else 1
@@ -130,7 +151,8 @@ class TrainerLoss:
         self._sum: torch.Tensor | None = None
         self._count = 0
         self._normalised = False
-        self._handle = model.register_forward_hook(self._hook, with_kwargs=True)
+        hook = self._hook if wrap is None else wrap(self._hook)  # the monitor's fail-safe guard, part ``loss``
+        self._handle = model.register_forward_hook(hook, with_kwargs=True)
 
     def _hook(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
@@ -190,9 +212,10 @@ def _calling_trainer() -> Trainer | None:
 def _check_setup(args: Any, trainer: Trainer | None) -> None:
     """Refuse, with the alternative, the set-ups whose loss and statistics the callback would get wrong."""
     if int(getattr(args, "n_gpu", 1)) > 1:
-        raise ValueError(f"trainmon's TrainmonCallback does not support torch.nn.DataParallel (the Trainer runs "
-                         f"one process on {args.n_gpu} GPUs): its hooks would run once per replica. Launch one "
-                         "process per GPU instead (torchrun or accelerate launch), or make one GPU visible.")
+        raise UnsupportedSetupError(
+            f"trainmon's TrainmonCallback does not support torch.nn.DataParallel (the Trainer runs one process on "
+            f"{args.n_gpu} GPUs): its hooks would run once per replica. Launch one process per GPU instead "
+            "(torchrun or accelerate launch), or make one GPU visible.")
     if trainer is None:
         return
     # (getattr: older transformers have only some of these methods, and then none of those parallelisms)
@@ -200,16 +223,17 @@ def _check_setup(args: Any, trainer: Trainer | None) -> None:
              for kind, short in (("tensor", "tp"), ("context", "cp"), ("sequence", "sp"))}
     parallel = [f"{kind} parallel size {size}" for kind, size in sizes.items() if int(size) > 1]
     if parallel:
-        raise ValueError(f"trainmon's TrainmonCallback does not support a Trainer with {', '.join(parallel)}: "
-                         "its loss and gradient statistics would be those of one shard. Monitor a data-parallel "
-                         "(DDP, FSDP or DeepSpeed) run, or attach TrainerMonitor to the model in your own loop.")
+        raise UnsupportedSetupError(
+            f"trainmon's TrainmonCallback does not support a Trainer with {', '.join(parallel)}: its loss and "
+            "gradient statistics would be those of one shard. Monitor a data-parallel (DDP, FSDP or DeepSpeed) "
+            "run, or attach TrainerMonitor to the model in your own loop.")
 
 
 def _deepspeed_engine(trainer: Trainer | None, optimizer: Any) -> Any:
     """The Trainer's ``DeepSpeedEngine`` when it trains under DeepSpeed, else None.
 
     Raises:
-        ValueError: DeepSpeed is in use but its engine cannot be found.
+        UnsupportedSetupError: DeepSpeed is in use but its engine cannot be found.
     """
     inner, _ = unwrap_optimizer(optimizer) if optimizer is not None else (None, None)
     deepspeed = (inner is not None and type(inner).__module__.split(".")[0] == "deepspeed") or bool(
@@ -218,7 +242,7 @@ def _deepspeed_engine(trainer: Trainer | None, optimizer: Any) -> Any:
         return None
     engine = getattr(trainer, "model_wrapped", None)
     if engine is None or framework_of(engine) != "deepspeed":
-        raise ValueError("trainmon's TrainmonCallback found a DeepSpeed optimizer but not the Trainer's "
+        raise UnsupportedSetupError("trainmon's TrainmonCallback found a DeepSpeed optimizer but not the Trainer's "
                          f"DeepSpeedEngine (trainer.model_wrapped is {type(engine).__name__}): attach "
                          "TrainerMonitor to the engine yourself (monitor.attach(trainer.model_wrapped)).")
     return engine
