@@ -31,6 +31,11 @@ def in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
+def backward_pass() -> int:
+    """The id of the backward pass (autograd graph task) running on this thread, -1 outside one."""
+    return _graph_task_id() if _graph_task_id is not None else -1
+
+
 def unscale_partial(partial: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The partial statistics of ``x / scale`` from those of ``x`` (``scale`` > 0; on the device, no sync)."""
     inverse = scale.detach().to(device=partial.device, dtype=partial.dtype).reciprocal()
