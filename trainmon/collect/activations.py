@@ -203,13 +203,18 @@ class ActivationCollector(HookedCollector):
 
     def reset(self) -> None:
         self._quiet.reset()
-        self._open.clear()
+        self._forget_calls()
 
     def before_transfer(self) -> None:
         # The step's backward passes are over: drop the handles of its tensor hooks.
         self.registry.remove(self.TENSOR_HOOK_GROUP)
         self._quiet.reset()
+        self._forget_calls()
+
+    def _forget_calls(self) -> None:
         self._open.clear()
+        self._calls.clear()
+        self._calls_at = (-1, -1, -1)
 
     def _lift(self, module: Any, grad_input: Any, grad_output: Any) -> None:
         self._quiet.lift()  # torch has just warned (or not): our filter, if any, comes out at once
