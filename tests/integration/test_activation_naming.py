@@ -328,3 +328,28 @@ def test_checkpoint_wrapper_leaves_no_trace_in_names(tmp_path):
         assert_close(row._asdict(), np_stats(want), METRICS, label=row.name)
     for column in METRICS:  # the same training, the same values
         assert np.allclose(actv[column].to_numpy(float), plain_actv[column].to_numpy(float), equal_nan=True)
+
+
+def test_a_tied_parameter_is_selected_by_any_of_its_names(tmp_path):
+    """HF tied embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``; a target naming either selects it,
+    and its rows carry its first name, with the gradient torch accumulated on it."""
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor_config = {"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"],
+                      "targets": {"params": ["lm_head.weight"]}, "weight_grads": {"metrics": METRICS},
+                      "optimizer_states": {"enabled": False}}
+    with TrainerMonitor(monitor_config) as monitor:
+        monitor.attach(model, optimizer)
+        tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(4))
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        grad = _copy(model.lm_head.weight.grad)
+        optimizer.step()
+        monitor.step()
+    rows = read_family(tmp_path / "run" / "rank0", "grad_reduced")
+    assert list(rows.name) == ["model.embed_tokens.weight"]
+    assert_close(rows.iloc[0], np_stats(grad), METRICS, label="tied")
