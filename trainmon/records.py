@@ -9,6 +9,7 @@ framework. Collectors produce *partial statistics* per tensor: an 8-slot vector
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,31 @@ def activation_row(module: str, kind: str, tensor: int | str | None = None) -> s
         ('layers.0.input', 'layers.0.output_grad.1')
     """
     return f"{module}.{kind}" if tensor is None else f"{module}.{kind}.{tensor}"
+
+
+_CALL = re.compile(r"\.call([1-9][0-9]*)$")
+
+
+def module_call(module: str, call: int) -> str:
+    """The module part of the rows of a module's ``call``-th call (from 0) in one micro-step: the module's
+    name for the first call, ``{module}.call{k}`` for the k-th later one.
+
+    Example:
+        >>> module_call("layers.0.act", 0), module_call("layers.0.act", 1)
+        ('layers.0.act', 'layers.0.act.call1')
+    """
+    return f"{module}.call{call}" if call else module
+
+
+def split_module_call(module: str) -> tuple[str, int]:
+    """``(module, call)`` of the module part of an activation row (the inverse of :func:`module_call`).
+
+    Example:
+        >>> split_module_call("layers.0.act.call2"), split_module_call("layers.0.act")
+        (('layers.0.act', 2), ('layers.0.act', 0))
+    """
+    found = _CALL.search(module)
+    return (module[:found.start()], int(found.group(1))) if found else (module, 0)
 
 
 def split_activation_row(name: str) -> tuple[str, str, str] | None:

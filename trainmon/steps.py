@@ -173,6 +173,7 @@ class StepLifecycle:
         count = self.forwards.get(id(module), 0)
         self.forwards[id(module)] = count + 1
         self.ctx.micro_step = count
+        self.ctx.forwards += 1
 
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         self._maybe_end()
@@ -185,6 +186,7 @@ class StepLifecycle:
             self._frames.append(_Frame(root=-1, mark=-1))
             return
         self._frames.append(_Frame(root=id(module), mark=len(ctx.buffer.keys)))
+        ctx.forwards += 1
         ctx.micro_step = self.forwards.get(id(module), 0)
 
     def _forward_ok(self, module: torch.nn.Module, args: Any, output: Any) -> None:

@@ -17,6 +17,23 @@ OPTIONAL = "optional:"
 targets are translated to such patterns, because msprobe silently skips a target that names nothing."""
 
 
+WRAPPER_LEVELS = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
+"""Levels that wrappers add to module and parameter names: ``torch.compile``'s ``OptimizedModule`` and
+``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``'s ``CheckpointWrapper``."""
+
+
+def plain_name(name: str) -> str:
+    """A module or parameter name without the levels of compile and checkpoint wrappers (``WRAPPER_LEVELS``):
+    the one rule by which rows are named and targets matched, so that a run with activation checkpointing
+    or ``torch.compile`` has the names of one without.
+
+    Example:
+        >>> plain_name("layers.0._checkpoint_wrapped_module.mlp.fc1.weight")
+        'layers.0.mlp.fc1.weight'
+    """
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_LEVELS)
+
+
 def split_optional(pattern: str) -> tuple[str, bool]:
     """``(pattern without the optional: prefix, whether it had one)``."""
     if pattern.startswith(OPTIONAL):

@@ -101,6 +101,7 @@ def test_nan_at_step5_dumps_layer2_at_step6(tmp_path: Path) -> None:
     implicated: dict[int, list[str]] = {}
     engine.register_action("dump", lambda events: implicated.setdefault(events[0].step, dump.on_anomaly(events)))
     for step in range(8):
+        ctx.step = step  # as the monitor does (calls of a module are numbered per step and micro-step)
         dump.begin_step(step)
         net.layers[2].poison = step == 5
         if step == 6:

@@ -298,10 +298,12 @@ class _MixerNet(torch.nn.Module):
 
 @pytest.mark.parametrize("grad_hooks", ["module", "tensor"])
 def test_tuple_list_and_kwargs_tensors_are_each_measured(tmp_path, grad_hooks):
-    """Issue 2: inputs and outputs in tuples, lists and kwargs each get their own row, equal to numpy.
+    """Issue 2: inputs and outputs in tuples, lists and kwargs each get their own row, equal to numpy, named by
+    their path (position in a tuple or list, key in a dict).
 
-    Gradients: torch's full backward hooks (``module``) only see top-level tensors of the positional
-    inputs and of the output tuple; ``tensor`` hooks see every tensor (documented in the README).
+    Gradients: ``output_grad`` of every output tensor in both modes (hooks on the output tensors); full
+    backward hooks (``module``) give ``input_grad`` of the top-level positional input tensors only; ``tensor``
+    hooks see every input tensor (documented in the README).
     """
     torch.manual_seed(0)
     model = _MixerNet()
@@ -313,19 +315,19 @@ def test_tuple_list_and_kwargs_tensors_are_each_measured(tmp_path, grad_hooks):
     monitor.close()
     rows = read_family(tmp_path / "run" / "rank0", "actv").set_index("name")
     seen = model.mixer.seen
-    expected = {"mixer.input.0": seen["x"], "mixer.input.1": seen["a"], "mixer.input.2": seen["b"],
-                "mixer.input.scale": seen["scale"], "mixer.output.0": seen["y"], "mixer.output.aux": seen["z"]}
+    expected = {"mixer.input.0": seen["x"], "mixer.input.1.0": seen["a"], "mixer.input.1.1": seen["b"],
+                "mixer.input.scale": seen["scale"], "mixer.output.0": seen["y"], "mixer.output.1.aux": seen["z"]}
     assert set(rows.index) == set(expected), sorted(rows.index)
     for name, array in expected.items():
         assert_close(rows.loc[name], np_stats(array), METRICS, label=name)
     grads = read_family(tmp_path / "run" / "rank0", "actv_grad").set_index("name")
     # loss = (sum y^2 + sum z) / 12: d/dy = 2y/12, d/dz = 1/12, d/da = d/dy, d/db = 2 (1 - tanh(b)^2) / 12
-    want = {"mixer.output_grad.0": 2 * seen["y"] / 12}
+    want = {"mixer.output_grad.0": 2 * seen["y"] / 12, "mixer.output_grad.1.aux": np.full_like(seen["z"], 1 / 12)}
     if grad_hooks == "tensor":
-        want.update({"mixer.output_grad.aux": np.full_like(seen["z"], 1 / 12), "mixer.input_grad.1": 2 * seen["y"] / 12,
-                     "mixer.input_grad.2": 2 * (1 - np.tanh(seen["b"]) ** 2) / 12})
+        want.update({"mixer.input_grad.1.0": 2 * seen["y"] / 12,
+                     "mixer.input_grad.1.1": 2 * (1 - np.tanh(seen["b"]) ** 2) / 12})
         assert {"mixer.input_grad.0", "mixer.input_grad.scale"} <= set(grads.index)
     else:
-        assert set(grads.index) == {"mixer.output_grad.0", "mixer.input_grad.0"}
+        assert set(grads.index) == {"mixer.output_grad.0", "mixer.output_grad.1.aux", "mixer.input_grad.0"}
     for name, array in want.items():
         assert_close(grads.loc[name], np_stats(array), METRICS, label=name)

@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainmon.records import ACTIVATION_KINDS, split_activation_row
+from trainmon.records import ACTIVATION_KINDS, split_activation_row, split_module_call
 
 _NO_MODULE: frozenset[str] = frozenset({"scalars", "comm"})
 """Families whose rows name no module (the loss and other scalars, collectives)."""
@@ -67,8 +67,9 @@ def implicated_module(name: str, module_names: Collection[str], family: str | No
         rest = name
         while (split := split_activation_row(rest)) is not None:  # each kind in the name, from the right
             rest, kind, _ = split
-            if kind in kinds and rest in module_names:
-                return rest
+            module = split_module_call(rest)[0]  # the k-th call's rows: {module}.call{k}.output
+            if kind in kinds and module in module_names:
+                return module
         if family is not None:
             return None
     parts = name.split(".")

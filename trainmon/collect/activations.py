@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.collect.context import in_backward
+from trainmon.collect.context import backward_pass, in_backward
 from trainmon.collect.hooks import (
     BackwardHook,
     ForwardHook,
@@ -18,7 +18,7 @@ from trainmon.collect.hooks import (
     QuietOutputOnlyBackward,
     TensorHook,
 )
-from trainmon.records import activation_row
+from trainmon.records import activation_row, module_call
 
 logger = logging.getLogger("trainmon")
 
@@ -27,48 +27,74 @@ if TYPE_CHECKING:
     from trainmon.config import ActivationsConfig
 
 
-def named_tensors(value: Any, prefix: str, tensor_type: type = torch.Tensor, *,
-                  none_holds_position: bool = False) -> Iterator[tuple[str, Any]]:
-    """``(name, tensor)`` for every tensor in ``value``.
+def is_activation(tensor: Any) -> bool:
+    """Whether a tensor is measured as an activation: floating point (or complex) only.
 
-    A tensor keeps ``prefix``, the i-th tensor of a tuple/list gets ``prefix.i`` (no suffix when
-    it holds exactly one), a dict entry ``prefix.key``. Non-tensor entries are skipped.
+    Token ids, positions, masks and counts (integer and bool tensors) are inputs, not activations:
+    they get no row and do not count when naming the other tensors of a value.
+    """
+    return bool(tensor.is_floating_point() or tensor.is_complex())
+
+
+def named_tensors(value: Any, prefix: str, tensor_type: type = torch.Tensor, *,
+                  none_holds_position: bool = False, keep: Callable[[Any], bool] | None = None
+                  ) -> Iterator[tuple[str, Any]]:
+    """``(name, tensor)`` for every tensor in ``value``: the one naming rule of activation rows.
+
+    A row's name is ``prefix`` followed by the path of the tensor in ``value``: the position in a
+    tuple or list, the key in a dict (an HF ``ModelOutput`` too), one ``.`` per level
+    (``prefix.1.0``, ``prefix.position_embeddings.1``). A tuple or list that holds exactly one tensor
+    (at any depth; None and other entries do not count) is named ``prefix`` alone, so ``(out, None)``
+    and ``(x,)`` are ``prefix``. Gradient rows are named by applying this rule to the *forward* value,
+    so a tensor and its gradient always have the same name (``.output`` / ``.output_grad``).
 
     Args:
         value: a tensor, or a (nested) tuple, list or dict of them.
         prefix: the row name of the value.
         tensor_type: the framework's tensor class.
-        none_holds_position: for gradient tuples (one entry per output/input tensor): a None
-            entry (a gradient that was not computed) is not yielded but keeps its index, so the
-            gradient of the second output of ``(a, b)`` is ``prefix.1`` even when ``a`` has none.
+        none_holds_position: for gradient tuples of a module backward hook (one entry per top-level
+            tensor): a None entry (no gradient) is not yielded but counts as an entry.
+        keep: tensors for which it is False are treated like non-tensor entries (e.g. :func:`is_activation`).
 
     Example:
-        >>> list(named_tensors((None, torch.ones(1)), "fc.output_grad", none_holds_position=True))
-        [('fc.output_grad.1', tensor([1.]))]
+        >>> x = torch.ones(1)
+        >>> [n for n, _ in named_tensors((x, None), "fc.output")], [n for n, _ in named_tensors((x, [x, x]), "f.input")]
+        (['fc.output'], ['f.input.0', 'f.input.1.0', 'f.input.1.1'])
+        >>> [n for n, _ in named_tensors({"pos": (x, x)}, "attn.input")]
+        ['attn.input.pos.0', 'attn.input.pos.1']
     """
-    if isinstance(value, tensor_type):
-        yield prefix, value
-        return
-    found: list[tuple[str, Any]] = []
-    _flatten(value, found, tensor_type, none_holds_position)
-    if len(found) == 1 and isinstance(value, (tuple, list)):
-        if found[0][1] is not None:
-            yield prefix, found[0][1]
-        return
-    for i, (key, tensor) in enumerate(found):
+    for path, tensor in tensor_paths(value, tensor_type, keep, none_holds_position):
         if tensor is not None:
-            yield f"{prefix}.{key or i}", tensor
+            yield (f"{prefix}.{path}" if path else prefix), tensor
 
 
-def _flatten(value: Any, out: list[tuple[str, Any]], tensor_type: type, keep_none: bool, key: str = "") -> None:
-    if isinstance(value, tensor_type) or (keep_none and value is None):
-        out.append((key, value))
+def tensor_paths(value: Any, tensor_type: type = torch.Tensor, keep: Callable[[Any], bool] | None = None,
+                 keep_none: bool = False) -> list[tuple[str, Any]]:
+    """``(path, tensor)`` of every tensor in ``value`` as :func:`named_tensors` names them (``""``: the prefix
+    alone); with ``keep_none``, None entries too."""
+    if isinstance(value, tensor_type):
+        return [("", value)] if keep is None or keep(value) else []
+    found: list[tuple[str, Any]] = []
+    _flatten(value, found, tensor_type, keep, keep_none, "")
+    if len(found) == 1 and isinstance(value, (tuple, list)):
+        return [("", found[0][1])]
+    return found
+
+
+def _flatten(value: Any, out: list[tuple[str, Any]], tensor_type: type, keep: Callable[[Any], bool] | None,
+             keep_none: bool, path: str) -> None:
+    if isinstance(value, tensor_type):
+        if keep is None or keep(value):
+            out.append((path, value))
+    elif value is None:
+        if keep_none:
+            out.append((path, None))
     elif isinstance(value, (tuple, list)):
-        for item in value:
-            _flatten(item, out, tensor_type, keep_none, key)
+        for i, item in enumerate(value):
+            _flatten(item, out, tensor_type, keep, keep_none, f"{path}.{i}" if path else str(i))
     elif isinstance(value, dict):
         for name, item in value.items():
-            _flatten(item, out, tensor_type, keep_none, f"{key}.{name}" if key else str(name))
+            _flatten(item, out, tensor_type, keep, keep_none, f"{path}.{name}" if path else str(name))
 
 
 class ActivationCollector(HookedCollector):
@@ -78,11 +104,21 @@ class ActivationCollector(HookedCollector):
     so an uncollected step runs the model without any hook of ours. A tensor that is both
     one module's output and the next module's input is measured once (see StepContext.record).
 
-    Gradients come from full module backward hooks (``grad_hooks: module``) or from hooks on
-    the module's tensors (``grad_hooks: tensor``): a forward pre-hook hooks the input tensors
-    (before the module may modify them in place), the forward hook the output tensors. Those
-    tensor hooks go on non-leaf tensors only, so they die with the autograd graph; their
-    handles are also removed at the end of the step and on :meth:`disarm`.
+    Rows are named by :func:`named_tensors` (gradients after their forward tensors) and by the call:
+    the k-th call (k >= 1) of a module in one micro-step writes under ``{module}.call{k}``
+    (:func:`trainmon.records.module_call`). Integer and bool tensors are not activations and tensors
+    with no element get no row. A forward run again inside a backward pass (activation checkpointing)
+    writes no forward rows; its calls are numbered per backward pass.
+
+    Gradients (torch): ``output_grad`` from hooks on the output tensors that the forward hook puts
+    on them, whatever the output's structure (a dict, an HF ``ModelOutput``). ``input_grad`` with
+    ``grad_hooks: module``: a full backward hook makes torch route the gradient of the positional
+    input tensors through one node per call, and a hook on that node, put on it by the forward hook,
+    reads the gradient through this module only; with ``grad_hooks: tensor``: hooks on the input
+    tensors (their total gradient), put on them by a forward pre-hook (before the module may modify
+    them in place). Either way the call that made a tensor names its gradient row. Tensor and node
+    hooks die with the autograd graph; their handles are also removed at the end of the step and on
+    :meth:`disarm`. Other frameworks (MindSpore cells) use the module backward hook's tuples.
 
     Args:
         ctx: the monitor's step context.
@@ -93,7 +129,8 @@ class ActivationCollector(HookedCollector):
         backward_hook: the module method that registers a backward hook
             ``(module, grad_input, grad_output)`` and returns a removable handle.
 
-    Subclasses (the Megatron collector) reuse :meth:`forward_hook` and the ``HOOK_GROUP`` of handles.
+    Subclasses (the Megatron collector) reuse :meth:`next_call`, :meth:`record_forward`,
+    :meth:`hook_tensors` and the ``HOOK_GROUP`` of handles.
     """
 
     HOOK_GROUP = "activations"
@@ -111,32 +148,47 @@ class ActivationCollector(HookedCollector):
         self.backward_hook = backward_hook
         self.grad_hooks = config.grad_hooks if tensor_type is torch.Tensor else "module"
         self._quiet = QuietOutputOnlyBackward()
+        self._calls: dict[tuple[str, int], int] = {}  # (module, vpp_stage) -> calls so far
+        self._calls_at: tuple[int, int, int] = (-1, -1, -1)  # (step, micro_step, backward pass) they count in
+        self._open: dict[tuple[str, int], list[int]] = {}  # calls between their pre-hook and their hook
         ctx.grouped.limit_bytes = int(config.group_mb * 2**20)
 
     def install_hooks(self) -> None:
         forward = self.config.forward and "actv" in self.ctx.specs
         backward = self.config.backward and "actv_grad" in self.ctx.specs
-        if backward and self.grad_hooks == "module" and self.tensor_type is torch.Tensor:
+        if not (forward or backward):
+            return
+        if self.tensor_type is not torch.Tensor:
+            self._install_cell_hooks(forward, backward)
+            return
+        input_grads = backward and self.config.inputs
+        if input_grads and self.grad_hooks == "module":
             self._avoid_in_place_targets()
+        for name, module, vpp_stage in self.modules:
+            tensor_inputs = input_grads and self.grad_hooks == "tensor"
+            if tensor_inputs:
+                handle = module.register_forward_pre_hook(self.guarded(self._pre_hook(name, vpp_stage)),
+                                                          with_kwargs=True)
+                self.registry.add(self.HOOK_GROUP, handle)
+            hook = self.guarded(self._hook(name, vpp_stage, forward, backward, tensor_inputs))
+            self.registry.add(self.HOOK_GROUP, module.register_forward_hook(hook, with_kwargs=True))
+            if input_grads and self.grad_hooks == "module":
+                # Only so that torch routes the inputs' gradient through one node per call (see the class docstring).
+                handle = module.register_full_backward_hook(self.guarded(self._lift))
+                self.registry.add(self.HOOK_GROUP, handle)
+                for quiet in self._quiet.hooks(module, handle, self.guarded):
+                    self.registry.add(self.HOOK_GROUP, quiet)
+
+    def _install_cell_hooks(self, forward: bool, backward: bool) -> None:
+        """Another framework's cells (MindSpore): forward hooks, and the cell backward hook's gradient tuples."""
         for name, module, vpp_stage in self.modules:
             if forward:
                 handle = module.register_forward_hook(self.guarded(self.forward_hook(name, vpp_stage)),
                                                       with_kwargs=True)
                 self.registry.add(self.HOOK_GROUP, handle)
-            if backward and self.grad_hooks == "tensor":
-                if self.config.inputs:
-                    handle = module.register_forward_pre_hook(self.guarded(self._input_grad_hooks(name, vpp_stage)),
-                                                              with_kwargs=True)
-                    self.registry.add(self.HOOK_GROUP, handle)
-                handle = module.register_forward_hook(self.guarded(self._output_grad_hooks(name, vpp_stage)),
-                                                      with_kwargs=True)
-                self.registry.add(self.HOOK_GROUP, handle)
-            elif backward:
+            if backward:
                 handle = getattr(module, self.backward_hook)(self.guarded(self._backward_hook(name, vpp_stage)))
                 self.registry.add(self.HOOK_GROUP, handle)
-                if self.tensor_type is torch.Tensor:  # torch's "no inputs require gradients" warning
-                    for quiet in self._quiet.hooks(module, handle, self.guarded):
-                        self.registry.add(self.HOOK_GROUP, quiet)
 
     def _avoid_in_place_targets(self) -> None:
         """Switches to tensor hooks (with a warning) when a target module works in place.
@@ -154,83 +206,158 @@ class ActivationCollector(HookedCollector):
 
     def reset(self) -> None:
         self._quiet.reset()
+        self._forget_calls()
 
     def before_transfer(self) -> None:
         # The step's backward passes are over: drop the handles of its tensor hooks.
         self.registry.remove(self.TENSOR_HOOK_GROUP)
         self._quiet.reset()
+        self._forget_calls()
+
+    def _forget_calls(self) -> None:
+        self._open.clear()
+        self._calls.clear()
+        self._calls_at = (-1, -1, -1)
+
+    def _lift(self, module: Any, grad_input: Any, grad_output: Any) -> None:
+        self._quiet.lift()  # torch has just warned (or not): our filter, if any, comes out at once
+
+    # ------------------------------------------------------------------ calls and rows
+    def next_call(self, name: str, vpp_stage: int) -> int:
+        """The index of this call of module ``name`` in the micro-step (from 0); calls inside a backward
+        pass (activation checkpointing's re-run) are numbered per pass, in the order they run. A forward
+        that raised and is retried (its rows rolled back) numbers its calls afresh."""
+        ctx, task = self.ctx, backward_pass()
+        at = (ctx.step, ctx.micro_step, ctx.forwards) if task == -1 else (ctx.step, -1, task)
+        if at != self._calls_at:
+            self._calls.clear()
+            self._calls_at = at
+        call = self._calls.get((name, vpp_stage), 0)
+        self._calls[(name, vpp_stage)] = call + 1
+        return call
+
+    def record_forward(self, name: str, vpp_stage: int, call: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       output: Any) -> None:
+        """The ``actv`` rows of one call of module ``name``."""
+        module = module_call(name, call)
+        if self.config.inputs:
+            self._record_all("actv", args, activation_row(module, "input"), vpp_stage)
+            self._record_all("actv", kwargs, activation_row(module, "input"), vpp_stage)
+        self._record_all("actv", output, activation_row(module, "output"), vpp_stage)
+
+    def _record_all(self, family: str, value: Any, prefix: str, vpp_stage: int) -> None:
+        for row, tensor in named_tensors(value, prefix, self.tensor_type, keep=is_activation):
+            self._record(family, row, tensor, vpp_stage)
+
+    def _record(self, family: str, row: str, tensor: Any, vpp_stage: int) -> None:
+        if tensor.numel():  # no element, no statistics: an empty row would read as NaN
+            self.ctx.grouped.record(family, row, tensor, vpp_stage)
 
     def forward_hook(self, name: str, vpp_stage: int) -> ForwardHook:
         """The hook ``(module, args, kwargs, output)`` that records the ``actv`` rows of module ``name``."""
-        input_row, output_row = activation_row(name, "input"), activation_row(name, "output")
 
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if not self.ctx.collecting or in_backward():  # in a backward: activation checkpointing's re-run
-                return
-            if self.config.inputs:
-                for row, tensor in named_tensors(args, input_row, self.tensor_type):
-                    self.ctx.grouped.record("actv", row, tensor, vpp_stage)
-                for row, tensor in named_tensors(kwargs, input_row, self.tensor_type):
-                    self.ctx.grouped.record("actv", row, tensor, vpp_stage)
-            for row, tensor in named_tensors(output, output_row, self.tensor_type):
-                self.ctx.grouped.record("actv", row, tensor, vpp_stage)
-
-        return hook
-
-    def _backward_hook(self, name: str, vpp_stage: int) -> BackwardHook:
-        input_row, output_row = activation_row(name, "input_grad"), activation_row(name, "output_grad")
-
-        def hook(module: Any, grad_input: tuple[Any, ...], grad_output: tuple[Any, ...]) -> None:
-            self._quiet.lift()  # torch has just warned (or not): our filter, if any, comes out at once
             if not self.ctx.collecting:
                 return
-            # One entry per output/input tensor, None where no gradient flowed: keep the positions
-            # so that rows are named like the forward rows of the same tensors.
-            for row, tensor in named_tensors(grad_output, output_row, self.tensor_type,
-                                             none_holds_position=True):
-                self.ctx.grouped.record("actv_grad", row, tensor, vpp_stage)
-            if self.config.inputs:
-                for row, tensor in named_tensors(grad_input, input_row, self.tensor_type,
-                                                 none_holds_position=True):
-                    self.ctx.grouped.record("actv_grad", row, tensor, vpp_stage)
+            call = self.next_call(name, vpp_stage)
+            if not in_backward():  # in a backward: activation checkpointing's re-run
+                self.record_forward(name, vpp_stage, call, args, kwargs, output)
 
         return hook
 
-    def _input_grad_hooks(self, name: str, vpp_stage: int) -> ForwardPreHook:
-        """Forward pre-hook ``(module, args, kwargs)``: before the module may modify its inputs in place."""
-        row = activation_row(name, "input_grad")
+    def _pre_hook(self, name: str, vpp_stage: int) -> ForwardPreHook:
+        """Forward pre-hook ``(module, args, kwargs)``: numbers the call, hooks the input tensors before the
+        module may modify them in place (``grad_hooks: tensor``)."""
+        key = (name, vpp_stage)
 
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self.ctx.collecting and torch.is_grad_enabled():
-                self._hook_tensors(args, row, vpp_stage)
-                self._hook_tensors(kwargs, row, vpp_stage)
+            if not self.ctx.collecting:
+                return
+            call = self.next_call(name, vpp_stage)
+            self._open.setdefault(key, []).append(call)
+            if torch.is_grad_enabled():
+                row = activation_row(module_call(name, call), "input_grad")
+                self.hook_tensors(args, row, vpp_stage)
+                self.hook_tensors(kwargs, row, vpp_stage)
 
         return hook
 
-    def _output_grad_hooks(self, name: str, vpp_stage: int) -> ForwardHook:
-        row = activation_row(name, "output_grad")
+    def _hook(self, name: str, vpp_stage: int, forward: bool, backward: bool, numbered_before: bool) -> ForwardHook:
+        """Forward hook ``(module, args, kwargs, output)``: the call's ``actv`` rows and its gradient hooks."""
+        key = (name, vpp_stage)
+        module_inputs = backward and self.config.inputs and self.grad_hooks == "module"
 
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if self.ctx.collecting and torch.is_grad_enabled():
-                self._hook_tensors(output, row, vpp_stage)
+            if not self.ctx.collecting:
+                return
+            calls = self._open.get(key)
+            call = calls.pop() if numbered_before and calls else self.next_call(name, vpp_stage)
+            if forward and not in_backward():  # in a backward: activation checkpointing's re-run
+                self.record_forward(name, vpp_stage, call, args, kwargs, output)
+            if backward and torch.is_grad_enabled():
+                module_name = module_call(name, call)
+                self.hook_tensors(output, activation_row(module_name, "output_grad"), vpp_stage)
+                if module_inputs:
+                    self._hook_input_node(args, activation_row(module_name, "input_grad"), vpp_stage)
 
         return hook
 
-    def _hook_tensors(self, value: Any, prefix: str, vpp_stage: int) -> None:
-        """Puts a gradient hook on every tensor of ``value`` that is part of the autograd graph.
+    def hook_tensors(self, value: Any, prefix: str, vpp_stage: int) -> None:
+        """Puts a gradient hook on every activation tensor of ``value`` that is part of the autograd graph.
 
-        Rows are named like the forward rows of the same tensors (a tensor without gradient
-        keeps its index). Leaves (parameters, user inputs) are skipped: a hook on them would
-        outlive the step's graph.
+        Rows are named like the forward rows of the same tensors. Leaves (parameters, user inputs) are
+        skipped: a hook on them would outlive the step's graph.
         """
-        for row, tensor in named_tensors(value, prefix, self.tensor_type):
+        for row, tensor in named_tensors(value, prefix, self.tensor_type, keep=is_activation):
             if tensor.requires_grad and tensor.grad_fn is not None:
                 handle = tensor.register_hook(self.guarded(self._tensor_grad_hook(row, vpp_stage)))
                 self.registry.add(self.TENSOR_HOOK_GROUP, handle)
 
     def _tensor_grad_hook(self, row: str, vpp_stage: int) -> TensorHook:
-        def hook(grad: torch.Tensor) -> None:
+        def hook(grad: torch.Tensor | None) -> None:
+            if self.ctx.collecting and grad is not None:  # None: no gradient flowed to the tensor
+                self._record("actv_grad", row, grad, vpp_stage)
+
+        return hook
+
+    def _hook_input_node(self, args: tuple[Any, ...], prefix: str, vpp_stage: int) -> None:
+        """``grad_hooks: module``: a hook on the node through which torch's full backward hook machinery
+        routes this call's positional input tensors (the forward hook sees them as that node's outputs);
+        it receives their gradients through this module only, in the order of the tensors in ``args``."""
+        positions = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
+        nodes = {id(args[i].grad_fn): args[i].grad_fn for i in positions if args[i].grad_fn is not None}
+        if len(nodes) != 1:
+            return  # no input requires grad (no gradient to read), or not one node of ours
+        node = next(iter(nodes.values()))
+        if node.name() != "BackwardHookFunctionBackward":
+            return
+        found: list[tuple[str, Any]] = []
+        _flatten(args, found, torch.Tensor, is_activation, False, "")  # named as record_forward names them
+        paths = {path for path, _ in found}
+        names = [(prefix if len(found) == 1 else f"{prefix}.{i}") if str(i) in paths else None for i in positions]
+
+        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
             if self.ctx.collecting:
-                self.ctx.grouped.record("actv_grad", row, grad, vpp_stage)
+                for row, grad in zip(names, grad_inputs):
+                    if row is not None and grad is not None:
+                        self._record("actv_grad", row, grad, vpp_stage)
+
+        self.registry.add(self.TENSOR_HOOK_GROUP, node.register_hook(self.guarded(hook)))
+
+    def _backward_hook(self, name: str, vpp_stage: int) -> BackwardHook:
+        input_row, output_row = activation_row(name, "input_grad"), activation_row(name, "output_grad")
+
+        def hook(module: Any, grad_input: tuple[Any, ...], grad_output: tuple[Any, ...]) -> None:
+            if not self.ctx.collecting:
+                return
+            # One entry per output/input tensor, None where no gradient flowed: keep the positions
+            # so that rows are named like the forward rows of the same tensors.
+            for row, tensor in named_tensors(grad_output, output_row, self.tensor_type, none_holds_position=True,
+                                             keep=is_activation):
+                self._record("actv_grad", row, tensor, vpp_stage)
+            if self.config.inputs:
+                for row, tensor in named_tensors(grad_input, input_row, self.tensor_type,
+                                                 none_holds_position=True, keep=is_activation):
+                    self._record("actv_grad", row, tensor, vpp_stage)
 
         return hook

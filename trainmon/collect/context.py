@@ -32,6 +32,11 @@ def in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
+def backward_pass() -> int:
+    """The id of the backward pass (autograd graph task) running on this thread, -1 outside one."""
+    return _graph_task_id() if _graph_task_id is not None else -1
+
+
 def unscale_partial(partial: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The partial statistics of ``x / scale`` from those of ``x`` (``scale`` > 0; on the device, no sync)."""
     inverse = scale.detach().to(device=partial.device, dtype=partial.dtype).reciprocal()
@@ -100,6 +105,7 @@ class StepContext:
     step: int = 0
     micro_step: int = 0
     forwards: int = 0
+    """Training root forwards begun so far (each one a pass: a forward that raises and is retried is a new one)."""
     collecting: bool = False
     grad_acc_steps: int = 1
     pp_stage: int = 0

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from trainmon.collect.hooks import HookRegistry
-from trainmon.targets import select
+from trainmon.targets import plain_name, select
 
 if TYPE_CHECKING:
     import torch
@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from trainmon.collect.context import Collector
     from trainmon.config import MonitorConfig
     from trainmon.protocols import GradScaler, Optimizer, ProcessGroup
+
+_Item = TypeVar("_Item")
 
 
 @dataclass
@@ -69,15 +71,57 @@ class Attachment:
             self.on_close.pop()()
 
 
-def select_modules(named: Sequence[tuple[str, torch.nn.Module, int]], config: MonitorConfig
-                   ) -> list[tuple[str, torch.nn.Module, int]]:
-    """Target modules (the root, named ``""``, is never a target)."""
+def named_modules(root: torch.nn.Module, vpp_stage: int = 0
+                  ) -> tuple[list[tuple[str, torch.nn.Module, int]], dict[str, list[str]]]:
+    """Every module under ``root`` once, with its row name, and the other names of modules reached by several.
+
+    Names are :func:`trainmon.targets.plain_name` (no compile or checkpoint wrapper levels; where a wrapper
+    and the module it wraps get one name, the name is the wrapped module's). A module reached by several
+    names (T5's ``shared`` embedding, also ``encoder.embed_tokens`` and ``decoder.embed_tokens``) is named by
+    the first in ``named_modules()`` order; the others are its aliases: target patterns match them too.
+
+    Returns:
+        ``[(name, module, vpp_stage)]`` in ``named_modules()`` order, and ``{name: [alias, ...]}``.
+    """
+    return _by_plain_name(root.named_modules(remove_duplicate=False), vpp_stage)
+
+
+def named_parameters(root: torch.nn.Module, vpp_stage: int = 0
+                     ) -> tuple[list[tuple[str, torch.nn.Parameter, int]], dict[str, list[str]]]:
+    """:func:`named_modules` for parameters: a tied parameter (``lm_head.weight`` is ``embed_tokens.weight``)
+    is named by its first name, the others are aliases that target patterns match too."""
+    return _by_plain_name(root.named_parameters(remove_duplicate=False), vpp_stage)
+
+
+def _by_plain_name(items: Iterable[tuple[str, _Item]], vpp_stage: int
+                   ) -> tuple[list[tuple[str, _Item, int]], dict[str, list[str]]]:
+    by_name: dict[str, _Item] = {}
+    for name, item in items:
+        by_name[plain_name(name)] = item  # the first name's place, the innermost object (a wrapper's name: its module)
+    names_of: dict[int, list[str]] = {}
+    for name, item in by_name.items():
+        names_of.setdefault(id(item), []).append(name)
+    named = [(names[0], by_name[names[0]], vpp_stage) for names in names_of.values()]
+    return named, {names[0]: names[1:] for names in names_of.values() if len(names) > 1}
+
+
+def select_modules(named: Sequence[tuple[str, torch.nn.Module, int]], config: MonitorConfig,
+                   aliases: Mapping[str, Sequence[str]] | None = None) -> list[tuple[str, torch.nn.Module, int]]:
+    """Target modules (the root, named ``""``, is never a target); a pattern matching one of a module's
+    ``aliases`` selects it too."""
     named = [item for item in named if item[0]]
-    chosen = set(select([n for n, _, _ in named], config.targets.modules, "targets.modules"))
+    chosen = _select([n for n, _, _ in named], config.targets.modules, "targets.modules", aliases)
     return [item for item in named if item[0] in chosen]
 
 
-def select_params(named: Sequence[tuple[str, torch.nn.Parameter, int]], config: MonitorConfig
-                  ) -> list[tuple[str, torch.nn.Parameter, int]]:
-    chosen = set(select([n for n, _, _ in named], config.targets.params, "targets.params"))
+def select_params(named: Sequence[tuple[str, torch.nn.Parameter, int]], config: MonitorConfig,
+                  aliases: Mapping[str, Sequence[str]] | None = None) -> list[tuple[str, torch.nn.Parameter, int]]:
+    """Target parameters; a pattern matching one of a parameter's ``aliases`` selects it too."""
+    chosen = _select([n for n, _, _ in named], config.targets.params, "targets.params", aliases)
     return [item for item in named if item[0] in chosen]
+
+
+def _select(names: list[str], patterns: Sequence[str], key: str, aliases: Mapping[str, Sequence[str]] | None
+            ) -> set[str]:
+    canonical = {alias: name for name in names for alias in (aliases or {}).get(name, ())}
+    return {canonical.get(name, name) for name in select([*dict.fromkeys(names), *canonical], patterns, key)}

@@ -30,7 +30,14 @@ from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector, adam_update, update_ratio
 from trainmon.collect.stats import combine_partials_torch, empty_partial
-from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
+from trainmon.integrations.base import (
+    Attachment,
+    AttachOptions,
+    named_modules,
+    named_parameters,
+    select_modules,
+    select_params,
+)
 from trainmon.integrations.deepspeed_shards import ShardLayout, layout_for
 from trainmon.step_hooks import StepWrapper
 
@@ -230,15 +237,16 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
     if options.start_step == 0:
         ctx.step = engine.global_steps
     registry = HookRegistry()
-    named_modules = [(name, m, 0) for name, m in module.named_modules()]
-    params = [(name, p, 0) for name, p in module.named_parameters()]
+    modules_named, module_aliases = named_modules(module)
+    params, param_aliases = named_parameters(module)
     collectors: list[Collector] = []
     if config.activations.enabled:
-        collectors.append(ActivationCollector(ctx, select_modules(named_modules, config), config.activations, registry))
+        collectors.append(ActivationCollector(ctx, select_modules(modules_named, config, module_aliases),
+                                              config.activations, registry))
     hooks = StepWrapper(engine, boundary=engine.is_gradient_accumulation_boundary).install()
     shard_collector = None
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
-        chosen = select_params(params, config)
+        chosen = select_params(params, config, param_aliases)
         if "grad_unreduced" in ctx.specs:
             collectors.append(TorchOptimizerCollector(ctx, chosen, None, config, registry))
         dp_group = options.dp_group if options.dp_group is not None else getattr(engine, "data_parallel_group", None)
@@ -247,7 +255,8 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
     probe = None
     if config.grad_probe.enabled:
         try:
-            probe = _grad_probe(ctx, config, engine, select_params(params, config), registry, hooks, options)
+            probe = _grad_probe(ctx, config, engine, select_params(params, config, param_aliases), registry, hooks,
+                               options)
         except BaseException:
             hooks.uninstall()  # a failed attach leaves the engine as it was
             raise
@@ -255,6 +264,6 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
     rank, world_size = process_groups.layout()
     # a collective at the step's end: every rank collects the steps the writers collect
     collective = (shard_collector is not None and shard_collector.collective) or getattr(probe, "world", 1) > 1
-    return Attachment(collectors=collectors, roots=[(module, 0)], modules=named_modules, optimizer=hooks,
+    return Attachment(collectors=collectors, roots=[(module, 0)], modules=modules_named, optimizer=hooks,
                       registry=registry, rank=rank, world_size=world_size, collective=collective,
                       micro_steps_by_user=True, on_close=[hooks.uninstall])

@@ -46,10 +46,18 @@ from trainmon.collect.optimizer import (
     update_ratio,
 )
 from trainmon.collect.stats import combine_partials_torch, empty_partial
-from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
+from trainmon.integrations.base import (
+    Attachment,
+    AttachOptions,
+    named_modules,
+    named_parameters,
+    select_modules,
+    select_params,
+)
 from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, _local, shard_group_of
-from trainmon.integrations.torch import _outside_compiled, compiled_regions, plain_name, unwrap_model
+from trainmon.integrations.torch import _outside_compiled, compiled_regions, unwrap_model
 from trainmon.step_hooks import scale_of, unwrap_optimizer
+from trainmon.targets import plain_name
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext
@@ -329,9 +337,8 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
     if weights or probe:
         _reshard_if_unsharded(root)
     registry = HookRegistry()
-    named_modules = list({plain_name(name): (plain_name(name), module, 0)
-                          for name, module in root.named_modules()}.values())
-    params = [(plain_name(name), p, 0) for name, p in root.named_parameters()]
+    modules_named, module_aliases = named_modules(root)
+    params, param_aliases = named_parameters(root)
     collectors: list[Collector] = []
     shard_collector: FSDPOptimizerCollector | None = None
     shards: ShardGroup | None = None
@@ -340,7 +347,7 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         extra = [] if optimizer is None else [(f"optimizer parameter {i}", p) for i, p in enumerate(
             p for group in optimizer.param_groups for p in group["params"]) if id(p) not in names]
         shards = shard_group_of([(name, p) for name, p, _ in params] + extra)
-        chosen = select_params(params, config)
+        chosen = select_params(params, config, param_aliases)
     probe_collector = None
     if probe and shards is not None:  # its layout check may raise: before any other collector exists
         from trainmon.integrations.fsdp_probe import fsdp_grad_probe
@@ -353,10 +360,10 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
             writes_rows=process_groups.is_lowest_selected(shards.group, config.ranks))
     if config.activations.enabled:
         regions = [plain_name(region) for region in compiled_regions(model)]
-        modules = _outside_compiled(select_modules(named_modules, config), regions)
+        modules = _outside_compiled(select_modules(modules_named, config, module_aliases), regions)
         collectors.append(ActivationCollector(ctx, modules, config.activations, registry))
     collectors += [c for c in (shard_collector, probe_collector) if c is not None]
     rank, world_size = process_groups.layout()
-    return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_modules, optimizer=optimizer,
+    return Attachment(collectors=collectors, roots=[(model, 0)], modules=modules_named, optimizer=optimizer,
                       registry=registry, rank=rank, world_size=world_size, scaler=scaler,
                       collective=shards is not None and shards.size > 1)

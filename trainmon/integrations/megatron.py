@@ -12,15 +12,23 @@ one warning). See docs/megatron.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from trainmon import process_groups
 from trainmon.collect.hooks import HookRegistry
-from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
+from trainmon.integrations.base import (
+    Attachment,
+    AttachOptions,
+    named_modules,
+    named_parameters,
+    select_modules,
+    select_params,
+)
 from trainmon.integrations.megatron_collect import (
     GroupLayout,
     MainParam,
@@ -36,6 +44,7 @@ if TYPE_CHECKING:
     from trainmon.protocols import MegatronParameter
 
 logger = logging.getLogger("trainmon")
+_Named = TypeVar("_Named")
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     """The model inside Megatron's ``DistributedDataParallel`` / ``Float16Module`` wrappers (and torch DDP)."""
@@ -191,16 +200,17 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
     tp_rank, tp_size = process_groups.layout(tp_group, none_is_world=False)
     pp_stage = process_groups.group_rank(pp_group, none_is_world=False)
     registry = HookRegistry()
-    named_modules = [(name, module, vpp) for vpp, root in enumerate(roots) for name, module in root.named_modules()]
+    modules_named, module_aliases = _chunks_named(roots, named_modules)
     collectors: list[Collector] = []
     if config.activations.enabled:
-        collectors.append(MegatronActivationCollector(ctx, select_modules(named_modules, config),
+        collectors.append(MegatronActivationCollector(ctx, select_modules(modules_named, config, module_aliases),
                                                       config.activations, registry))
-    params = [(name, p, vpp) for vpp, root in enumerate(roots) for name, p in root.named_parameters()]
+    params, param_aliases = _chunks_named(roots, named_parameters)
+    chosen = functools.partial(select_params, params, config, param_aliases)  # raises only when called
     if isinstance(optimizer, torch.optim.Optimizer):
         # A plain torch optimizer (NVIDIA's examples/run_simple_mcore_train_loop.py): its own
         # step hooks and the torch collectors, which read ``param.grad`` as it stands.
-        return _attach_torch_optimizer(ctx, config, roots, named_modules, params, optimizer, collectors,
+        return _attach_torch_optimizer(ctx, config, roots, modules_named, chosen, optimizer, collectors,
                                        registry, pp_stage, tp_size)
     step_hooks = None
     if optimizer is not None:
@@ -210,10 +220,10 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
     layout = GroupLayout(tp_group, tp_size, tp_rank)
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         check_dp_group(options.dp_group, mains)
-        collectors.append(MegatronParamCollector(ctx, select_params(params, config), mains, layout, config, registry))
+        collectors.append(MegatronParamCollector(ctx, chosen(), mains, layout, config, registry))
     if config.grad_probe.enabled:
         try:
-            probe = grad_probe(ctx, config, select_params(params, config), mains, layout, registry)
+            probe = grad_probe(ctx, config, chosen(), mains, layout, registry)
         except BaseException:
             if step_hooks is not None:
                 step_hooks.uninstall()  # a failed attach leaves the optimizer as it was
@@ -222,7 +232,7 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
             collectors.append(probe)
     rank, world_size = process_groups.layout()
     attachment = Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
-                            modules=named_modules, optimizer=step_hooks, registry=registry, rank=rank,
+                            modules=modules_named, optimizer=step_hooks, registry=registry, rank=rank,
                             world_size=world_size, pp_stage=pp_stage, collective=world_size > 1)
     if step_hooks is not None:
         attachment.on_close.append(step_hooks.uninstall)
@@ -330,9 +340,25 @@ def grad_probe(ctx: StepContext, config: MonitorConfig, params: list[tuple[str, 
                             exp_avg_of=exp_avg_of, group=group)
 
 
+def _chunks_named(roots: Sequence[torch.nn.Module],
+                  naming: Callable[[torch.nn.Module, int], tuple[list[tuple[str, _Named, int]], dict[str, list[str]]]]
+                  ) -> tuple[list[tuple[str, _Named, int]], dict[str, list[str]]]:
+    """``naming`` (:func:`named_modules` or :func:`named_parameters`) of every chunk, with its vpp stage; the
+    chunks of a virtual pipeline have the same names."""
+    named: list[tuple[str, _Named, int]] = []
+    aliases: dict[str, list[str]] = {}
+    for vpp, root in enumerate(roots):
+        chunk, chunk_aliases = naming(root, vpp)
+        named += chunk
+        for name, others in chunk_aliases.items():
+            aliases.setdefault(name, []).extend(alias for alias in others if alias not in aliases.get(name, []))
+    return named, aliases
+
+
 def _attach_torch_optimizer(ctx: StepContext, config: MonitorConfig, roots: list[torch.nn.Module],
                             named_modules: list[tuple[str, torch.nn.Module, int]],
-                            params: list[tuple[str, MegatronParameter, int]], optimizer: torch.optim.Optimizer,
+                            chosen: Callable[[], list[tuple[str, MegatronParameter, int]]],
+                            optimizer: torch.optim.Optimizer,
                             collectors: list[Collector], registry: HookRegistry, pp_stage: int,
                             tp_size: int = 1) -> Attachment:
     """Megatron-Core model chunks trained with a ``torch.optim`` optimizer.
@@ -342,18 +368,18 @@ def _attach_torch_optimizer(ctx: StepContext, config: MonitorConfig, roots: list
     """
     from trainmon.collect.optimizer import TorchOptimizerCollector
 
-    if any(hasattr(p, "main_grad") for _, p, _ in params):
+    if any(hasattr(p, "main_grad") for root in roots for p in root.parameters()):
         logger.warning("trainmon: a torch optimizer over Megatron DDP chunks: gradients live in param.main_grad, "
                        "which a torch optimizer does not use; grad rows and grad_norm may be missing")
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
-        collectors.append(TorchOptimizerCollector(ctx, select_params(params, config), optimizer, config, registry))
+        collectors.append(TorchOptimizerCollector(ctx, chosen(), optimizer, config, registry))
     if config.grad_probe.enabled and tp_size > 1:
         logger.warning("trainmon: grad_probe over tensor-parallel chunks needs the Megatron optimizer (it knows "
                        "the partitions); with a torch optimizer it is off")
     elif config.grad_probe.enabled:
         from trainmon.probe.collector import GradProbe
 
-        collectors.append(GradProbe(ctx, select_params(params, config), config, registry, optimizer))
+        collectors.append(GradProbe(ctx, chosen(), config, registry, optimizer))
     rank, world_size = process_groups.layout()
     return Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                       modules=named_modules, optimizer=optimizer, registry=registry, rank=rank,

@@ -23,7 +23,7 @@ from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.collect.optimizer import adam_update, update_ratio
 from trainmon.collect.stats import combine_partials_torch, empty_partial, partial_stats
-from trainmon.records import RowKey, activation_row
+from trainmon.records import RowKey, activation_row, module_call
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
@@ -311,20 +311,21 @@ class MegatronActivationCollector(ActivationCollector):
 
     def _megatron_hook(self, name: str, vpp_stage: int, forward: bool,
                        backward: bool) -> Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
-        measure_forward = self.forward_hook(name, vpp_stage)
         is_checkpointing = self._is_checkpointing
-        input_row, output_row = activation_row(name, "input_grad"), activation_row(name, "output_grad")
 
         def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if not self.ctx.collecting:
                 return
+            call = self.next_call(name, vpp_stage)
             grad_enabled = torch.is_grad_enabled()
             if forward and not (grad_enabled and is_checkpointing()) and not in_backward():
-                measure_forward(module, args, kwargs, output)
+                self.record_forward(name, vpp_stage, call, args, kwargs, output)
             if backward and grad_enabled:
-                self._hook_tensors(output, output_row, vpp_stage)
+                module_name = module_call(name, call)
+                self.hook_tensors(output, activation_row(module_name, "output_grad"), vpp_stage)
                 if self.config.inputs:
-                    self._hook_tensors((args, kwargs), input_row, vpp_stage)
+                    self.hook_tensors(args, activation_row(module_name, "input_grad"), vpp_stage)
+                    self.hook_tensors(kwargs, activation_row(module_name, "input_grad"), vpp_stage)
 
         return hook
 
@@ -333,7 +334,7 @@ class MegatronActivationCollector(ActivationCollector):
         key = (vpp_stage, row)  # chunks of a virtual pipeline have the same module names
         def hook(grad: torch.Tensor) -> None:
             ctx = self.ctx
-            if not ctx.collecting:
+            if not ctx.collecting or not grad.numel():  # no element: no row (see ActivationCollector)
                 return
             micro_step = self._grad_calls.get(key, 0)
             self._grad_calls[key] = micro_step + 1

@@ -11,8 +11,16 @@ from trainmon import process_groups
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector
-from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
+from trainmon.integrations.base import (
+    Attachment,
+    AttachOptions,
+    named_modules,
+    named_parameters,
+    select_modules,
+    select_params,
+)
 from trainmon.step_hooks import unwrap_optimizer
+from trainmon.targets import plain_name
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext
@@ -34,11 +42,6 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             model = cast(torch.nn.Module, model._orig_mod)
         else:
             return model
-
-
-def plain_name(name: str) -> str:
-    """A module or parameter name without the ``_orig_mod`` level of a compiled submodule."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 def _is_compiled(module: Any) -> bool:
@@ -82,24 +85,24 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     root = unwrap_model(model)
     registry = HookRegistry()
-    named_modules = list({plain_name(name): (plain_name(name), module, 0)
-                          for name, module in root.named_modules()}.values())
+    modules_named, module_aliases = named_modules(root)
     collectors: list[Collector] = []
     if config.activations.enabled:
         regions = [plain_name(region) for region in compiled_regions(model)]
-        modules = _outside_compiled(select_modules(named_modules, config), regions)
+        modules = _outside_compiled(select_modules(modules_named, config, module_aliases), regions)
         collectors.append(ActivationCollector(ctx, modules, config.activations, registry))
-    params = [(plain_name(name), p, 0) for name, p in root.named_parameters()]
+    params, param_aliases = named_parameters(root)
     rank, world_size = process_groups.layout()
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         # one process: no data-parallel reduction can change a gradient inside the backward
-        collectors.append(TorchOptimizerCollector(ctx, select_params(params, config), optimizer, config, registry,
+        chosen = select_params(params, config, param_aliases)
+        collectors.append(TorchOptimizerCollector(ctx, chosen, optimizer, config, registry,
                                                   batch_unreduced=world_size == 1))
     if config.grad_probe.enabled:
         from trainmon.probe.collector import GradProbe
 
-        collectors.append(GradProbe(ctx, select_params(params, config), config, registry, optimizer))
-    return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_modules, optimizer=optimizer,
+        collectors.append(GradProbe(ctx, select_params(params, config, param_aliases), config, registry, optimizer))
+    return Attachment(collectors=collectors, roots=[(model, 0)], modules=modules_named, optimizer=optimizer,
                       registry=registry, rank=rank, world_size=world_size, scaler=scaler)
 
 
