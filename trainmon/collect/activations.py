@@ -229,8 +229,12 @@ class ActivationCollector(HookedCollector):
                 self.registry.add(self.TENSOR_HOOK_GROUP, handle)
 
     def _tensor_grad_hook(self, row: str, vpp_stage: int) -> TensorHook:
+        # The gradient of a tensor belongs to the micro-step of the forward that made it, also when a
+        # pipeline schedule runs the backward of micro-batch k after forwards of later ones.
+        micro_step = self.ctx.micro_step
+
         def hook(grad: torch.Tensor) -> None:
             if self.ctx.collecting:
-                self.ctx.grouped.record("actv_grad", row, grad, vpp_stage)
+                self.ctx.grouped.record("actv_grad", row, grad, vpp_stage, micro_step)
 
         return hook
