@@ -32,6 +32,8 @@ CASES = [
     {"name": "z0_plain", "stage": 0, "gas": GAS, "monitor": False},
     {"name": "z1", "stage": 1, "gas": GAS, "grad_hooks": "tensor", "user_step": True},
     {"name": "z1_plain", "stage": 1, "gas": GAS, "monitor": False},
+    # only rank 1 (stage 1) writes, every 2nd step: stage 0 still joins the ZeRO-0 norm's all_reduce
+    {"name": "z0_rank1_interval", "stage": 0, "gas": GAS, "ranks": [1], "interval": 2},
 ]
 MONITORED = ["z0", "z1"]
 STAGE_LAYERS = {0: {"tied_modules.embed", "1", "2"}, 1: {"3", "tied_modules.embed", "5", "loss_fn"}}
@@ -124,16 +126,21 @@ def test_unreduced_gradient_is_the_last_micro_steps_accumulated_gradient(runs, r
                     f"{run}/{rank}/grad_unreduced")
 
 
+def _global_norms(run: Path) -> list[float]:
+    """float64 norm of both stages' reduced gradients per step, a tied weight counted once."""
+    grads = []
+    for rank in (0, 1):
+        refs = _refs(run, rank)
+        replicated = dict(zip([str(n) for n in refs["names"]], refs["replicated"]))
+        grads.append({s: [refs[f"{s}/grad/{n}"] for n, rep in replicated.items() if not rep] for s in range(STEPS)})
+    return [np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for rank in grads for g in rank[s]))
+            for s in range(STEPS)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("run", MONITORED)
 def test_grad_norm_is_global_over_the_stages(runs, run):
-    grads = []
-    for rank in (0, 1):
-        refs = _refs(runs[run], rank)
-        replicated = dict(zip([str(n) for n in refs["names"]], refs["replicated"]))
-        grads.append({s: [refs[f"{s}/grad/{n}"] for n, rep in replicated.items() if not rep] for s in range(STEPS)})
-    want = [np.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for rank in grads for g in rank[s]))
-            for s in range(STEPS)]
+    want = _global_norms(runs[run])
     for rank in (0, 1):
         scalars = pd.read_csv(runs[run] / f"rank{rank}" / "scalars.csv")
         got = scalars[scalars["name"] == "grad_norm"].sort_values("step")["value"].to_numpy()
@@ -203,3 +210,14 @@ def test_checkpointing_without_activations_is_accepted():
     from trainmon.integrations.deepspeed_pipe import refusal
 
     assert refusal(_fake_engine(checkpoint_interval=1), load_config({})) is None
+
+
+@pytest.mark.slow
+def test_selected_rank_and_interval(runs):
+    run = runs["z0_rank1_interval"]
+    assert not (run / "rank0").exists()  # stage 0 is not selected: no files, but it joined the norm's all_reduce
+    scalars = pd.read_csv(run / "rank1" / "scalars.csv")
+    norms = scalars[scalars["name"] == "grad_norm"].set_index("step")["value"]
+    assert list(norms.index) == [0, 2]
+    assert np.allclose(norms.to_numpy(), [_global_norms(run)[s] for s in (0, 2)], rtol=1e-5, atol=0)
+    assert sorted(read_family(run / "rank1", "grad_reduced")["step"].unique()) == [0, 2]

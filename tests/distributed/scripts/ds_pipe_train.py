@@ -3,7 +3,8 @@
 Run by tests/launch.py (``DeepSpeedCases``) as ``python ds_pipe_train.py OUT CASE`` on 2 local ranks (one
 pipeline stage each, gloo on CPU). CASE is a JSON object ``{"name", "stage" (ZeRO 0 or 1), "gas", "monitor"
 (false: the same run without trainmon), "grad_hooks" (module or tensor), "user_step" (call
-``monitor.step(loss=loss)`` after each ``train_batch``; else the monitor ends its steps by itself), "steps"}``.
+``monitor.step(loss=loss)`` after each ``train_batch``; else the monitor ends its steps by itself), "steps",
+"ranks", "interval" (the monitor's ``ranks`` and ``step_interval``)}``.
 
 The model has a weight tied across the two stages (``TiedLayerSpec``, as an embedding tied to the output
 layer): DeepSpeed all-reduces its gradient over the stages, and counts it once in its gradient norm.
@@ -138,7 +139,8 @@ def run_case(out: str, case: dict) -> None:
     if case.get("monitor", True):
         monitor = TrainerMonitor({"output_dir": out, "run_name": case["name"], "sinks": ["csv"],
                                   "activations": {"enabled": True, "grad_hooks": case.get("grad_hooks", "module")},
-                                  "params": {"enabled": True}, "anomaly": {"actions": ["jsonl"]}})
+                                  "params": {"enabled": True}, "anomaly": {"actions": ["jsonl"]},
+                                  "ranks": case.get("ranks"), "step_interval": case.get("interval", 1)})
         monitor.attach(engine)
     batches = data(seed=7)
     times, losses, norms, pp_stages = [], [], [], []
