@@ -40,6 +40,7 @@ import torch
 
 from trainmon.collect.activations import named_tensors
 from trainmon.collect.hooks import HookedCollector, HookRegistry
+from trainmon.errors import UnsupportedSetupError
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
@@ -50,7 +51,7 @@ _MARKS = "pipe_backward_marks"
 _MARK_TENSORS = "pipe_backward_mark_tensors"
 
 
-class PipelineSetupError(ValueError):
+class PipelineSetupError(UnsupportedSetupError):
     """A pipeline set-up trainmon cannot monitor exactly (raised at ``attach``)."""
 
 
@@ -68,6 +69,7 @@ class BackwardMarks(HookedCollector):
     """
 
     HOOK_GROUPS = (_MARKS,)
+    PART = "step"  # every row's micro-step depends on it
 
     def __init__(self, ctx: StepContext, root: torch.nn.Module, registry: HookRegistry) -> None:
         super().__init__(ctx, registry)
@@ -75,7 +77,7 @@ class BackwardMarks(HookedCollector):
         ctx.backward_end.append(self._pass_ended)
 
     def install_hooks(self) -> None:
-        self.registry.add(_MARKS, self.root.register_forward_hook(self._forward))
+        self.registry.add(_MARKS, self.root.register_forward_hook(self.guarded(self._forward)))
 
     def _forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         ctx = self.ctx
@@ -89,7 +91,7 @@ class BackwardMarks(HookedCollector):
 
         for _, tensor in named_tensors(output, ""):
             if tensor.requires_grad and tensor.grad_fn is not None:  # non-leaf: the hook dies with the graph
-                self.registry.add(_MARK_TENSORS, tensor.register_hook(mark))
+                self.registry.add(_MARK_TENSORS, tensor.register_hook(self.guarded(mark)))
 
     def _pass_ended(self) -> None:
         self.ctx.forget_measured()
@@ -137,4 +139,4 @@ def loss_reader(ctx: StepContext, batch: StepWrapper) -> StepHook:
         if ctx.collecting and isinstance(loss, torch.Tensor):
             ctx.buffer.add_scalar("loss", loss.detach().float().mean())
 
-    return read
+    return ctx.guard.wrap("loss", read, bypass=torch.compiler.is_compiling)
