@@ -35,11 +35,15 @@ class StepWrapper:
     Args:
         owner: the instance whose ``step`` is wrapped.
         boundary: whether this call of ``step`` is an optimizer step (default: always).
+        method: the name of the method wrapped (default ``step``; a DeepSpeed ``PipelineEngine``, whose
+            ``step`` raises, has its optimizer step wrapped in ``_take_model_step`` and its batch in
+            ``train_batch``).
     """
 
-    def __init__(self, owner: Any, boundary: Callable[[], bool] | None = None) -> None:
+    def __init__(self, owner: Any, boundary: Callable[[], bool] | None = None, method: str = "step") -> None:
         self.owner = owner
         self.boundary = boundary
+        self.method = method
         self._pre: OrderedDict[int, StepHook] = OrderedDict()  # weak-referenceable, as RemovableHandle needs
         self._post: OrderedDict[int, StepHook] = OrderedDict()
         self.last_result: Any = None
@@ -58,8 +62,8 @@ class StepWrapper:
 
     def install(self) -> StepWrapper:
         namespace = self.owner.__dict__
-        self._previous = namespace.get("step")
-        inner = self.owner.step  # the bound method, or a wrapper installed earlier
+        self._previous = namespace.get(self.method)
+        inner = getattr(self.owner, self.method)  # the bound method, or a wrapper installed earlier
 
         def step(*args: Any, **kwargs: Any) -> Any:
             if not self.active or (self.boundary is not None and not self.boundary()):
@@ -72,7 +76,7 @@ class StepWrapper:
             return self.last_result
 
         step.__trainmon_step_wrapper__ = self  # type: ignore[attr-defined]
-        namespace["step"] = step
+        namespace[self.method] = step
         self.active = True
         return self
 
@@ -81,7 +85,7 @@ class StepWrapper:
         self._pre.clear()
         self._post.clear()
         namespace = self.owner.__dict__
-        if getattr(namespace.get("step"), "__trainmon_step_wrapper__", None) is not self:
+        if getattr(namespace.get(self.method), "__trainmon_step_wrapper__", None) is not self:
             return  # wrapped again on top of us: stay as an inert pass-through
         previous = self._previous
         # Unwind earlier trainmon wrappers that are already inert (e.g. after a config reload).
@@ -89,9 +93,9 @@ class StepWrapper:
                 and not previous.__trainmon_step_wrapper__.active:
             previous = previous.__trainmon_step_wrapper__._previous
         if previous is None:
-            del namespace["step"]
+            del namespace[self.method]
         else:
-            namespace["step"] = previous
+            namespace[self.method] = previous
 
 
 def unwrap_optimizer(optimizer: Optimizer) -> tuple[Optimizer, GradScaler | None]:

@@ -249,9 +249,9 @@ class ActivationCollector(HookedCollector):
         for row, tensor in named_tensors(value, prefix, self.tensor_type, keep=is_activation):
             self._record(family, row, tensor, vpp_stage)
 
-    def _record(self, family: str, row: str, tensor: Any, vpp_stage: int) -> None:
+    def _record(self, family: str, row: str, tensor: Any, vpp_stage: int, micro_step: int | None = None) -> None:
         if tensor.numel():  # no element, no statistics: an empty row would read as NaN
-            self.ctx.grouped.record(family, row, tensor, vpp_stage)
+            self.ctx.grouped.record(family, row, tensor, vpp_stage, micro_step)
 
     def forward_hook(self, name: str, vpp_stage: int) -> ForwardHook:
         """The hook ``(module, args, kwargs, output)`` that records the ``actv`` rows of module ``name``."""
@@ -314,9 +314,13 @@ class ActivationCollector(HookedCollector):
                 self.registry.add(self.TENSOR_HOOK_GROUP, handle)
 
     def _tensor_grad_hook(self, row: str, vpp_stage: int) -> TensorHook:
+        # The gradient of a tensor belongs to the micro-step of the forward that made it, also when a
+        # pipeline schedule runs the backward of micro-batch k after forwards of later ones.
+        micro_step = self.ctx.micro_step
+
         def hook(grad: torch.Tensor | None) -> None:
             if self.ctx.collecting and grad is not None:  # None: no gradient flowed to the tensor
-                self._record("actv_grad", row, grad, vpp_stage)
+                self._record("actv_grad", row, grad, vpp_stage, micro_step)
 
         return hook
 

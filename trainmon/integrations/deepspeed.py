@@ -64,6 +64,7 @@ class DeepSpeedShardCollector(HookedCollector):
         config: the monitor config.
         hooks: the engine's boundary hooks.
         dp_group: the data-parallel process group (None: the default group).
+        norm_group: the pipeline stages of this replica, whose ZeRO-0 norms make ``grad_norm`` (None: one stage).
 
     The combined rows are identical on every rank of the group, so they are written once, by
     the lowest *selected* (``config.ranks``) global rank of the group; every rank still joins
@@ -71,7 +72,7 @@ class DeepSpeedShardCollector(HookedCollector):
     """
 
     def __init__(self, ctx: StepContext, engine: Any, params: list[tuple[str, DeepSpeedParameter, int]],
-                 config: MonitorConfig, hooks: StepWrapper, dp_group: Any = None) -> None:
+                 config: MonitorConfig, hooks: StepWrapper, dp_group: Any = None, norm_group: Any = None) -> None:
         super().__init__(ctx)
         self.engine = engine
         self.params = params
@@ -82,6 +83,8 @@ class DeepSpeedShardCollector(HookedCollector):
         self.dp_rank, self.dp_world = rank, world
         self.writes_rows = process_groups.is_lowest_selected(dp_group, config.ranks)
         self.collective = not self.layout.replicated and world > 1
+        self.norm_group = norm_group
+        self.norm_world = process_groups.group_size(norm_group, none_is_world=False)
         self._pending: list[tuple[str, str, int, torch.Tensor]] = []
         self.keep(hooks.register_step_pre_hook(self.guarded(self._pre_step)))
         self.keep(hooks.register_step_post_hook(self.guarded(self._post_step)))
@@ -108,10 +111,32 @@ class DeepSpeedShardCollector(HookedCollector):
             if "param" in ctx.specs:
                 self._measure("param", name, vpp_stage, layout.master(param))
         if layout.replicated and getattr(engine.optimizer, "_global_grad_norm", None) is None:
-            # Plain torch optimizer under ZeRO-0: DeepSpeed computes no norm; every rank has all grads.
-            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            self.replicated_grad_norm(engine)
+
+    def replicated_grad_norm(self, engine: Any) -> None:
+        """``grad_norm`` under ZeRO-0 with a plain torch optimizer, where DeepSpeed computes none.
+
+        Every rank has all gradients of its model (averaged over the data-parallel group). A pipeline
+        stage has only its layers': the squared norms are summed over ``norm_group`` (the stages of
+        this replica), a weight tied across stages counted once, on its owner (DeepSpeed marks the
+        other copies ``ds_pipe_replicated`` and counts them so too). This runs at the start of the
+        optimizer step, the one point every stage is sure to reach together (the schedule ends with
+        the tied-weight all-reduce, the gradient reduction and the optimizer step on every stage);
+        the end of the monitor step is not: a collective there would deadlock the pipeline.
+        """
+        grads = [p.grad for p in engine.module.parameters()
+                 if p.grad is not None and not getattr(p, "ds_pipe_replicated", False)]
+        if self.norm_world == 1:
             if grads:
-                ctx.buffer.add_scalar("grad_norm", torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+                self.ctx.buffer.add_scalar("grad_norm", torch.nn.utils.get_total_norm(grads, 2.0, foreach=True))
+            return
+        norm = (torch.nn.utils.get_total_norm(grads, 2.0, foreach=True) if grads
+                else torch.zeros((), device=torch.device(engine.device)))  # a stage without gradients joins too
+        squared = norm.to(torch.float32).square()
+        import torch.distributed as dist
+
+        dist.all_reduce(squared, group=self.norm_group)  # THE collective of the step (ZeRO-0: no shard combined)
+        self.ctx.buffer.add_scalar("grad_norm", squared.sqrt())
 
     def _post_step(self, engine: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ctx, layout = self.ctx, self.layout
@@ -227,11 +252,14 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
         TargetError: a target pattern matches no module or parameter.
     """
     from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
     if not isinstance(engine, DeepSpeedEngine):
         raise TypeError(f"the deepspeed integration needs a DeepSpeedEngine, got {type(engine).__name__}")
     if optimizer is not None and optimizer is not engine.optimizer:
         raise TypeError("pass only the engine to attach(): DeepSpeed owns the optimizer")
+    if isinstance(engine, PipelineEngine):  # train_batch() instead of forward/backward/step
+        return _attach_pipeline(ctx, config, engine, options)
     module = engine.module
     ctx.grad_acc_steps = engine.gradient_accumulation_steps()
     if options.start_step == 0:
@@ -267,3 +295,55 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
     return Attachment(collectors=collectors, roots=[(module, 0)], modules=modules_named, optimizer=hooks,
                       registry=registry, rank=rank, world_size=world_size, collective=collective,
                       micro_steps_by_user=True, on_close=[hooks.uninstall])
+
+
+def _attach_pipeline(ctx: StepContext, config: MonitorConfig, engine: Any, options: AttachOptions) -> Attachment:
+    """Build the collectors for a ``PipelineEngine`` (see :mod:`trainmon.integrations.deepspeed_pipe`).
+
+    Raises:
+        PipelineSetupError: a set-up trainmon cannot monitor exactly (see :func:`deepspeed_pipe.refusal`).
+        TargetError: a target pattern matches no module or parameter of this stage.
+    """
+    from trainmon.integrations import deepspeed_pipe
+
+    reason = deepspeed_pipe.refusal(engine, config)
+    if reason is not None:
+        raise deepspeed_pipe.PipelineSetupError(reason)
+    module = engine.module
+    ctx.grad_acc_steps = engine.gradient_accumulation_steps()  # the micro-batches of the schedule
+    if options.start_step == 0:
+        ctx.step = engine.global_steps
+    registry = HookRegistry()
+    named_modules = [(name, m, 0) for name, m in module.named_modules()]
+    params = [(name, p, 0) for name, p in module.named_parameters()]
+    collectors: list[Collector] = [deepspeed_pipe.BackwardMarks(ctx, module, registry)]
+    if config.activations.enabled:
+        collectors.append(ActivationCollector(ctx, select_modules(named_modules, config), config.activations, registry))
+    # engine.step() raises here: the optimizer step is _take_model_step (inside train_batch, after ReduceGrads)
+    optimizer_step = StepWrapper(engine, method="_take_model_step").install()
+    batch = StepWrapper(engine, method="train_batch").install()
+    batch.register_step_post_hook(deepspeed_pipe.loss_reader(ctx, batch))
+    undo = [batch.uninstall, optimizer_step.uninstall]
+    shard_collector = None
+    try:
+        if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
+            chosen = select_params(params, config)
+            if "grad_unreduced" in ctx.specs:
+                collectors.append(TorchOptimizerCollector(ctx, chosen, None, config, registry))
+            dp_group = options.dp_group if options.dp_group is not None else engine.data_parallel_group
+            norm_group = options.pp_group if options.pp_group is not None else engine.grid.get_model_parallel_group()
+            shard_collector = DeepSpeedShardCollector(ctx, engine, chosen, config, optimizer_step, dp_group, norm_group)
+            collectors.append(shard_collector)
+    except BaseException:
+        for step in undo:
+            step()  # a failed attach leaves the engine as it was
+        raise
+    rank, world_size = process_groups.layout()
+    # collectives (shards over the data-parallel group, the ZeRO-0 norm over the stages): every rank collects
+    # the steps the writers collect
+    collective = shard_collector is not None and (
+        shard_collector.collective or (shard_collector.layout.replicated and shard_collector.norm_world > 1))
+    # The monitor step ends after the optimizer step (then at the next forward, monitor.step() or close()).
+    return Attachment(collectors=collectors, roots=[(module, 0)], modules=named_modules, optimizer=optimizer_step,
+                      registry=registry, rank=rank, world_size=world_size, pp_stage=int(engine.stage_id),
+                      collective=collective, on_close=undo)
