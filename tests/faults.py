@@ -59,8 +59,17 @@ FAULTS: dict[str, Fault] = {
     # FSDP2: the forward pre-hook that finds the unsharded parameters
     "fsdp_unsharded": Fault("trainmon.integrations.fsdp", "FSDPOptimizerCollector", "_find_unsharded", "weights",
                             factory=True),
-    # Megatron-Core: the distributed optimizer's step pre-hook
+    # FSDP2: the optimizer's step post-hook (sharded optimizer states)
+    "fsdp_post_step": Fault("trainmon.integrations.fsdp", "FSDPOptimizerCollector", "_post_step", "weights"),
+    # DeepSpeed: the end of the step (the shards' one all-gather)
+    "engine_step_end": Fault("trainmon.integrations.deepspeed", "DeepSpeedShardCollector", "before_transfer",
+                             "weights"),
+    # Megatron-Core: the distributed optimizer's step pre-hook, a main_grad accumulation hook, the end of the step
     "megatron_step": Fault("trainmon.integrations.megatron_collect", "MegatronParamCollector", "_pre_step", "weights"),
+    "megatron_grad_hook": Fault("trainmon.integrations.megatron_collect", "MegatronParamCollector", "_grad_hook",
+                                "weights", factory=True),
+    "megatron_step_end": Fault("trainmon.integrations.megatron_collect", "MegatronParamCollector", "before_transfer",
+                               "weights"),
     # MindSpore: a cell's forward hook (actv) and the optimizer cell's forward pre-hook
     "mindspore_forward": Fault("trainmon.collect.grouped", "GroupedRows", "record", "activations",
                                when=lambda self, family, *a, **k: family == "actv"),
