@@ -353,3 +353,44 @@ def test_a_tied_parameter_is_selected_by_any_of_its_names(tmp_path):
     rows = read_family(tmp_path / "run" / "rank0", "grad_reduced")
     assert list(rows.name) == ["model.embed_tokens.weight"]
     assert_close(rows.iloc[0], np_stats(grad), METRICS, label="tied")
+
+
+def test_a_scalar_count_passed_along_is_not_an_activation_but_a_loss_output_is(tmp_path):
+    """HF passes ``num_items_in_batch`` (a float 0-d count) down to every block as a keyword: no row. A module
+    whose output is a 0-d loss that requires grad keeps its row, equal to the loss."""
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x, num_items_in_batch=None):
+            return self.fc(x)
+
+    class Loss(torch.nn.Module):
+        def forward(self, y, num_items_in_batch):
+            return (y ** 2).sum() / num_items_in_batch
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block, self.loss = Block(), Loss()
+
+        def forward(self, x):
+            count = torch.tensor(float(x.shape[0]))
+            return self.loss(self.block(x, num_items_in_batch=count), count)
+
+    torch.manual_seed(0)
+    net = Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    config = {"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"],
+              "activations": {"enabled": True, "inputs": True}}
+    with TrainerMonitor(config).attach(net, optimizer) as monitor:
+        loss = net(torch.randn(3, 4))
+        loss.backward()
+        optimizer.step()
+        monitor.step()
+    actv = read_family(tmp_path / "run" / "rank0", "actv").set_index("name")
+    assert not [name for name in actv.index if "num_items" in name or name.endswith("input.1")], list(actv.index)
+    assert "block.input" in actv.index  # x: named by the prefix alone (the count does not count)
+    assert np.isclose(actv.loc["loss.output", "norm"], abs(float(loss)), rtol=1e-6)

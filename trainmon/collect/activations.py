@@ -28,12 +28,15 @@ if TYPE_CHECKING:
 
 
 def is_activation(tensor: Any) -> bool:
-    """Whether a tensor is measured as an activation: floating point (or complex) only.
+    """Whether a tensor is measured as an activation: floating point (or complex), and not a scalar that no
+    gradient flows through.
 
-    Token ids, positions, masks and counts (integer and bool tensors) are inputs, not activations:
-    they get no row and do not count when naming the other tensors of a value.
+    Token ids, positions, masks (integer and bool tensors) and counts or scales passed along as 0-d tensors
+    (HF's ``num_items_in_batch``, a float 0-d tensor handed to every block) are inputs, not activations:
+    they get no row and do not count when naming the other tensors of a value. A 0-d output that requires
+    grad (a loss) is an activation.
     """
-    return bool(tensor.is_floating_point() or tensor.is_complex())
+    return bool((tensor.is_floating_point() or tensor.is_complex()) and (tensor.dim() > 0 or tensor.requires_grad))
 
 
 def named_tensors(value: Any, prefix: str, tensor_type: type = torch.Tensor, *,
