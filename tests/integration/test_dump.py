@@ -358,3 +358,32 @@ def test_dump_of_a_residual_with_an_in_place_add(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "dump" / "step0" / "dump.json").read_text())["data"]
     assert_stats(data["Module.0.fc.Linear.backward.0"]["input"][0], d_fc.double().numpy())
     assert_stats(data["Module.0.Residual.backward.0"]["input"][0], d_summed.double().numpy())
+
+
+def test_dump_finds_modules_by_their_row_names_under_checkpoint_wrapper(tmp_path: Path) -> None:
+    """Rows and anomaly events name modules without the ``_checkpoint_wrapped_module`` level; the dump finds the
+    module by that name (the wrapped module itself, the user's class) and keys its entries with it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from tests.models import TinyNet, batch, loss_fn
+    from trainmon import TrainerMonitor
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(layer)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"],
+              "dump": {"enabled": True, "mode": "statistics"}}
+    with TrainerMonitor(config).attach(model, optimizer) as monitor:
+        assert monitor.dump(["layers.1.fc2", "layers.0"], steps=[1]) == ["layers.0", "layers.1.fc2"]  # model order
+        for step in range(2):
+            loss = loss_fn(model, *batch(step))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step(loss=loss)
+    data = json.loads((tmp_path / "run" / "rank0" / "dump" / "step1" / "dump.json").read_text())["data"]
+    assert any(key.startswith("Module.layers.1.fc2.Linear.forward") for key in data), sorted(data)
+    assert any(key.startswith("Module.layers.0.Block.forward") for key in data), sorted(data)
+    assert not any("_checkpoint_wrapped_module" in key for key in data)

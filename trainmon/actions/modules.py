@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainmon.actions.naming import implicated_module, neighbourhood
-from trainmon.targets import select
+from trainmon.targets import plain_name, select
 
 if TYPE_CHECKING:
     from trainmon.actions.frameworks import Framework
@@ -68,13 +68,16 @@ class ModuleTable:
             named = list(framework.named_modules(root))
             by_module = {id(module): name for name, module in named}
             parents: dict[str, str | None] = {"": None}
+            # Keys are the rows' names (plain_name: no compile or checkpoint wrapper level); where a wrapper and
+            # the module it wraps get one name, the entry is the wrapped module (the user's class), as in rows.
             for name, module in named:
+                plain = plain_name(name)
                 for child_name, child in framework.children(module):
                     full = f"{name}.{child_name}" if name else child_name
-                    if by_module.get(id(child)) == full:
-                        parents.setdefault(full, name)
-                if name:
-                    self.entries[(chunk, name)] = Entry(chunk, name, module, framework.class_name(module))
+                    if by_module.get(id(child)) == full and plain_name(full) != plain:
+                        parents.setdefault(plain_name(full), plain)
+                if plain:
+                    self.entries[(chunk, plain)] = Entry(chunk, plain, module, framework.class_name(module))
             self.parents.append(parents)
         self.names = list(dict.fromkeys(name for _, name in self.entries))
         """Every module name, in model order (a name shared by chunks once)."""
