@@ -17,7 +17,7 @@ from trainmon.collect.adam import (  # re-exported (__all__): integrations and t
     update_ratio,
 )
 from trainmon.collect.hooks import HookedCollector, HookRegistry, post_accumulate_grad_hook
-from trainmon.collect.stats_base import vector_norm
+from trainmon.collect.stats_base import foreach_norms, norm_of_norms
 from trainmon.records import RowKey
 from trainmon.step_hooks import scale_of
 
@@ -36,7 +36,9 @@ def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 
     Per-tensor norms accumulate in float32 (``get_total_norm`` would keep a bf16 gradient's
     norm in bf16, 3 significant digits), one fused ``_foreach_norm`` per device and dtype;
-    float32/float64 gradients in their own dtype. Never synchronises with the host.
+    float32/float64 gradients in their own dtype (on the CPU, a float32 norm that overflowed is computed
+    again in float64: ``foreach_norms``); the per-tensor norms combine scaled by the largest. Never
+    synchronises with the host.
 
     Example:
         >>> float(global_grad_norm([torch.full((4,), 1.5, dtype=torch.bfloat16), torch.ones(1)]))
@@ -47,14 +49,11 @@ def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
         groups.setdefault((grad.device, grad.dtype), []).append(grad)
     device = grads[0].device
     norms: list[torch.Tensor] = []
-    for (_, dtype), group in groups.items():
-        if dtype in (torch.float16, torch.bfloat16):
-            per_tensor = torch._foreach_norm(group, 2, dtype=torch.float32)
-        else:  # float32, float64: in their own precision (dtype=float32 would reject float64)
-            per_tensor = torch._foreach_norm(group, 2)
+    for group in groups.values():
+        per_tensor = foreach_norms(group)
         # a device-to-device copy where gradients span devices (as get_total_norm does): no host sync
         norms.extend(norm.to(device=device, dtype=torch.float32) for norm in per_tensor)
-    return vector_norm(torch.stack(norms))
+    return norm_of_norms(torch.stack(norms))  # scaled: per-tensor norms up to float32's max
 
 
 class TorchOptimizerCollector(HookedCollector):
@@ -238,7 +237,7 @@ class TorchOptimizerCollector(HookedCollector):
             norms = ctx.cached_norms(grads, spec) if spec is not None and self.batch_unreduced else None
             device = grads[0].device
             norm = global_grad_norm(grads) if norms is None else \
-                vector_norm(torch.cat([n.to(device) for n in norms]) if len(norms) > 1 else norms[0])
+                norm_of_norms(torch.cat([n.to(device) for n in norms]) if len(norms) > 1 else norms[0])
             scale = scale_of(ctx.scaler)
             self._norm = norm if scale is None else norm / scale.to(norm.device, torch.float32)
 
