@@ -128,3 +128,30 @@ def test_frozen_parameters_outside_the_optimizer_are_not_measured(tmp_path, hand
         assert_rows_match(rows(tmp_path, "grad_reduced"), step, used[step])
         assert_rows_match(rows(tmp_path, "param"), step, params[step])
         assert_rows_match(rows(tmp_path, "exp_avg"), step, states[step])
+
+
+def test_a_parameter_unfrozen_later_has_its_rows_again(tmp_path):
+    """All parameters in the optimizer, the base frozen for the first step (a freeze-then-unfreeze schedule):
+    step 0 has only the adapters' rows, step 1 every parameter's, each equal to float64."""
+    torch.manual_seed(0)
+    model = lora_model(layers=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cfg = config(tmp_path, params={"enabled": True, "metrics": METRICS})
+    monitor = TrainerMonitor(cfg).attach(model, optimizer)
+    used, params = {}, {}
+    for step in range(2):
+        if step == 1:
+            model.requires_grad_(True)
+        model(torch.randn(8, 32, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        used[step] = {n: p.grad.double().numpy() for n, p in model.named_parameters() if p.grad is not None}
+        params[step] = {n: p.detach().double().numpy().copy() for n, p in model.named_parameters() if p.requires_grad}
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step()
+    monitor.close()
+    assert len(used[0]) < len(used[1]) == len(list(model.parameters()))
+    for step in range(2):
+        for family in ("grad_unreduced", "grad_reduced"):
+            assert_rows_match(rows(tmp_path, family), step, used[step])
+        assert_rows_match(rows(tmp_path, "param"), step, params[step])
+

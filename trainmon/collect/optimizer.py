@@ -66,8 +66,9 @@ class TorchOptimizerCollector(HookedCollector):
       one from an earlier micro-step is read when the backward ends (with several processes, after
       a data-parallel reduction that reduced it there): every gradient the optimizer steps with has
       its row.
-    - With an optimizer, only the target parameters it holds that require a gradient are measured
-      (frozen parameters, those of another optimizer: none of their rows).
+    - With an optimizer, only the target parameters it holds (at ``attach``) are measured, and of those only
+      the ones that require a gradient or have one (checked each step: a frozen parameter, or one outside
+      the optimizer, has no rows; one unfrozen later has them again).
     - ``grad_reduced`` and ``param``: in the optimizer's step pre-hook (what the step uses: after
       ``GradScaler.unscale_`` and clipping); with a closure (``optimizer.step(closure)``: LBFGS,
       Lightning), right after the closure's first call, when its backward has run.
@@ -97,9 +98,9 @@ class TorchOptimizerCollector(HookedCollector):
                  optimizer: torch.optim.Optimizer | None, config: MonitorConfig, registry: HookRegistry,
                  batch_unreduced: bool = False) -> None:
         super().__init__(ctx, registry)
-        if optimizer is not None:  # what the optimizer does not step is not measured (frozen LoRA bases)
+        if optimizer is not None:  # what the optimizer does not hold is not measured (frozen LoRA bases)
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            params = [item for item in params if id(item[1]) in held and item[1].requires_grad]
+            params = [item for item in params if id(item[1]) in held]
         self.params = list(params)
         self.optimizer = optimizer
         self.config = config
@@ -279,6 +280,8 @@ class TorchOptimizerCollector(HookedCollector):
         for name, param, vpp_stage in self.params:
             if param.grad is not None:
                 rows["grad_reduced"].append((name, param.grad, vpp_stage))
+            elif not param.requires_grad:
+                continue  # frozen now: the optimizer does not step it
             rows["param"].append((name, param, vpp_stage))
         self._record_interleaved(rows)
         self._finish_step_measurement(optimizer)
@@ -309,7 +312,7 @@ class TorchOptimizerCollector(HookedCollector):
         derived = "update" in self._states or "ratio" in self._states
         for name, param, vpp_stage in self.params:
             state = optimizer.state.get(param)
-            if not state:
+            if not state or (param.grad is None and not param.requires_grad):  # frozen: its state is not stepped
                 continue
             for family in ("exp_avg", "exp_avg_sq"):
                 if family in self._states and family in state:
