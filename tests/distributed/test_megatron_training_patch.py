@@ -53,3 +53,19 @@ def test_docs_show_the_patch_the_script_applies() -> None:
                  'monitor.step(loss=loss_dict.get("lm loss"))', "monitor.close()"):
         assert f"+{' ' * 4}" in docs and line in docs, line
         assert line in script, line
+
+
+def test_a_bare_optimizer_without_clipping_writes_no_grad_norm() -> None:
+    """Megatron's MixedPrecisionOptimizer returns grad norm 0.0 when ``clip_grad`` is 0 (it computes none): not a
+    norm to write. The ChainedOptimizer of get_megatron_optimizer computes it always. (Stand-ins for the optimizer
+    objects: only their ``config`` and ``chained_optimizers`` are read.)"""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    from trainmon.integrations.megatron import _computes_grad_norm
+
+    bare = SimpleNamespace(config=OptimizerConfig(clip_grad=0.0))
+    assert not _computes_grad_norm(bare)
+    assert _computes_grad_norm(SimpleNamespace(config=OptimizerConfig(clip_grad=1.0)))
+    assert _computes_grad_norm(SimpleNamespace(config=OptimizerConfig(clip_grad=0.0), chained_optimizers=[bare]))
