@@ -116,9 +116,10 @@ def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     dtype = tensors[0].dtype
     norms = list(torch._foreach_norm(tensors, 2, dtype=_F32 if dtype in LOW_PRECISION else None))
-    if tensors[0].device.type == "cpu" and dtype in (_F32, torch.bfloat16) and bool(torch.stack(norms).isinf().any()):
-        norms = [vector_norm(x, dtype=torch.float64).to(norm.dtype) if bool(norm.isinf()) else norm
-                 for x, norm in zip(tensors, norms)]  # rare: only where a norm overflowed
+    if tensors[0].device.type == "cpu" and dtype in (_F32, torch.bfloat16):
+        overflowed = np.flatnonzero(np.isinf(torch.stack(norms).numpy()))  # CPU values: a view, no sync
+        for i in overflowed:  # rare: only where a norm overflowed (or the tensor holds an Inf: Inf again)
+            norms[i] = vector_norm(tensors[i], dtype=torch.float64).to(norms[i].dtype)
     return norms
 
 
