@@ -311,8 +311,8 @@ class StepLifecycle:
             for later in [*done, *self._frames]:
                 if later.root == frame.root and later.micro > frame.micro:
                     later.micro -= 1
-            for subscriber in ctx.micro_step_dropped:
-                subscriber(frame.micro)
+            for subscriber in ctx.micro_step_dropped:  # each under its collector's part, as backward_end
+                ctx.guard.run(part_of(subscriber), subscriber, frame.micro)
         self._done = [frame for frame in done if not frame.backward_started and frame not in abandoned]
 
     def _rollback(self, mark: int) -> None:
