@@ -7,7 +7,11 @@ A *monitor step* is one optimizer step. Within it:
   counted and record no rows (collection is suspended while they run);
 - a forward that raises, or a backward that raises (both caught by the user), leaves no rows:
   the rows recorded since that micro-step's forward began are rolled back and the micro-step is
-  not counted;
+  not counted. A backward that raised before it reached the model (in the loss, in a hook on the
+  loss or a root-level backward hook) is seen later: a micro-step whose output never received a
+  gradient when a later micro-step of the same root finished its backward is abandoned: its forward's
+  rows go and the later micro-steps move down by one (a training forward without a backward at the end
+  of a step keeps its rows: nothing tells it from a forward whose output was only looked at);
 - the gradients are final at the **end of the backward pass** (after data-parallel reduction;
   :class:`StepContext.backward_end` subscribers run then) and the optimizer steps with them at
   its step pre-hook (after a closure's backward, after ``GradScaler.unscale_``, after clipping);
@@ -55,6 +59,11 @@ class _Frame:
     returned: bool = False
     backward_started: bool = False
     backward_done: bool = False
+    end: int = -1
+    """Buffer length when the forward's rows were all recorded (its rows are ``mark:end``)."""
+    micro: int = 0
+    watched: bool = False
+    """Its output has a tensor whose gradient hook tells when its backward begins."""
 
 
 class StepLifecycle:
@@ -84,6 +93,9 @@ class StepLifecycle:
         self.scaler_updated = False
         self._pending: _Frame | None = None
         self._frames: list[_Frame] = []
+        self._done: list[_Frame] = []
+        """The step's training forwards that returned (in order), until their backward began or they were dropped."""
+        self.registry.remove(_BACKWARD)
         self._suspended: list[bool] = []
         self._backward_task: int | None = None
 
@@ -185,9 +197,9 @@ class StepLifecycle:
             ctx.collecting = False
             self._frames.append(_Frame(root=-1, mark=-1))
             return
-        self._frames.append(_Frame(root=id(module), mark=len(ctx.buffer.keys)))
         ctx.forwards += 1
         ctx.micro_step = self.forwards.get(id(module), 0)
+        self._frames.append(_Frame(root=id(module), mark=len(ctx.buffer.keys), micro=ctx.micro_step))
 
     def _forward_ok(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._frames:
@@ -207,20 +219,24 @@ class StepLifecycle:
         self.forwards[frame.root] = self.forwards.get(frame.root, 0) + 1
         if self.ctx.collecting:
             self.ctx.grouped.flush()  # the forward's activations, measured together
+            frame.end = len(self.ctx.buffer.keys)
             if torch.is_grad_enabled():
                 self._watch_backward(frame, output)
 
     def _watch_backward(self, frame: _Frame, output: Any) -> None:
-        """A hook on the forward's output tensors: marks when its backward begins and ends."""
-        self.registry.remove(_BACKWARD)
+        """Hooks on the forward's output tensors: mark when its backward begins (kept until the step ends, so
+        that a pipeline's forwards, whose backwards come later, are each seen)."""
         self._pending = frame
         for _, tensor in named_tensors(output, ""):
             if tensor.requires_grad and tensor.grad_fn is not None:  # a hook on a leaf would outlive the step
-                self.registry.add(_BACKWARD, tensor.register_hook(self.guarded(self._backward_begins)))
+                frame.watched = True
+                self.registry.add(_BACKWARD, tensor.register_hook(self.guarded(
+                    lambda grad, frame=frame: self._backward_begins(frame))))
+        if frame.watched:
+            self._done.append(frame)
 
-    def _backward_begins(self, grad: Any) -> None:
-        if self._pending is not None:
-            self._pending.backward_started = True
+    def _backward_begins(self, frame: _Frame) -> None:
+        frame.backward_started = True
         self.backward_started()
 
     def backward_started(self) -> None:
@@ -241,11 +257,13 @@ class StepLifecycle:
 
     def _backward_ends(self) -> None:
         self._backward_task = None
-        if self._pending is not None:
+        if self._pending is not None and self._pending.backward_started:
             self._pending.backward_done = True
         if not self.ctx.collecting:
+            self._drop_abandoned()
             return
         self.ctx.grouped.flush()  # the pass's activation gradients, measured together
+        self._drop_abandoned()  # after the flush: its rows are renumbered with the pass's others
         guard = self.ctx.guard
         for hook in list(self.ctx.backward_end):  # each under its collector's part: one failing stops only that
             guard.run(part_of(hook), hook)
@@ -259,7 +277,43 @@ class StepLifecycle:
                 subscriber()
             self.forwards[frame.root] = max(0, self.forwards.get(frame.root, 1) - 1)
             self._backward_task = None
+            if frame in self._done:
+                self._done.remove(frame)
         self._pending = None
+
+    def _drop_abandoned(self) -> None:
+        """Drop the micro-steps whose backward never began although a later one of their root finished its
+        backward: a backward that raised before it reached the model's output (pipeline schedules run their
+        backwards in the order of their forwards, and forwards that share one backward all begin in it).
+
+        Their forward rows go, the later micro-steps of the step move down by one (rows, counters, and the
+        subscribers of :attr:`StepContext.micro_step_dropped`)."""
+        done = self._done
+        started_roots = {frame.root: i for i, frame in enumerate(done) if frame.backward_started}
+        abandoned = [frame for i, frame in enumerate(done)
+                     if not frame.backward_started and started_roots.get(frame.root, -1) > i]
+        if not abandoned:
+            self._done = [frame for frame in done if not frame.backward_started]  # begun: settled
+            return
+        ctx = self.ctx
+        drop = getattr(ctx.buffer, "drop_rows", None)  # a StepBuffer (torch roots only make frames)
+        for frame in reversed(abandoned):  # latest first: earlier frames' row ranges stay valid
+            if drop is not None and frame.end >= frame.mark >= 0:
+                drop(frame.mark, frame.end, frame.micro)
+                removed = frame.end - frame.mark
+                for later in [*done, *self._frames]:  # rows recorded after the dropped ones moved up
+                    if later is not frame and later.mark >= frame.end:
+                        later.mark -= removed
+                        later.end = later.end - removed if later.end >= 0 else later.end
+            self.forwards[frame.root] = max(0, self.forwards.get(frame.root, 1) - 1)
+            if ctx.micro_step > frame.micro:
+                ctx.micro_step -= 1
+            for later in [*done, *self._frames]:
+                if later.root == frame.root and later.micro > frame.micro:
+                    later.micro -= 1
+            for subscriber in ctx.micro_step_dropped:  # each under its collector's part, as backward_end
+                ctx.guard.run(part_of(subscriber), subscriber, frame.micro)
+        self._done = [frame for frame in done if not frame.backward_started and frame not in abandoned]
 
     def _rollback(self, mark: int) -> None:
         self.ctx.grouped.discard()  # kept since the pass began: they belong to it

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).parent / "scripts" / "mcore_monitor_run.py"
 CASES = ("tp1", "tp1_distopt", "tp1_distopt_overlap", "tp1_bf16", "tp1_distopt_bf16", "tp1_bf16_grad16", "tp2",
-         "pp2", "vpp2", "tp1_chained")
+         "tp2_diverged", "pp2", "vpp2", "tp1_chained")
 BF16 = ("tp1_bf16", "tp1_distopt_bf16", "tp1_bf16_grad16")
 # With overlap_grad_reduce the buckets are reduced during backward, so the script's snapshot in
 # finalize_model_grads is no longer unreduced: that case is checked against "tp1" instead.
@@ -93,8 +93,8 @@ def test_rows_match_numpy_float64_reference(runs: Path, case: str) -> None:
         # bf16: `ratio` divides by the fp32 main parameter, the script's reference by the bf16 model one.
         families = [f for f in PARAM_FAMILIES if not (case in BF16 and f == "ratio")] + ["actv"]
         for family in families:
-            if family == "actv" and case in ("tp1", "tp1_distopt", "tp2", "tp1_distopt_bf16", "tp1_bf16_grad16",
-                                             "tp1_chained"):
+            if family == "actv" and case in ("tp1", "tp1_distopt", "tp2", "tp2_diverged", "tp1_distopt_bf16",
+                                             "tp1_bf16_grad16", "tp1_chained"):
                 continue
             df = _read(runs, case, rank, family)
             checked = 0
@@ -141,6 +141,25 @@ def test_tp2_equals_tp1(runs: Path, family: str) -> None:
     unreduced = _by_name(runs, "tp2", 1, "grad_unreduced")
     reduced = _by_name(runs, "tp1", 0, "grad_reduced")
     np.testing.assert_allclose(unreduced["norm"], reduced.loc[unreduced.index, "norm"], rtol=1e-5)
+
+
+def test_diverged_tp_replicas_are_each_ranks_own(runs: Path) -> None:
+    """Replicated parameters that differ between TP ranks (12% on rank 1): each rank's rows are its own replica's,
+    equal to the float64 statistics of that rank's tensors (test_rows_match_numpy_float64_reference checks every
+    row against them); here: the replicas' rows really differ, and partitioned ones are identical on both ranks.
+    (A replica's gradient can be the same on both ranks: a layer norm's bias gradient is the sum of its output's
+    gradient, which Megatron all-reduces over TP; most others differ.)"""
+    for family in ("param", "grad_reduced", "exp_avg"):
+        rank0, rank1 = (_by_name(runs, "tp2_diverged", rank, family) for rank in (0, 1))
+        replicated = [name for name in rank0.index if "layernorm" in name or name.endswith("linear_proj.bias")]
+        partitioned = [name for name in rank0.index if name.endswith("linear_fc1.weight")]
+        assert replicated and partitioned
+        differ = [name for name in replicated
+                  if not np.isclose(rank0.loc[name, "norm"], rank1.loc[name, "norm"], rtol=1e-3)]
+        assert differ == replicated if family == "param" else len(differ) >= len(replicated) // 2, (family, differ)
+        pd.testing.assert_frame_equal(rank0.loc[partitioned], rank1.loc[partitioned])
+    params = _refs(runs, "tp2_diverged", 1)["steps"]["0"]["grad_reduced"]
+    assert any("layernorm" in key for key in params)
 
 
 @pytest.mark.parametrize(("case", "plain_case"), [("tp1_distopt", "tp1"), ("tp1_distopt_overlap", "tp1"),

@@ -162,15 +162,24 @@ class _RaiseInBackward(torch.autograd.Function):
         raise RuntimeError("out of memory in backward (simulated)")
 
 
+def _raise(*args):
+    raise RuntimeError("out of memory in a hook (simulated)")
+
+
 @pytest.mark.parametrize("failing", [1, 2], ids=["first-micro-step", "second-micro-step"])
-@pytest.mark.parametrize("where", ["forward", "backward"])
-def test_a_pass_that_raises_leaves_no_rows_and_no_micro_step(tmp_path, where, failing):
-    """The second micro-step's case: the first one's gradients are already rows (one block), which stay."""
+@pytest.mark.parametrize("where", ["forward", "backward", "loss-backward", "loss-hook", "root-backward-hook"])
+@pytest.mark.parametrize("per_micro_step", [True, False], ids=["per-micro-step", "last-micro-step"])
+def test_a_pass_that_raises_leaves_no_rows_and_no_micro_step(tmp_path, where, failing, per_micro_step):
+    """The second micro-step's case: the first one's gradients are already rows (one block), which stay.
+
+    ``loss-backward``, ``loss-hook`` and ``root-backward-hook``: the backward raises before it reaches the
+    model's output (a custom autograd Function in the loss, a user hook on the loss tensor, a user backward
+    pre-hook on the root module): no hook of the model ran in that pass."""
     torch.manual_seed(0)
     model = _Flaky()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = config(tmp_path, activations=ACTIVATIONS, targets={"modules": ["net.fc1", "net.fc2"]},
-                 weight_grads={"metrics": METRICS, "unreduced": True, "per_micro_step": True})
+                 weight_grads={"metrics": METRICS, "unreduced": True, "per_micro_step": per_micro_step})
     monitor = TrainerMonitor(cfg).attach(model, optimizer, grad_acc_steps=2)
     used, accumulated = {}, {}
     counter = _TransferCounter().__enter__()
@@ -182,11 +191,21 @@ def test_a_pass_that_raises_leaves_no_rows_and_no_micro_step(tmp_path, where, fa
             attempt += 1
             fail = step == 1 and attempt == failing
             model.fail_forward, model.fail_backward = fail and where == "forward", fail and where == "backward"
+            handle = model.register_full_backward_pre_hook(_raise) if fail and where == "root-backward-hook" else None
             try:
-                (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
+                out = model(x)
+                if fail and where == "loss-backward":
+                    out = _RaiseInBackward.apply(out)
+                loss = torch.nn.functional.mse_loss(out, y) / 2
+                if fail and where == "loss-hook":
+                    loss.register_hook(_raise)
+                loss.backward()
             except RuntimeError:
                 optimizer.zero_grad()  # the user skips the batch
                 continue
+            finally:
+                if handle is not None:
+                    handle.remove()
             accumulated[(step, done)] = grads64(model)
             done += 1
         used[step] = grads64(model)
@@ -201,8 +220,10 @@ def test_a_pass_that_raises_leaves_no_rows_and_no_micro_step(tmp_path, where, fa
         at = actv[(actv.step == step) & (actv.name == "net.fc1.output")]
         assert sorted(at.micro_step) == [0, 1], (step, list(at.micro_step))
         assert_rows_match(reduced, step, used[step])
-        for micro in (0, 1):
-            assert_rows_match(rows(tmp_path, "grad_unreduced"), step, accumulated[(step, micro)], micro_step=micro)
+        unreduced = rows(tmp_path, "grad_unreduced")
+        assert sorted(set(unreduced[unreduced.step == step].micro_step)) == ([0, 1] if per_micro_step else [1])
+        for micro in (0, 1) if per_micro_step else (1,):
+            assert_rows_match(unreduced, step, accumulated[(step, micro)], micro_step=micro)
     assert set(rows(tmp_path, "actv_grad").micro_step) == {0, 1}
 
 

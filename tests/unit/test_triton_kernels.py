@@ -49,6 +49,15 @@ _INTERPRETED = textwrap.dedent("""
             xs.append(x[1:] if case % 5 == 4 and n > 1 else x)  # an unaligned view
         got = tk.partials_triton(xs, [1, 1, 1, 1, 1], 1e-3).view(-1, 8).double().tolist()
         cases.append({"kind": "partials", "values": [x.double().tolist() for x in xs], "got": got})
+    for case in range(3):  # finite values whose float32 squares overflow (up to 1e37): the norm stays finite
+        sizes = [[3], [40000, 7], [2**18 + 5]][case]
+        xs = []
+        for n in sizes:
+            x = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 1e35)
+            x[int(rng.integers(0, n))] = -1e37
+            xs.append(x[1:] if case == 1 else x)
+        got = tk.partials_triton(xs, [1, 1, 1, 1, 1], 1e-3).view(-1, 8).double().tolist()
+        cases.append({"kind": "partials", "values": [x.double().tolist() for x in xs], "got": got})
     for case in range(6):
         dtype = [torch.float32, torch.bfloat16][case % 2]
         sizes = [int(rng.choice([5, 1024, 16385, 40000])) for _ in range(1 + case % 2)]

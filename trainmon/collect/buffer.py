@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,6 +103,34 @@ class StepBuffer:
             kept.append(partial if rows + count <= n_rows else partial.reshape(-1)[:(n_rows - rows) * PARTIAL_SLOTS])
             rows += count
         self.partials = kept
+
+    def drop_rows(self, start: int, stop: int, micro_step: int) -> None:
+        """Remove rows ``start:stop`` (an abandoned micro-step's) and renumber the later rows' micro-steps.
+
+        Rows after ``stop`` whose micro-step is above ``micro_step`` move down by one, so micro-steps stay
+        dense. Blocks are cut into views where needed (host metadata only, no sync).
+        """
+        stop = min(stop, len(self.keys))
+        if start >= stop:
+            return
+        kept: list[torch.Tensor] = []
+        rows = 0
+        for partial in self.partials:
+            count = partial.numel() // PARTIAL_SLOTS
+            flat = partial.reshape(-1)
+            first, last = rows, rows + count
+            if last <= start or first >= stop:
+                kept.append(partial)
+            else:
+                if first < start:
+                    kept.append(flat[:(start - first) * PARTIAL_SLOTS])
+                if last > stop:
+                    kept.append(flat[(stop - first) * PARTIAL_SLOTS:])
+            rows = last
+        self.partials = kept
+        later = [key if key.micro_step <= micro_step else dataclasses.replace(key, micro_step=key.micro_step - 1)
+                 for key in self.keys[stop:]]
+        self.keys[start:] = later
 
     def add_scalar(self, name: str, value: torch.Tensor | float | int) -> None:
         if isinstance(value, torch.Tensor):

@@ -120,6 +120,9 @@ class StepContext:
     """The torch ``GradScaler`` of the run, when known: gradients read before ``unscale_`` are divided by its scale."""
     backward_failed: list[Callable[[], None]] = field(default_factory=list)
     """Run when a backward pass of a collected step raised (its rows are rolled back)."""
+    micro_step_dropped: list[Callable[[int], None]] = field(default_factory=list)
+    """Run with a micro-step's number when it was abandoned (its backward raised before it reached the model):
+    later micro-steps move down by one."""
     schedule_backward_end: Callable[[], None] = lambda: None
     """Called from inside a backward pass: makes sure :attr:`backward_end` runs when the pass ends
     (set by :class:`trainmon.steps.StepLifecycle`; idempotent within one pass)."""

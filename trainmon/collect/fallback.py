@@ -15,7 +15,7 @@ from typing import TypeAlias, TypeVar
 import torch
 
 from trainmon.collect.stats_base import LOW_PRECISION as _LOW_PRECISION
-from trainmon.collect.stats_base import StatsSpec, numel_minus, zero_threshold
+from trainmon.collect.stats_base import StatsSpec, foreach_norms, numel_minus, zero_threshold
 from trainmon.collect.stats_base import zero as _zero
 from trainmon.records import PARTIAL_SLOTS
 
@@ -63,7 +63,8 @@ def partials_torch(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Te
     Ops are spent per group, not per tensor, wherever a multi-tensor (``_foreach``) op exists,
     and no temporary is ever larger than ``_SCRATCH_ELEMENTS`` (no float32 copy of a bf16 tensor):
 
-    - norm: one ``_foreach_norm`` for the group (float32 accumulation for fp16/bf16);
+    - norm: one ``_foreach_norm`` for the group (float32 accumulation for fp16/bf16; on the CPU an Inf norm
+      of finite values above ~1.8e19 is computed again in float64: ``foreach_norms``);
     - sum, min, max, counts of tensors of at most ``_SMALL_ELEMENTS`` elements, 3 or more of
       them: :func:`_foreach_slots`, about 15 ops per batch whatever the number of tensors
       (more passes over the data than per-tensor ops, fewer launches: small tensors are bound
@@ -88,7 +89,7 @@ def partials_torch(tensors: Sequence[torch.Tensor], spec: StatsSpec) -> torch.Te
     rows: list[list[torch.Tensor]] = [[zero] * PARTIAL_SLOTS for _ in xs]
     present = [i for i, x in enumerate(xs) if x.numel() > 0]  # an empty tensor keeps a row of zeros
     if spec.norm and present:
-        norms = torch._foreach_norm([xs[i] for i in present], 2, dtype=accumulate)
+        norms = foreach_norms([xs[i] for i in present])
         for i, norm in zip(present, norms):
             rows[i][0] = norm
     small = [i for i in present if xs[i].numel() <= _SMALL_ELEMENTS]

@@ -17,7 +17,7 @@ from trainmon.collect.adam import (  # re-exported (__all__): integrations and t
     update_ratio,
 )
 from trainmon.collect.hooks import HookedCollector, HookRegistry, post_accumulate_grad_hook
-from trainmon.collect.stats_base import vector_norm
+from trainmon.collect.stats_base import foreach_norms, norm_of_norms
 from trainmon.records import RowKey
 from trainmon.step_hooks import scale_of
 
@@ -36,7 +36,9 @@ def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
 
     Per-tensor norms accumulate in float32 (``get_total_norm`` would keep a bf16 gradient's
     norm in bf16, 3 significant digits), one fused ``_foreach_norm`` per device and dtype;
-    float32/float64 gradients in their own dtype. Never synchronises with the host.
+    float32/float64 gradients in their own dtype (on the CPU, a float32 norm that overflowed is computed
+    again in float64: ``foreach_norms``); the per-tensor norms combine scaled by the largest. Never
+    synchronises with the host.
 
     Example:
         >>> float(global_grad_norm([torch.full((4,), 1.5, dtype=torch.bfloat16), torch.ones(1)]))
@@ -47,14 +49,11 @@ def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
         groups.setdefault((grad.device, grad.dtype), []).append(grad)
     device = grads[0].device
     norms: list[torch.Tensor] = []
-    for (_, dtype), group in groups.items():
-        if dtype in (torch.float16, torch.bfloat16):
-            per_tensor = torch._foreach_norm(group, 2, dtype=torch.float32)
-        else:  # float32, float64: in their own precision (dtype=float32 would reject float64)
-            per_tensor = torch._foreach_norm(group, 2)
+    for group in groups.values():
+        per_tensor = foreach_norms(group)
         # a device-to-device copy where gradients span devices (as get_total_norm does): no host sync
         norms.extend(norm.to(device=device, dtype=torch.float32) for norm in per_tensor)
-    return vector_norm(torch.stack(norms))
+    return norm_of_norms(torch.stack(norms))  # scaled: per-tensor norms up to float32's max
 
 
 class TorchOptimizerCollector(HookedCollector):
@@ -63,6 +62,13 @@ class TorchOptimizerCollector(HookedCollector):
     - ``grad_unreduced``: ``param.grad`` in its post-accumulate-grad hook, i.e. as accumulated
       on the parameter after each micro-step's backward (before any data-parallel reduction
       outside autograd); written for the last micro-step, or every one with ``per_micro_step``.
+      A parameter that got no gradient in that micro-step (an MoE expert without tokens) but holds
+      one from an earlier micro-step is read when the backward ends (with several processes, after
+      a data-parallel reduction that reduced it there): every gradient the optimizer steps with has
+      its row.
+    - With an optimizer, only the target parameters it holds (at ``attach``) are measured, and of those only
+      the ones that require a gradient or have one (checked each step: a frozen parameter, or one outside
+      the optimizer, has no rows; one unfrozen later has them again).
     - ``grad_reduced`` and ``param``: in the optimizer's step pre-hook (what the step uses: after
       ``GradScaler.unscale_`` and clipping); with a closure (``optimizer.step(closure)``: LBFGS,
       Lightning), right after the closure's first call, when its backward has run.
@@ -92,6 +98,9 @@ class TorchOptimizerCollector(HookedCollector):
                  optimizer: torch.optim.Optimizer | None, config: MonitorConfig, registry: HookRegistry,
                  batch_unreduced: bool = False) -> None:
         super().__init__(ctx, registry)
+        if optimizer is not None:  # what the optimizer does not hold is not measured (frozen LoRA bases)
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            params = [item for item in params if id(item[1]) in held]
         self.params = list(params)
         self.optimizer = optimizer
         self.config = config
@@ -101,12 +110,18 @@ class TorchOptimizerCollector(HookedCollector):
         self.batch_unreduced = batch_unreduced
         self._pending: list[tuple[str, torch.Tensor, int, int, int, int]] = []
         """Gradients noted by the hooks, measured together: ``(name, grad, version, vpp, micro, order)``."""
-        ctx.backward_end.insert(0, self._measure_pending)  # before the norm: both read the same gradients
+        self._rows_this_pass: set[int] = set()
+        """Parameters whose hook wrote (or noted) a row in the backward pass in flight."""
+        ctx.backward_end.insert(0, self._backward_end_rows)  # before the norm: both read the same gradients
         ctx.backward_failed.append(self._drop_pending)
+        ctx.micro_step_dropped.append(self._micro_step_dropped)
         if optimizer is not None:
             ctx.backward_end.append(self._backward_ended)
 
     HOOK_GROUPS = (_GRADS, _OPTIMIZER)
+    reads_missing_grads = True
+    """Whether ``self.params``' own ``.grad`` is what the hooks read (so a parameter without a hook call in a
+    pass is read at its end); False where the hooks fire on other tensors (FSDP2's unsharded parameters)."""
 
     def install_hooks(self) -> None:
         if "grad_unreduced" in self.ctx.specs:
@@ -120,18 +135,20 @@ class TorchOptimizerCollector(HookedCollector):
                 self.registry.add(_OPTIMIZER, self.optimizer.register_step_post_hook(self.guarded(self._post_step)))
 
     def before_transfer(self) -> None:
-        self._measure_pending()
+        self._backward_end_rows()
         if self._norm is not None and self.ctx.collecting:
             self.ctx.buffer.add_scalar("grad_norm", self._norm)
         self._norm, self._norm_final = None, False
 
     def release(self) -> None:
         self._drop_pending()
-        for subscriber in (self._measure_pending, self._backward_ended):
+        for subscriber in (self._backward_end_rows, self._backward_ended):
             if subscriber in self.ctx.backward_end:
                 self.ctx.backward_end.remove(subscriber)
         if self._drop_pending in self.ctx.backward_failed:
             self.ctx.backward_failed.remove(self._drop_pending)
+        if self._micro_step_dropped in self.ctx.micro_step_dropped:
+            self.ctx.micro_step_dropped.remove(self._micro_step_dropped)
 
     def _grad_hook(self, name: str, vpp_stage: int) -> Callable[[torch.Tensor], None]:
         per_micro_step = self.config.weight_grads.per_micro_step
@@ -140,6 +157,7 @@ class TorchOptimizerCollector(HookedCollector):
             ctx = self.ctx
             if ctx.collecting and param.grad is not None and (
                     per_micro_step or ctx.micro_step >= ctx.grad_acc_steps - 1):
+                self._rows_this_pass.add(id(param))
                 if self.batch_unreduced:
                     grad = param.grad
                     self._pending.append((name, grad, grad._version, vpp_stage, ctx.micro_step,
@@ -153,6 +171,35 @@ class TorchOptimizerCollector(HookedCollector):
     def _drop_pending(self) -> None:
         """The noted gradients' backward raised: its rows are rolled back, these are never measured."""
         self._pending.clear()
+        self._rows_this_pass.clear()
+
+    def _backward_end_rows(self) -> None:
+        """End of a backward pass: the noted gradients, then those that got no gradient in this pass."""
+        self._measure_pending()
+        self._measure_missing()
+
+    def _measure_missing(self) -> None:
+        """``grad_unreduced`` rows of the parameters whose hook did not fire in a pass that writes rows but
+        that hold a gradient (accumulated in an earlier micro-step): the optimizer steps with it too."""
+        hooked, self._rows_this_pass = self._rows_this_pass, set()
+        ctx = self.ctx
+        if not (hooked and self.reads_missing_grads and ctx.collecting and "grad_unreduced" in ctx.specs) or not (
+                self.config.weight_grads.per_micro_step or ctx.micro_step >= ctx.grad_acc_steps - 1):
+            return
+        missing = [(name, param.grad, vpp) for name, param, vpp in self.params
+                   if id(param) not in hooked and param.grad is not None]
+        if missing:
+            ctx.record_many("grad_unreduced", [m[0] for m in missing], [m[1] for m in missing],
+                            [m[2] for m in missing], scale=scale_of(ctx.scaler))
+
+    def _micro_step_dropped(self, micro: int) -> None:
+        """An earlier micro-step was abandoned: the noted gradients of later ones move down by one, and those
+        no longer of the last micro-step are not written (unless every micro-step is)."""
+        ctx = self.ctx
+        moved = [(name, grad, version, vpp, m - 1 if m > micro else m, order)
+                 for name, grad, version, vpp, m, order in self._pending]
+        self._pending = [item for item in moved if self.config.weight_grads.per_micro_step
+                         or item[4] >= ctx.grad_acc_steps - 1]
 
     def _measure_pending(self) -> None:
         """``grad_unreduced`` of the gradients the hooks noted, all at once (see ``batch_unreduced``)."""
@@ -191,14 +238,14 @@ class TorchOptimizerCollector(HookedCollector):
             norms = ctx.cached_norms(grads, spec) if spec is not None and self.batch_unreduced else None
             device = grads[0].device
             norm = global_grad_norm(grads) if norms is None else \
-                vector_norm(torch.cat([n.to(device) for n in norms]) if len(norms) > 1 else norms[0])
+                norm_of_norms(torch.cat([n.to(device) for n in norms]) if len(norms) > 1 else norms[0])
             scale = scale_of(ctx.scaler)
             self._norm = norm if scale is None else norm / scale.to(norm.device, torch.float32)
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if not self.ctx.collecting:
             return None
-        self._measure_pending()  # a backward whose end was not seen: before unscale_ or the step change them
+        self._backward_end_rows()  # a backward whose end was not seen: before unscale_ or the step change them
         self.ctx.forget_measured()  # unscale_ rewrote the gradients without bumping their versions
         # torch passes the step's own arguments, the optimizer first: step(self, closure=None)
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
@@ -233,6 +280,8 @@ class TorchOptimizerCollector(HookedCollector):
         for name, param, vpp_stage in self.params:
             if param.grad is not None:
                 rows["grad_reduced"].append((name, param.grad, vpp_stage))
+            elif not param.requires_grad:
+                continue  # frozen now: the optimizer does not step it
             rows["param"].append((name, param, vpp_stage))
         self._record_interleaved(rows)
         self._finish_step_measurement(optimizer)
@@ -263,7 +312,7 @@ class TorchOptimizerCollector(HookedCollector):
         derived = "update" in self._states or "ratio" in self._states
         for name, param, vpp_stage in self.params:
             state = optimizer.state.get(param)
-            if not state:
+            if not state or (param.grad is None and not param.requires_grad):  # frozen: its state is not stepped
                 continue
             for family in ("exp_avg", "exp_avg_sq"):
                 if family in self._states and family in state:

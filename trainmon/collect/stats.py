@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from trainmon.collect import fallback
-from trainmon.collect.stats_base import StatsSpec, numel_minus, partial_numpy, zero_threshold  # also re-exported
+from trainmon.collect.stats_base import (  # also re-exported
+    StatsSpec,
+    norm_of_norms,
+    numel_minus,
+    partial_numpy,
+    zero_threshold,
+)
 from trainmon.records import PARTIAL_SLOTS
 
 _F32 = torch.float32
@@ -141,7 +147,7 @@ def combine_partials_torch(gathered: torch.Tensor) -> torch.Tensor:
     """
     has = gathered[..., 7] > 0
     out = gathered.sum(dim=0)
-    out[:, 0] = gathered[..., 0].square().sum(dim=0).sqrt()
+    out[:, 0] = norm_of_norms(gathered[..., 0], dim=0)  # scaled: shards' norms up to float32's max
     inf = torch.full_like(gathered[..., 2], float("inf"))
     lo = torch.where(has, gathered[..., 2], inf)
     hi = torch.where(has, gathered[..., 3], -inf)

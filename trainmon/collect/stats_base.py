@@ -83,6 +83,8 @@ def partial_numpy(values: FloatArray, spec: StatsSpec, out: FloatArray) -> Float
         out[1] = torch.from_numpy(values).sum(dtype=_F32).numpy()  # torch's CPU sum (4x numpy's); CPU view: no sync
     lo, hi = values.min(), values.max()
     out[2], out[3] = lo, hi
+    if spec.norm and math.isinf(out[0]) and np.isfinite(lo) and np.isfinite(hi):  # math.isinf: 10x np.isfinite
+        out[0] = _wide_norm(values)  # finite values whose float32 squares overflowed (rare: |x| > ~1.8e19)
     if spec.zeros:
         threshold = zero_threshold(spec.eps, _TORCH_FLOATS[values.dtype.type])
         out[4] = np.count_nonzero(values == 0) if threshold == 0 else np.count_nonzero(
@@ -94,6 +96,44 @@ def partial_numpy(values: FloatArray, spec: StatsSpec, out: FloatArray) -> Float
             out[6] = np.count_nonzero(np.isinf(values))
     out[7] = values.size
     return out
+
+
+def _wide_norm(values: FloatArray, chunk: int = 65536) -> float:
+    """The L2 norm with squares summed in float64, chunk by chunk (no full-size float64 copy)."""
+    flat = values.reshape(-1)  # a copy only for a strided array, on this rare path
+    total = 0.0
+    for start in range(0, flat.size, chunk):
+        piece = flat[start:start + chunk].astype(np.float64)
+        total += float(np.dot(piece, piece))
+    return math.sqrt(total)
+
+
+def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``_foreach_norm`` of tensors of one device and dtype (float32 accumulation for fp16/bf16, float64 in
+    float64), where finite float32/bf16 values above ~1.8e19, whose float32 squares overflow, still give
+    their norm on the CPU: an Inf norm there is computed again in float64 (CPU values: reading them is no
+    sync). Other devices keep ``_foreach_norm``'s Inf (their statistics come from the fused kernels).
+    """
+    dtype = tensors[0].dtype
+    norms = list(torch._foreach_norm(tensors, 2, dtype=_F32 if dtype in LOW_PRECISION else None))
+    if tensors[0].device.type == "cpu" and dtype in (_F32, torch.bfloat16):
+        overflowed = np.flatnonzero(np.isinf(torch.stack(norms).numpy()))  # CPU values: a view, no sync
+        for i in overflowed:  # rare: only where a norm overflowed (or the tensor holds an Inf: Inf again)
+            norms[i] = vector_norm(tensors[i], dtype=torch.float64).to(norms[i].dtype)
+    return norms
+
+
+def norm_of_norms(norms: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """``sqrt(sum(norms ** 2))`` along ``dim``, scaled by the largest so that float32 squares of norms above
+    ~1.8e19 do not overflow (exact combination of shards' norms; NaN and Inf propagate). On the device, no sync.
+
+    Example:
+        >>> float(norm_of_norms(torch.tensor([3e30, 4e30])))
+        4.9999999241216036e+30
+    """
+    largest = norms.amax(dim=dim, keepdim=True)
+    scale = torch.where((largest > 0) & torch.isfinite(largest), largest, torch.ones_like(largest))
+    return vector_norm(norms / scale, dim=dim) * scale.squeeze(dim)
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:

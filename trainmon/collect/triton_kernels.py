@@ -104,8 +104,14 @@ def _add_masked(x, mask, sq, sm, lo, hi, zeros, threshold, ZEROS: tl.constexpr):
 
 @triton.jit
 def _store_sums(row, total_sq, total, lo, hi, zeros):
-    """Slots 0-4 of a span's row: sum of squares, sum, min, max, zeros."""
-    tl.store(row + 0, total_sq)
+    """Slots 0-4 of a span's row: norm (the square root of the sum of squares), sum, min, max, zeros."""
+    tl.store(row + 0, tl.sqrt(total_sq))
+    _store_rest(row, total, lo, hi, zeros)
+
+
+@triton.jit
+def _store_rest(row, total, lo, hi, zeros):
+    """Slots 1-4 of a span's row: sum, min, max, zeros."""
     tl.store(row + 1, total)
     tl.store(row + 2, tl.min(lo, 0))
     tl.store(row + 3, tl.max(hi, 0))
@@ -145,30 +151,48 @@ def _span_partials(table, n_tensors, n_spans, spans, threshold, DTYPE: tl.conste
             sq, sm, lo, hi, zeros = _add_masked(x, mask, sq, sm, lo, hi, zeros, threshold, ZEROS)
     total_sq, total = tl.sum(sq, 0), tl.sum(sm, 0)
     row = spans + pid * 8
-    _store_sums(row, total_sq, total, lo, hi, zeros)
+    _store_rest(row, total, lo, hi, zeros)
+    norm = tl.sqrt(total_sq)
     n_nans = tl.full([], 0.0, tl.float32)
     n_infs = tl.full([], 0.0, tl.float32)
     if _non_finite(total_sq, total):  # a NaN or an Inf in the span: count them, reading the span again
+        # finite values whose squares passed float32's range: the norm of x / max|x| again, times max|x|
+        biggest = tl.maximum(-tl.min(lo, 0), tl.max(hi, 0))
+        inverse = tl.where((biggest > 0.0) & (biggest < float("inf")), 1.0 / biggest, 1.0)
         nans = tl.zeros([BLOCK], tl.float32)
         infs = tl.zeros([BLOCK], tl.float32)
+        scaled = tl.zeros([BLOCK], tl.float32)
         for i in range(ITERS):
             offsets = start + i * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(base + offsets, mask=offsets < n, other=0.0).to(tl.float32)
             nans += (x != x).to(tl.float32)
             infs += (tl.abs(x) == float("inf")).to(tl.float32)
+            scaled += (x * inverse) * (x * inverse)
         n_nans = tl.sum(nans, 0)
         n_infs = tl.sum(infs, 0)
-    tl.store(row + 5, n_nans)  # stored once: two stores to one address from one program have no order
+        norm = tl.where((n_nans + n_infs == 0.0) & (inverse != 1.0), biggest * tl.sqrt(tl.sum(scaled, 0)), norm)
+    tl.store(row + 0, norm)  # each slot stored once: two stores to one address from one program have no order
+    tl.store(row + 5, n_nans)
     tl.store(row + 6, n_infs)
 
 
 @triton.jit
 def _combine_spans(first, numels, spans, out, STRIDE: tl.constexpr, NORM: tl.constexpr, SUM: tl.constexpr,
                    ZEROS: tl.constexpr, NANS: tl.constexpr, INFS: tl.constexpr, ROWS: tl.constexpr):
-    """One program per tensor: its spans (``first[t]`` to ``first[t + 1]``) -> its 8-slot partial."""
+    """One program per tensor: its spans (``first[t]`` to ``first[t + 1]``) -> its 8-slot partial.
+
+    Span norms combine as ``M * sqrt(sum((norm / M)^2))``, ``M`` the largest: finite norms whose squares
+    pass float32's range (values up to ~1e37) stay finite (a NaN or Inf norm gives NaN or Inf as before)."""
     t = tl.program_id(0)
     begin = tl.load(first + t)
     end = tl.load(first + t + 1)
+    biggest = tl.zeros([ROWS], tl.float32)
+    if NORM:  # the spans' rows are few (one per 64 Ki elements): a second read of their norms costs nothing
+        for row_start in range(begin, end, ROWS):
+            rows = row_start + tl.arange(0, ROWS)
+            biggest = tl.maximum(biggest, tl.load(spans + rows * STRIDE, mask=rows < end, other=0.0))
+    largest = tl.max(biggest, 0)
+    inverse = tl.where((largest > 0.0) & (largest < float("inf")), 1.0 / largest, 1.0)
     sq = tl.zeros([ROWS], tl.float32)
     sm = tl.zeros([ROWS], tl.float32)
     zeros = tl.zeros([ROWS], tl.float32)
@@ -180,7 +204,8 @@ def _combine_spans(first, numels, spans, out, STRIDE: tl.constexpr, NORM: tl.con
         rows = row_start + tl.arange(0, ROWS)
         mask = rows < end
         row = spans + rows * STRIDE
-        sq += tl.load(row + 0, mask=mask, other=0.0)
+        norm = tl.load(row + 0, mask=mask, other=0.0) * inverse
+        sq += norm * norm
         sm += tl.load(row + 1, mask=mask, other=0.0)
         lo = tl.minimum(lo, tl.load(row + 2, mask=mask, other=float("inf")))
         hi = tl.maximum(hi, tl.load(row + 3, mask=mask, other=-float("inf")))
@@ -195,7 +220,7 @@ def _combine_spans(first, numels, spans, out, STRIDE: tl.constexpr, NORM: tl.con
     result = out + t * 8
     zero = 0.0
     if NORM:
-        tl.store(result + 0, tl.sqrt(tl.sum(sq, 0)))
+        tl.store(result + 0, tl.where(inverse != 1.0, largest, 1.0) * tl.sqrt(tl.sum(sq, 0)))
     else:
         tl.store(result + 0, zero)
     if SUM:

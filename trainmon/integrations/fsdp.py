@@ -106,6 +106,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
 
     # ------------------------------------------------------------------------- hooks
     HOOK_GROUPS = (_UNSHARDED, _STEP)
+    reads_missing_grads = False  # the hooks see the unsharded parameters, not the sharded ones held here
 
     def install_hooks(self) -> None:
         if "grad_unreduced" in self.ctx.specs:

@@ -150,6 +150,14 @@ def check_dp_group(dp_group: Any, mains: dict[int, MainParam]) -> bool:
     return False
 
 
+def _computes_grad_norm(optimizer: Any) -> bool:
+    """Whether ``optimizer.step()``'s grad norm is one: a ``ChainedOptimizer`` (what ``get_megatron_optimizer``
+    returns) always computes it; a bare Megatron optimizer only with ``clip_grad > 0`` (else it returns 0.0)."""
+    if getattr(optimizer, "chained_optimizers", None) is not None:
+        return True
+    return float(getattr(getattr(optimizer, "config", None), "clip_grad", 1.0)) > 0.0
+
+
 def _record_step_result(ctx: StepContext, wrapper: StepWrapper) -> Callable[..., None]:
     """A step post-hook that records what Megatron's ``optimizer.step()`` returned and knows.
 
@@ -165,7 +173,7 @@ def _record_step_result(ctx: StepContext, wrapper: StepWrapper) -> Callable[...,
         buffer = ctx.buffer
         buffer.add_scalar("skipped_iter", 0.0 if ok else 1.0)
         buffer.add_scalar("step_skipped", 0.0 if ok else 1.0)
-        if grad_norm is not None:
+        if grad_norm is not None and _computes_grad_norm(optimizer):
             buffer.add_scalar("grad_norm", grad_norm)
         if num_zeros is not None:
             buffer.add_scalar("num_zeros", num_zeros)

@@ -6,7 +6,7 @@ and steps a *torch* optimizer over fp32 main parameters that are the model param
 it (``DistributedOptimizer``). Every statistic here is measured where it lives, as partial
 statistics, and combined across ranks at the end of the step with at most one ``all_gather``
 per process group: over the data-parallel group for distributed-optimizer shards, then over
-the tensor-parallel group for TP-partitioned parameters (a replicated parameter counts once).
+the tensor-parallel group for TP-partitioned parameters (a replicated parameter is each TP rank's own).
 """
 
 from __future__ import annotations
@@ -237,7 +237,9 @@ class MegatronParamCollector(HookedCollector):
         if self.layout.tp_size > 1:
             gathered = process_groups.all_gather_stacked(table, self.layout.tp_group, self.layout.tp_size)
             keep = self._tp_partitioned.unsqueeze(0).expand(gathered.shape[0], -1).clone()
-            keep[0] = True  # a replicated parameter is the same on every TP rank: count TP rank 0's
+            # a replicated parameter (layer norms, row-parallel biases) is this TP rank's own replica: replicas
+            # that diverge (they should not) show as rows that differ between TP ranks
+            keep[self.layout.tp_rank] = True
             table = combine_partials_torch(torch.where(keep.unsqueeze(-1), gathered, 0.0))
         ctx = self.ctx
         rows = []

@@ -56,6 +56,9 @@ CASES = {
     "tp1_bf16_grad16": dict(tp=1, pp=1, bf16=True, grad_fp32=False),
     # tp_group / pp_group / dp_group passed to attach explicitly (fresh tp/pp group objects).
     "tp2": dict(tp=2, pp=1, distopt=True, explicit_groups=True),
+    # TP=2 whose replicated parameters (layer norms, row-parallel biases, position embeddings) differ by 12% on TP
+    # rank 1, as diverged replicas do: each rank's rows are its own replica's (the references are per rank)
+    "tp2_diverged": dict(tp=2, pp=1, distopt=True, diverge=True),
     # Constant loss scale 1: Megatron skips a step with non-finite gradients, so the faults of
     # step 1 (stage 1 forward) do not poison the weights of step 2 (stage 0 backward).
     "pp2": dict(tp=1, pp=2, distopt=True, loss_scale=1.0, activations=True, inject=True, steps=3,
@@ -125,7 +128,8 @@ def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, distopt: bool = False,
              bf16: bool = False, activations: bool = False, inject: bool = False, recompute: bool = False,
              overlap: bool = False, grad_fp32: bool = True, loss_scale: float | None = None, steps: int = STEPS,
-             explicit_groups: bool = False, wrong_dp_group: bool = False, chained: bool = False) -> None:
+             explicit_groups: bool = False, wrong_dp_group: bool = False, chained: bool = False,
+             diverge: bool = False) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vpp)
     seed_all()
@@ -149,6 +153,11 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
             use_distributed_optimizer=distopt, grad_reduce_in_fp32=grad_fp32, overlap_grad_reduce=overlap),
             module=inner, disable_bucketing=stage > 0))
     gpt = gpts[0]
+    if diverge and ps.get_tensor_model_parallel_rank() == 1:  # before the optimizer copies its main parameters
+        with torch.no_grad():
+            for p in gpt.parameters():
+                if not getattr(p, "tensor_model_parallel", False):
+                    p.mul_(1.12).add_(0.01)  # + 0.01: layer-norm biases start at 0
     opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=bf16, clip_grad=1e6,
                                  use_distributed_optimizer=distopt, adam_eps=EPS, loss_scale=loss_scale)
     opt = get_megatron_optimizer(opt_config, chunks) if not chained else chained_optimizer(opt_config, chunks)
