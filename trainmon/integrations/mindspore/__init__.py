@@ -26,6 +26,7 @@ from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
 from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
 from trainmon.integrations.mindspore.buffer import MindSporeStepBuffer, buffer_of, new_buffer
+from trainmon.integrations.mindspore.host import MindSporeStats, on_cpu
 from trainmon.integrations.mindspore.optimizer import MindSporeOptimizerCollector
 from trainmon.integrations.mindspore.stats import partial_stats
 from trainmon.process_groups import mindspore_layout as dist_layout
@@ -79,7 +80,8 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
         if getattr(options, name) is not None:
             raise ValueError(f"{name} is not supported for MindSpore (data parallelism only)")
     ctx.buffer_factory = new_buffer
-    ctx.stats_fn = partial_stats
+    host = on_cpu()
+    ctx.stats_fn = MindSporeStats(ctx, host, int(config.activations.group_mb * 2**20))
     ctx.buffer = new_buffer()
     registry = HookRegistry()
     named_cells = [(name, cell, 0) for name, cell in model.cells_and_names()]
@@ -89,9 +91,11 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
         collectors.append(ActivationCollector(ctx, cells, config.activations, registry, tensor_type=ms.Tensor,
                                               backward_hook="register_backward_hook"))
     params = [(name, param, 0) for name, param in model.parameters_and_names()]
+    rank, world_size = dist_layout()
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         chosen = select_params(params, config)
-        collectors.append(MindSporeOptimizerCollector(ctx, chosen, optimizer, config, registry))
+        collectors.append(MindSporeOptimizerCollector(ctx, chosen, optimizer, config, registry, host=host,
+                                                      world_size=world_size))
     if config.grad_probe.enabled:
         from trainmon.integrations.mindspore.probe import grad_probe
 
@@ -101,7 +105,6 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
 
         # First, as torch's: collectives of the other collectors at the end of the step are not measured.
         collectors.insert(0, MindSporeCommCollector(ctx, config.communication, root=model, optimizer=optimizer))
-    rank, world_size = dist_layout()
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_cells,
                       optimizer=OptimizerStepHooks(optimizer) if optimizer is not None else None,
                       registry=registry, rank=rank, world_size=world_size)
