@@ -51,6 +51,25 @@ class OptimizerStepHooks:
         return self.optimizer.register_forward_hook(forward_hook)
 
 
+def unwrap_training_cell(model: Any, optimizer: Any = None) -> tuple[Any, Any]:
+    """The network and optimizer inside a ``nn.TrainOneStepCell`` (also ``TrainOneStepWithLossScaleCell``):
+    its ``WithLossCell``'s backbone (the network, as ``Model(network, loss_fn, optimizer)`` has it) and its
+    optimizer. Anything else is returned as given.
+
+    Raises:
+        ValueError: ``optimizer`` is given and is not the training cell's.
+    """
+    if not isinstance(model, nn.TrainOneStepCell):
+        return model, optimizer
+    if optimizer is not None and optimizer is not model.optimizer:
+        raise ValueError("attach(): the optimizer given is not the one of the nn.TrainOneStepCell; pass the cell "
+                         "alone (its optimizer is used) or its own optimizer")
+    network = model.network
+    if isinstance(network, nn.WithLossCell):
+        network = network.backbone_network
+    return network, model.optimizer
+
+
 def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: nn.Optimizer | None,
            options: AttachOptions) -> Attachment:
     """Build the collectors for a MindSpore network in PyNative mode.
@@ -59,16 +78,22 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
         ctx: the monitor's step context (its buffer becomes a :class:`MindSporeStepBuffer`).
         config: the monitor config.
         model: the network whose forward is one micro-step (the cell called inside the function
-            given to ``mindspore.value_and_grad``).
+            given to ``mindspore.value_and_grad``, or wrapped by ``nn.WithLossCell`` in a ``nn.TrainOneStepCell``).
         optimizer: the ``nn.Optimizer`` cell the gradients are applied with, or None.
         options: ``attach`` keyword arguments; the torch process groups do not apply.
 
     Raises:
-        TypeError: ``model`` is not a Cell or ``optimizer`` not an ``nn.Optimizer``.
+        TypeError: ``model`` is not a Cell, is a ``nn.TrainOneStepCell`` (pass the network inside and its
+            optimizer: :func:`unwrap_training_cell`), or ``optimizer`` is not an ``nn.Optimizer``.
         ValueError: ``grad_probe`` is enabled without an optimizer.
         RuntimeError: MindSpore is not in PyNative mode (cell hooks do not run in graph mode).
         TargetError: a target pattern matches no cell or parameter.
     """
+    if isinstance(model, nn.TrainOneStepCell):  # its forward is a whole step: the rows would be half of them
+        raise TypeError(f"attach() needs the network inside the {type(model).__name__} and its optimizer: "
+                        "monitor.attach(network, train_cell.optimizer), with network the cell given to "
+                        "nn.WithLossCell (trainmon.integrations.mindspore.unwrap_training_cell(train_cell) "
+                        "returns both)")
     if not isinstance(model, nn.Cell):
         raise TypeError(f"attach() needs a mindspore.nn.Cell, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, nn.Optimizer):
@@ -111,4 +136,4 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
 
 
 __all__ = ["MindSporeStepBuffer", "OptimizerStepHooks", "attach", "buffer_of", "dist_layout", "new_buffer",
-           "partial_stats"]
+           "partial_stats", "unwrap_training_cell"]
