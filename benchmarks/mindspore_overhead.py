@@ -107,6 +107,7 @@ def main() -> int:
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
                         help="wall: elapsed time; cpu: this process's CPU time (all threads), for shared machines")
     parser.add_argument("--profile", choices=list(CASES), help="print cProfile's top entries for one case")
+    parser.add_argument("--sort", default="tottime", help="cProfile sort key with --profile")
     args = parser.parse_args()
     import mindspore as ms
 
@@ -116,7 +117,7 @@ def main() -> int:
     if args.profile:
         profile = cProfile.Profile()
         _train(args.profile, args.steps, out, args.clock, profile)
-        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profile).sort_stats(args.sort).print_stats(30)
         return 0
     cases = ["none", *(c for c in args.cases if c != "none")]
     rounds: dict[str, list[float]] = {case: [] for case in cases}
