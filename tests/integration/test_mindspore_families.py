@@ -147,6 +147,21 @@ def test_every_family_matches_numpy_float64(tmp_path: Path, stats_path: str) -> 
     assert first == ["fc1.input", "fc1.output", "act.input", "act.output", "fc2.input", "fc2.output"]
 
 
+def test_activation_copies_beyond_group_mb_are_measured_in_their_hook(tmp_path: Path) -> None:
+    """On the CPU, activations are copied in their hook and measured on the host while the step's copies stay
+    under ``activations.group_mb`` (here 200 bytes: the 120-byte input fits, the outputs do not); the others are
+    measured with MindSpore ops in their hook. Both kinds equal float64 numpy, in execution order."""
+    snapshots, rank_dir, _ = _train(tmp_path, {"activations": {"enabled": True, "group_mb": 200 / 2**20}}, steps=2)
+    frame = read_family(rank_dir, "actv")
+    for step, (before, x, y, _) in enumerate(snapshots):
+        actv = _numpy_pass(before, x, y)[0]
+        rows = frame[frame.step == step]
+        assert rows.name.tolist() == ["fc1.input", "fc1.output", "act.input", "act.output", "fc2.input", "fc2.output"]
+        for _, row in rows.iterrows():
+            assert_close(row, np_stats(actv[row["name"]]), METRICS, rtol=2e-4, atol=1e-6,
+                         label=f"actv {row['name']} step {step}")
+
+
 def test_nan_in_one_cell_is_attributed_to_that_cell_step_and_phase(tmp_path: Path) -> None:
     config = {"activations": {"enabled": True}, "anomaly": {"detectors": [{"type": "nonfinite"}],
                                                             "actions": ["jsonl"]}}

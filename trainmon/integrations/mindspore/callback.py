@@ -38,7 +38,7 @@ class TrainmonCallback(Callback):  # type: ignore[misc]  # mindspore is untyped
 
     Example:
         >>> model = mindspore.train.Model(network, loss_fn, optimizer)          # doctest: +SKIP
-        >>> model.train(2, dataset, callbacks=[TrainmonCallback("monitor.yaml")])
+        >>> model.train(2, dataset, callbacks=[TrainmonCallback("monitor.yaml")])   # doctest: +SKIP
     """
 
     def __init__(self, config: MonitorConfig | dict[str, Any] | str | Path | None = None,
