@@ -20,6 +20,7 @@ from tests.integration import test_mindspore_families as families  # noqa: E402
 from tests.integration.test_mindspore_families import Mlp, _data, _hooks_left  # noqa: E402
 from tests.reference import METRICS, assert_close, np_stats, read_family  # noqa: E402
 from trainmon import TrainerMonitor  # noqa: E402
+from trainmon.errors import UnsupportedSetupError  # noqa: E402
 from trainmon.integrations.mindspore import unwrap_training_cell  # noqa: E402
 from trainmon.integrations.mindspore.callback import TrainmonCallback  # noqa: E402
 
@@ -58,7 +59,7 @@ def test_train_one_step_cell_by_hand(tmp_path: Path, stats_path: str) -> None:
     net = Mlp()
     opt = nn.SGD(net.trainable_params(), learning_rate=LR)
     train = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
-    with pytest.raises(TypeError, match="network inside"):  # the cell's forward is a whole step
+    with pytest.raises(UnsupportedSetupError, match="network inside"):  # the cell's forward is a whole step
         TrainerMonitor({"output_dir": str(tmp_path / "refused")}).attach(train)
     assert unwrap_training_cell(train) == (net, opt)
     monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"],
@@ -171,3 +172,21 @@ def test_training_that_raises_closes_the_monitor(tmp_path: Path) -> None:
 def test_a_bad_config_fails_when_the_callback_is_built() -> None:
     with pytest.raises(ValueError, match="weight_grads"):
         TrainmonCallback({"weight_grads": {"metrics": ["norm", "nope"]}})
+
+
+def test_graph_mode_is_refused_before_the_first_step(tmp_path: Path) -> None:
+    """Cell hooks do not run in graph mode: the callback refuses at ``on_train_begin`` (nothing trained)."""
+    ms.set_seed(0)
+    net = Mlp()
+    opt = nn.SGD(net.trainable_params(), learning_rate=LR)
+    before = _params(net)
+    callback = TrainmonCallback({"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"]})
+    ms.set_context(mode=ms.GRAPH_MODE)
+    try:
+        with pytest.raises(UnsupportedSetupError, match="PyNative"):
+            Model(net, nn.MSELoss(), opt).train(1, _dataset(), callbacks=[callback], dataset_sink_mode=False)
+    finally:
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+    assert callback.monitor is None and not _hooks_left(net, opt)
+    after = _params(net)
+    assert all(np.array_equal(before[name], after[name]) for name in before)

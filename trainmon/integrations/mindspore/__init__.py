@@ -24,6 +24,7 @@ from mindspore import nn
 
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
+from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
 from trainmon.integrations.mindspore.buffer import MindSporeStepBuffer, buffer_of, new_buffer
 from trainmon.integrations.mindspore.host import MindSporeStats, on_cpu
@@ -83,14 +84,15 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
         options: ``attach`` keyword arguments; the torch process groups do not apply.
 
     Raises:
-        TypeError: ``model`` is not a Cell, is a ``nn.TrainOneStepCell`` (pass the network inside and its
-            optimizer: :func:`unwrap_training_cell`), or ``optimizer`` is not an ``nn.Optimizer``.
+        TypeError: ``model`` is not a Cell or ``optimizer`` not an ``nn.Optimizer``.
+        UnsupportedSetupError: ``model`` is a ``nn.TrainOneStepCell`` (pass the network inside and its
+            optimizer: :func:`unwrap_training_cell`), or MindSpore is not in PyNative mode (cell hooks do not
+            run in graph mode).
         ValueError: ``grad_probe`` is enabled without an optimizer.
-        RuntimeError: MindSpore is not in PyNative mode (cell hooks do not run in graph mode).
         TargetError: a target pattern matches no cell or parameter.
     """
     if isinstance(model, nn.TrainOneStepCell):  # its forward is a whole step: the rows would be half of them
-        raise TypeError(f"attach() needs the network inside the {type(model).__name__} and its optimizer: "
+        raise UnsupportedSetupError(f"attach() needs the network inside the {type(model).__name__} and its optimizer: "
                         "monitor.attach(network, train_cell.optimizer), with network the cell given to "
                         "nn.WithLossCell (trainmon.integrations.mindspore.unwrap_training_cell(train_cell) "
                         "returns both)")
@@ -99,7 +101,8 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
     if optimizer is not None and not isinstance(optimizer, nn.Optimizer):
         raise TypeError(f"optimizer must be a mindspore.nn.Optimizer, got {type(optimizer).__name__}")
     if ms.get_context("mode") != ms.PYNATIVE_MODE:
-        raise RuntimeError("the MindSpore integration needs PyNative mode: "
+        raise UnsupportedSetupError("the MindSpore integration needs PyNative mode (cell hooks do not run in graph "
+                                    "mode): "
                            "mindspore.set_context(mode=mindspore.PYNATIVE_MODE)")
     for name in ("tp_group", "pp_group"):
         if getattr(options, name) is not None:

@@ -19,14 +19,18 @@ only when this module is.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from mindspore.train import Callback
 
 from trainmon.config import MonitorConfig
+from trainmon.errors import ConfigError, UnsupportedSetupError
 from trainmon.integrations.mindspore import unwrap_training_cell
 from trainmon.monitor import TrainerMonitor
+
+logger = logging.getLogger("trainmon")
 
 
 class TrainmonCallback(Callback):  # type: ignore[misc]  # mindspore is untyped
@@ -50,23 +54,42 @@ class TrainmonCallback(Callback):  # type: ignore[misc]  # mindspore is untyped
         TrainerMonitor(config)  # validate the config now, when the callback is built, not at train begin
 
     def on_train_begin(self, run_context: Any) -> None:
-        """Attach to the Model's network and optimizer."""
+        """Attach to the Model's network and optimizer.
+
+        Raises:
+            ConfigError, UnsupportedSetupError: a refusal (graph mode, say), before the first step; any other
+                failure to attach is warned about and the training goes on without the monitor.
+        """
         self._release()
+        try:
+            self._attach(run_context)
+        except (ConfigError, UnsupportedSetupError):
+            self._release()
+            raise  # a refusal: the message says what to change
+        except Exception as exc:
+            self._release()
+            logger.warning("trainmon: could not attach to this Model (%s: %s); training goes on without the "
+                           "monitor", type(exc).__name__, exc)
+
+    def _attach(self, run_context: Any) -> None:
         args = run_context.original_args()
         network = args.get("network") or args.get("train_network")
         optimizer = args.get("optimizer")
         options = {"start_step": int(args.get("cur_step_num") or 0) + 1, **self.attach_options}
         network, optimizer = unwrap_training_cell(network, optimizer)  # Model(TrainOneStepCell(...)) given
-        self.monitor = TrainerMonitor(self.config)
-        self.monitor.attach(network, optimizer, **options)
+        monitor = TrainerMonitor(self.config)
+        self.monitor = monitor  # released by the caller if attach raises
+        monitor.attach(network, optimizer, **options)
 
     def on_train_step_end(self, run_context: Any) -> None:
         """End the monitor step with the train network's loss."""
-        if self.monitor is None:
+        monitor = self.monitor
+        if monitor is None or monitor._session is None:
             return
         outputs = run_context.original_args().get("net_outputs")
         loss = outputs[0] if isinstance(outputs, (tuple, list)) and outputs else outputs
-        self.monitor.step(loss=loss)
+        # under the monitor's fail-safe guard: trainmon's own exception never reaches Model.train
+        monitor._session.guard.run("step", lambda: monitor.step(loss=loss))
 
     def on_train_end(self, run_context: Any) -> None:
         """Close the monitor (hooks, files)."""
