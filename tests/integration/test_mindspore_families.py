@@ -68,6 +68,15 @@ def _numpy_pass(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> 
     return actv, actv_grad, grads, loss
 
 
+@pytest.fixture(params=["host", "device"])
+def stats_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both statistics paths on this CPU: ``host`` (MindSpore on the CPU: numpy after the step's one
+    synchronisation) and ``device`` (MindSpore ops, as on Ascend or a GPU), chosen at attach."""
+    if request.param == "device":
+        monkeypatch.setattr("trainmon.integrations.mindspore.on_cpu", lambda: False)
+    return str(request.param)
+
+
 def _train(tmp_path: Path, config: dict, steps: int, poison_step: int | None = None, grad_acc: int = 1):
     ms.set_seed(0)
     net = Mlp()
@@ -99,7 +108,7 @@ def _hooks_left(net: nn.Cell, opt: nn.Optimizer) -> list[str]:
     return left + [f"{p.name}.hooks" for p in net.get_parameters() if p.hooks()]
 
 
-def test_every_family_matches_numpy_float64(tmp_path: Path) -> None:
+def test_every_family_matches_numpy_float64(tmp_path: Path, stats_path: str) -> None:
     config = {"activations": {"enabled": True}, "params": {"enabled": True},
               "optimizer_states": {"states": ALL_STATES}}
     snapshots, rank_dir, names = _train(tmp_path, config, steps=3)
@@ -138,6 +147,21 @@ def test_every_family_matches_numpy_float64(tmp_path: Path) -> None:
     assert first == ["fc1.input", "fc1.output", "act.input", "act.output", "fc2.input", "fc2.output"]
 
 
+def test_activation_copies_beyond_group_mb_are_measured_in_their_hook(tmp_path: Path) -> None:
+    """On the CPU, activations are copied in their hook and measured on the host while the step's copies stay
+    under ``activations.group_mb`` (here 200 bytes: the 120-byte input fits, the outputs do not); the others are
+    measured with MindSpore ops in their hook. Both kinds equal float64 numpy, in execution order."""
+    snapshots, rank_dir, _ = _train(tmp_path, {"activations": {"enabled": True, "group_mb": 200 / 2**20}}, steps=2)
+    frame = read_family(rank_dir, "actv")
+    for step, (before, x, y, _) in enumerate(snapshots):
+        actv = _numpy_pass(before, x, y)[0]
+        rows = frame[frame.step == step]
+        assert rows.name.tolist() == ["fc1.input", "fc1.output", "act.input", "act.output", "fc2.input", "fc2.output"]
+        for _, row in rows.iterrows():
+            assert_close(row, np_stats(actv[row["name"]]), METRICS, rtol=2e-4, atol=1e-6,
+                         label=f"actv {row['name']} step {step}")
+
+
 def test_nan_in_one_cell_is_attributed_to_that_cell_step_and_phase(tmp_path: Path) -> None:
     config = {"activations": {"enabled": True}, "anomaly": {"detectors": [{"type": "nonfinite"}],
                                                             "actions": ["jsonl"]}}
@@ -152,7 +176,7 @@ def test_nan_in_one_cell_is_attributed_to_that_cell_step_and_phase(tmp_path: Pat
     assert (clean["nans"] == 0).all()  # cells before the faulty one are clean
 
 
-def test_gradient_accumulation_counts_micro_steps(tmp_path: Path) -> None:
+def test_gradient_accumulation_counts_micro_steps(tmp_path: Path, stats_path: str) -> None:
     ms.set_seed(0)
     net = Mlp()
     opt = nn.SGD(net.trainable_params(), learning_rate=1e-2)

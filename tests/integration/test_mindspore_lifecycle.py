@@ -13,11 +13,15 @@ import pytest
 ms = pytest.importorskip("mindspore")
 from mindspore import Tensor, nn  # noqa: E402
 
+from tests.integration import test_mindspore_families as families  # noqa: E402
 from tests.integration.test_mindspore_families import Mlp, _data, _hooks_left  # noqa: E402
 from tests.reference import METRICS, assert_close, np_stats, read_family  # noqa: E402
 from trainmon import TrainerMonitor  # noqa: E402
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
+
+
+stats_path = families.stats_path  # both statistics paths: host (numpy, on the CPU) and device
 
 
 @pytest.fixture(autouse=True)
@@ -210,7 +214,7 @@ def _fixed_data(step: int) -> tuple[Tensor, Tensor]:
 
 
 @pytest.mark.parametrize("optimizer", ["AdamWeightDecay", "Adam"])
-def test_optimizer_state_rows_match_numpy_float64(tmp_path: Path, optimizer: str) -> None:
+def test_optimizer_state_rows_match_numpy_float64(tmp_path: Path, optimizer: str, stats_path: str) -> None:
     """exp_avg, exp_avg_sq, update and ratio rows against float64 numpy from the optimizer's own moments.
 
     The moments are read from ``opt.moments1/moments2`` (``moment1/moment2`` for ``nn.Adam``) after each
@@ -291,6 +295,7 @@ class _HostTransferCounter:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.where: list[tuple[str, bool]] = []  # per call: the innermost trainmon function, and whether in transfer()
         self._originals: dict[str, object] = {}
         self._depth = 0
 
@@ -305,8 +310,10 @@ class _HostTransferCounter:
             self._originals[name] = original
 
             def wrapper(tensor, *args, _original=original, _name=name, **kwargs):
-                if self._depth == 0 and threading.current_thread() is main and _from_trainmon():
+                where = _from_trainmon() if self._depth == 0 and threading.current_thread() is main else None
+                if where is not None:
                     self.calls.append(_name)
+                    self.where.append(where)
                 self._depth += 1
                 try:
                     return _original(tensor, *args, **kwargs)
@@ -321,16 +328,25 @@ class _HostTransferCounter:
             setattr(Tensor, name, original)
 
 
-def _from_trainmon() -> bool:
+def _from_trainmon() -> tuple[str, bool] | None:
+    """``(innermost trainmon function, whether MindSporeStepBuffer.transfer is on the stack)``, or None when
+    no trainmon frame is."""
     frame = sys._getframe(2)
+    innermost = None
+    in_transfer = False
     while frame is not None:
         if frame.f_globals.get("__name__", "").startswith("trainmon"):
-            return True
+            innermost = innermost or frame.f_code.co_name
+            in_transfer = in_transfer or (frame.f_code.co_name == "transfer"
+                                          and frame.f_globals["__name__"].endswith("mindspore.buffer"))
         frame = frame.f_back
-    return False
+    return None if innermost is None else (innermost, in_transfer)
 
 
-def test_one_host_transfer_per_collected_step_and_none_otherwise(tmp_path: Path) -> None:
+def test_one_host_transfer_per_collected_step_and_none_otherwise(tmp_path: Path, stats_path: str) -> None:
+    """No read in a hook; on a collected step the first read is the ``asnumpy()`` of the stacked device
+    statistics in ``MindSporeStepBuffer.transfer`` (the step's one synchronisation), and on the host path
+    every other read is a view of host memory made after it, inside ``transfer``; nothing on other steps."""
     ms.set_seed(0)
     net = Mlp()
     opt = nn.Adam(net.trainable_params(), learning_rate=1e-2)
@@ -340,16 +356,24 @@ def test_one_host_transfer_per_collected_step_and_none_otherwise(tmp_path: Path)
                               "anomaly": {"detectors": [{"type": "nonfinite"}], "actions": ["jsonl"]}})
     monitor.attach(net, opt)
     grad_fn = ms.value_and_grad(lambda x, y: nn.MSELoss()(net(x), y), None, opt.parameters)
-    per_step = []
+    per_step, where = [], []
     for step in range(4):
         with _HostTransferCounter() as counter:
             loss, grads = grad_fn(*_fixed_data(step))
             opt(grads)
             record = monitor.step(loss=loss)
         per_step.append(counter.calls)
+        where.append(counter.where)
         assert (record is not None) == (step % 2 == 0)
     monitor.close()
     assert not _hooks_left(net, opt)
-    # The one transfer is the `asnumpy()` of the stacked statistics and scalars in MindSporeStepBuffer.transfer.
-    assert per_step == [["asnumpy"], [], ["asnumpy"], []], per_step
+    assert per_step[1] == per_step[3] == [], per_step
+    for calls, places in ((per_step[0], where[0]), (per_step[2], where[2])):
+        # The first: the `asnumpy()` of the stacked statistics and scalars in MindSporeStepBuffer.transfer.
+        assert calls[0] == "asnumpy" and places[0] == ("transfer", True), places
+        if stats_path == "device":
+            assert calls == ["asnumpy"], calls
+        else:  # then views of host memory (tensors, Adam's beta powers and eps), inside transfer
+            assert len(calls) > 1 and set(calls) == {"asnumpy"}, calls
+            assert {place for place in places[1:]} <= {("host_view", True), ("host_scalar", True)}, places
     assert len(read_family(tmp_path / "run" / "rank0", "update")) == 2 * 4  # the collected steps were measured

@@ -65,6 +65,13 @@ def unscale_block(block: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (block.view(-1, 8) * factors).view(-1)
 
 
+def _version(tensor: Any) -> int | None:
+    """A torch tensor's version counter; None for other tensors, which are always measured: a MindSpore
+    tensor has a ``_version`` too, but reading it waits for the op that makes the tensor to run (~0.5 ms,
+    a host synchronisation in a hook)."""
+    return tensor._version if isinstance(tensor, torch.Tensor) else None
+
+
 class Collector(Protocol):
     """Something that measures tensors into the step buffer.
 
@@ -262,14 +269,14 @@ class StepContext:
         return [block.view(-1, 8)[:, 0] for block, _ in rows.values()]
 
     def _seen(self, tensor: Any, spec: StatsSpec) -> tuple[torch.Tensor, int | None] | None:
-        version = getattr(tensor, "_version", None)  # torch tensors; others are always measured
+        version = _version(tensor)
         seen = self._measured.get(id(tensor)) if version is not None else None
         if seen is None or seen[0]() is not tensor or seen[1] != version or seen[2] != spec:
             return None
         return seen[3], seen[4]
 
     def remember(self, tensor: Any, spec: StatsSpec, block: Any, row: int | None) -> None:
-        version = getattr(tensor, "_version", None)
+        version = _version(tensor)
         if version is not None:
             self._measured[id(tensor)] = (weakref.ref(tensor), version, spec, block, row)
 

@@ -24,8 +24,10 @@ from mindspore import nn
 
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
+from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations.base import Attachment, AttachOptions, select_modules, select_params
 from trainmon.integrations.mindspore.buffer import MindSporeStepBuffer, buffer_of, new_buffer
+from trainmon.integrations.mindspore.host import MindSporeStats, on_cpu
 from trainmon.integrations.mindspore.optimizer import MindSporeOptimizerCollector
 from trainmon.integrations.mindspore.stats import partial_stats
 from trainmon.process_groups import mindspore_layout as dist_layout
@@ -50,6 +52,25 @@ class OptimizerStepHooks:
         return self.optimizer.register_forward_hook(forward_hook)
 
 
+def unwrap_training_cell(model: Any, optimizer: Any = None) -> tuple[Any, Any]:
+    """The network and optimizer inside a ``nn.TrainOneStepCell`` (also ``TrainOneStepWithLossScaleCell``):
+    its ``WithLossCell``'s backbone (the network, as ``Model(network, loss_fn, optimizer)`` has it) and its
+    optimizer. Anything else is returned as given.
+
+    Raises:
+        ValueError: ``optimizer`` is given and is not the training cell's.
+    """
+    if not isinstance(model, nn.TrainOneStepCell):
+        return model, optimizer
+    if optimizer is not None and optimizer is not model.optimizer:
+        raise ValueError("attach(): the optimizer given is not the one of the nn.TrainOneStepCell; pass the cell "
+                         "alone (its optimizer is used) or its own optimizer")
+    network = model.network
+    if isinstance(network, nn.WithLossCell):
+        network = network.backbone_network
+    return network, model.optimizer
+
+
 def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: nn.Optimizer | None,
            options: AttachOptions) -> Attachment:
     """Build the collectors for a MindSpore network in PyNative mode.
@@ -58,28 +79,37 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
         ctx: the monitor's step context (its buffer becomes a :class:`MindSporeStepBuffer`).
         config: the monitor config.
         model: the network whose forward is one micro-step (the cell called inside the function
-            given to ``mindspore.value_and_grad``).
+            given to ``mindspore.value_and_grad``, or wrapped by ``nn.WithLossCell`` in a ``nn.TrainOneStepCell``).
         optimizer: the ``nn.Optimizer`` cell the gradients are applied with, or None.
         options: ``attach`` keyword arguments; the torch process groups do not apply.
 
     Raises:
         TypeError: ``model`` is not a Cell or ``optimizer`` not an ``nn.Optimizer``.
+        UnsupportedSetupError: ``model`` is a ``nn.TrainOneStepCell`` (pass the network inside and its
+            optimizer: :func:`unwrap_training_cell`), or MindSpore is not in PyNative mode (cell hooks do not
+            run in graph mode).
         ValueError: ``grad_probe`` is enabled without an optimizer.
-        RuntimeError: MindSpore is not in PyNative mode (cell hooks do not run in graph mode).
         TargetError: a target pattern matches no cell or parameter.
     """
+    if isinstance(model, nn.TrainOneStepCell):  # its forward is a whole step: the rows would be half of them
+        raise UnsupportedSetupError(f"attach() needs the network inside the {type(model).__name__} and its optimizer: "
+                        "monitor.attach(network, train_cell.optimizer), with network the cell given to "
+                        "nn.WithLossCell (trainmon.integrations.mindspore.unwrap_training_cell(train_cell) "
+                        "returns both)")
     if not isinstance(model, nn.Cell):
         raise TypeError(f"attach() needs a mindspore.nn.Cell, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, nn.Optimizer):
         raise TypeError(f"optimizer must be a mindspore.nn.Optimizer, got {type(optimizer).__name__}")
     if ms.get_context("mode") != ms.PYNATIVE_MODE:
-        raise RuntimeError("the MindSpore integration needs PyNative mode: "
+        raise UnsupportedSetupError("the MindSpore integration needs PyNative mode (cell hooks do not run in graph "
+                                    "mode): "
                            "mindspore.set_context(mode=mindspore.PYNATIVE_MODE)")
     for name in ("tp_group", "pp_group"):
         if getattr(options, name) is not None:
             raise ValueError(f"{name} is not supported for MindSpore (data parallelism only)")
     ctx.buffer_factory = new_buffer
-    ctx.stats_fn = partial_stats
+    host = on_cpu()
+    ctx.stats_fn = MindSporeStats(ctx, host, int(config.activations.group_mb * 2**20))
     ctx.buffer = new_buffer()
     registry = HookRegistry()
     named_cells = [(name, cell, 0) for name, cell in model.cells_and_names()]
@@ -89,9 +119,11 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
         collectors.append(ActivationCollector(ctx, cells, config.activations, registry, tensor_type=ms.Tensor,
                                               backward_hook="register_backward_hook"))
     params = [(name, param, 0) for name, param in model.parameters_and_names()]
+    rank, world_size = dist_layout()
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         chosen = select_params(params, config)
-        collectors.append(MindSporeOptimizerCollector(ctx, chosen, optimizer, config, registry))
+        collectors.append(MindSporeOptimizerCollector(ctx, chosen, optimizer, config, registry, host=host,
+                                                      world_size=world_size))
     if config.grad_probe.enabled:
         from trainmon.integrations.mindspore.probe import grad_probe
 
@@ -101,11 +133,10 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
 
         # First, as torch's: collectives of the other collectors at the end of the step are not measured.
         collectors.insert(0, MindSporeCommCollector(ctx, config.communication, root=model, optimizer=optimizer))
-    rank, world_size = dist_layout()
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_cells,
                       optimizer=OptimizerStepHooks(optimizer) if optimizer is not None else None,
                       registry=registry, rank=rank, world_size=world_size)
 
 
 __all__ = ["MindSporeStepBuffer", "OptimizerStepHooks", "attach", "buffer_of", "dist_layout", "new_buffer",
-           "partial_stats"]
+           "partial_stats", "unwrap_training_cell"]

@@ -17,11 +17,23 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mindspore as ms
-from mindspore import Parameter, Tensor, mint, ops
+from mindspore import Parameter, Tensor, mint
 
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.integrations.mindspore.buffer import buffer_of
-from trainmon.integrations.mindspore.stats import sum_of_squares
+from trainmon.integrations.mindspore.host import HOST_DTYPES, HostAdam, HostNorm, HostRows, host_measurable
+from trainmon.integrations.mindspore.stats import (
+    Group,
+    constants,
+    group_matrix,
+    group_partials,
+    matrix_partials,
+    plan_groups,
+    sum_of_squares,
+    tensor_meta,
+    working_dtype,
+)
+from trainmon.records import RowKey
 
 if TYPE_CHECKING:
     from mindspore import nn
@@ -29,6 +41,7 @@ if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
     from trainmon.config import MonitorConfig
 
+_F32 = ms.float32
 _GRADS = "weight_grads"
 _OPTIMIZER = "optimizer_step"
 _STATE_ATTRS: dict[str, tuple[str, ...]] = {
@@ -47,38 +60,62 @@ def _state_tuple(optimizer: nn.Optimizer, family: str) -> Sequence[Parameter] | 
     return None
 
 
-def adam_update(optimizer: nn.Optimizer, index: int) -> Tensor | None:
-    """The Adam update direction of parameter ``index``, on the device, after the step.
+class AdamMoments:
+    """How to read the Adam update of an optimizer, or None when it is not Adam-like.
 
     ``nn.Adam`` (bias-corrected, as torch's Adam): ``m_hat / (sqrt(v_hat) + eps)`` with the bias
     corrections ``1 - beta_power`` read from the optimizer's ``beta1_power``/``beta2_power``
     parameters (``vhat`` replaces ``v`` with ``use_amsgrad``). ``nn.AdamWeightDecay`` applies no
-    bias correction, so its update is ``m / (sqrt(v) + eps)``. None for other optimizers.
+    bias correction, so its update is ``m / (sqrt(v) + eps)``.
     """
-    m_tuple, v_tuple = _state_tuple(optimizer, "exp_avg"), _state_tuple(optimizer, "exp_avg_sq")
-    eps = getattr(optimizer, "eps", None)
-    if m_tuple is None or v_tuple is None or eps is None:
-        return None
-    m, v = m_tuple[index].astype(ms.float32), v_tuple[index].astype(ms.float32)
-    if getattr(optimizer, "use_amsgrad", False) and getattr(optimizer, "vhat", None) is not None:
-        v = mint.maximum(v, optimizer.vhat[index].astype(ms.float32))
-    beta1_power, beta2_power = getattr(optimizer, "beta1_power", None), getattr(optimizer, "beta2_power", None)
-    if beta1_power is not None and beta2_power is not None:
-        m = m / (1 - beta1_power)
-        v = v / (1 - beta2_power)
-    return (m / (mint.sqrt(v) + eps.reshape(()))).reshape(m.shape)
+
+    def __init__(self, m: Sequence[Parameter], v: Sequence[Parameter], vhat: Sequence[Parameter] | None,
+                 eps: Tensor | float, beta_powers: tuple[Parameter, Parameter] | None) -> None:
+        self.m, self.v, self.vhat, self.eps, self.beta_powers = m, v, vhat, eps, beta_powers
+
+    @classmethod
+    def of(cls, optimizer: nn.Optimizer) -> AdamMoments | None:
+        m, v = _state_tuple(optimizer, "exp_avg"), _state_tuple(optimizer, "exp_avg_sq")
+        eps = getattr(optimizer, "eps", None)
+        if m is None or v is None or eps is None:
+            return None
+        vhat = getattr(optimizer, "vhat", None) if getattr(optimizer, "use_amsgrad", False) else None
+        powers = getattr(optimizer, "beta1_power", None), getattr(optimizer, "beta2_power", None)
+        return cls(m, v, vhat, eps, (powers[0], powers[1]) if powers[0] is not None and powers[1] is not None else None)
+
+    def corrections(self) -> tuple[Tensor, Tensor] | None:
+        """``1 - beta1_power``, ``1 - beta2_power`` now (float32, on the device), or None."""
+        if self.beta_powers is None:
+            return None
+        one = constants.scalar(1.0)
+        return (mint.sub(one, self.beta_powers[0].astype(ms.float32)),
+                mint.sub(one, self.beta_powers[1].astype(ms.float32)))
+
+    def update(self, m: Tensor, v: Tensor, vhat: Tensor | None, corrections: tuple[Tensor, Tensor] | None) -> Tensor:
+        """The update of float32 matrices of moments (rows: parameters)."""
+        if vhat is not None:
+            v = mint.maximum(v, vhat)
+        if corrections is not None:
+            m, v = mint.div(m, corrections[0]), mint.div(v, corrections[1])
+        eps = self.eps.reshape(()).astype(_F32) if isinstance(self.eps, Tensor) else constants.scalar(float(self.eps))
+        return mint.div(m, mint.add(mint.sqrt(v), eps))
 
 
 def update_ratio(update: Tensor, param: Tensor) -> Tensor:
-    """Elementwise ``update / param``; 0 where the parameter is exactly 0 (as for torch)."""
-    param = param.astype(ms.float32)
-    nonzero = param != 0
-    safe = ops.select(nonzero, param, ops.ones_like(param))
-    return ops.select(nonzero, update / safe, ops.zeros_like(update))
+    """Elementwise ``update / param`` (float32); 0 where the parameter is exactly 0 (as for torch)."""
+    nonzero = mint.ne(param, constants.scalar(0.0))
+    safe = mint.where(nonzero, param, constants.scalar(1.0))
+    return mint.where(nonzero, mint.div(update, safe), constants.scalar(0.0))
 
 
 class MindSporeOptimizerCollector(HookedCollector):
     """``grad_unreduced``, ``grad_reduced``, ``param`` and optimizer-state rows for a MindSpore optimizer.
+
+    The optimizer hooks see every parameter at once. On the CPU (``host``) the gradients and states
+    are only referenced in the hooks and measured on the host after the step's synchronisation
+    (:mod:`trainmon.integrations.mindspore.host`); elsewhere each family is measured in groups of one
+    size and dtype (:mod:`trainmon.integrations.mindspore.stats`), a few kernels per group, with the
+    Adam update and ratio computed on the same matrices as the moments' statistics.
 
     Args:
         ctx: the monitor's step context.
@@ -86,18 +123,30 @@ class MindSporeOptimizerCollector(HookedCollector):
         optimizer: the ``nn.Optimizer`` cell, or None (then only ``grad_unreduced``).
         config: the monitor config.
         registry: where the hook handles live.
+        host: measure on the host what cannot change before the step ends (MindSpore on the CPU).
+        world_size: processes training together; with more than one, ``grad_unreduced`` is measured in
+            its hook (a data-parallel all-reduce may change the gradient in place afterwards).
     """
 
     def __init__(self, ctx: StepContext, params: Sequence[tuple[str, Parameter, int]],
-                 optimizer: nn.Optimizer | None, config: MonitorConfig, registry: HookRegistry) -> None:
+                 optimizer: nn.Optimizer | None, config: MonitorConfig, registry: HookRegistry,
+                 host: bool = False, world_size: int = 1) -> None:
         super().__init__(ctx, registry)
         self.params = list(params)
         self.optimizer = optimizer
         self.config = config
+        self.host = host
+        self._host_unreduced = host and world_size == 1
         self._states = [s for s in config.optimizer_states.states if s in ctx.specs]
         index = {id(p): i for i, p in enumerate(optimizer.parameters)} if optimizer is not None else {}
         # (name, parameter, vpp_stage, index in optimizer.parameters) of the targets the optimizer steps
         self._stepped = [(n, p, v, index[id(p)]) for n, p, v in self.params if id(p) in index]
+        self._names = [n for n, _, _, _ in self._stepped]
+        self._stages = [v for _, _, v, _ in self._stepped]
+        self._positions = [i for _, _, _, i in self._stepped]
+        # Parameters' shapes and dtypes do not change: read once here, never in a hook.
+        self._param_metas = [tensor_meta(p) for _, p, _, _ in self._stepped]
+        self._every_grad = len(set(self._positions)) == len(index)
 
     HOOK_GROUPS = (_GRADS, _OPTIMIZER)
 
@@ -105,20 +154,27 @@ class MindSporeOptimizerCollector(HookedCollector):
         if "grad_unreduced" in self.ctx.specs:
             for name, param, vpp_stage in self.params:
                 if param.requires_grad:
-                    self.registry.add(_GRADS, param.register_hook(self.guarded(self._grad_hook(name, vpp_stage))))
+                    hook = self.guarded(self._grad_hook(name, param, vpp_stage))
+                    self.registry.add(_GRADS, param.register_hook(hook))
         if self.optimizer is not None:
             pre_step, post_step = self.guarded(self._pre_step_hook()), self.guarded(self._post_step_hook())
             self.registry.add(_OPTIMIZER, self.optimizer.register_forward_pre_hook(pre_step))
             if self._states:
                 self.registry.add(_OPTIMIZER, self.optimizer.register_forward_hook(post_step))
 
-    def _grad_hook(self, name: str, vpp_stage: int) -> Callable[[Tensor], None]:
+    def _grad_hook(self, name: str, param: Parameter, vpp_stage: int) -> Callable[[Tensor], None]:
         per_micro_step = self.config.weight_grads.per_micro_step
+        on_host = self._host_unreduced and param.dtype in HOST_DTYPES  # a gradient has its parameter's dtype
 
         def hook(grad: Tensor) -> None:
             ctx = self.ctx
             if ctx.collecting and (per_micro_step or ctx.micro_step >= ctx.grad_acc_steps - 1):
-                ctx.record("grad_unreduced", name, grad, vpp_stage)
+                if on_host and isinstance(grad, Tensor):
+                    buffer = buffer_of(ctx)
+                    key = RowKey("grad_unreduced", name, ctx.micro_step, vpp_stage, buffer.next_order())
+                    buffer.add_host(HostRows([key], [grad], ctx.specs["grad_unreduced"]))
+                else:
+                    ctx.record("grad_unreduced", name, grad, vpp_stage)
 
         return hook
 
@@ -128,37 +184,148 @@ class MindSporeOptimizerCollector(HookedCollector):
             if not ctx.collecting:
                 return
             grads = args[0] if args and isinstance(args[0], (tuple, list)) else None
-            for name, param, vpp_stage, i in self._stepped:
-                if grads is not None and grads[i] is not None:
-                    ctx.record("grad_reduced", name, grads[i], vpp_stage)
-                ctx.record("param", name, param, vpp_stage)
             buffer = buffer_of(ctx)
-            if grads:
-                buffer.add_scalar("grad_norm", mint.sqrt(sum_of_squares([g for g in grads if g is not None])))
+            if grads is not None:
+                rows = [k for k, i in enumerate(self._positions) if isinstance(grads[i], Tensor)]
+                tensors = [grads[self._positions[k]] for k in rows]
+                given = [g for g in grads if isinstance(g, Tensor)]
+                metas = [tensor_meta(g) for g in given]  # tensors handed to the hook: no wait
+                if self.host and host_measurable(metas):
+                    self._record_host("grad_reduced", rows, tensors)
+                    buffer.add_host(HostNorm("grad_norm", given))
+                else:
+                    self._grad_reduced_on_device(rows, tensors, given, metas)
+            if "param" in ctx.specs:  # the parameters change in the step: measured now, on the device
+                self._record_many("param", list(range(len(self._stepped))), [p for _, p, _, _ in self._stepped],
+                                  self._param_metas)
             for i, lr in enumerate(_learning_rates(optimizer)):
                 buffer.add_scalar(f"lr/group{i}", lr)
 
         return hook
 
+    def _grad_reduced_on_device(self, rows: list[int], tensors: list[Tensor], given: list[Tensor],
+                                metas: list[tuple[Any, int]]) -> None:
+        squares = self._record_many("grad_reduced", rows, tensors)
+        buffer = buffer_of(self.ctx)
+        if squares is not None and self._every_grad and len(rows) == len(given):
+            total = squares[0] if len(squares) == 1 else mint.cat(squares)
+            buffer.add_scalar("grad_norm", mint.sqrt(mint.sum(total)))  # the rows' sums of squares
+        elif given:
+            buffer.add_scalar("grad_norm", mint.sqrt(sum_of_squares(given, metas)))
+
+    def _reserve(self, family: str) -> int:
+        """The first of the family's orders, one per stepped target in parameter order: rows measured in
+        another order are put back in this one on the host (:meth:`MindSporeStepBuffer.transfer`)."""
+        return buffer_of(self.ctx).reserve_orders(len(self._stepped))
+
+    def _keys(self, family: str, rows: list[int], first: int) -> list[RowKey]:
+        micro_step = self.ctx.micro_step
+        return [RowKey(family, self._names[k], micro_step, self._stages[k], first + k) for k in rows]
+
+    def _record_host(self, family: str, rows: list[int], tensors: list[Tensor]) -> None:
+        spec = self.ctx.specs.get(family)
+        if spec is not None:
+            buffer_of(self.ctx).add_host(HostRows(self._keys(family, rows, self._reserve(family)), tensors, spec))
+
+    def _record_many(self, family: str, rows: list[int], tensors: list[Tensor],
+                     metas: list[tuple[Any, int]] | None = None) -> list[Tensor] | None:
+        """Rows ``self._names[rows[j]]`` of ``tensors[j]``, measured on the device in groups; returns the groups'
+        sums of squares (``[m, 1]`` float32 each), None when the family is off."""
+        spec = self.ctx.specs.get(family)
+        if spec is None:
+            return None
+        plan = plan_groups([tensor_meta(t) for t in tensors] if metas is None else metas)
+        first = self._reserve(family)
+        squares: list[Tensor] = []
+        for group in plan:
+            if group.numel == 0:
+                block = group_partials(tensors, group, spec)
+            else:
+                block, sums = matrix_partials(group_matrix(tensors, group), spec, len(group.indices), group.numel,
+                                              group.working_dtype)
+                squares.append(sums if group.working_dtype == _F32 else sums.astype(_F32))
+            self._add_block(family, [rows[j] for j in group.indices], block, first)
+        return squares
+
+    def _add_block(self, family: str, rows: list[int], block: Tensor, first: int) -> None:
+        buffer_of(self.ctx).add_block(self._keys(family, rows, first), block)
+
     def _post_step_hook(self) -> Callable[[nn.Optimizer, tuple[Any, ...], Any], None]:
         def hook(optimizer: nn.Optimizer, args: tuple[Any, ...], output: Any) -> None:
-            ctx = self.ctx
-            if not ctx.collecting:
+            if not self.ctx.collecting:
                 return
-            tuples = {family: _state_tuple(optimizer, family) for family in ("exp_avg", "exp_avg_sq", "momentum")}
-            for name, param, vpp_stage, i in self._stepped:
-                for family, states in tuples.items():
-                    if family in self._states and states is not None:
-                        ctx.record(family, name, states[i], vpp_stage)
-                if "update" in self._states or "ratio" in self._states:
-                    update = adam_update(optimizer, i)
-                    if update is None:
-                        continue
-                    ctx.record("update", name, update, vpp_stage)
-                    if "ratio" in self._states:
-                        ctx.record("ratio", name, update_ratio(update, param), vpp_stage)
+            every = list(range(len(self._stepped)))
+            adam = AdamMoments.of(optimizer)
+            families = ("momentum",) if adam is not None else ("exp_avg", "exp_avg_sq", "momentum")
+            for family in families:
+                states = _state_tuple(optimizer, family) if family in self._states else None
+                if states is not None:
+                    tensors = [states[i] for i in self._positions]
+                    if self.host and host_measurable([tensor_meta(t) for t in tensors]):  # Parameters: no wait
+                        self._record_host(family, every, tensors)
+                    else:
+                        self._record_many(family, every, tensors)
+            if adam is not None:
+                self._adam_rows(adam)
 
         return hook
+
+    def _adam_rows(self, adam: AdamMoments) -> None:
+        """``exp_avg``, ``exp_avg_sq``, ``update`` and ``ratio`` of Adam-like optimizers: on the host (CPU), else
+        group by group on the device, where the moments' matrices give their statistics and the update."""
+        ctx = self.ctx
+        positions = self._positions
+        m = [adam.m[i] for i in positions]
+        v = [adam.v[i] for i in positions]
+        vhat = [adam.vhat[i] for i in positions] if adam.vhat is not None else None
+        params = [p for _, p, _, _ in self._stepped]
+        wants = {family: ctx.specs[family] for family in self._states if family in ("exp_avg", "exp_avg_sq",
+                                                                                    "update", "ratio")}
+        if not wants:
+            return
+        every = list(range(len(positions)))
+        if self.host and vhat is None and host_measurable([tensor_meta(t) for t in (*m, *v, *params)]):
+            keys = {family: self._keys(family, every, self._reserve(family)) for family in wants}
+            buffer_of(ctx).add_host(HostAdam(keys, wants, m, v, params, adam.eps, adam.beta_powers))
+            return
+        derived = "update" in wants or "ratio" in wants
+        corrections = adam.corrections() if derived else None
+        firsts = {family: self._reserve(family) for family in wants}
+        kinds = [((m[k].dtype, v[k].dtype, None if vhat is None else vhat[k].dtype, dtype), numel)
+                 for k, (dtype, numel) in enumerate(self._param_metas)]  # states are Parameters: no wait
+        for group in plan_groups(kinds):
+            m_dtype, v_dtype, vhat_dtype, p_dtype = group.dtype
+            rows = list(group.indices)
+            count = len(rows)
+            if group.numel == 0:
+                for family in wants:
+                    self._add_block(family, rows, group_partials(m, Group(group.indices, 0, m_dtype), wants[family]),
+                                    firsts[family])
+                continue
+            matrices = {}
+            for family, tensors, dtype in (("exp_avg", m, m_dtype), ("exp_avg_sq", v, v_dtype)):
+                if family in wants or derived:
+                    matrices[family] = group_matrix(tensors, Group(group.indices, group.numel, dtype))
+                if family in wants:
+                    self._add_block(family, rows, matrix_partials(matrices[family], wants[family], count, group.numel,
+                                                                  working_dtype(dtype))[0], firsts[family])
+            if not derived:
+                continue
+            m32, v32 = (_float32(matrices[f], working_dtype(d)) for f, d in (("exp_avg", m_dtype),
+                                                                              ("exp_avg_sq", v_dtype)))
+            vhat32 = None if vhat is None else group_matrix(vhat, Group(group.indices, group.numel, vhat_dtype), _F32)
+            update = adam.update(m32, v32, vhat32, corrections)
+            if "update" in wants:
+                self._add_block("update", rows, matrix_partials(update, wants["update"], count, group.numel, _F32)[0],
+                                firsts["update"])
+            if "ratio" in wants:
+                param = group_matrix(params, Group(group.indices, group.numel, p_dtype), _F32)
+                self._add_block("ratio", rows, matrix_partials(update_ratio(update, param), wants["ratio"], count,
+                                                               group.numel, _F32)[0], firsts["ratio"])
+
+
+def _float32(matrix: Tensor, dtype: Any) -> Tensor:
+    return matrix if dtype == _F32 else matrix.astype(_F32)
 
 
 def _learning_rates(optimizer: nn.Optimizer) -> list[Tensor]:
