@@ -75,6 +75,10 @@ FAULTS: dict[str, Fault] = {
                                when=lambda self, family, *a, **k: family == "actv"),
     "mindspore_optimizer": Fault("trainmon.integrations.mindspore.optimizer", "MindSporeOptimizerCollector",
                                  "_pre_step_hook", "weights", factory=True),
+    "mindspore_post_step": Fault("trainmon.integrations.mindspore.optimizer", "MindSporeOptimizerCollector",
+                                 "_post_step_hook", "weights", factory=True),
+    "mindspore_grad_hook": Fault("trainmon.integrations.mindspore.optimizer", "MindSporeOptimizerCollector",
+                                 "_grad_hook", "weights", factory=True),
 }
 
 
