@@ -210,3 +210,31 @@ def test_a_container_whose_inner_optimizers_miss_parameters_is_refused_at_attach
         monitor.attach(net, optimizer)
     monitor.close()
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+
+
+def test_traced_modules_names_the_compiled_regions_like_the_rows(monkeypatch):
+    import torch.distributed as dist
+
+    from tests.launch import free_port
+    from trainmon.integrations.torch import traced_modules
+
+    net = Net()
+    net.blocks[0].compile(backend="aot_eager")                                # in place: itself and below
+    net.blocks[1] = torch.compile(net.blocks[1], backend="aot_eager")         # a wrapper: below it, not itself
+    names = {id(m): name for name, m in net.named_modules()}
+    found = {names[key]: region for key, region in traced_modules(net).items()}
+    assert found == {"blocks.0": "blocks.0", "blocks.0.fc1": "blocks.0", "blocks.0.fc2": "blocks.0",
+                     "blocks.1._orig_mod": "blocks.1", "blocks.1._orig_mod.fc1": "blocks.1",
+                     "blocks.1._orig_mod.fc2": "blocks.1"}
+    whole = torch.compile(Net(), backend="aot_eager")
+    assert set(traced_modules(whole).values()) == {""} and len(traced_modules(whole)) == len(list(whole.modules())) - 1
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        inner = Net()
+        inner.blocks[0].compile(backend="aot_eager")
+        ddp = torch.nn.parallel.DistributedDataParallel(inner)
+        assert set(traced_modules(ddp).values()) == {"blocks.0"}  # named as the rows are: no "module."
+    finally:
+        dist.destroy_process_group()

@@ -83,9 +83,11 @@ def traced_modules(model: torch.nn.Module) -> dict[int, str]:
         if region is not None:
             traced[id(module)] = region
         wrapped = module._orig_mod if region is None and _is_compiled(module) else None
+        ddp = isinstance(module, torch.nn.parallel.DistributedDataParallel)
         for child_name, child in module.named_children():
             inner = plain_name(name) if child is wrapped else region
-            stack.append((f"{name}.{child_name}" if name else child_name, child, inner))
+            child_path = name if ddp else f"{name}.{child_name}" if name else child_name  # rows have no "module."
+            stack.append((child_path, child, inner))
     return traced
 
 
