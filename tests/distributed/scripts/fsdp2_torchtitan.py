@@ -115,6 +115,7 @@ def canonical(name: str) -> str:
 def build(case: str, backend: CountingBackend) -> tuple[nn.Module, nn.Module, nn.Module]:
     """The parallelised model (torchtitan's ``parallelize_llama``), what the loop calls (a compiled wrapper of it
     for ``whole_model``), and a plain eager copy of its initial weights."""
+    torch._dynamo.reset()  # each model compiles from scratch: dynamo's recompile limit (8) counts per code object
     torch.manual_seed(0)
     model = Transformer()
     plain = copy.deepcopy(model)
