@@ -12,7 +12,7 @@ FSDP's post-backward reduces and frees it. :class:`UnshardedGradHooks` finds the
   all-gather, and reuses it, so :func:`fsdp_unsharded_params` reads them from FSDP2's records outside
   compiled code, when the step's hooks are installed and after the forward of the model given to
   ``attach`` (before the backward that accumulates into them). Which modules run compiled is asked
-  again before each forward of a collected step (users may compile after ``attach``).
+  again before the first forward of each collected step (users may compile after ``attach``).
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ class UnshardedGradHooks:
         self._hooked: dict[int, weakref.ref[torch.Tensor]] = {}
         self._pre_hooks: dict[int, Any] = {}
         """``id(FSDP module) -> handle`` of the forward pre-hooks of the modules that run eagerly."""
+        self._checked: int | None = None
+        """The step whose first forward :meth:`_recheck` saw."""
         self._warned = False
 
     def compiled_now(self) -> Owners:
@@ -90,14 +92,17 @@ class UnshardedGradHooks:
                 self._pre_hooks[id(module)] = handle
                 self.registry.add(GROUP, handle)
         self._hook_recorded()  # those FSDP made in earlier forwards (none before the first)
-        self.registry.add(GROUP, self.model.register_forward_pre_hook(self.wrap(self._recheck), prepend=True))
+        # after the step model's root pre-hook (registered at attach): the step a forward belongs to is known
+        self.registry.add(GROUP, self.model.register_forward_pre_hook(self.wrap(self._recheck)))
         self.registry.add(GROUP, self.model.register_forward_hook(self.wrap(self._after_forward)))
 
     def _recheck(self, module: torch.nn.Module, args: Any) -> None:
-        """Forward pre-hook of the model (first of all): an FSDP module compiled since the hooks went in loses
-        its pre-hook before its compiled code first runs (dynamo would trace it) and is read from the records."""
-        if not (self.ctx.collecting and torch.is_grad_enabled()) or not self._pre_hooks:
+        """Forward pre-hook of the model: an FSDP module compiled since the hooks went in loses its pre-hook
+        before its compiled code first runs (dynamo would trace it) and is read from the records."""
+        if not (self.ctx.collecting and torch.is_grad_enabled()) or not self._pre_hooks \
+                or self._checked == self.ctx.step:
             return
+        self._checked = self.ctx.step  # once per step: compiled_now() walks the model (~2 ms for 1,000 modules)
         compiled = self.compiled_now()
         newly = [id(m) for m, _ in compiled if id(m) in self._pre_hooks]
         if newly:
