@@ -122,7 +122,7 @@ def test_grad_unreduced_of_the_compiled_blocks_is_each_ranks_own_gradient(runs, 
         refs = _refs(runs, case, rank)
         for step in collected(case):
             for name in info["names"]:
-                want = refs[f"{step}|local|{name.replace('_checkpoint_wrapped_module.', '')}"]
+                want = refs[f"{step}|local|{name}"]
                 assert_close(_row(frame, name, step), np_stats(want), METRICS, rtol=1e-4, atol=1e-6,
                              label=f"{case} rank {rank} step {step} {name} grad_unreduced")
 

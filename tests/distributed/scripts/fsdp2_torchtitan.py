@@ -108,8 +108,9 @@ def data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def canonical(name: str) -> str:
-    """A parameter's name as trainmon writes it (no ``_orig_mod`` level of a compiled wrapper)."""
-    return name.replace("_orig_mod.", "")
+    """A parameter's name as trainmon writes it: no level of a compiled wrapper (``_orig_mod``) or of an
+    activation-checkpoint wrapper (``_checkpoint_wrapped_module``), i.e. the plain model's name."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def build(case: str, backend: CountingBackend) -> tuple[nn.Module, nn.Module, nn.Module]:
@@ -186,7 +187,7 @@ def train(case: str, out: Path, monitored: bool, refs: dict[str, np.ndarray], in
         started = time.perf_counter()
         graphs_before = backend.graphs
         if local:
-            plain.load_state_dict({canonical(name).replace("_checkpoint_wrapped_module.", ""): p.full_tensor()
+            plain.load_state_dict({canonical(name): p.full_tensor()
                                    for name, p in model.named_parameters()})
         optimizers.zero_grad()
         for micro in range(MICRO):  # torchtitan's train_step: gradient accumulation, loss scaled per micro-batch
