@@ -57,7 +57,7 @@ FAULTS: dict[str, Fault] = {
     # DeepSpeed: the engine's step wrapper (ZeRO shards' statistics)
     "engine_step": Fault("trainmon.integrations.deepspeed", "DeepSpeedShardCollector", "_pre_step", "weights"),
     # FSDP2: the forward pre-hook that finds the unsharded parameters
-    "fsdp_unsharded": Fault("trainmon.integrations.fsdp", "FSDPOptimizerCollector", "_find_unsharded", "weights",
+    "fsdp_unsharded": Fault("trainmon.integrations.fsdp_unsharded", "UnshardedGradHooks", "_pre_forward", "weights",
                             factory=True),
     # FSDP2: the optimizer's step post-hook (sharded optimizer states)
     "fsdp_post_step": Fault("trainmon.integrations.fsdp", "FSDPOptimizerCollector", "_post_step", "weights"),

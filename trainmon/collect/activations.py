@@ -131,6 +131,12 @@ class ActivationCollector(HookedCollector):
         tensor_type: the framework's tensor class.
         backward_hook: the module method that registers a backward hook
             ``(module, grad_input, grad_output)`` and returns a removable handle.
+        select: given ``modules``, those that may be hooked now (the torch integration leaves out
+            modules inside ``torch.compile``'d code, with a warning); asked when hooks are installed
+            and, with ``recheck_on``, before the first forward of each collected step. None: every module.
+        recheck_on: the model given to ``attach``: its forward pre-hook asks ``select`` again and
+            unhooks the modules it leaves out (compiled since), before their compiled code first runs:
+            a module backward hook present when dynamo traces a ``fullgraph`` region is an error.
 
     Subclasses (the Megatron collector) reuse :meth:`next_call`, :meth:`record_forward`,
     :meth:`hook_tensors` and the ``HOOK_GROUP`` of handles.
@@ -143,9 +149,17 @@ class ActivationCollector(HookedCollector):
 
     def __init__(self, ctx: StepContext, modules: Sequence[tuple[str, Any, int]], config: ActivationsConfig,
                  registry: HookRegistry, *, tensor_type: type = torch.Tensor,
-                 backward_hook: str = "register_full_backward_hook") -> None:
+                 backward_hook: str = "register_full_backward_hook",
+                 select: Callable[[list[tuple[str, Any, int]]], list[tuple[str, Any, int]]] | None = None,
+                 recheck_on: Any = None) -> None:
         super().__init__(ctx, registry)
         self.modules = list(modules)
+        self.select = select
+        self.recheck_on = recheck_on
+        self._handles: dict[int, list[Any]] = {}
+        """``id(module) -> its hook handles`` of the last :meth:`install_hooks` (also in the registry)."""
+        self._checked: int | None = None
+        """The step whose first forward :meth:`_recheck` saw."""
         self.config = config
         self.tensor_type = tensor_type
         self.backward_hook = backward_hook
@@ -167,20 +181,37 @@ class ActivationCollector(HookedCollector):
         input_grads = backward and self.config.inputs
         if input_grads and self.grad_hooks == "module":
             self._avoid_in_place_targets()
-        for name, module, vpp_stage in self.modules:
+        modules = self.modules if self.select is None else self.select(self.modules)
+        self._handles = {}
+        for name, module, vpp_stage in modules:
+            handles = self._handles.setdefault(id(module), [])
             tensor_inputs = input_grads and self.grad_hooks == "tensor"
             if tensor_inputs:
-                handle = module.register_forward_pre_hook(self.guarded(self._pre_hook(name, vpp_stage)),
-                                                          with_kwargs=True)
-                self.registry.add(self.HOOK_GROUP, handle)
+                handles.append(module.register_forward_pre_hook(self.guarded(self._pre_hook(name, vpp_stage)),
+                                                                with_kwargs=True))
             hook = self.guarded(self._hook(name, vpp_stage, forward, backward, tensor_inputs))
-            self.registry.add(self.HOOK_GROUP, module.register_forward_hook(hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(hook, with_kwargs=True))
             if input_grads and self.grad_hooks == "module":
                 # Only so that torch routes the inputs' gradient through one node per call (see the class docstring).
                 handle = module.register_full_backward_hook(self.guarded(self._lift))
+                handles.append(handle)
+                handles.extend(self._quiet.hooks(module, handle, self.guarded))
+            for handle in handles:
                 self.registry.add(self.HOOK_GROUP, handle)
-                for quiet in self._quiet.hooks(module, handle, self.guarded):
-                    self.registry.add(self.HOOK_GROUP, quiet)
+        if self.select is not None and self.recheck_on is not None:
+            recheck = self.recheck_on.register_forward_pre_hook(self.guarded(self._recheck))
+            self.registry.add(self.HOOK_GROUP, recheck)
+
+    def _recheck(self, module: Any, args: Any) -> None:
+        """Forward pre-hook of the model: unhook the targets ``select`` leaves out now (compiled since).
+        Once per step (``select`` walks the model: ~2 ms for 1,000 modules), at its first forward."""
+        if not self.ctx.collecting or self.select is None or self._checked == self.ctx.step:
+            return
+        self._checked = self.ctx.step
+        allowed = {id(target) for _, target, _ in self.select(self.modules)}
+        for key in [key for key in self._handles if key not in allowed]:
+            for handle in self._handles.pop(key):
+                handle.remove()  # removing again (the registry, on disarm) is a no-op
 
     def _install_cell_hooks(self, forward: bool, backward: bool) -> None:
         """Another framework's cells (MindSpore): forward hooks, and the cell backward hook's gradient tuples."""

@@ -18,6 +18,7 @@ from trainmon.collect.adam import (  # re-exported (__all__): integrations and t
 )
 from trainmon.collect.hooks import HookedCollector, HookRegistry, post_accumulate_grad_hook
 from trainmon.collect.stats_base import foreach_norms, norm_of_norms
+from trainmon.errors import UnsupportedSetupError
 from trainmon.records import RowKey
 from trainmon.step_hooks import scale_of
 
@@ -56,6 +57,53 @@ def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return norm_of_norms(torch.stack(norms))  # scaled: per-tensor norms up to float32's max
 
 
+class OptimizerContainerError(UnsupportedSetupError):
+    """An optimizer made of inner optimizers that do not hold all of its parameters (refused at ``attach``)."""
+
+
+def optimizer_parts(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers that hold the states and settings (``lr``, betas) of ``optimizer``'s parameters.
+
+    ``optimizer`` itself, or the inner optimizers of a container: a ``torch.optim.Optimizer`` subclass
+    that keeps one optimizer per model part in ``optimizers`` and steps each in its ``step()``
+    (torchtitan's ``OptimizersContainer``, whose own ``param_groups`` has every parameter in one group
+    without settings, and whose own ``state`` stays empty). Step hooks still go on the container:
+    its pre-hook runs before any inner step, its post-hook after the last.
+
+    Raises:
+        OptimizerContainerError: a parameter of the container is in none of its inner optimizers.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> plain = torch.optim.SGD(layer.parameters(), lr=0.1)
+        >>> optimizer_parts(plain) == [plain]
+        True
+    """
+    inner = getattr(optimizer, "optimizers", None)
+    if not (isinstance(inner, (list, tuple)) and inner
+            and all(isinstance(part, torch.optim.Optimizer) and part is not optimizer for part in inner)):
+        return [optimizer]
+    held = {id(p) for part in inner for group in part.param_groups for p in group["params"]}
+    missing = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in held]
+    if missing:
+        raise OptimizerContainerError(
+            f"{type(optimizer).__name__} keeps {len(inner)} optimizers in .optimizers, but {len(missing)} of its "
+            f"parameters (shape {tuple(missing[0].shape)}, ...) are in none of them: trainmon reads each parameter's "
+            "state and learning rate from the inner optimizer that steps it. Pass attach() an optimizer whose "
+            ".optimizers hold every parameter, or a plain torch optimizer")
+    return list(inner)
+
+
+def param_groups_of(parts: Sequence[torch.optim.Optimizer]) -> list[dict[str, Any]]:
+    """Every parameter group of :func:`optimizer_parts`, in order (``lr/group{i}`` counts through them)."""
+    return [group for part in parts for group in part.param_groups]
+
+
+def states_of(parts: Sequence[torch.optim.Optimizer]) -> dict[int, tuple[dict[str, Any] | None, dict[str, Any]]]:
+    """``id(param) -> (its optimizer state or None before the first step, its parameter group)``."""
+    return {id(p): (part.state.get(p), group) for part in parts for group in part.param_groups for p in group["params"]}
+
+
 class TorchOptimizerCollector(HookedCollector):
     """``grad_unreduced``, ``grad_reduced``, ``param`` and optimizer-state rows for a torch optimizer.
 
@@ -80,6 +128,9 @@ class TorchOptimizerCollector(HookedCollector):
     Under a ``GradScaler`` (``ctx.scaler``) ``grad_unreduced`` is divided by the loss scale, so
     every gradient row is in the units the optimizer steps with.
 
+    An optimizer made of one optimizer per model part (:func:`optimizer_parts`) is hooked as one; the
+    states and learning rates come from its inner optimizers.
+
     Args:
         ctx: the monitor's step context.
         params: ``(name, parameter, vpp_stage)`` of the target parameters.
@@ -92,14 +143,19 @@ class TorchOptimizerCollector(HookedCollector):
             ends (one group of kernels) instead of tensor by tensor in each hook. The hooks only
             note the gradient and its version; a gradient changed in place before the pass ends
             (an optimizer step inside the backward) is measured tensor by tensor from then on.
+
+    Raises:
+        OptimizerContainerError: see :func:`optimizer_parts`.
     """
 
     def __init__(self, ctx: StepContext, params: Sequence[tuple[str, torch.nn.Parameter, int]],
                  optimizer: torch.optim.Optimizer | None, config: MonitorConfig, registry: HookRegistry,
                  batch_unreduced: bool = False) -> None:
+        self.parts = optimizer_parts(optimizer) if optimizer is not None else []
+        """The optimizers holding the states and settings (``[optimizer]`` unless it is a container)."""
         super().__init__(ctx, registry)
         if optimizer is not None:  # what the optimizer does not hold is not measured (frozen LoRA bases)
-            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            held = {id(p) for group in param_groups_of(self.parts) for p in group["params"]}
             params = [item for item in params if id(item[1]) in held]
         self.params = list(params)
         self.optimizer = optimizer
@@ -229,7 +285,7 @@ class TorchOptimizerCollector(HookedCollector):
         ctx = self.ctx
         if self._norm_final or ctx.micro_step < ctx.grad_acc_steps - 1 or self.optimizer is None:
             return
-        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for group in param_groups_of(self.parts) for p in group["params"] if p.grad is not None]
         if grads:
             # every gradient measured just now as grad_unreduced, as a group (one process: nothing reduced them
             # since; every parameter a target): the norm from those partials, without reading them again. With
@@ -291,12 +347,13 @@ class TorchOptimizerCollector(HookedCollector):
         if self._norm is None:  # no backward pass was seen (gradients set by hand): the norm as it stands
             self._norm = self._norm_as_it_stands(optimizer)
         self._norm_final = True
-        for i, group in enumerate(optimizer.param_groups):
-            self.ctx.buffer.add_scalar(f"lr/group{i}", group["lr"])
+        for i, group in enumerate(param_groups_of(self.parts)):
+            if "lr" in group:  # every torch optimizer has one; a custom one may not
+                self.ctx.buffer.add_scalar(f"lr/group{i}", group["lr"])
 
     def _norm_as_it_stands(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
         """The global norm of the optimizer's gradients now (subclasses with sharded gradients override it)."""
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for group in param_groups_of(self.parts) for p in group["params"] if p.grad is not None]
         return global_grad_norm(grads) if grads else None
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -304,14 +361,14 @@ class TorchOptimizerCollector(HookedCollector):
         ctx = self.ctx
         if not ctx.collecting:
             return
-        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        found = states_of(self.parts)
         rows: dict[str, list[tuple[str, torch.Tensor, int]]] = {
             family: [] for family in ("exp_avg", "exp_avg_sq", "momentum", "update", "ratio")}
         adam_entries: list[AdamEntry] = []
         adam_rows: list[tuple[str, int]] = []
         derived = "update" in self._states or "ratio" in self._states
         for name, param, vpp_stage in self.params:
-            state = optimizer.state.get(param)
+            state, group = found.get(id(param), (None, {}))
             if not state or (param.grad is None and not param.requires_grad):  # frozen: its state is not stepped
                 continue
             for family in ("exp_avg", "exp_avg_sq"):
@@ -324,7 +381,7 @@ class TorchOptimizerCollector(HookedCollector):
                 for family in ("update", "ratio"):
                     if family in self._states:
                         rows[family].append((name, param, vpp_stage))
-                adam_entries.append((param, state, group_of[id(param)]))
+                adam_entries.append((param, state, group))
                 adam_rows.append((name, vpp_stage))
         # exp_avg and exp_avg_sq from the update's read of m and v, where a fused kernel makes it (one spec: the
         # kernel takes one set of flags for both)
@@ -403,5 +460,5 @@ class TorchOptimizerCollector(HookedCollector):
                                 orders=[family_orders[k] for k in rest] if family_orders else None)
 
 
-__all__ = ["_CHUNK", "TorchOptimizerCollector", "adam_partials_cpu", "adam_partials_many", "adam_update",
-           "global_grad_norm", "update_ratio"]
+__all__ = ["_CHUNK", "OptimizerContainerError", "TorchOptimizerCollector", "adam_partials_cpu", "adam_partials_many",
+           "adam_update", "global_grad_norm", "optimizer_parts", "param_groups_of", "states_of", "update_ratio"]

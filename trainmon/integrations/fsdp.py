@@ -3,11 +3,10 @@
 What is measured where (see ``docs/fsdp.md``):
 
 - ``actv`` / ``actv_grad``: module hooks, as for plain torch (FSDP2 keeps the user's module names).
-- ``grad_unreduced``: this rank's own full gradient, before FSDP reduce-scatters it. FSDP2 runs
-  the post-accumulate-grad hooks of the *sharded* parameters only after its reduce-scatter (on
-  the reduced shard), so those are not used: a forward pre-hook of each FSDP module finds the
-  unsharded parameters FSDP has just swapped into the modules, and a post-accumulate-grad hook
-  on them reads the local gradient before FSDP's post-backward reduces and frees it.
+- ``grad_unreduced``: this rank's own full gradient, before FSDP reduce-scatters it, from
+  post-accumulate-grad hooks on the *unsharded* parameters (:mod:`trainmon.integrations.fsdp_unsharded`:
+  found by a forward pre-hook of each FSDP module, or from FSDP2's records for FSDP modules that run
+  compiled, which get no hook of trainmon's).
 - ``grad_reduced``, ``param``, optimizer states (Adam ``exp_avg``/``exp_avg_sq``, ``update``,
   ``ratio``; SGD ``momentum``): measured on this rank's local shard (``DTensor.to_local()``; no
   gather, no redistribution) in the optimizer's step hooks; scalar ``grad_norm`` from the local
@@ -29,9 +28,8 @@ and FSDP1 (``FullyShardedDataParallel``) are refused at ``attach`` with :class:`
 from __future__ import annotations
 
 import logging
-import weakref
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +41,8 @@ from trainmon.collect.optimizer import (
     adam_partials_cpu,
     adam_update,
     global_grad_norm,
+    param_groups_of,
+    states_of,
     update_ratio,
 )
 from trainmon.collect.stats import combine_partials_torch, empty_partial
@@ -55,9 +55,10 @@ from trainmon.integrations.base import (
     select_params,
 )
 from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, _local, shard_group_of
-from trainmon.integrations.torch import _outside_compiled, compiled_regions, unwrap_model
+from trainmon.integrations.fsdp_unsharded import GROUP as UNSHARDED
+from trainmon.integrations.fsdp_unsharded import UnshardedGradHooks, fsdp_modules, unsharded_owners
+from trainmon.integrations.torch import OutsideCompiled, refuse_root_compiled_in_place, unwrap_model
 from trainmon.step_hooks import scale_of, unwrap_optimizer
-from trainmon.targets import plain_name
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext
@@ -65,7 +66,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("trainmon")
 
-_UNSHARDED = "fsdp_unsharded_grads"
 _STEP = "fsdp_optimizer_step"
 
 
@@ -87,61 +87,41 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         unsharded_owners: ``(FSDP module, [(name, owner module, attribute, vpp_stage)])``: where
             each target parameter's unsharded version appears during that FSDP module's forward.
         writes_rows: whether this rank writes the combined rows (lowest selected rank of the group).
+        model: the model given to ``attach`` (its forward ends outside compiled code: the root is
+            never compiled in place), for :func:`traced_modules` and the after-forward hook.
     """
 
     def __init__(self, ctx: StepContext, params: Sequence[tuple[str, torch.nn.Parameter, int]],
                  optimizer: torch.optim.Optimizer | None, config: MonitorConfig, registry: HookRegistry,
                  shards: ShardGroup, unsharded_owners: list[tuple[torch.nn.Module, list[tuple[str, Any, str, int]]]],
-                 writes_rows: bool) -> None:
+                 writes_rows: bool, model: torch.nn.Module) -> None:
         super().__init__(ctx, params, optimizer, config, registry)
         self.shards = shards
         self.unsharded_owners = unsharded_owners
+        self.unsharded = UnshardedGradHooks(ctx, model, unsharded_owners, registry, self._grad_hook, self.guarded)
         self.writes_rows = writes_rows
         self.collective = shards.size > 1
         self._device = _collective_device(shards) if self.collective else None
         self._rows: list[tuple[str, str, int, torch.Tensor]] = []
         """This rank's shard rows ``(family, name, vpp, partial)``, combined in the step's one collective."""
-        self._hooked: dict[int, weakref.ref[torch.Tensor]] = {}
         self._warned: set[tuple[str, str]] = set()
 
     # ------------------------------------------------------------------------- hooks
-    HOOK_GROUPS = (_UNSHARDED, _STEP)
+    HOOK_GROUPS = (UNSHARDED, _STEP)
     reads_missing_grads = False  # the hooks see the unsharded parameters, not the sharded ones held here
 
     def install_hooks(self) -> None:
         if "grad_unreduced" in self.ctx.specs:
-            for module, entries in self.unsharded_owners:
-                hook = self.guarded(self._find_unsharded(entries))
-                self.registry.add(_UNSHARDED, module.register_forward_pre_hook(hook))
+            self.unsharded.install()
         if self.optimizer is not None:
             self.registry.add(_STEP, self.optimizer.register_step_pre_hook(self.guarded(self._pre_step)))
             if self._states:
                 self.registry.add(_STEP, self.optimizer.register_step_post_hook(self.guarded(self._post_step)))
 
     def reset(self) -> None:
-        self._hooked.clear()
+        self.unsharded.reset()
         self._rows.clear()
         self._norm, self._norm_final = None, False
-
-    def _find_unsharded(self, entries: list[tuple[str, Any, str, int]]
-                        ) -> Callable[[torch.nn.Module, Any], None]:  # hook closure
-        """Forward pre-hook of an FSDP module, run after FSDP's own (which is prepended and unshards):
-        hook the unsharded parameters now set on the modules, once each while armed."""
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            if not (self.ctx.collecting and torch.is_grad_enabled()):
-                return
-            for name, owner, attribute, vpp_stage in entries:
-                param = getattr(owner, attribute, None)
-                if param is None or hasattr(param, "to_local") or not param.requires_grad:
-                    continue  # still sharded (not unsharded by FSDP yet), or frozen
-                seen = self._hooked.get(id(param))
-                if seen is not None and seen() is param:
-                    continue
-                self._hooked[id(param)] = weakref.ref(param)
-                handle = param.register_post_accumulate_grad_hook(self.guarded(self._grad_hook(name, vpp_stage)))
-                self.registry.add(_UNSHARDED, handle)
-
-        return hook
 
     def _backward_ended(self) -> None:
         """End of a backward pass (after FSDP's reduce-scatter): the norm of this rank's gradient shards."""
@@ -152,7 +132,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
 
     def _local_norm(self) -> torch.Tensor | None:
         assert self.optimizer is not None
-        grads = [_local(p.grad) for group in self.optimizer.param_groups for p in group["params"]
+        grads = [_local(p.grad) for group in param_groups_of(self.parts) for p in group["params"]
                  if p.grad is not None]
         if not grads:
             return None
@@ -178,10 +158,10 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         ctx = self.ctx
         if not ctx.collecting:
             return
-        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        found = states_of(self.parts)
         adam = "update" in self._states or "ratio" in self._states
         for name, param, vpp_stage in self.params:
-            state = optimizer.state.get(param)
+            state, group = found.get(id(param), (None, {}))
             if not state:
                 continue
             for family in ("exp_avg", "exp_avg_sq"):
@@ -190,7 +170,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
             if "momentum" in self._states and state.get("momentum_buffer") is not None:
                 self._shard("momentum", name, vpp_stage, state["momentum_buffer"])
             if adam and "exp_avg" in state and "exp_avg_sq" in state:
-                self._adam_rows(name, vpp_stage, state, group_of[id(param)], _local(param))
+                self._adam_rows(name, vpp_stage, state, group, _local(param))
 
     def _adam_rows(self, name: str, vpp_stage: int, state: dict[str, Any], group: dict[str, Any],
                    param: torch.Tensor) -> None:
@@ -269,33 +249,6 @@ def _collective_device(shards: ShardGroup) -> torch.device | None:
     return None
 
 
-def _fsdp_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    from torch.distributed.fsdp import FSDPModule
-
-    # cast: isinstance narrows each module to FSDPModule, which is a mixin of the module's own class.
-    modules = [(plain_name(name), module) for name, module in root.named_modules() if isinstance(module, FSDPModule)]
-    return cast("list[tuple[str, torch.nn.Module]]", modules)
-
-
-def _unsharded_owners(root: torch.nn.Module, params: Sequence[tuple[str, torch.nn.Parameter, int]],
-                      fsdp_modules: list[tuple[str, torch.nn.Module]]
-                      ) -> list[tuple[torch.nn.Module, list[tuple[str, Any, str, int]]]]:
-    """For each FSDP module, the target parameters it manages: those under it and under no deeper FSDP module.
-
-    FSDP unshards exactly those in that module's forward pre-hook, setting the unsharded
-    parameter as the attribute of the module that owns it (``fc1.weight`` on ``fc1``).
-    """
-    modules = {plain_name(name): module for name, module in root.named_modules()}
-    by_module: dict[str, list[tuple[str, Any, str, int]]] = {prefix: [] for prefix, _ in fsdp_modules}
-    for name, _, vpp_stage in params:
-        owner_name, _, attribute = name.rpartition(".")
-        managers = [prefix for prefix, _ in fsdp_modules
-                    if prefix == "" or owner_name == prefix or owner_name.startswith(prefix + ".")]
-        if managers and owner_name in modules:
-            by_module[max(managers, key=len)].append((name, modules[owner_name], attribute, vpp_stage))
-    return [(module, by_module[prefix]) for prefix, module in fsdp_modules if by_module[prefix]]
-
-
 def _reshard_if_unsharded(root: torch.nn.Module) -> None:
     """Put FSDP's sharded parameters back on the modules when a forward left them unsharded.
 
@@ -319,12 +272,14 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
     Raises:
         FSDPLayoutError: FSDP1, or a parameter layout trainmon cannot combine exactly (see
             :func:`shard_group_of`); raised before any hook is installed.
+        CompiledRootError: ``model.compile()`` was called on ``model`` itself.
         TargetError: a target pattern matches no module or parameter.
     """
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
+    refuse_root_compiled_in_place(model)
     root = unwrap_model(model)
     if any(isinstance(module, FullyShardedDataParallel) for module in root.modules()):
         raise FSDPLayoutError("FSDP1 (FullyShardedDataParallel) is not supported: its parameters are flattened "
@@ -357,12 +312,22 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
     if weights and shards is not None:
         shard_collector = FSDPOptimizerCollector(
             ctx, chosen, optimizer, config, registry, shards,
-            _unsharded_owners(root, chosen, _fsdp_modules(root)),
-            writes_rows=process_groups.is_lowest_selected(shards.group, config.ranks))
+            unsharded_owners(root, chosen, fsdp_modules(root)),
+            writes_rows=process_groups.is_lowest_selected(shards.group, config.ranks), model=model)
+    if shard_collector is not None and "grad_unreduced" in ctx.specs:
+        unreadable = shard_collector.unsharded.unreadable()
+        if unreadable:
+            raise FSDPLayoutError(
+                f"grad_unreduced of FSDP modules compiled in place ({', '.join(unreadable[:3])}) needs FSDP2's "
+                "record of their unsharded parameters (a hook of trainmon's inside compiled code would break "
+                "the compiled forward), and this torch's FSDP2 keeps none that trainmon can read. Set "
+                "weight_grads.unreduced: false, or compile torch.compile(block) wrappers before fully_shard; "
+                "see docs/fsdp.md")
     if config.activations.enabled:
-        regions = [plain_name(region) for region in compiled_regions(model)]
-        modules = _outside_compiled(select_modules(modules_named, config, module_aliases), regions)
-        collectors.append(ActivationCollector(ctx, modules, config.activations, registry))
+        outside = OutsideCompiled(model)
+        modules = outside(select_modules(modules_named, config, module_aliases))  # warns at attach already
+        collectors.append(ActivationCollector(ctx, modules, config.activations, registry, select=outside,
+                                                recheck_on=model))
     collectors += [c for c in (shard_collector, probe_collector) if c is not None]
     rank, world_size = process_groups.layout()
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=modules_named, optimizer=optimizer,

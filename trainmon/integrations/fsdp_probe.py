@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from trainmon import process_groups
+from trainmon.collect.optimizer import optimizer_parts
 from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, _local
 from trainmon.probe.shards import ShardSpec
 
@@ -68,13 +69,14 @@ def fsdp_grad_probe(ctx: StepContext, config: MonitorConfig, params: Sequence[tu
     from trainmon.probe.sharded import ShardedGradProbe
 
     specs = {id(param): shard_spec(param, shards) for _, param, _ in params}
+    parts = optimizer_parts(optimizer) if optimizer is not None else []  # the inner optimizers of a container
 
     def grad_of(param: torch.Tensor) -> torch.Tensor | None:
         grad = param.grad
         return None if grad is None else _local(grad)
 
     def exp_avg_of(param: torch.Tensor) -> torch.Tensor | None:
-        state = optimizer.state.get(param) if optimizer is not None else None
+        state = next((part.state[param] for part in parts if param in part.state), None)
         exp_avg = state.get("exp_avg") if state else None
         return None if exp_avg is None else _local(exp_avg)
 

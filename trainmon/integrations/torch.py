@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -10,7 +11,8 @@ import torch
 from trainmon import process_groups
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.optimizer import TorchOptimizerCollector
+from trainmon.collect.optimizer import TorchOptimizerCollector, optimizer_parts
+from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations.base import (
     Attachment,
     AttachOptions,
@@ -45,30 +47,110 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _is_compiled(module: Any) -> bool:
-    """A ``torch.compile(module)`` wrapper (``OptimizedModule``), detected without importing dynamo."""
-    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None),
-                                                                     torch.nn.Module)
+    """A ``torch.compile(module)`` wrapper: ``OptimizedModule``, or a subclass of it such as the
+    ``FSDPOptimizedModule`` that ``fully_shard`` makes of a wrapper. Imports nothing: when dynamo was
+    never imported, no wrapper exists."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    return wrapper is not None and isinstance(module, wrapper)
+
+
+def compiled_in_place(module: Any) -> bool:
+    """Whether ``module.compile()`` was called: its ``__call__`` runs its hooks and forward as compiled code."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def traced_modules(model: torch.nn.Module) -> dict[int, str]:
+    """``id(module) -> compiled region`` for every module whose hooks run inside compiled code.
+
+    A module compiled in place (``module.compile()``) runs its own hooks and everything below it
+    compiled; a ``torch.compile(module)`` wrapper runs its own hooks eagerly and its ``_orig_mod``
+    (with everything below) compiled. Dynamo traces hooks present at tracing time into the graph and
+    recompiles when they change, so trainmon puts none there. The region is named like the rows
+    (no ``_orig_mod``; ``""`` is the whole model). Walks the model: called at attach and when hooks
+    are installed for a collected step (users may compile after attaching).
+    """
+    traced: dict[int, str] = {}
+    seen: set[int] = set()
+    stack: list[tuple[str, torch.nn.Module, str | None]] = [("", model, None)]
+    while stack:
+        name, module, region = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if region is None and compiled_in_place(module):
+            region = plain_name(name)
+        if region is not None:
+            traced[id(module)] = region
+        wrapped = module._orig_mod if region is None and _is_compiled(module) else None
+        ddp = isinstance(module, torch.nn.parallel.DistributedDataParallel)
+        for child_name, child in module.named_children():
+            inner = plain_name(name) if child is wrapped else region
+            child_path = name if ddp else f"{name}.{child_name}" if name else child_name  # rows have no "module."
+            stack.append((child_path, child, inner))
+    return traced
 
 
 def compiled_regions(model: torch.nn.Module) -> list[str]:
-    """Names (in the unwrapped model) of the modules whose forward runs compiled: a compiled
-    wrapper anywhere in the chain or among the submodules, or a module compiled in place
-    (``module.compile()``). Hooks of modules inside them are traced once and then skipped."""
-    regions: list[str] = []
-    chain = model
-    while isinstance(chain, torch.nn.parallel.DistributedDataParallel) or _is_compiled(chain):
-        if _is_compiled(chain):
-            regions.append("")
-        chain = cast(torch.nn.Module, chain.module if isinstance(chain, torch.nn.parallel.DistributedDataParallel)
-                     else chain._orig_mod)
-    for name, module in chain.named_modules():
-        if getattr(module, "_compiled_call_impl", None) is not None or (name and _is_compiled(module)):
-            regions.append(name)
-    return regions
+    """Names (in the unwrapped model) of the compiled regions of :func:`traced_modules`."""
+    return sorted(set(traced_modules(model).values()))
 
 
-def _inside(name: str, regions: list[str]) -> bool:
-    return any(region == "" or name == region or name.startswith(region + ".") for region in regions)
+class CompiledRootError(UnsupportedSetupError):
+    """The model given to ``attach`` was compiled in place: trainmon's step hooks would run inside compiled code."""
+
+
+def refuse_root_compiled_in_place(model: torch.nn.Module) -> None:
+    """Raise :class:`CompiledRootError` when ``model.compile()`` was called on the root given to ``attach``.
+
+    trainmon's forward hooks on the root tell micro-steps, evaluation forwards and the end of the
+    backward pass apart (the pre-clip ``grad_norm`` is read there); a root compiled in place runs them
+    as traced code, where they cannot act. A wrapper runs its hooks eagerly.
+    """
+    if compiled_in_place(model):
+        raise CompiledRootError(
+            f"{type(model).__name__}.compile() was called on the model given to attach(): its forward hooks, "
+            "which trainmon needs to count micro-steps and read the pre-clip grad_norm at the end of the "
+            "backward pass, would run inside compiled code. Pass a torch.compile(model) wrapper to attach() "
+            "instead (its hooks run outside the compiled code), or compile submodules in place "
+            "(block.compile(), as torchtitan does); see docs/training_loops.md")
+
+
+class OutsideCompiled:
+    """Activation targets whose hooks run eagerly, given again each time hooks are installed.
+
+    Modules inside compiled code (:func:`traced_modules`) are dropped with one warning naming them
+    (and again for modules that become compiled later). Weight-gradient, optimizer-state and
+    parameter rows do not use module hooks and are not affected.
+
+    Args:
+        model: the model given to ``attach`` (wrappers included).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._warned: set[str] = set()
+
+    def __call__(self, modules: list[tuple[str, Any, int]]) -> list[tuple[str, Any, int]]:
+        traced = traced_modules(self.model)
+        if not traced:
+            return modules
+        kept = [item for item in modules if id(item[1]) not in traced]
+        dropped = [item for item in modules if id(item[1]) in traced and item[0] not in self._warned]
+        if dropped:
+            self._warned.update(name for name, _, _ in dropped)
+            regions = sorted({traced[id(module)] for _, module, _ in dropped})
+            shown = ", ".join(repr(r) if r else "the whole model" for r in regions[:3])
+            names = ", ".join(name for name, _, _ in dropped[:5]) + (", ..." if len(dropped) > 5 else "")
+            logger.warning(
+                "trainmon: activations of %d target module(s) (%s) are not recorded: they run inside "
+                "torch.compile'd code (%s), which does not run hooks added after it was traced and would "
+                "recompile each time trainmon adds or removes them. Only activation rows are affected: weight "
+                "gradients, optimizer states and parameters are recorded as usual. To record these activations, "
+                "leave those modules uncompiled (compile other submodules, or set targets.modules to modules "
+                "outside the compiled code), or monitor activations in an uncompiled run.",
+                len(dropped), names, shown)
+        return kept
 
 
 def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
@@ -77,20 +159,23 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
 
     Raises:
         TargetError: a target pattern matches no module or parameter.
+        CompiledRootError: ``model.compile()`` was called on ``model`` (see :func:`refuse_root_compiled_in_place`).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"attach() needs a torch.nn.Module, got {type(model).__name__}")
     optimizer, scaler = unwrap_optimizer(optimizer)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    refuse_root_compiled_in_place(model)
     root = unwrap_model(model)
     registry = HookRegistry()
     modules_named, module_aliases = named_modules(root)
     collectors: list[Collector] = []
     if config.activations.enabled:
-        regions = [plain_name(region) for region in compiled_regions(model)]
-        modules = _outside_compiled(select_modules(modules_named, config, module_aliases), regions)
-        collectors.append(ActivationCollector(ctx, modules, config.activations, registry))
+        outside = OutsideCompiled(model)
+        modules = outside(select_modules(modules_named, config, module_aliases))  # warns at attach already
+        collectors.append(ActivationCollector(ctx, modules, config.activations, registry, select=outside,
+                                                recheck_on=model))
     params, param_aliases = named_parameters(root)
     rank, world_size = process_groups.layout()
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
@@ -101,26 +186,14 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
     if config.grad_probe.enabled:
         from trainmon.probe.collector import GradProbe
 
-        collectors.append(GradProbe(ctx, select_params(params, config, param_aliases), config, registry, optimizer))
+        parts = optimizer_parts(optimizer) if optimizer is not None else []
+
+        def exp_avg_of(param: torch.Tensor) -> torch.Tensor | None:  # from the inner optimizer of a container
+            state = next((part.state[param] for part in parts if param in part.state), None)
+            exp_avg = state.get("exp_avg") if state else None
+            return exp_avg if isinstance(exp_avg, torch.Tensor) else None
+
+        collectors.append(GradProbe(ctx, select_params(params, config, param_aliases), config, registry, optimizer,
+                                    exp_avg_of=exp_avg_of if parts != [optimizer] else None))
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=modules_named, optimizer=optimizer,
                       registry=registry, rank=rank, world_size=world_size, scaler=scaler)
-
-
-def _outside_compiled(modules: list[tuple[str, torch.nn.Module, int]], regions: list[str]
-                      ) -> list[tuple[str, torch.nn.Module, int]]:
-    """Drop activation targets inside a compiled region, with one warning naming what is not seen.
-
-    torch.compile traces a module's forward once and reuses that code: hooks added or removed
-    later (trainmon arms them on collected steps only) are not run again, so their rows would
-    appear on the first collected step and silently vanish afterwards.
-    """
-    if not regions:
-        return modules
-    kept = [item for item in modules if not _inside(item[0], regions)]
-    if len(kept) < len(modules):
-        shown = ", ".join(repr(r) if r else "the whole model" for r in regions[:3])
-        logger.warning("trainmon: activations of %d target module(s) inside torch.compile'd code (%s) are not "
-                       "recorded: compiled code does not run hooks added after it was traced. Weight gradients, "
-                       "optimizer states and parameters are unaffected. Compile submodules instead of the model "
-                       "root, or monitor activations in an uncompiled run.", len(modules) - len(kept), shown)
-    return kept
