@@ -100,8 +100,31 @@ def param_groups_of(parts: Sequence[torch.optim.Optimizer]) -> list[dict[str, An
 
 
 def states_of(parts: Sequence[torch.optim.Optimizer]) -> dict[int, tuple[dict[str, Any] | None, dict[str, Any]]]:
-    """``id(param) -> (its optimizer state or None before the first step, its parameter group)``."""
-    return {id(p): (part.state.get(p), group) for part in parts for group in part.param_groups for p in group["params"]}
+    """``id(param) -> (its optimizer state or None before the first step, its parameter group)``.
+
+    A ``ZeroRedundancyOptimizer`` keeps the states of this rank's partition in its local optimizer (``.optim``):
+    those parameters are found there; the others' states live on the rank that owns them, which writes their
+    rows (so each rank writes the optimizer-state rows of the parameters it owns).
+    """
+    holders = [state_holder(part) for part in parts]
+    return {id(p): (holder.state.get(p), group)
+            for holder in holders for group in holder.param_groups for p in group["params"]}
+
+
+def state_holder(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose ``state`` holds ``optimizer``'s moments: itself, or the local optimizer of a
+    ``torch.distributed.optim.ZeroRedundancyOptimizer`` (its own ``state`` stays empty).
+
+    Example:
+        >>> plain = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        >>> state_holder(plain) is plain
+        True
+    """
+    local = getattr(optimizer, "optim", None)
+    if isinstance(local, torch.optim.Optimizer) and type(optimizer).__name__ == "ZeroRedundancyOptimizer" \
+            and type(optimizer).__module__.startswith("torch.distributed.optim"):
+        return local
+    return optimizer
 
 
 class TorchOptimizerCollector(HookedCollector):
@@ -461,4 +484,5 @@ class TorchOptimizerCollector(HookedCollector):
 
 
 __all__ = ["_CHUNK", "OptimizerContainerError", "TorchOptimizerCollector", "adam_partials_cpu", "adam_partials_many",
-           "adam_update", "global_grad_norm", "optimizer_parts", "param_groups_of", "states_of", "update_ratio"]
+           "adam_update", "global_grad_norm", "optimizer_parts", "param_groups_of", "state_holder", "states_of",
+           "update_ratio"]

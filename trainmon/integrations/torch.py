@@ -11,7 +11,7 @@ import torch
 from trainmon import process_groups
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.optimizer import TorchOptimizerCollector, optimizer_parts
+from trainmon.collect.optimizer import TorchOptimizerCollector, optimizer_parts, state_holder
 from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations.base import (
     Attachment,
@@ -189,11 +189,11 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         parts = optimizer_parts(optimizer) if optimizer is not None else []
 
         def exp_avg_of(param: torch.Tensor) -> torch.Tensor | None:  # from the inner optimizer of a container
-            state = next((part.state[param] for part in parts if param in part.state), None)
+            state = next((holder.state[param] for holder in map(state_holder, parts) if param in holder.state), None)
             exp_avg = state.get("exp_avg") if state else None
             return exp_avg if isinstance(exp_avg, torch.Tensor) else None
 
         collectors.append(GradProbe(ctx, select_params(params, config, param_aliases), config, registry, optimizer,
-                                    exp_avg_of=exp_avg_of if parts != [optimizer] else None))
+                                    exp_avg_of=exp_avg_of if [state_holder(p) for p in parts] != [optimizer] else None))
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=modules_named, optimizer=optimizer,
                       registry=registry, rank=rank, world_size=world_size, scaler=scaler)
