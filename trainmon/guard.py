@@ -130,19 +130,13 @@ class Guard:
         off = self._off
         self._note(part)
 
+        call = self._call
+
         @functools.wraps(fn)
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if bypass is not None and bypass():
                 return fn(*args, **kwargs)
-            if part in off:
-                return None
-            try:
-                return fn(*args, **kwargs)
-            except AnomalyError:
-                raise
-            except Exception as exc:
-                self.fail(part, exc)
-                return None
+            return None if part in off else call(part, fn, args, kwargs)
 
         guarded.__trainmon_guard_part__ = part  # type: ignore[attr-defined]
         return guarded  # type: ignore[return-value]
@@ -150,8 +144,10 @@ class Guard:
     def run(self, part: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args, **kwargs)`` now, guarded as ``part`` (None when it raised or ``part`` is off)."""
         self._note(part)
-        if part in self._off:
-            return None
+        return None if part in self._off else self._call(part, fn, args, kwargs)
+
+    def _call(self, part: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)``; trainmon's own exception is recorded against ``part`` (None returned)."""
         try:
             return fn(*args, **kwargs)
         except AnomalyError:

@@ -27,10 +27,19 @@ STEPS = 4
 
 
 def ddp(monitor: TrainerMonitor | None) -> list[torch.Tensor]:
-    from tests.models import TinyNet, batch, loss_fn
+    from tests.models import TinyNet
 
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(TinyNet())
+    loop(model, monitor, log_mean=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def loop(model: torch.nn.Module, monitor: TrainerMonitor | None, log_mean: bool = False) -> None:
+    """A user's loop: Adam, the rank's own batches; with ``log_mean`` the loss logged is the mean over the ranks (a
+    collective of the user's, which trainmon's wrapper measures)."""
+    from tests.models import batch, loss_fn
+
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     if monitor is not None:
         monitor.attach(model, optimizer)
@@ -39,33 +48,25 @@ def ddp(monitor: TrainerMonitor | None) -> list[torch.Tensor]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        logged = loss.detach().clone()
-        dist.all_reduce(logged)  # the mean loss for the user's log: a collective trainmon's wrapper measures
+        if log_mean:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
         if monitor is not None:
-            monitor.step(loss=logged / dist.get_world_size())
-    return [p.detach().clone() for p in model.parameters()]
+            monitor.step(loss=loss)
 
 
 def fsdp2(monitor: TrainerMonitor | None) -> list[torch.Tensor]:
     from torch.distributed.fsdp import fully_shard
 
-    from tests.models import TinyNet, batch, loss_fn
+    from tests.models import TinyNet
 
     torch.manual_seed(0)
     model = TinyNet()
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    if monitor is not None:
-        monitor.attach(model, optimizer)
-    for step in range(STEPS):
-        loss = loss_fn(model, *batch(100 * dist.get_rank() + step))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if monitor is not None:
-            monitor.step(loss=loss)
+    loop(model, monitor)
     return [p.to_local().detach().clone() for p in model.parameters()]
 
 
