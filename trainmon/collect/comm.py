@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from trainmon import process_groups
+from trainmon import guard, process_groups
 from trainmon.collect.comm_ops import (
     PLANNERS,
     ArgumentBinder,
@@ -69,9 +69,10 @@ _MODULES: tuple[ModuleType, ...] = (dist, c10d)
 
 def _plumbing_dirs() -> tuple[str, ...]:
     """Where communication plumbing lives (not the call site a user wants to see): torch.distributed,
-    deepspeed.comm when it is loaded, and this module; real, resolved paths of the installed packages
-    (a user's folder that happens to be called ``deepspeed`` is not plumbing)."""
-    places = [os.path.dirname(dist.__file__) + os.sep, os.path.realpath(__file__)]
+    deepspeed.comm when it is loaded, this module and the fail-safe guard that runs its measurement; real,
+    resolved paths of the installed packages (a user's folder that happens to be called ``deepspeed`` is not
+    plumbing)."""
+    places = [os.path.dirname(dist.__file__) + os.sep, os.path.realpath(__file__), os.path.realpath(guard.__file__)]
     deepspeed_comm_file: str | None = getattr(sys.modules.get("deepspeed.comm"), "__file__", None)
     if deepspeed_comm_file:
         places.append(os.path.dirname(os.path.realpath(deepspeed_comm_file)) + os.sep)
