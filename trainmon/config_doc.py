@@ -14,7 +14,7 @@ import textwrap
 import typing
 from pathlib import Path
 
-from trainmon.schema import type_name
+from trainmon.base.schema import type_name
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -6,13 +6,14 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainmon.base.records import StepRecord
 from trainmon.config import MonitorConfig, load_config
-from trainmon.errors import AnomalyError, ConfigError
-from trainmon.records import StepRecord, build_record, family_metrics
+from trainmon.errors import ConfigError
 
 if TYPE_CHECKING:
+    from trainmon.actions import HandOffAction
     from trainmon.anomaly.engine import AnomalyCallback
-    from trainmon.protocols import GradScaler, HandOffAction, Model, Optimizer, ProcessGroup, Scalar
+    from trainmon.base.types import GradScaler, Model, Optimizer, ProcessGroup, Scalar
     from trainmon.session import Session
 
 logger = logging.getLogger("trainmon")
@@ -229,4 +230,4 @@ def _check_scalar(name: str, value: Scalar | None) -> None:
         raise TypeError(f"step(): {name} must be a number or a tensor, got {type(value).__name__} {value!r}") from None
 
 
-__all__ = ["AnomalyError", "TrainerMonitor", "build_record", "family_metrics"]
+__all__ = ["TrainerMonitor"]

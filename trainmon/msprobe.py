@@ -26,12 +26,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainmon.base.records import ACTIVATION_KINDS
+from trainmon.base.targets import OPTIONAL
 from trainmon.config_files import parse_json, read_text
 from trainmon.errors import ConfigError
 from trainmon.msprobe_checks import KNOWN_KEYS, check_types
 from trainmon.msprobe_names import TARGET_SPEC, module_pattern, param_pattern, squash_name, trainmon_row_name
-from trainmon.records import ACTIVATION_KINDS
-from trainmon.targets import OPTIONAL
 
 __all__ = ["DEFAULT_OUTPUT_DIR", "OUTPUT_DIR_VARIABLE", "module_pattern", "param_pattern", "squash_name",
            "trainmon_row_name", "translate_msprobe"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from trainmon.records import activation_row
-from trainmon.targets import OPTIONAL
+from trainmon.base.records import activation_row
+from trainmon.base.targets import OPTIONAL
 
 TARGET_SPEC = re.compile(r"tensor|tuple\[(\d+)\](?::(\d+))?")
 """msprobe's spec of a target's tensor: ``"tensor"`` or ``"tuple[n]:i"`` (element ``i`` of an ``n``-tuple)."""

@@ -15,7 +15,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
-    from trainmon.protocols import GradScaler, Optimizer
+    from trainmon.base.types import GradScaler, Optimizer
 
 logger = logging.getLogger("trainmon")
 

@@ -41,8 +41,8 @@ from trainmon.collect.hooks import H, HookRegistry
 from trainmon.step_hooks import ScalerHooks
 
 if TYPE_CHECKING:
+    from trainmon.base.types import GradScaler, Optimizer
     from trainmon.collect.context import StepContext
-    from trainmon.protocols import GradScaler, Optimizer
 
 logger = logging.getLogger("trainmon")
 
@@ -102,7 +102,7 @@ class StepLifecycle:
     # ------------------------------------------------------------------ set-up
     def guarded(self, fn: H) -> H:
         """``fn`` (a hook of the step model) under the fail-safe guard as part ``step``: when it fails, the
-        monitor cannot tell steps apart any more and switches itself off (:mod:`trainmon.guard`). While
+        monitor cannot tell steps apart any more and switches itself off (:mod:`trainmon.base.guard`). While
         dynamo traces it (a root inside ``torch.compile``) it is called as it is, as without the guard."""
         return self.ctx.guard.wrap("step", fn, bypass=torch.compiler.is_compiling)
 

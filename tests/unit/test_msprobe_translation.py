@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trainmon.base.targets import select
 from trainmon.config import load_config
 from trainmon.errors import ConfigError
 from trainmon.msprobe import module_pattern, param_pattern, squash_name, trainmon_row_name, translate_msprobe
-from trainmon.targets import select
 
 
 def msprobe_squash(param_name: str, enable: bool = True) -> str:

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainmon.records import Row, RowKey, StepRecord
+from trainmon.base.records import Row, RowKey, StepRecord
 from trainmon.sinks.csv import CsvSink
 from trainmon.sinks.tensorboard import TensorBoardSink
 

@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from trainmon.base.guard import Guard
+from trainmon.base.records import RowKey
 from trainmon.collect.buffer import Buffer, StepBuffer
 from trainmon.collect.grouped import GroupedRows
 from trainmon.collect.stats import StatsSpec, partial_stats, partial_stats_many
-from trainmon.guard import Guard
-from trainmon.records import RowKey
 
 if TYPE_CHECKING:
-    from trainmon.protocols import GradScaler
+    from trainmon.base.types import GradScaler
 
 logger = logging.getLogger("trainmon")
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -134,7 +134,7 @@ class StepContext:
     """Called from inside a backward pass: makes sure :attr:`backward_end` runs when the pass ends
     (set by :class:`trainmon.steps.StepLifecycle`; idempotent within one pass)."""
     guard: Guard = field(default_factory=Guard)
-    """Catches trainmon's own exceptions in every hook, per part (:mod:`trainmon.guard`); owned by the session."""
+    """Catches trainmon's own exceptions in every hook, per part (:mod:`trainmon.base.guard`); owned by the session."""
     grouped: GroupedRows = field(init=False)
     """Activation rows measured in groups at flush points (:mod:`trainmon.collect.grouped`; off until a
     collector sets its ``limit_bytes``)."""

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from trainmon.base.records import RowKey
 from trainmon.collect.adam import (  # re-exported (__all__): integrations and tests import them from here
     _CHUNK,
     AdamEntry,
@@ -19,7 +20,6 @@ from trainmon.collect.adam import (  # re-exported (__all__): integrations and t
 from trainmon.collect.hooks import HookedCollector, HookRegistry, post_accumulate_grad_hook
 from trainmon.collect.stats_base import foreach_norms, norm_of_norms
 from trainmon.errors import UnsupportedSetupError
-from trainmon.records import RowKey
 from trainmon.step_hooks import scale_of
 
 if TYPE_CHECKING:

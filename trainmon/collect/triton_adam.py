@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from trainmon.base.records import PARTIAL_SLOTS
 from trainmon.collect.kernel_ops import ADAM_PARTS, adam_partials_op
 from trainmon.collect.stats_base import zero_threshold
 from trainmon.collect.triton_kernels import (
@@ -33,7 +34,6 @@ from trainmon.collect.triton_kernels import (
     _table,
     on_device,
 )
-from trainmon.records import PARTIAL_SLOTS
 
 ADAM_BLOCK = 512
 

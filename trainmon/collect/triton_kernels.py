@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
+from trainmon.base.records import PARTIAL_SLOTS
 from trainmon.collect.kernel_ops import partials_op
 from trainmon.collect.stats_base import zero_threshold
-from trainmon.records import PARTIAL_SLOTS
 
 logger = logging.getLogger("trainmon")
 DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

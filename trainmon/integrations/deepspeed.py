@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector, adam_update, update_ratio
@@ -42,9 +42,9 @@ from trainmon.integrations.deepspeed_shards import ShardLayout, layout_for
 from trainmon.step_hooks import StepWrapper
 
 if TYPE_CHECKING:
+    from trainmon.base.types import DeepSpeedParameter
     from trainmon.collect.context import Collector, StepContext
     from trainmon.config import MonitorConfig
-    from trainmon.protocols import DeepSpeedParameter
 
 _STATES = ("exp_avg", "exp_avg_sq")
 

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 
 
 class FSDPLayoutError(ValueError):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 from trainmon.collect.optimizer import optimizer_parts
 from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, _local
 from trainmon.probe.shards import ShardSpec

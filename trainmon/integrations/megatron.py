@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 from trainmon.collect.hooks import HookRegistry
 from trainmon.integrations.base import (
     Attachment,
@@ -39,9 +39,9 @@ from trainmon.probe.sharded import ShardedGradProbe
 from trainmon.step_hooks import StepWrapper
 
 if TYPE_CHECKING:
+    from trainmon.base.types import MegatronParameter
     from trainmon.collect.context import Collector, StepContext
     from trainmon.config import MonitorConfig
-    from trainmon.protocols import MegatronParameter
 
 logger = logging.getLogger("trainmon")
 _Named = TypeVar("_Named")

@@ -47,10 +47,10 @@ from trainmon.probe.storage import (
 )
 
 if TYPE_CHECKING:
+    from trainmon.base.threads import OutputThread
+    from trainmon.base.types import Optimizer
     from trainmon.collect.context import StepContext
     from trainmon.config import MonitorConfig
-    from trainmon.protocols import Optimizer
-    from trainmon.sinks.base import OutputThread
 
 logger = logging.getLogger("trainmon")
 _GROUP = "grad_probe"
@@ -131,7 +131,7 @@ class GradProbe(HookedCollector):
         """Set the rank directory (the monitor knows it only after ``attach``); None turns output off."""
         if self._writer is not None or rank_dir is None or self._closed:
             return
-        from trainmon.sinks.base import OutputThread
+        from trainmon.base.threads import OutputThread
 
         self._probe_dir = Path(rank_dir) / PROBE_DIR
         self._root = Path(rank_dir).parent  # the run directory: no symlink below it is followed

@@ -21,17 +21,17 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 from trainmon.probe import device as dev
 from trainmon.probe import shards as sh
 from trainmon.probe.collector import GradProbe, _pinned_copy, _record_event
 from trainmon.probe.storage import AGREE_PREV, SIMILARITIES
 
 if TYPE_CHECKING:
+    from trainmon.base.types import Optimizer, ProcessGroup
     from trainmon.collect.context import StepContext
     from trainmon.collect.hooks import HookRegistry
     from trainmon.config import MonitorConfig
-    from trainmon.protocols import Optimizer, ProcessGroup
 
 logger = logging.getLogger("trainmon")
 _F32, _F64 = torch.float32, torch.float64

@@ -30,9 +30,9 @@ import numpy.typing as npt
 import torch
 from mindspore import Tensor, mint
 
+from trainmon.base.records import PARTIAL_SLOTS, RowKey
 from trainmon.collect.kernels import adam_partial_into, partial_into
 from trainmon.integrations.mindspore.stats import constants, partial_stats, tensor_meta
-from trainmon.records import PARTIAL_SLOTS, RowKey
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext

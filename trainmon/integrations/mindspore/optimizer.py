@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import mindspore as ms
 from mindspore import Parameter, Tensor, mint
 
+from trainmon.base.records import RowKey
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.integrations.mindspore.buffer import buffer_of
 from trainmon.integrations.mindspore.host import HOST_DTYPES, HostAdam, HostNorm, HostRows, host_measurable
@@ -33,7 +34,6 @@ from trainmon.integrations.mindspore.stats import (
     tensor_meta,
     working_dtype,
 )
-from trainmon.records import RowKey
 
 if TYPE_CHECKING:
     from mindspore import nn

@@ -1,7 +1,7 @@
 """On-device partial statistics of MindSpore tensors (the mirror of :mod:`trainmon.collect.stats`).
 
 A tensor's statistics are 8 float32 values on the tensor's device,
-``[norm, sum, min, max, zeros, nans, infs, numel]`` (slot indices in :mod:`trainmon.records`),
+``[norm, sum, min, max, zeros, nans, infs, numel]`` (slot indices in :mod:`trainmon.base.records`),
 computed with MindSpore ops and no host synchronisation. Slots the configured metrics do not
 need hold 0. The host side (``records.finalize``) is shared with PyTorch.
 
@@ -38,7 +38,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint
 
-from trainmon.records import PARTIAL_SLOTS
+from trainmon.base.records import PARTIAL_SLOTS
 
 if TYPE_CHECKING:
     from trainmon.collect.stats import StatsSpec

@@ -1,9 +1,9 @@
 """``trainmon csv2tb``: convert a run's CSV files to TensorBoard event files (framework-free).
 
 Also reads msprobe's CSV output (``$MONITOR_OUTPUT_DIR/{time}-rank{R}-{id}/{family}_{a}-{b}.csv``, msprobe
-1.2 and 8.x-26.x layouts, see :mod:`trainmon.msprobe_output`) and says which layout it read. This module
+1.2 and 8.x-26.x layouts, see :mod:`trainmon.tools.msprobe_output`) and says which layout it read. This module
 finds the rank folders and writes the event files; reading and checking the CSV files is
-:mod:`trainmon.csv_reader`'s (its names are re-exported here).
+:mod:`trainmon.tools.readers`'s (its names are re-exported here).
 """
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainmon.csv_reader import (
+from trainmon.base.inputs import describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
+from trainmon.base.progress import Bar
+from trainmon.base.records import FAMILIES
+from trainmon.errors import UsageError
+from trainmon.sinks import tensorboard as board
+from trainmon.tools.msprobe_output import ANOMALY_FOLDER, rank_folders
+from trainmon.tools.readers import (
     MAX_FIELD,
     CsvFormatError,
     Table,
@@ -23,15 +29,9 @@ from trainmon.csv_reader import (
     read_scalars_noting_layout,
     read_table,
 )
-from trainmon.errors import UsageError
-from trainmon.inputs import describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
-from trainmon.msprobe_output import ANOMALY_FOLDER, rank_folders
-from trainmon.progress import Bar
-from trainmon.records import FAMILIES
-from trainmon.sinks import tensorboard as board
 
 if TYPE_CHECKING:
-    from trainmon.protocols import Subparsers
+    from trainmon.tools.command import Subparsers
 
 _MSPROBE_FAMILIES = ("other", "param_origin", "param_updated")
 
