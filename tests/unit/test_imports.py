@@ -11,8 +11,12 @@ those edges would put every module in a circle with ``trainmon/__init__.py``).
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trainmon"
 
@@ -174,12 +178,14 @@ FLOORS: list[tuple[str, ...]] = [
 ROOM_OF_MODULE = {
     "config": "config", "config_doc": "config", "config_files": "config", "dynamic": "config",
     "msprobe": "config", "msprobe_checks": "config", "msprobe_names": "config",
-    "step_hooks": "collect",
-    "session": "runtime", "steps": "runtime", "step_schedule": "runtime", "rundir": "runtime",
 }
 
 # Deprecated aliases kept for one release: modules at an old import path that re-export the new one.
-ALIASES: dict[str, str] = {}
+ALIASES = {
+    "trainmon.integrations.hf": "trainmon.trainers.hf",
+    "trainmon.integrations.lightning": "trainmon.trainers.lightning",
+    "trainmon.integrations.mindspore.callback": "trainmon.trainers.mindspore",
+}
 
 FLOOR_OF = {room: floor for floor, rooms in enumerate(FLOORS) for room in rooms}
 
@@ -225,3 +231,16 @@ def test_aliases_are_deprecated_re_exports():
     for alias, target in ALIASES.items():
         source = (PACKAGE.parent / Path(*alias.split("."))).with_suffix(".py").read_text()
         assert "DeprecationWarning" in source and target in source, alias
+
+
+@pytest.mark.parametrize("old", sorted(ALIASES))
+def test_old_callback_paths_warn_and_give_the_same_callback(old):
+    """The HF, Lightning and MindSpore callbacks' old import paths still work for one release, with a warning."""
+    try:
+        new = importlib.import_module(ALIASES[old])
+    except ImportError as exc:  # transformers, lightning or mindspore not installed
+        pytest.skip(f"{ALIASES[old]} needs its trainer's package ({exc})")
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=ALIASES[old]):
+        alias = importlib.import_module(old)
+    assert alias.TrainmonCallback is new.TrainmonCallback

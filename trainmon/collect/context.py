@@ -122,7 +122,7 @@ class StepContext:
     """Partial statistics of one tensor; MindSpore sets its own."""
     backward_end: list[Callable[[], None]] = field(default_factory=list)
     """Run at the end of each backward pass of a collected step, when the gradients are final
-    (after data-parallel reduction): see :class:`trainmon.steps.StepLifecycle`."""
+    (after data-parallel reduction): see :class:`trainmon.runtime.lifecycle.StepLifecycle`."""
     scaler: GradScaler | None = None
     """The torch ``GradScaler`` of the run, when known: gradients read before ``unscale_`` are divided by its scale."""
     backward_failed: list[Callable[[], None]] = field(default_factory=list)
@@ -132,7 +132,7 @@ class StepContext:
     later micro-steps move down by one."""
     schedule_backward_end: Callable[[], None] = lambda: None
     """Called from inside a backward pass: makes sure :attr:`backward_end` runs when the pass ends
-    (set by :class:`trainmon.steps.StepLifecycle`; idempotent within one pass)."""
+    (set by :class:`trainmon.runtime.lifecycle.StepLifecycle`; idempotent within one pass)."""
     guard: Guard = field(default_factory=Guard)
     """Catches trainmon's own exceptions in every hook, per part (:mod:`trainmon.base.guard`); owned by the session."""
     grouped: GroupedRows = field(init=False)

@@ -19,8 +19,8 @@ from trainmon.collect.adam import (  # re-exported (__all__): integrations and t
 )
 from trainmon.collect.hooks import HookedCollector, HookRegistry, post_accumulate_grad_hook
 from trainmon.collect.stats_base import foreach_norms, norm_of_norms
+from trainmon.collect.step_hooks import scale_of
 from trainmon.errors import UnsupportedSetupError
-from trainmon.step_hooks import scale_of
 
 if TYPE_CHECKING:
     from trainmon.collect.buffer import StepBuffer

@@ -46,6 +46,7 @@ from trainmon.collect.optimizer import (
     update_ratio,
 )
 from trainmon.collect.stats import combine_partials_torch, empty_partial
+from trainmon.collect.step_hooks import scale_of, unwrap_optimizer
 from trainmon.integrations.base import (
     Attachment,
     AttachOptions,
@@ -58,7 +59,6 @@ from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, _loca
 from trainmon.integrations.fsdp_unsharded import GROUP as UNSHARDED
 from trainmon.integrations.fsdp_unsharded import UnshardedGradHooks, fsdp_modules, unsharded_owners
 from trainmon.integrations.torch import OutsideCompiled, refuse_root_compiled_in_place, unwrap_model
-from trainmon.step_hooks import scale_of, unwrap_optimizer
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext

@@ -21,6 +21,7 @@ import torch
 
 from trainmon.base import process_groups
 from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.step_hooks import StepWrapper
 from trainmon.integrations.base import (
     Attachment,
     AttachOptions,
@@ -36,7 +37,6 @@ from trainmon.integrations.megatron_collect import (
     MegatronParamCollector,
 )
 from trainmon.probe.sharded import ShardedGradProbe
-from trainmon.step_hooks import StepWrapper
 
 if TYPE_CHECKING:
     from trainmon.base.types import MegatronParameter

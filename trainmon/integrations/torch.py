@@ -13,6 +13,7 @@ from trainmon.base.targets import plain_name
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector, optimizer_parts
+from trainmon.collect.step_hooks import unwrap_optimizer
 from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations.base import (
     Attachment,
@@ -22,7 +23,6 @@ from trainmon.integrations.base import (
     select_modules,
     select_params,
 )
-from trainmon.step_hooks import unwrap_optimizer
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext

@@ -18,10 +18,10 @@ from trainmon.collect.struct import StructRecorder
 from trainmon.config import ConfigError, MonitorConfig, check_ranks, family_metrics
 from trainmon.errors import AnomalyError
 from trainmon.integrations.base import Attachment, AttachOptions
-from trainmon.rundir import default_run_name, run_json, unused_name
+from trainmon.runtime.lifecycle import StepLifecycle, part_of
+from trainmon.runtime.rundir import default_run_name, run_json, unused_name
+from trainmon.runtime.schedule import StepSchedule
 from trainmon.sinks import SinkWriter, build_sinks
-from trainmon.step_schedule import StepSchedule
-from trainmon.steps import StepLifecycle, part_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -21,9 +21,9 @@ A *monitor step* is one optimizer step. Within it:
 - whether the step was **applied**: with a ``GradScaler`` from its ``found_inf`` (scalar
   ``step_skipped``, with ``loss_scale``), otherwise from whether the optimizer's step ran.
 
-Framework specifics come in through two small pieces in :mod:`trainmon.step_hooks`:
-:class:`~trainmon.step_hooks.StepWrapper` gives pre/post step hooks to an object that has none (a
-``DeepSpeedEngine``, a Megatron optimizer), and :class:`~trainmon.step_hooks.ScalerHooks` reads a
+Framework specifics come in through two small pieces in :mod:`trainmon.collect.step_hooks`:
+:class:`~trainmon.collect.step_hooks.StepWrapper` gives pre/post step hooks to an object that has none (a
+``DeepSpeedEngine``, a Megatron optimizer), and :class:`~trainmon.collect.step_hooks.ScalerHooks` reads a
 torch ``GradScaler`` at its ``update()``.
 """
 
@@ -38,7 +38,7 @@ import torch
 
 from trainmon.collect.activations import named_tensors
 from trainmon.collect.hooks import H, HookRegistry
-from trainmon.step_hooks import ScalerHooks
+from trainmon.collect.step_hooks import ScalerHooks
 
 if TYPE_CHECKING:
     from trainmon.base.types import GradScaler, Optimizer

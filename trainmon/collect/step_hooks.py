@@ -1,7 +1,7 @@
 """Step hooks for framework objects: :class:`StepWrapper` (pre/post hooks on one instance's ``step``:
 a ``DeepSpeedEngine``, a Megatron optimizer), :class:`ScalerHooks` (a torch ``GradScaler``'s
 ``update()``), and the two helpers the collectors share (:func:`unwrap_optimizer`, :func:`scale_of`).
-The step model that uses them is :mod:`trainmon.steps`.
+The step model that uses them is :mod:`trainmon.runtime.lifecycle`.
 """
 
 from __future__ import annotations
