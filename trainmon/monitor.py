@@ -56,7 +56,7 @@ class TrainerMonitor:
         """
         import os
 
-        from trainmon.msprobe import translate_msprobe
+        from trainmon.config.msprobe import translate_msprobe
 
         return cls(translate_msprobe(Path(path), environ=os.environ))
 

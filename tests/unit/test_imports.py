@@ -174,12 +174,6 @@ FLOORS: list[tuple[str, ...]] = [
     ("", "__main__"),  # the package face: trainmon/__init__.py and python -m trainmon
 ]
 
-# Top-level modules not yet in their folder, with the room they belong to.
-ROOM_OF_MODULE = {
-    "config": "config", "config_doc": "config", "config_files": "config", "dynamic": "config",
-    "msprobe": "config", "msprobe_checks": "config", "msprobe_names": "config",
-}
-
 # Deprecated aliases kept for one release: modules at an old import path that re-export the new one.
 ALIASES = {
     "trainmon.integrations.hf": "trainmon.trainers.hf",
@@ -192,8 +186,7 @@ FLOOR_OF = {room: floor for floor, rooms in enumerate(FLOORS) for room in rooms}
 
 def room_of(module: str) -> str:
     """``trainmon.anomaly.events`` -> ``anomaly``; ``trainmon`` -> ``""``."""
-    first = module.split(".")[1] if "." in module else ""
-    return ROOM_OF_MODULE.get(first, first)
+    return module.split(".")[1] if "." in module else ""
 
 
 def against_the_order(graph: dict[str, set[str]]) -> list[str]:

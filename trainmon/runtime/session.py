@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from trainmon.actions import HandOffAction
     from trainmon.anomaly.engine import AnomalyCallback, AnomalyEngine
     from trainmon.base.types import Model, Optimizer, Scalar
-    from trainmon.dynamic import ConfigWatcher
+    from trainmon.config.dynamic import ConfigWatcher
 
 logger = logging.getLogger("trainmon")
 
@@ -89,7 +89,7 @@ class Session:
                            else None)
             if self.struct is not None:
                 self.struct.arm()
-            from trainmon.dynamic import ConfigWatcher
+            from trainmon.config.dynamic import ConfigWatcher
 
             self.watcher: ConfigWatcher | None = (ConfigWatcher(config_path, config.dynamic.poll_seconds)
                                                   if config.dynamic.watch and config_path else None)

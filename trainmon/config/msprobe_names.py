@@ -1,7 +1,7 @@
 """msprobe's names in trainmon's terms (framework-free): its squashed module and parameter names
 (:func:`squash_name`), the trainmon ``targets`` patterns of its ``targets`` keys
 (:func:`module_pattern`, :func:`param_pattern`) and the trainmon row of its target specs
-(:func:`trainmon_row_name`). :mod:`trainmon.msprobe` translates a whole config with them.
+(:func:`trainmon_row_name`). :mod:`trainmon.config.msprobe` translates a whole config with them.
 """
 
 from __future__ import annotations

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainmon import config_doc
 from trainmon.anomaly.detectors import check_specs
 from trainmon.base.records import METRICS
 from trainmon.base.schema import each, load, setting, short
 from trainmon.base.targets import check_pattern
-from trainmon.config_files import read_config_file
+from trainmon.config import reference
+from trainmon.config.files import read_config_file
 from trainmon.errors import ConfigError
 
 __all__ = ["ConfigError", "MonitorConfig", "check_ranks", "config_reference", "load_config"]
@@ -387,8 +387,8 @@ def load_config(source: MonitorConfig | Mapping[str, Any] | str | Path | None) -
 
 
 def config_reference() -> str:
-    """docs/config.md: every section and field of :class:`MonitorConfig` (:func:`trainmon.config_doc.reference`)."""
-    return config_doc.reference(MonitorConfig, "python -m trainmon.config > docs/config.md")
+    """docs/config.md: every section and field of :class:`MonitorConfig` (:func:`.reference.reference`)."""
+    return reference.reference(MonitorConfig, "python -m trainmon.config > docs/config.md")
 
 
 def family_metrics(config: MonitorConfig) -> dict[str, list[str]]:
@@ -412,6 +412,3 @@ def family_metrics(config: MonitorConfig) -> dict[str, list[str]]:
         out["comm"] = config.communication.metrics
     return {family: list(metrics) for family, metrics in out.items()}
 
-
-if __name__ == "__main__":  # pragma: no cover
-    print(config_reference())
