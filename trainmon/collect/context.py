@@ -95,15 +95,36 @@ class Collector(Protocol):
 class StepContext:
     """Per-monitor state that hooks read and append to.
 
+    Every field has one owner that writes it (in brackets below); the others only read it. The session
+    (:class:`trainmon.runtime.session.Session`) builds the context and writes the step-level fields, the step
+    model (:class:`trainmon.runtime.lifecycle.StepLifecycle`) the micro-step ones; an integration may set a field
+    at ``attach`` only where its framework owns that fact (named below), never during a step, except for
+    the temporary micro-step labels of a pipeline schedule, restored before the hook returns.
+
     Attributes:
-        specs: ``family -> StatsSpec`` for every enabled family; a family missing here is off.
-        metrics: ``family -> metric names`` in config order (for the host side).
-        buffer: the current step's buffer (replaced at every step end).
-        step: the current optimizer step.
+        specs: ``family -> StatsSpec`` for every enabled family; a family missing here is off. [session: built,
+            replaced on a dynamic reload]
+        metrics: ``family -> metric names`` in config order (for the host side). [session]
+        buffer: the current step's buffer. [:meth:`new_step`, which the session calls at each step end (it
+            also resets ``micro_step``); MindSpore's ``attach`` starts its own]
+        step: the current optimizer step. [session: ``start_step`` and ``+1`` at each step end; DeepSpeed's
+            ``attach``: the engine's ``global_steps`` when resuming]
         micro_step: forward passes of the root module in this step, minus one (0 without accumulation).
-        collecting: whether the current step is collected.
-        grad_acc_steps: micro-steps per step, as given to ``attach``.
-        pp_stage: this rank's pipeline stage.
+            [lifecycle; DeepSpeed's pipeline schedule and Megatron's forward-backward hooks label their
+            micro-batches while one runs]
+        forwards: training root forwards begun so far. [lifecycle]
+        collecting: whether the current step is collected. [session: armed/disarmed at each step boundary,
+            off at close or when the guard stops; lifecycle: suspended in evaluation, restored after]
+        grad_acc_steps: micro-steps per step, as given to ``attach``. [session; DeepSpeed's ``attach``: the
+            engine's ``gradient_accumulation_steps()``]
+        pp_stage: this rank's pipeline stage. [session, from the attachment]
+        buffer_factory, stats_fn: [MindSpore's ``attach``: its own buffer and statistics; else the defaults]
+        backward_end, backward_failed, micro_step_dropped: subscribers. [collectors append at ``attach``;
+            the lifecycle runs them]
+        schedule_backward_end: [lifecycle]
+        scaler: [lifecycle: the ``GradScaler`` given to ``attach`` or found by the step hooks]
+        guard: [session: one per attached monitor]
+        grouped: [this class; the activation collector sets its ``limit_bytes``]
     """
 
     specs: dict[str, StatsSpec]
