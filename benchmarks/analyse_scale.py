@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from trainmon.anomaly.events import AnomalyEvent
-from trainmon.tools.analyse import analyse_run
+from trainmon.anomaly.merge import analyse_run
 
 PHASES = ("forward", "backward", "optimizer")
 FAMILY = {"forward": "actv", "backward": "actv_grad", "optimizer": "grad_reduced"}

@@ -163,7 +163,7 @@ def test_comm_single_rank_lifecycle_and_reload_chain(tmp_path):
     from trainmon.collect.buffer import StepBuffer
     from trainmon.collect.comm import CommCollector
     from trainmon.collect.context import StepContext
-    from trainmon.collect.stats import StatsSpec
+    from trainmon.collect.stats_base import StatsSpec
     from trainmon.config import CommunicationConfig
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
@@ -202,7 +202,7 @@ def test_comm_monitor_run_attributes_forward_nan_to_its_rank_and_phase(ranks, tm
     forward rows, so rank 1's all_reduce pre row is the first origin (not a downstream row of rank 0)."""
     import pandas as pd
 
-    from trainmon.tools.analyse import analyse_run
+    from trainmon.anomaly.merge import analyse_run
     from trainmon.tools.cli import main
 
     run_dir = Path(ranks[0]["run_dir"])

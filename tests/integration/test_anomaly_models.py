@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.launch import run_ranks  # noqa: E402
 from trainmon import AnomalyError, TrainerMonitor  # noqa: E402
-from trainmon.tools.analyse import analyse_run  # noqa: E402
+from trainmon.anomaly.merge import analyse_run  # noqa: E402
 
 
 class _NanGradient(torch.autograd.Function):

@@ -22,7 +22,7 @@ from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.buffer import StepBuffer
 from trainmon.collect.context import StepContext
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.stats import StatsSpec
+from trainmon.collect.stats_base import StatsSpec
 from trainmon.config import ActivationsConfig, AnomalyConfig, DumpConfig
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from trainmon.anomaly.events import AnomalyEvent
-from trainmon.tools.analyse import StepRanges, analyse_run, parse_steps
+from trainmon.anomaly.merge import StepRanges, analyse_run, parse_steps
 from trainmon.tools.cli import main
 
 PHASE_RANK = {"forward": 0, "loss": 1, "backward": 2, "communication": 3, "optimizer": 4}

@@ -98,7 +98,7 @@ def test_a_huge_field_is_refused_whatever_the_process_wide_csv_limit(tmp_path):
 
     import pytest
 
-    from trainmon.tools.csv2tb import CsvFormatError, read_scalars
+    from trainmon.tools.readers import CsvFormatError, read_scalars
 
     path = tmp_path / "grad_reduced.csv"
     path.write_text("vpp_stage,name,step,micro_step,norm\n0," + "w" * 200_000 + ",1,0,2\n")

@@ -237,3 +237,46 @@ def test_old_callback_paths_warn_and_give_the_same_callback(old):
     with pytest.warns(DeprecationWarning, match=ALIASES[old]):
         alias = importlib.import_module(old)
     assert alias.TrainmonCallback is new.TrainmonCallback
+
+
+def _top_level_names(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """``(defined, imported)``: the names a module defines and those it imports from ``trainmon``."""
+    defined: set[str] = set()
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                defined.update(name.id for name in ast.walk(target) if isinstance(name, ast.Name))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainmon"):
+            imported.update(alias.asname or alias.name for alias in node.names)
+    return defined, imported
+
+
+def test_no_module_imports_another_modules_private_name():
+    modules = {module_name(path) for path in PACKAGE.rglob("*.py")}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainmon"):
+                found += [f"{module_name(path)}: {node.module}.{alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("__")
+                          and f"{node.module}.{alias.name}" not in modules]
+    assert not found, "private names imported from another module:\n" + "\n".join(found)
+
+
+def test_only_the_package_faces_re_export():
+    """A module's ``__all__`` names what it defines; only a package's ``__init__`` (and an alias) lists
+    names it imports, so each function has one address."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py" or module_name(path) in ALIASES:
+            continue
+        tree = ast.parse(path.read_text())
+        defined, imported = _top_level_names(tree)
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                names = [element.value for element in ast.walk(node.value) if isinstance(element, ast.Constant)]
+                found += [f"{module_name(path)}: {name}" for name in names if name in imported and name not in defined]
+    assert not found, "names re-exported outside the package faces:\n" + "\n".join(found)

@@ -18,7 +18,7 @@ from tests.unit.test_anomaly_analyse import write_run
 from tests.unit.test_csv2tb import _run
 from trainmon.base.records import row_tag
 from trainmon.tools.cli import main
-from trainmon.tools.csv2tb import CsvFormatError, read_scalars, read_table
+from trainmon.tools.readers import CsvFormatError, read_scalars, read_table
 from trainmon.tools.report import data as report_data
 
 
@@ -186,7 +186,7 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, expected):
 
 
 def test_read_table_long_fields_quotes_and_blank_lines_as_read_scalars(tmp_path):
-    from trainmon.tools.csv2tb import MAX_FIELD
+    from trainmon.tools.readers import MAX_FIELD
 
     header = "vpp_stage,name,step,micro_step,norm\n"
     cases = {

@@ -13,7 +13,8 @@ from trainmon.collect import kernels
 from trainmon.collect.fallback import bounded_batches
 from trainmon.collect.kernels import ratio_into as _ratio_into
 from trainmon.collect.kernels import update_into as _update_into
-from trainmon.collect.stats import StatsSpec, combine_partials_torch, fused_kernel, numpy_viewable, partials_torch
+from trainmon.collect.stats import combine_partials_torch, fused_kernel, numpy_viewable, partials_torch
+from trainmon.collect.stats_base import StatsSpec
 
 AdamEntry: TypeAlias = "tuple[torch.Tensor, dict[str, Any], dict[str, Any]]"
 """``(param, state, param_group)`` of one parameter: its optimizer state and its group's settings."""

@@ -14,7 +14,8 @@ from trainmon.base.guard import Guard
 from trainmon.base.records import RowKey
 from trainmon.collect.buffer import Buffer, StepBuffer
 from trainmon.collect.grouped import GroupedRows
-from trainmon.collect.stats import StatsSpec, partial_stats, partial_stats_many
+from trainmon.collect.stats import partial_stats, partial_stats_many
+from trainmon.collect.stats_base import StatsSpec
 
 if TYPE_CHECKING:
     from trainmon.base.types import GradScaler

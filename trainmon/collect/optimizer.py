@@ -10,12 +10,8 @@ import torch
 
 from trainmon.base.records import RowKey
 from trainmon.collect.adam import (  # re-exported (__all__): integrations and tests import them from here
-    _CHUNK,
     AdamEntry,
-    adam_partials_cpu,
     adam_partials_many,
-    adam_update,
-    update_ratio,
 )
 from trainmon.collect.hooks import HookedCollector, HookRegistry, post_accumulate_grad_hook
 from trainmon.collect.stats_base import foreach_norms, norm_of_norms
@@ -460,5 +456,5 @@ class TorchOptimizerCollector(HookedCollector):
                                 orders=[family_orders[k] for k in rest] if family_orders else None)
 
 
-__all__ = ["_CHUNK", "OptimizerContainerError", "TorchOptimizerCollector", "adam_partials_cpu", "adam_partials_many",
-           "adam_update", "global_grad_norm", "optimizer_parts", "param_groups_of", "states_of", "update_ratio"]
+__all__ = ["OptimizerContainerError", "TorchOptimizerCollector", "global_grad_norm", "optimizer_parts",
+           "param_groups_of", "states_of"]

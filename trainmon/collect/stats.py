@@ -16,7 +16,7 @@ import torch
 
 from trainmon.base.records import PARTIAL_SLOTS
 from trainmon.collect import fallback
-from trainmon.collect.stats_base import (  # also re-exported
+from trainmon.collect.stats_base import (
     StatsSpec,
     norm_of_norms,
     numel_minus,
@@ -157,6 +157,5 @@ def combine_partials_torch(gathered: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["StatsSpec", "combine_partials_torch", "device_partials", "empty_partial", "fused_enabled", "fused_kernel",
-           "numel_minus", "numpy_viewable", "partial_numpy", "partial_stats", "partial_stats_many", "partials_torch",
-           "zero_threshold"]
+__all__ = ["combine_partials_torch", "device_partials", "empty_partial", "fused_enabled", "fused_kernel",
+           "numpy_viewable", "partial_stats", "partial_stats_many", "partials_torch"]

@@ -27,8 +27,9 @@ import torch
 
 from trainmon.base import process_groups
 from trainmon.collect.activations import ActivationCollector
+from trainmon.collect.adam import adam_update, update_ratio
 from trainmon.collect.hooks import HookedCollector, HookRegistry
-from trainmon.collect.optimizer import TorchOptimizerCollector, adam_update, update_ratio
+from trainmon.collect.optimizer import TorchOptimizerCollector
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.collect.step_hooks import StepWrapper
 from trainmon.integrations.base import (

@@ -20,9 +20,9 @@ import torch
 from trainmon.base import process_groups
 from trainmon.base.records import RowKey, activation_row, module_call
 from trainmon.collect.activations import ActivationCollector
+from trainmon.collect.adam import adam_update, update_ratio
 from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector, HookRegistry
-from trainmon.collect.optimizer import adam_update, update_ratio
 from trainmon.collect.stats import combine_partials_torch, empty_partial, partial_stats
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from trainmon.base.safe_io import write_json
 from trainmon.collect.buffer import HostStep, StepBuffer, Transfer
 from trainmon.collect.context import StepContext
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.stats import StatsSpec
+from trainmon.collect.stats_base import StatsSpec
 from trainmon.collect.struct import StructRecorder
 from trainmon.config import ConfigError, MonitorConfig, check_ranks, family_metrics
 from trainmon.errors import AnomalyError

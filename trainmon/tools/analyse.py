@@ -157,5 +157,4 @@ def _refuse_foreign(target: Path) -> None:
                          f"{OUTPUT_NAME}?); it is left as it is: pass -o to write elsewhere")
 
 
-__all__ = ["MSPROBE_OUTPUT_NAME", "OUTPUT_NAME", "WRITTEN_BY", "StepRanges", "add_parser", "analyse_run",
-           "find_files", "format_table", "parse_steps", "run_cli"]
+__all__ = ["MSPROBE_OUTPUT_NAME", "OUTPUT_NAME", "WRITTEN_BY", "add_parser", "format_table", "run_cli"]

@@ -21,13 +21,9 @@ from trainmon.errors import UsageError
 from trainmon.sinks import tensorboard as board
 from trainmon.tools.msprobe_output import ANOMALY_FOLDER, rank_folders
 from trainmon.tools.readers import (
-    MAX_FIELD,
     CsvFormatError,
-    Table,
     family_of,
-    read_scalars,
     read_scalars_noting_layout,
-    read_table,
 )
 
 if TYPE_CHECKING:
@@ -195,4 +191,4 @@ def _anomaly_events(rank_dir: Path) -> list[dict[str, Any]]:
         return []
 
 
-__all__ = ["MAX_FIELD", "CsvFormatError", "Table", "add_parser", "convert", "family_of", "read_scalars", "read_table"]
+__all__ = ["add_parser", "convert"]

@@ -217,7 +217,7 @@ def _number(text: str) -> float | str:
 
 def analyse_msprobe(folder: Path, files: list[Path], top: int, steps: Container[int] | None = None) -> dict[str, Any]:
     """``trainmon analyse`` of msprobe's ``anomaly.json`` files: the result of
-    :func:`trainmon.tools.analyse.analyse_run`, ordered by msprobe's own rule (its
+    :func:`trainmon.anomaly.merge.analyse_run`, ordered by msprobe's own rule (its
     ``GradAnomalyData.__lt__``: step, micro-step, train stage, pipeline position, call id)."""
     events: list[dict[str, Any]] = []
     corrupt: list[dict[str, Any]] = []

@@ -25,7 +25,7 @@ from trainmon.base.records import METRICS, finalize
 from trainmon.collect.buffer import StepBuffer
 from trainmon.collect.comm import CommCollector
 from trainmon.collect.context import StepContext
-from trainmon.collect.stats import StatsSpec
+from trainmon.collect.stats_base import StatsSpec
 from trainmon.config import COMM_OPS, CommunicationConfig
 
 N = 16

@@ -36,7 +36,7 @@ from trainmon.integrations.mindspore.stats import constants, partial_stats, tens
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
-    from trainmon.collect.stats import StatsSpec
+    from trainmon.collect.stats_base import StatsSpec
 
 _ADAM_FAMILIES = ("exp_avg", "exp_avg_sq", "update", "ratio")
 HOST_DTYPES = (ms.float16, ms.float32, ms.float64)

@@ -41,7 +41,7 @@ from mindspore import Tensor, mint
 from trainmon.base.records import PARTIAL_SLOTS
 
 if TYPE_CHECKING:
-    from trainmon.collect.stats import StatsSpec
+    from trainmon.collect.stats_base import StatsSpec
 
 _F32, _F64 = ms.float32, ms.float64
 GROUP_ELEMENTS = 1 << 22
@@ -89,7 +89,7 @@ def matrix_partials(matrix: Tensor, spec: StatsSpec | Any, rows: int, numel: int
 
     Args:
         matrix: a ``[rows, numel]`` float32 or float64 tensor (``numel`` > 0); it is not modified.
-        spec: which slots to compute (:class:`trainmon.collect.stats.StatsSpec` or any object with
+        spec: which slots to compute (:class:`trainmon.collect.stats_base.StatsSpec` or any object with
             the attributes ``norm``, ``sum``, ``zeros``, ``nans``, ``infs``, ``eps``).
         rows, numel: the matrix's shape, given: reading it would wait for the queue (module docstring).
         dtype: the matrix's dtype, given for the same reason.
@@ -188,7 +188,7 @@ def partial_stats(tensor: Tensor, spec: StatsSpec | Any) -> Tensor:
 
     Args:
         tensor: any MindSpore tensor handed to a hook (a ``Parameter`` too); it is not modified.
-        spec: which slots to compute (:class:`trainmon.collect.stats.StatsSpec` or any object
+        spec: which slots to compute (:class:`trainmon.collect.stats_base.StatsSpec` or any object
             with the attributes ``norm``, ``sum``, ``zeros``, ``nans``, ``infs``, ``eps``).
 
     Returns:
