@@ -16,8 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainmon.anomaly.analyse import analyse_run
 from trainmon.anomaly.events import AnomalyEvent
+from trainmon.anomaly.merge import analyse_run
 
 PHASES = ("forward", "backward", "optimizer")
 FAMILY = {"forward": "actv", "backward": "actv_grad", "optimizer": "grad_reduced"}

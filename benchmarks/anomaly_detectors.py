@@ -55,7 +55,7 @@ from benchmarks.detector_baselines import (  # noqa: E402
     TrainmonLossSpikeV0,
 )
 from trainmon.anomaly.detectors import build_detectors  # noqa: E402
-from trainmon.records import Row, RowKey, StepRecord  # noqa: E402
+from trainmon.base.records import Row, RowKey, StepRecord  # noqa: E402
 
 CURVES = ROOT / "benchmarks" / "data" / "curves.npz"
 REAL_REGIMES = ("large_batch", "small_batch", "warmup_decay", "data_mix", "periodic_eval", "restart")

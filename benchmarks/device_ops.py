@@ -43,11 +43,11 @@ sys.path.insert(0, str(ROOT))
 from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
 
 from trainmon import TrainerMonitor  # noqa: E402
+from trainmon.base.records import FAMILIES  # noqa: E402
 from trainmon.collect import stats  # noqa: E402
 from trainmon.collect.buffer import StepBuffer  # noqa: E402
 from trainmon.collect.context import StepContext  # noqa: E402
 from trainmon.collect.grouped import GroupedRows  # noqa: E402
-from trainmon.records import FAMILIES  # noqa: E402
 
 METRICS6 = ["norm", "min", "max", "mean", "nans", "infs"]
 WEIGHTS = {"weight_grads": {"metrics": METRICS6},

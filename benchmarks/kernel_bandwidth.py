@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from benchmarks.overhead import MODELS
 from trainmon.collect import kernels
-from trainmon.collect.stats import StatsSpec
+from trainmon.collect.stats_base import StatsSpec
 
 METRICS6 = ["norm", "min", "max", "mean", "nans", "infs"]
 

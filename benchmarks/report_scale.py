@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainmon.report import build
+from trainmon.tools.report import build
 
 
 def write_run(root: Path, modules: int, steps: int, metrics: list[str], seed: int = 0) -> int:

@@ -78,7 +78,7 @@ def no_leftovers(monkeypatch):
     (DeepSpeed's ZeRO-3 hooks, say) are in the snapshot, so only the monitor's are checked.
     """
     snapshots: list = []
-    from trainmon import session as session_module
+    from trainmon.runtime import session as session_module
 
     original = session_module.Session.__init__
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from trainmon.cli import main
+from trainmon.tools.cli import main
 
 sys.exit(main())

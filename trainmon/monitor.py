@@ -6,14 +6,17 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainmon.base.records import StepRecord
 from trainmon.config import MonitorConfig, load_config
-from trainmon.errors import AnomalyError, ConfigError
-from trainmon.records import StepRecord, build_record, family_metrics
+from trainmon.errors import ConfigError
 
 if TYPE_CHECKING:
+    from trainmon.actions import HandOffAction
     from trainmon.anomaly.engine import AnomalyCallback
-    from trainmon.protocols import GradScaler, HandOffAction, Model, Optimizer, ProcessGroup, Scalar
-    from trainmon.session import Session
+    from trainmon.base.guard import Guard
+    from trainmon.base.types import GradScaler, Model, Optimizer, ProcessGroup, Scalar
+    from trainmon.runtime.lifecycle import StepLifecycle
+    from trainmon.runtime.session import Session
 
 logger = logging.getLogger("trainmon")
 
@@ -53,7 +56,7 @@ class TrainerMonitor:
         """
         import os
 
-        from trainmon.msprobe import translate_msprobe
+        from trainmon.config.msprobe import translate_msprobe
 
         return cls(translate_msprobe(Path(path), environ=os.environ))
 
@@ -96,7 +99,7 @@ class TrainerMonitor:
             raise RuntimeError("already attached; close() first or create another TrainerMonitor")
         if grad_acc_steps < 1 or start_step < 0:
             raise ValueError(f"grad_acc_steps must be >= 1 and start_step >= 0, got {grad_acc_steps}, {start_step}")
-        from trainmon.session import Session
+        from trainmon.runtime.session import Session
 
         self._session = Session(model, optimizer, self._config, self.config_path, self._callbacks,
                                 grad_acc_steps=grad_acc_steps, tp_group=tp_group, dp_group=dp_group,
@@ -201,6 +204,27 @@ class TrainerMonitor:
         """``{run_dir}/rank{R}`` once attached (None on a rank that writes nothing); kept after ``close()``."""
         return self._session.rank_dir if self._session is not None else self._dirs[1]
 
+    # ------------------------------------------------------------------ the seam for trainer callbacks
+    @property
+    def guard(self) -> Guard | None:
+        """The attached monitor's fail-safe guard (None before ``attach`` and after ``close``).
+
+        For callbacks of a loop a trainer owns (``trainmon.trainers``): they run their bodies with
+        ``guard.run("step", fn)`` and wrap what they hand to the trainer with ``guard.wrap(part, fn)``, so that
+        trainmon's own exception disarms the part, warns once and never reaches the trainer.
+        """
+        return self._session.guard if self._session is not None else None
+
+    @property
+    def lifecycle(self) -> StepLifecycle | None:
+        """The attached monitor's step model (None before ``attach`` and after ``close``).
+
+        For callbacks of a loop a trainer owns that tell it where micro-steps begin
+        (``micro_step_begins``), where a backward ended (``backward_ended``) and when evaluation suspends
+        recording (``suspend``/``resume``); call them under :attr:`guard` (part ``step``).
+        """
+        return self._session.lifecycle if self._session is not None else None
+
     def close(self) -> None:
         """Finish the pending step, remove every hook, flush and close the outputs. Idempotent."""
         if self._closed:
@@ -229,4 +253,4 @@ def _check_scalar(name: str, value: Scalar | None) -> None:
         raise TypeError(f"step(): {name} must be a number or a tensor, got {type(value).__name__} {value!r}") from None
 
 
-__all__ = ["AnomalyError", "TrainerMonitor", "build_record", "family_metrics"]
+__all__ = ["TrainerMonitor"]

@@ -159,12 +159,12 @@ def test_comm_single_rank_lifecycle_and_reload_chain(tmp_path):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    from trainmon.base.records import finalize
     from trainmon.collect.buffer import StepBuffer
     from trainmon.collect.comm import CommCollector
     from trainmon.collect.context import StepContext
-    from trainmon.collect.stats import StatsSpec
+    from trainmon.collect.stats_base import StatsSpec
     from trainmon.config import CommunicationConfig
-    from trainmon.records import finalize
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
@@ -202,8 +202,8 @@ def test_comm_monitor_run_attributes_forward_nan_to_its_rank_and_phase(ranks, tm
     forward rows, so rank 1's all_reduce pre row is the first origin (not a downstream row of rank 0)."""
     import pandas as pd
 
-    from trainmon.anomaly.analyse import analyse_run
-    from trainmon.cli import main
+    from trainmon.anomaly.merge import analyse_run
+    from trainmon.tools.cli import main
 
     run_dir = Path(ranks[0]["run_dir"])
     for rank, result in enumerate(ranks):

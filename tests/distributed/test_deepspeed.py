@@ -19,7 +19,7 @@ import pytest
 
 from tests.launch import ROOT, DeepSpeedCases
 from tests.reference import adam_update_np, np_stats, read_family
-from trainmon.anomaly.analyse import analyse_run
+from trainmon.anomaly.merge import analyse_run
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow

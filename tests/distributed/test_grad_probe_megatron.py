@@ -161,7 +161,7 @@ def test_sharded_run_equals_the_unsharded_run(runs, case, capsys):
     exact arithmetic (softmax ignores a constant added to every key), so its float32 gradient is rounding
     noise (|g| ~ 1e-12) whose signs differ between any two layouts. For those elements the test asserts they
     are noise, and that grad-compare reports exactly numpy's sign agreement of the two runs' gradients."""
-    from trainmon.cli import main as cli_main
+    from trainmon.tools.cli import main as cli_main
 
     single, sharded = runs["single"], runs[case]
     want, got = _summary(single), _summary(sharded)

@@ -279,8 +279,8 @@ def test_pipeline_micro_steps_and_anomaly_order(runs: Path, tmp_path: Path) -> N
         scalars = pd.read_csv(run_dir / f"rank{rank}" / "scalars.csv")
         skipped = scalars[scalars.name == "skipped_iter"].set_index("step")["value"]
         assert skipped.to_dict() == {0: 0.0, 1: 1.0, 2: 1.0}
-    from trainmon.anomaly.analyse import analyse_run
-    from trainmon.cli import main
+    from trainmon.anomaly.merge import analyse_run
+    from trainmon.tools.cli import main
 
     assert main(["analyse", str(run_dir)]) == 0
     assert main(["analyse", str(run_dir), "--steps", "2", "-o", str(tmp_path / "step2.json")]) == 0

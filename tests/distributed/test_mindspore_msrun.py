@@ -40,7 +40,7 @@ def test_msrun_two_workers_per_rank_outputs_and_analyse(tmp_path: Path) -> None:
     assert g0[clean]["norm"].tolist() == pytest.approx(g1[g1.step == 0]["norm"].tolist(), rel=1e-5)
     u0, u1 = (read_family(run_dir / f"rank{r}", "grad_unreduced") for r in (0, 1))
     assert u0[u0.step == 0]["norm"].tolist() != pytest.approx(u1[u1.step == 0]["norm"].tolist(), rel=1e-3)
-    subprocess.run([sys.executable, "-m", "trainmon.cli", "analyse", str(run_dir), "-o", str(tmp_path / "a")],
+    subprocess.run([sys.executable, "-m", "trainmon.tools.cli", "analyse", str(run_dir), "-o", str(tmp_path / "a")],
                    check=True, cwd=ROOT, capture_output=True)
     report = json.loads(next((tmp_path / "a").rglob("anomaly_analyse.json")).read_text())
     first = report["first_origin"]

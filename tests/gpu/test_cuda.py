@@ -48,7 +48,7 @@ def _assert_partials(rows: np.ndarray, tensors: list[torch.Tensor], eps: float, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_triton_partials_match_float64(dtype):
     from trainmon.collect import kernels
-    from trainmon.collect.stats import StatsSpec
+    from trainmon.collect.stats_base import StatsSpec
 
     kernel = kernels.partials_kernel(CUDA)
     assert kernel is not None, "the Triton kernels did not load on CUDA"
@@ -73,7 +73,7 @@ def test_triton_partials_match_float64(dtype):
 def test_triton_adam_update_and_ratio_match_float64(dtype):
     from trainmon.collect import kernels
     from trainmon.collect.adam import _adam_items
-    from trainmon.collect.stats import StatsSpec
+    from trainmon.collect.stats_base import StatsSpec
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, device=CUDA).to(dtype)) for n in (3_000_001, 20_000, 257, 1)]

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.launch import run_ranks  # noqa: E402
 from trainmon import AnomalyError, TrainerMonitor  # noqa: E402
-from trainmon.anomaly.analyse import analyse_run  # noqa: E402
+from trainmon.anomaly.merge import analyse_run  # noqa: E402
 
 
 class _NanGradient(torch.autograd.Function):
@@ -322,7 +322,7 @@ def test_two_ranks_analyse_names_the_bad_rank_step_and_module(tmp_path, capsys):
     assert [(e["step"], e["rank"]) for e in result["first_by_step"]] == [(3, 1)]
     assert result["counts"]["by_rank"] == {"0": 1, "1": 1}
 
-    from trainmon.cli import main
+    from trainmon.tools.cli import main
 
     out = tmp_path / "analysed.json"
     code = main(["analyse", str(tmp_path / "run"), "--top", "2", "-o", str(out)])

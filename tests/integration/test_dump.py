@@ -14,23 +14,16 @@ import torch
 from torch import nn
 
 from trainmon.actions.dump import TargetedDump
-from trainmon.actions.naming import (
-    implicated_module,
-    is_within,
-    module_parents,
-    modules_for_events,
-    neighbourhood,
-    safe_file_name,
-)
+from trainmon.actions.naming import implicated_module, module_parents, modules_for_events, neighbourhood
 from trainmon.anomaly.engine import AnomalyEngine
+from trainmon.base.records import METRICS, build_record
+from trainmon.base.safe_io import is_within, safe_file_name
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.buffer import StepBuffer
 from trainmon.collect.context import StepContext
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.stats import StatsSpec
+from trainmon.collect.stats_base import StatsSpec
 from trainmon.config import ActivationsConfig, AnomalyConfig, DumpConfig
-from trainmon.monitor import build_record
-from trainmon.records import METRICS
 
 
 @dataclass

@@ -18,7 +18,7 @@ from tests.faults import patched  # noqa: E402
 from tests.integration.test_mindspore_families import Mlp, _data  # noqa: E402
 from trainmon import TrainerMonitor  # noqa: E402
 from trainmon.integrations.mindspore import unwrap_training_cell  # noqa: E402
-from trainmon.integrations.mindspore.callback import TrainmonCallback  # noqa: E402
+from trainmon.trainers.mindspore import TrainmonCallback  # noqa: E402
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 STEPS = 4

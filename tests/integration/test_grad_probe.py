@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from trainmon import TrainerMonitor
-from trainmon.cli import main as cli_main
+from trainmon.tools.cli import main as cli_main
 
 
 class TwoTowers(nn.Module):

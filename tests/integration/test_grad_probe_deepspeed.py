@@ -162,7 +162,7 @@ def _summary(run: Path) -> pd.DataFrame:
 
 @pytest.mark.parametrize("case", [c["name"] for c in CASES + CASES_GAS])
 def test_deepspeed_probe_equals_torch(runs, case, capsys):
-    from trainmon.cli import main as cli_main
+    from trainmon.tools.cli import main as cli_main
 
     out, cases = runs
     run = cases[case]
@@ -211,7 +211,7 @@ def runs2(tmp_path_factory):
 
 def test_two_ranks_zero0_probe_is_the_whole_batch_gradient(runs2, capsys):
     """ZeRO-0 on 2 ranks, 4 rows each: every rank's probe equals a torch run on all 8 rows."""
-    from trainmon.cli import main as cli_main
+    from trainmon.tools.cli import main as cli_main
 
     out, cases = runs2
     run = cases["z0_2r"]
@@ -276,7 +276,7 @@ def test_two_ranks_zero_shards_combine_to_the_whole_gradient(runs2, case, capsys
     """ZeRO 1/2/3 on 2 ranks (4 rows each): the probe of the shards equals float64 numpy of the whole
     gradient DeepSpeed stepped with (gathered by the test script), equals the unsharded torch run on all
     8 rows, is written once (by rank 0), and grad-compare against the torch run gives 1.0 everywhere."""
-    from trainmon.cli import main as cli_main
+    from trainmon.tools.cli import main as cli_main
 
     out, cases = runs2
     run = cases[case]

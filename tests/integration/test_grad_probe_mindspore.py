@@ -13,8 +13,8 @@ ms = pytest.importorskip("mindspore")
 from mindspore import Tensor, nn  # noqa: E402
 
 from trainmon import TrainerMonitor  # noqa: E402
-from trainmon.cli import main as cli_main  # noqa: E402
 from trainmon.probe.storage import read_direction_header  # noqa: E402
+from trainmon.tools.cli import main as cli_main  # noqa: E402
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 STEPS = 3

@@ -18,6 +18,7 @@ from mindspore import Tensor, nn  # noqa: E402
 from trainmon import TrainerMonitor  # noqa: E402
 from trainmon.actions.free_benchmark import FreeBenchmark  # noqa: E402
 from trainmon.config import FreeBenchmarkConfig  # noqa: E402
+from trainmon.integrations import actions_framework  # noqa: E402
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")
@@ -142,7 +143,7 @@ def test_free_benchmark_checks_only_and_fix(tmp_path: Path) -> None:
         ms.set_seed(0)
         net = Net()
         opt = nn.Adam(net.trainable_params(), learning_rate=1e-2)
-        bench = FreeBenchmark(net, tmp_path, bench_config) if bench_config else None
+        bench = FreeBenchmark(net, tmp_path, bench_config, framework=actions_framework(net)) if bench_config else None
         grad_fn = ms.value_and_grad(lambda x, y: nn.MSELoss()(net(x), y), None, opt.parameters)
         x, y = Tensor(np.ones((4, 6), np.float32)), Tensor(np.zeros((4, 3), np.float32))
         for step in range(3):
@@ -170,7 +171,7 @@ def test_free_benchmark_checks_only_and_fix(tmp_path: Path) -> None:
     x = Tensor((100 + np.random.default_rng(1).standard_normal((8, 32))).astype(np.float16))
     reference = x.asnumpy().astype(np.float64).var(-1, keepdims=True)
     fixed = FreeBenchmark(variance, tmp_path / "fix", FreeBenchmarkConfig(
-        enabled=True, pert_mode="improve_precision", handler="fix"))
+        enabled=True, pert_mode="improve_precision", handler="fix"), framework=actions_framework(variance))
     fixed.request(["0"])
     fixed.begin_step(0)
     out = variance(x)

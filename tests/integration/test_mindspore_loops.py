@@ -22,7 +22,7 @@ from tests.reference import METRICS, assert_close, np_stats, read_family  # noqa
 from trainmon import TrainerMonitor  # noqa: E402
 from trainmon.errors import UnsupportedSetupError  # noqa: E402
 from trainmon.integrations.mindspore import unwrap_training_cell  # noqa: E402
-from trainmon.integrations.mindspore.callback import TrainmonCallback  # noqa: E402
+from trainmon.trainers.mindspore import TrainmonCallback  # noqa: E402
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 LR = 0.1

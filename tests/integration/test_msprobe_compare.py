@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from trainmon import TrainerMonitor
-from trainmon.msprobe import squash_name
+from trainmon.config.msprobe_names import squash_name
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".cache" / "msprobe-1.2.1"

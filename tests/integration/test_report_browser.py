@@ -158,7 +158,7 @@ def test_report_of_a_real_run_renders_in_chromium(tmp_path, report):
 @needs_browser
 def test_a_script_error_is_written_into_the_page(tmp_path):
     """The error marker works: a page whose data breaks the script says so in its DOM."""
-    from trainmon.report.page import render as render_page
+    from trainmon.tools.report.page import render as render_page
 
     broken = {"summary": {"run_name": "x", "trainmon": "0", "run_dir": "x"}, "ranks": [0], "curves": {}}
     page = tmp_path / "broken.html"

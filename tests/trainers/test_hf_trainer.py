@@ -30,7 +30,7 @@ from tests.trainers.hf_common import (  # noqa: E402
     trainer_counts_every_label,
 )
 from trainmon.errors import UnsupportedSetupError  # noqa: E402
-from trainmon.integrations.hf import TrainmonCallback  # noqa: E402
+from trainmon.trainers.hf import TrainmonCallback  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "trainers" / "scripts" / "hf_train.py"
 
@@ -268,7 +268,7 @@ def test_a_failure_of_trainmon_inside_the_trainer_never_reaches_train(tmp_path, 
     import logging
 
     from tests.faults import patched
-    from trainmon.integrations.hf import TrainerLoss
+    from trainmon.trainers.hf import TrainerLoss
 
     def train(callbacks):
         torch.manual_seed(0)

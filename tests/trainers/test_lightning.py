@@ -13,7 +13,7 @@ L = pytest.importorskip("lightning.pytorch", reason="lightning is not installed"
 
 from tests.loops.common import MLP, data  # noqa: E402
 from tests.reference import read_family  # noqa: E402
-from trainmon.integrations.lightning import TrainmonCallback  # noqa: E402
+from trainmon.trainers.lightning import TrainmonCallback  # noqa: E402
 
 
 class _Module(L.LightningModule):
@@ -105,7 +105,7 @@ def test_a_failure_of_trainmon_inside_lightning_never_reaches_fit(tmp_path, monk
     import logging
 
     from tests.faults import patched
-    from trainmon.steps import StepLifecycle
+    from trainmon.runtime.lifecycle import StepLifecycle
 
     def fit(callbacks):
         torch.manual_seed(0)

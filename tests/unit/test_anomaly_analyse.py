@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from trainmon.anomaly.analyse import StepRanges, analyse_run, parse_steps
 from trainmon.anomaly.events import AnomalyEvent
-from trainmon.cli import main
+from trainmon.anomaly.merge import StepRanges, analyse_run, parse_steps
+from trainmon.tools.cli import main
 
 PHASE_RANK = {"forward": 0, "loss": 1, "backward": 2, "communication": 3, "optimizer": 4}
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from trainmon.anomaly.detectors import build_detectors
+from trainmon.base.records import Row, RowKey, StepRecord
 from trainmon.config import load_config
 from trainmon.errors import ConfigError
-from trainmon.records import Row, RowKey, StepRecord
 
 NAN, INF = math.nan, math.inf
 

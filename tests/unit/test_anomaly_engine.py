@@ -133,7 +133,7 @@ def test_engine_state_dict_round_trip_and_mismatch():
 
 
 def test_anomaly_package_imports_no_framework():
-    code = ("import sys, trainmon.anomaly, trainmon.anomaly.analyse, trainmon.anomaly.detectors; "
+    code = ("import sys, trainmon.anomaly, trainmon.tools.analyse, trainmon.anomaly.detectors; "
             "bad = [m for m in ('torch', 'mindspore', 'deepspeed', 'megatron') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,7 +1,7 @@
 """Bad input to every ``trainmon`` subcommand: exit 2 with one line on stderr (or 0 where the input is
 fine), never a traceback, never a hang.
 
-Most cases run in-process through :func:`trainmon.cli.main`; those that could block forever (named
+Most cases run in-process through :func:`trainmon.tools.cli.main`; those that could block forever (named
 pipes) run the command in a subprocess under a timeout.
 """
 
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from trainmon.anomaly.events import AnomalyEvent
-from trainmon.cli import main
 from trainmon.probe.storage import direction_path, write_direction_file
+from trainmon.tools.cli import main
 
 CSV_HEADER = "vpp_stage,name,step,micro_step,norm\n"
 GOOD_CSV = CSV_HEADER + "0,fc.weight,0,0,1.5\n0,fc.weight,1,0,2.5\n"
@@ -393,7 +393,7 @@ def _fifo_cases(tmp: Path) -> list[tuple[str, list[str]]]:
 def test_named_pipes_do_not_hang(tmp_path):
     """One subprocess runs every FIFO case (a hang would block it; the timeout turns that into a failure)."""
     cases = _fifo_cases(tmp_path)
-    script = ("import sys, json\nfrom trainmon.cli import main\nfor argv in json.loads(sys.argv[1]):\n"
+    script = ("import sys, json\nfrom trainmon.tools.cli import main\nfor argv in json.loads(sys.argv[1]):\n"
               "    try:\n        code = main(argv)\n    except SystemExit as exc:\n        code = exc.code\n"
               "    print(f'exit={code}', flush=True)\n    print('---', file=sys.stderr, flush=True)\n")
     proc = subprocess.run([sys.executable, "-c", script, json.dumps([argv for _, argv in cases])],

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import trainmon
-from trainmon.cli import main
+from trainmon.tools.cli import main
 
 
 def test_version_prints_the_package_version(capsys):

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from trainmon import MonitorConfig, TrainerMonitor, load_config
+from trainmon.base.targets import select
 from trainmon.config import check_ranks, config_reference
+from trainmon.config.msprobe import translate_msprobe
 from trainmon.errors import ConfigError, TargetError
-from trainmon.msprobe import translate_msprobe
-from trainmon.targets import select
 
 BAD = [
     ({"step_intervall": 2}, "step_intervall"),

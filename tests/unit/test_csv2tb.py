@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainmon.cli import main
-from trainmon.records import Row, RowKey, StepRecord
+from trainmon.base.records import Row, RowKey, StepRecord
 from trainmon.sinks.csv import CsvSink
+from trainmon.tools.cli import main
 
 FAMILIES = ("grad_reduced", "grad_unreduced", "exp_avg", "exp_avg_sq", "actv", "actv_grad")
 
@@ -98,7 +98,7 @@ def test_a_huge_field_is_refused_whatever_the_process_wide_csv_limit(tmp_path):
 
     import pytest
 
-    from trainmon.csv2tb import CsvFormatError, read_scalars
+    from trainmon.tools.readers import CsvFormatError, read_scalars
 
     path = tmp_path / "grad_reduced.csv"
     path.write_text("vpp_stage,name,step,micro_step,norm\n0," + "w" * 200_000 + ",1,0,2\n")

@@ -1,17 +1,22 @@
-"""No import circle in ``trainmon/``: the graph of the modules' own imports (read with ``ast``) is acyclic.
+"""The floor plan of ``trainmon/``: no import circle, and every import goes down the layers.
 
-Every ``import``/``from ... import`` counts, at module level or inside a function, except those under
-``if TYPE_CHECKING:`` (annotations only: they never run). An import names its module, not the packages
-above it: ``from trainmon.anomaly.events import AnomalyEvent`` is an edge to ``trainmon.anomaly.events``
-only, though Python runs ``trainmon/anomaly/__init__.py`` first (counting those edges would put every
-module in a circle with ``trainmon/__init__.py``).
+The graph of the modules' own imports is read with ``ast``. Every ``import``/``from ... import`` counts, at
+module level, inside a function, and under ``if TYPE_CHECKING:`` (mypy follows those: a circle through them is
+a circle in the type checker's reading, and an annotation naming an upper room ties the lower one to it).
+An import names its module, not the packages above it: ``from trainmon.anomaly.events import AnomalyEvent`` is
+an edge to ``trainmon.anomaly.events`` only, though Python runs ``trainmon/anomaly/__init__.py`` first (counting
+those edges would put every module in a circle with ``trainmon/__init__.py``).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trainmon"
 
@@ -28,16 +33,16 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement under ``node``, skipping the bodies of ``if TYPE_CHECKING:``."""
+def _import_nodes(node: ast.AST, type_checking: bool = True) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement under ``node``; the bodies of ``if TYPE_CHECKING:`` only if ``type_checking``."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
-        elif isinstance(child, ast.If) and _is_type_checking(child):
+        elif isinstance(child, ast.If) and _is_type_checking(child) and not type_checking:
             for other in child.orelse:
-                yield from _import_nodes(ast.Module(body=[other], type_ignores=[]))
+                yield from _import_nodes(ast.Module(body=[other], type_ignores=[]), type_checking)
         else:
-            yield from _import_nodes(child)
+            yield from _import_nodes(child, type_checking)
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
@@ -45,11 +50,13 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return imports_in(path.read_text(), module_name(path), path.name == "__init__.py", modules)
 
 
-def imports_in(source: str, name: str, is_package: bool, modules: set[str]) -> set[str]:
-    """The modules among ``modules`` that the source of the module ``name`` imports."""
+def imports_in(source: str, name: str, is_package: bool, modules: set[str],
+               type_checking: bool = True) -> set[str]:
+    """The modules among ``modules`` that the source of the module ``name`` imports (with or without the
+    ``TYPE_CHECKING`` ones)."""
     package = name if is_package else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in _import_nodes(ast.parse(source)):
+    for node in _import_nodes(ast.parse(source), type_checking):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
             continue
@@ -126,7 +133,7 @@ def _circle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
     raise AssertionError(f"no circle in {component}")  # pragma: no cover
 
 
-def test_the_graph_reader_sees_function_level_imports_and_skips_type_checking():
+def test_the_graph_reader_sees_function_level_and_type_checking_imports():
     source = """
 from typing import TYPE_CHECKING
 from p import b
@@ -139,7 +146,8 @@ def f():
     from p.f import g
 """
     modules = {"p", "p.a", "p.b", "p.c", "p.d", "p.e", "p.f"}
-    assert imports_in(source, "p.a", False, modules) == {"p.b", "p.c", "p.e", "p.f"}
+    assert imports_in(source, "p.a", False, modules, type_checking=False) == {"p.b", "p.c", "p.e", "p.f"}
+    assert imports_in(source, "p.a", False, modules) == {"p.b", "p.c", "p.d", "p.e", "p.f"}
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b", "c"}, "b": {"a"}, "c": {"a"}}) == [["a", "b", "a", "|", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
@@ -148,3 +156,127 @@ def f():
 def test_no_import_cycle():
     found = cycles(import_graph())
     assert not found, "import circles in trainmon/:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+# The rooms, bottom to top: a module imports only modules of its own room or of a room on a lower floor
+# (two rooms on one floor do not import each other). A room is a folder, or a top-level module (the face).
+FLOORS: list[tuple[str, ...]] = [
+    ("errors", "version"),
+    ("base",),
+    ("anomaly", "sinks"),
+    ("config",),  # may import the detectors' specs
+    ("collect",),
+    ("probe", "actions"),
+    ("integrations",),
+    ("runtime",),
+    ("monitor",),
+    ("trainers", "tools"),
+    ("", "__main__"),  # the package face: trainmon/__init__.py and python -m trainmon
+]
+
+# Deprecated aliases kept for one release: modules at an old import path that re-export the new one.
+ALIASES = {
+    "trainmon.integrations.hf": "trainmon.trainers.hf",
+    "trainmon.integrations.lightning": "trainmon.trainers.lightning",
+    "trainmon.integrations.mindspore.callback": "trainmon.trainers.mindspore",
+}
+
+FLOOR_OF = {room: floor for floor, rooms in enumerate(FLOORS) for room in rooms}
+
+
+def room_of(module: str) -> str:
+    """``trainmon.anomaly.events`` -> ``anomaly``; ``trainmon`` -> ``""``."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def against_the_order(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module in a room on the same or a higher floor (other than the module's own room)."""
+    found = []
+    for source, targets in sorted(graph.items()):
+        if source in ALIASES:
+            continue
+        for target in sorted(targets):
+            here, there = room_of(source), room_of(target)
+            if here != there and FLOOR_OF[there] >= FLOOR_OF[here]:
+                found.append(f"{source} ({here or 'face'}) -> {target} ({there or 'face'})")
+    return found
+
+
+def test_every_module_is_in_a_room():
+    unknown = {module for module in import_graph() if room_of(module) not in FLOOR_OF}
+    assert not unknown, f"modules outside the floor plan: {sorted(unknown)} (add their room to FLOORS)"
+
+
+def test_no_import_against_the_layer_order():
+    found = against_the_order(import_graph())
+    assert not found, "imports against the layer order (see docs/design.md, map of the package):\n" + "\n".join(found)
+
+
+def test_the_order_check_sees_upward_and_sideways_imports():
+    graph = {"trainmon.base.records": {"trainmon.config"}, "trainmon.probe.storage": {"trainmon.actions.naming"},
+             "trainmon.collect.hooks": {"trainmon.base.guard", "trainmon.collect.context"}}
+    assert against_the_order(graph) == ["trainmon.base.records (base) -> trainmon.config (config)",
+                                        "trainmon.probe.storage (probe) -> trainmon.actions.naming (actions)"]
+
+
+def test_aliases_are_deprecated_re_exports():
+    """An alias module only warns and re-exports its new home (kept one release, then removed)."""
+    for alias, target in ALIASES.items():
+        source = (PACKAGE.parent / Path(*alias.split("."))).with_suffix(".py").read_text()
+        assert "DeprecationWarning" in source and target in source, alias
+
+
+@pytest.mark.parametrize("old", sorted(ALIASES))
+def test_old_callback_paths_warn_and_give_the_same_callback(old):
+    """The HF, Lightning and MindSpore callbacks' old import paths still work for one release, with a warning."""
+    try:
+        new = importlib.import_module(ALIASES[old])
+    except ImportError as exc:  # transformers, lightning or mindspore not installed
+        pytest.skip(f"{ALIASES[old]} needs its trainer's package ({exc})")
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=ALIASES[old]):
+        alias = importlib.import_module(old)
+    assert alias.TrainmonCallback is new.TrainmonCallback
+
+
+def _top_level_names(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """``(defined, imported)``: the names a module defines and those it imports from ``trainmon``."""
+    defined: set[str] = set()
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                defined.update(name.id for name in ast.walk(target) if isinstance(name, ast.Name))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainmon"):
+            imported.update(alias.asname or alias.name for alias in node.names)
+    return defined, imported
+
+
+def test_no_module_imports_another_modules_private_name():
+    modules = {module_name(path) for path in PACKAGE.rglob("*.py")}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainmon"):
+                found += [f"{module_name(path)}: {node.module}.{alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("__")
+                          and f"{node.module}.{alias.name}" not in modules]
+    assert not found, "private names imported from another module:\n" + "\n".join(found)
+
+
+def test_only_the_package_faces_re_export():
+    """A module's ``__all__`` names what it defines; only a package's ``__init__`` (and an alias) lists
+    names it imports, so each function has one address."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py" or module_name(path) in ALIASES:
+            continue
+        tree = ast.parse(path.read_text())
+        defined, imported = _top_level_names(tree)
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                names = [element.value for element in ast.walk(node.value) if isinstance(element, ast.Constant)]
+                found += [f"{module_name(path)}: {name}" for name in names if name in imported and name not in defined]
+    assert not found, "names re-exported outside the package faces:\n" + "\n".join(found)

@@ -18,12 +18,12 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainmon.anomaly.analyse import analyse_run
 from trainmon.anomaly.events import AnomalyEvent
+from trainmon.anomaly.merge import analyse_run
 from trainmon.config import MonitorConfig, load_config
-from trainmon.csv2tb import CsvFormatError, read_scalars
 from trainmon.errors import ConfigError
 from trainmon.probe.storage import DirectionFile, DirectionFormatError, read_direction_header, write_direction_file
+from trainmon.tools.readers import CsvFormatError, read_scalars
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                         HealthCheck.too_slow])

@@ -18,8 +18,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from trainmon.cli import main
-from trainmon.msprobe_output import read_anomalies
+from trainmon.tools.cli import main
+from trainmon.tools.msprobe_output import read_anomalies
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "msprobe_output"
 VERSIONS = ("msprobe-1.2.1", "msprobe-26.2.0")

@@ -1,4 +1,4 @@
-"""The msprobe config translation (``trainmon.msprobe``) against msprobe's own rules.
+"""The msprobe config translation (``trainmon.config.msprobe``) against msprobe's own rules.
 
 ``msprobe_squash`` and ``msprobe_selection`` below restate msprobe 1.2.1's source (the
 ``mindstudio-probe`` 1.2.1 wheel; the newest, 26.2.0, has the same rules): they are the reference
@@ -18,10 +18,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trainmon.base.targets import select
 from trainmon.config import load_config
+from trainmon.config.msprobe import translate_msprobe
+from trainmon.config.msprobe_names import module_pattern, param_pattern, squash_name, trainmon_row_name
 from trainmon.errors import ConfigError
-from trainmon.msprobe import module_pattern, param_pattern, squash_name, trainmon_row_name, translate_msprobe
-from trainmon.targets import select
 
 
 def msprobe_squash(param_name: str, enable: bool = True) -> str:

@@ -56,5 +56,5 @@ def test_the_grad_probes_copy_event_is_recorded_on_the_stream_of_the_tensors_dev
     from trainmon.probe import collector
 
     monkeypatch.setattr(collector, "events_module", lambda device_type: _Module)
-    event = collector._record_event(torch.device("cuda", 1))
+    event = collector.record_event(torch.device("cuda", 1))
     assert event.stream is not None and event.stream.device == torch.device("cuda", 1)

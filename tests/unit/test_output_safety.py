@@ -21,11 +21,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.responses import JsonlAction
+from trainmon.base.records import Row, RowKey, StepRecord
+from trainmon.base.safe_io import UnsafePathError, make_dirs, open_output, write_atomic, write_json
+from trainmon.base.threads import OutputThread
 from trainmon.config import ConfigError, load_config
-from trainmon.records import Row, RowKey, StepRecord
-from trainmon.rundir import write_json
-from trainmon.safe_io import UnsafePathError, make_dirs, open_output, write_atomic
-from trainmon.sinks.base import OutputThread, SinkWriter
+from trainmon.sinks.base import SinkWriter
 from trainmon.sinks.csv import CsvSink, open_csv_table
 from trainmon.sinks.tensorboard import TensorBoardSink
 

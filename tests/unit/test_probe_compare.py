@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from trainmon.cli import main as cli_main
-from trainmon.probe.compare import compare, scan_run
 from trainmon.probe.storage import direction_path, read_direction_header, write_direction_file
+from trainmon.tools.cli import main as cli_main
+from trainmon.tools.grad_compare import compare, scan_run
 
 
 def _write(run: Path, rank: int, step: int, name: str, signs: np.ndarray, vpp_stage: int = 0) -> None:
@@ -79,8 +79,8 @@ def test_bad_usage_exits_2_with_one_line(tmp_path, capsys):
 
 
 def test_python_dash_m_reports_usage_errors_in_one_line(tmp_path):
-    """``python -m trainmon`` and ``python -m trainmon.cli`` run the same command (one UsageError class)."""
-    for module in ("trainmon", "trainmon.cli"):
+    """``python -m trainmon`` and ``python -m trainmon.tools.cli`` run the same command (one UsageError class)."""
+    for module in ("trainmon", "trainmon.tools.cli"):
         proc = subprocess.run([sys.executable, "-m", module, "grad-compare", str(tmp_path / "missing"),
                                str(tmp_path), "-o", str(tmp_path / "out")], capture_output=True, text=True)
         assert proc.returncode == 2, proc.stderr

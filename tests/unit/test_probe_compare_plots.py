@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.unit.test_probe_compare import _write
-from trainmon.cli import main as cli_main
+from trainmon.tools.cli import main as cli_main
 
 pytest.importorskip("matplotlib", reason="the plots need matplotlib (the 'plots' extra)")
 
@@ -28,7 +28,7 @@ def _runs(tmp_path, n_params=25, steps=(0, 1, 2)):
 
 
 def test_lines_plot_labels_the_ten_lowest_and_aggregates_the_rest(tmp_path):
-    from trainmon.probe.compare import compare, heatmap_figure, lines_figure, scan_run
+    from trainmon.tools.grad_compare import compare, heatmap_figure, lines_figure, scan_run
 
     expected = _runs(tmp_path)
     rows = [r for r in compare(scan_run(tmp_path / "a"), scan_run(tmp_path / "b")).rows if r["kind"] == "param"]

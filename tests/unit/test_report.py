@@ -16,10 +16,10 @@ import pytest
 
 from tests.unit.test_anomaly_analyse import write_run
 from tests.unit.test_csv2tb import _run
-from trainmon.cli import main
-from trainmon.csv2tb import CsvFormatError, read_scalars, read_table
-from trainmon.records import row_tag
-from trainmon.report import data as report_data
+from trainmon.base.records import row_tag
+from trainmon.tools.cli import main
+from trainmon.tools.readers import CsvFormatError, read_scalars, read_table
+from trainmon.tools.report import data as report_data
 
 
 def _page_data(html: str) -> dict:
@@ -186,7 +186,7 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, args, expected):
 
 
 def test_read_table_long_fields_quotes_and_blank_lines_as_read_scalars(tmp_path):
-    from trainmon.csv2tb import MAX_FIELD
+    from trainmon.tools.readers import MAX_FIELD
 
     header = "vpp_stage,name,step,micro_step,norm\n"
     cases = {
@@ -237,7 +237,7 @@ def test_msprobe_output_folder(tmp_path, version):
     out = tmp_path / "report.html"
     assert main(["report", str(folder), "-o", str(out)]) == 0
     page = _page_data(out.read_text())
-    from trainmon.msprobe_output import analyse_msprobe, anomaly_files
+    from trainmon.tools.msprobe_output import analyse_msprobe, anomaly_files
 
     expected = analyse_msprobe(folder, anomaly_files(folder), top=20)
     assert page["anomalies"]["events"] == expected["events"] > 0

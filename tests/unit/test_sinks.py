@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainmon.records import Row, RowKey, StepRecord
+from trainmon.base.records import Row, RowKey, StepRecord
 from trainmon.sinks.csv import CsvSink
 from trainmon.sinks.tensorboard import TensorBoardSink
 
@@ -104,7 +104,7 @@ def test_tensorboard_overview_micro_steps_anomaly_text_and_layout(tmp_path):
 
     from tensorboard.plugins.custom_scalar import layout_pb2
 
-    from trainmon.sinks.tensorboard import row_tag
+    from trainmon.base.records import row_tag
 
     old = {"step": 0, "detector": "nonfinite", "message": "from an earlier attach"}
     (tmp_path / "anomalies.jsonl").write_text(json.dumps(old) + "\n")

@@ -9,7 +9,8 @@ import torch
 from tests.reference import METRICS, np_stats
 from trainmon.collect import stats
 from trainmon.collect.optimizer import global_grad_norm
-from trainmon.collect.stats import StatsSpec, partial_stats
+from trainmon.collect.stats import partial_stats
+from trainmon.collect.stats_base import StatsSpec, zero_threshold
 
 SPEC = StatsSpec.from_metrics(METRICS, eps=1e-8)
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -80,10 +81,10 @@ def test_fp16_relu_output_counts_zeros(monkeypatch, path, eps):
 
 
 def test_zero_threshold_is_exact_in_dtype():
-    assert stats.zero_threshold(1e-8, torch.float16) == 2.0 ** -24  # smallest fp16 subnormal: exact zeros
-    threshold = stats.zero_threshold(1e-3, torch.bfloat16)
+    assert zero_threshold(1e-8, torch.float16) == 2.0 ** -24  # smallest fp16 subnormal: exact zeros
+    threshold = zero_threshold(1e-3, torch.bfloat16)
     assert threshold >= 1e-3 and torch.tensor(threshold, dtype=torch.bfloat16).item() == threshold
-    assert stats.zero_threshold(0.0, torch.float16) == 0.0
+    assert zero_threshold(0.0, torch.float16) == 0.0
 
 
 def test_global_grad_norm_of_bf16_grads_accumulates_in_float32():
@@ -100,7 +101,7 @@ def test_global_grad_norm_of_bf16_grads_accumulates_in_float32():
 def test_chunked_adam_partials_equal_the_materialised_update_and_ratio(poison):
     """The CPU fused path (several chunks, a partial last one) against update/ratio computed whole."""
     from tests.reference import np_stats
-    from trainmon.collect.optimizer import _CHUNK, adam_partials_cpu, adam_update, update_ratio
+    from trainmon.collect.adam import _CHUNK, adam_partials_cpu, adam_update, update_ratio
 
     torch.manual_seed(0)
     param = torch.nn.Parameter(torch.randn(3 * _CHUNK + 123))

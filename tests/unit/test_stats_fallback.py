@@ -15,7 +15,8 @@ from tests.unit.test_stats_many import _adam_reference, _adam_states
 from trainmon.collect import adam, fallback, stats
 from trainmon.collect.adam import _adam_items, _adam_torch
 from trainmon.collect.fallback import partials_torch
-from trainmon.collect.stats import StatsSpec, partial_stats, partial_stats_many
+from trainmon.collect.stats import partial_stats, partial_stats_many
+from trainmon.collect.stats_base import StatsSpec, zero_threshold
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64]
 NAN, INF = float("nan"), float("inf")
@@ -62,7 +63,7 @@ def _reference(tensor: torch.Tensor, eps: float) -> dict[str, float]:
     values = tensor.double().numpy()  # every fp16/bf16/fp32 value is exact in float64
     if values.size == 0:
         return {"norm": 0.0, "sum": 0.0, "nans": 0.0, "infs": 0.0, "numel": 0.0}
-    threshold = stats.zero_threshold(eps, tensor.dtype)  # eps as the tensor's dtype can tell it
+    threshold = zero_threshold(eps, tensor.dtype)  # eps as the tensor's dtype can tell it
     with np.errstate(invalid="ignore", over="ignore"):
         reference = np_stats(values, eps=threshold)
         total = float(np.sum(values))

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from trainmon.base.records import combine_partials
 from trainmon.collect import stats
 from trainmon.collect.optimizer import global_grad_norm
-from trainmon.collect.stats import StatsSpec, combine_partials_torch, partial_stats, partial_stats_many
-from trainmon.records import combine_partials
+from trainmon.collect.stats import combine_partials_torch, partial_stats, partial_stats_many
+from trainmon.collect.stats_base import StatsSpec
 
 SPEC = StatsSpec.from_metrics(["norm", "min", "max", "mean"], eps=1e-8)
 

@@ -20,7 +20,8 @@ from trainmon.collect.adam import (
     adam_partials_many,
 )
 from trainmon.collect.context import StepContext
-from trainmon.collect.stats import StatsSpec, partial_stats, partial_stats_many
+from trainmon.collect.stats import partial_stats, partial_stats_many
+from trainmon.collect.stats_base import StatsSpec
 
 SPEC = StatsSpec.from_metrics(METRICS, eps=1e-8)
 PATHS = ["numpy", "fused", "torch"]

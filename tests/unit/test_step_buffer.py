@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from trainmon.base.records import RowKey
 from trainmon.collect.buffer import StepBuffer
-from trainmon.records import RowKey
 
 
 def _buffer() -> tuple[StepBuffer, list[RowKey], np.ndarray]:

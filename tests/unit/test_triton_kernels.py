@@ -140,7 +140,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
                 kernels.append((ta._adam_span_partials, adam, {
                     "M_DTYPE": dtype, "V_DTYPE": tl.float32, "P_DTYPE": dtype, "RATIO": flag, "STATES": states,
                     "BLOCK": ta.ADAM_BLOCK // (2 if states else 1), "ITERS": 32, "ALIGNED": flag, "ZEROS": not flag}))
-    kernels.append((tk._combine_spans, combine, {"STRIDE": 8, "NORM": True, "SUM": True, "ZEROS": True, "NANS": True,
+    kernels.append((tk.combine_spans, combine, {"STRIDE": 8, "NORM": True, "SUM": True, "ZEROS": True, "NANS": True,
                                                  "INFS": True, "ROWS": 128}))
     for arch in (80, 90):
         for fn, signature, constexprs in kernels:

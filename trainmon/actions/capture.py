@@ -10,29 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.actions.naming import safe_file_name
+from trainmon.base.safe_io import safe_file_name
 
 if TYPE_CHECKING:
     from trainmon.actions.frameworks import Framework
 
 logger = logging.getLogger("trainmon")
-
-
-def tensor_statistics(tensor: torch.Tensor) -> torch.Tensor | None:
-    """``[Max, Min, Mean, Norm]`` of a tensor on its device (no host sync); None when empty.
-
-    Low-precision and integer tensors are measured in float32, float64 tensors in float64.
-    """
-    x = tensor.detach()
-    if x.numel() == 0:
-        return None
-    if x.is_complex():
-        x = torch.view_as_real(x)
-    if not x.is_floating_point():
-        x = x.to(torch.float32)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    lo, hi = torch.aminmax(x)
-    return torch.stack([hi.to(acc), lo.to(acc), x.mean(dtype=acc), torch.linalg.vector_norm(x, dtype=acc)])
 
 
 class Capture:
@@ -104,18 +87,3 @@ class Capture:
         else:
             self.hashes.append((desc, host))
         return desc
-
-
-def to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
-    """Copy ``[4]`` statistics tensors to the host with one transfer per device."""
-    out: list[list[float]] = [[] for _ in tensors]
-    by_device: dict[torch.device, list[int]] = {}
-    for i, tensor in enumerate(tensors):
-        by_device.setdefault(tensor.device, []).append(i)
-    for device, indices in by_device.items():
-        dtype = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
-        stacked = torch.stack([tensors[i].to(dtype) for i in indices])
-        values = stacked.cpu().tolist()  # sync: the one statistics transfer of a dump step
-        for i, row in zip(indices, values):
-            out[i] = row
-    return out

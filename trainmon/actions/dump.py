@@ -33,14 +33,13 @@ from typing import TYPE_CHECKING, Any
 from trainmon.actions.capture import Capture
 from trainmon.actions.dump_hooks import DumpHooks
 from trainmon.actions.dump_writer import write_dump
-from trainmon.actions.framework_choice import framework_for
-from trainmon.actions.frameworks import megatron_layout
+from trainmon.actions.frameworks import Framework, TorchFramework, megatron_layout
 from trainmon.actions.localise import Localisation, NonfiniteLocaliser
 from trainmon.actions.modules import Key, ModuleTable
 from trainmon.actions.naming import describe_event, is_nonfinite_event, names_activation
 from trainmon.actions.requests import StepRequests
-from trainmon.safe_io import make_dirs, open_output
-from trainmon.sinks.base import OutputThread
+from trainmon.base.safe_io import make_dirs, open_output
+from trainmon.base.threads import OutputThread
 
 if TYPE_CHECKING:
     from trainmon.config import DumpConfig
@@ -62,17 +61,18 @@ class TargetedDump:
             MindSpore cell.
         rank_dir: ``{output_dir}/{run_name}/rank{R}``; dumps go to ``rank_dir/dump/step{S}``.
         config: the ``dump`` section.
+        framework: the model's adapter (:func:`trainmon.integrations.actions_framework`; default: plain torch).
 
     Example:
         >>> dump = TargetedDump(model, Path("out/run/rank0"), DumpConfig(enabled=True))  # doctest: +SKIP
         >>> dump.request(["layers.2"], steps=[6])  # doctest: +SKIP
     """
 
-    def __init__(self, model: Any, rank_dir: Path, config: DumpConfig) -> None:
+    def __init__(self, model: Any, rank_dir: Path, config: DumpConfig, *, framework: Framework | None = None) -> None:
         self.model = model
         self.rank_dir = Path(rank_dir)
         self.config = config
-        self.framework = framework_for(model)
+        self.framework: Framework = framework if framework is not None else TorchFramework()
         self.table = ModuleTable(model, self.framework)
         self.parents = self.table.parents[0]
         self.layout = megatron_layout() if getattr(self.framework, "megatron", False) else None

@@ -13,9 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainmon.actions.naming import is_within
-from trainmon.rundir import write_json
-from trainmon.safe_io import make_dirs, open_output
+from trainmon.base.safe_io import is_within, make_dirs, open_output, write_json
 
 if TYPE_CHECKING:
     from trainmon.actions.capture import Capture

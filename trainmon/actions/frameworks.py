@@ -1,11 +1,12 @@
 """What the anomaly actions need from a framework: tensor descriptions and statistics, module hooks.
 
 The dump, the free benchmark and the non-finite localiser are written once against
-:class:`Framework`; :class:`TorchFramework` serves plain torch, DDP, DeepSpeed and Megatron-Core
-models, ``trainmon.integrations.fsdp_actions.FSDPFramework`` (a subclass) FSDP2 models, and
-``trainmon.integrations.mindspore.actions.MindSporeFramework`` MindSpore cells.
-:func:`trainmon.actions.framework_choice.framework_for` picks one from the model, importing MindSpore only
-for a MindSpore cell.
+:class:`Framework`; :class:`TorchFramework` serves plain torch, DDP and DeepSpeed models; the
+integrations subclass or implement it for their framework (``trainmon.integrations.megatron_actions.MegatronFramework``
+for Megatron-Core chunks, ``trainmon.integrations.fsdp_actions.FSDPFramework`` for FSDP2 models,
+``trainmon.integrations.mindspore.actions.MindSporeFramework`` for MindSpore cells), and
+:func:`trainmon.integrations.actions_framework` picks one from the model. The actions never import an integration:
+the adapter is handed to them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
     from trainmon.actions.perturb import RerunOps
-    from trainmon.protocols import MegatronParameter
 
 Hook = Callable[..., Any]
 ForwardPreHook = Callable[[Any, tuple[Any, ...], dict[str, Any]], None]
@@ -58,6 +58,9 @@ class Framework(Protocol):
     def named_modules(self, root: Any) -> Iterable[tuple[str, Any]]: ...
     def children(self, module: Any) -> Iterable[tuple[str, Any]]: ...
     def own_parameters(self, module: Any) -> list[tuple[str, Any]]: ...
+    def unwrap(self, chunk: Any) -> Any:
+        """The model inside the framework's wrappers of a model chunk (the chunk itself when unwrapped)."""
+        ...
     def class_name(self, module: Any) -> str:
         """The module's class in dump keys (``Module.{name}.{Class}``), as the user's code names it."""
         ...
@@ -92,8 +95,8 @@ class TorchFramework:
 
     Args:
         megatron: the model is Megatron-Core: a forward inside ``tensor_parallel.checkpoint`` with
-            grad enabled is a recompute re-run, and a parameter's gradient is ``main_grad`` plus the
-            micro-step's ``grad`` (what it has accumulated before the data-parallel reduction).
+            grad enabled is a recompute re-run (``MegatronFramework`` in the Megatron integration sets it,
+            and reads a parameter's gradient before the data-parallel reduction).
     """
 
     name = "pytorch"
@@ -125,6 +128,13 @@ class TorchFramework:
     def class_name(self, module: torch.nn.Module) -> str:
         return type(module).__name__
 
+    def unwrap(self, chunk: torch.nn.Module) -> torch.nn.Module:
+        return chunk
+
+    def accumulated_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the parameter has accumulated on this rank so far (read in its accumulation hook)."""
+        return param.grad
+
     def forward_pre_hook(self, module: torch.nn.Module, hook: Hook) -> Any:
         return module.register_forward_pre_hook(self.wrap(hook), with_kwargs=True)
 
@@ -143,10 +153,8 @@ class TorchFramework:
 
     def param_grad_hook(self, param: torch.nn.Parameter, hook: Hook) -> Any:
         """``hook(gradient)`` once the parameter's gradient is accumulated (each backward)."""
-        megatron = self.megatron
-
         def on_accumulated(tensor: torch.Tensor) -> None:
-            grad = _accumulated_grad(tensor) if megatron else tensor.grad
+            grad = self.accumulated_grad(tensor)
             if grad is not None:
                 hook(grad)
 
@@ -178,8 +186,6 @@ class TorchFramework:
         return None
 
     def statistics(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        from trainmon.actions.capture import tensor_statistics
-
         return tensor_statistics(tensor)
 
     def extremes(self, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -206,8 +212,6 @@ class TorchFramework:
         return out
 
     def to_host(self, stats: list[torch.Tensor]) -> list[list[float]]:
-        from trainmon.actions.capture import to_host
-
         return to_host(stats)
 
     def nbytes(self, tensor: torch.Tensor) -> int:
@@ -230,13 +234,6 @@ class TorchFramework:
         return TorchRerunOps(megatron=self.megatron)
 
 
-def _accumulated_grad(param: MegatronParameter) -> torch.Tensor | None:
-    """Megatron: the gradient accumulated so far on this rank, before the data-parallel reduction."""
-    from trainmon.integrations.megatron_collect import _unreduced_grad
-
-    return _unreduced_grad(param)
-
-
 def megatron_layout() -> dict[str, int] | None:
     """``{tp_rank, tp_size, pp_rank, pp_size}`` from Megatron's ``parallel_state`` when it is initialised."""
     state = sys.modules.get("megatron.core.parallel_state")
@@ -250,3 +247,35 @@ def megatron_layout() -> dict[str, int] | None:
 def _unwrapped(hook: Hook) -> Hook:
     """The default :attr:`Framework.wrap`: the hook as it is."""
     return hook
+
+
+def tensor_statistics(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``[Max, Min, Mean, Norm]`` of a tensor on its device (no host sync); None when empty.
+
+    Low-precision and integer tensors are measured in float32, float64 tensors in float64.
+    """
+    x = tensor.detach()
+    if x.numel() == 0:
+        return None
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if not x.is_floating_point():
+        x = x.to(torch.float32)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    lo, hi = torch.aminmax(x)
+    return torch.stack([hi.to(acc), lo.to(acc), x.mean(dtype=acc), torch.linalg.vector_norm(x, dtype=acc)])
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """Copy ``[4]`` statistics tensors to the host with one transfer per device."""
+    out: list[list[float]] = [[] for _ in tensors]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        by_device.setdefault(tensor.device, []).append(i)
+    for device, indices in by_device.items():
+        dtype = torch.float64 if device.type in ("cpu", "cuda") else torch.float32
+        stacked = torch.stack([tensors[i].to(dtype) for i in indices])
+        values = stacked.cpu().tolist()  # sync: the one statistics transfer of a dump step
+        for i, row in zip(indices, values):
+            out[i] = row
+    return out

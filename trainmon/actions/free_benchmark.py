@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from trainmon.actions.framework_choice import framework_for
+from trainmon.actions.frameworks import Framework, TorchFramework
 from trainmon.actions.modules import Key, ModuleTable
 from trainmon.actions.perturb import CollectiveInRerun, converts_precision
 from trainmon.actions.requests import StepRequests
+from trainmon.base.threads import OutputThread
 from trainmon.collect.hooks import HookRegistry
-from trainmon.sinks.base import OutputThread
 from trainmon.sinks.csv import open_csv_table
 
 if TYPE_CHECKING:
@@ -84,20 +84,22 @@ class FreeBenchmark:
         rank_dir: ``{output_dir}/{run_name}/rank{R}``.
         config: the ``free_benchmark`` section.
         rank: written in the CSV's ``rank`` column.
+        framework: the model's adapter (:func:`trainmon.integrations.actions_framework`; default: plain torch).
 
     Raises:
         TargetError: a ``targets`` pattern matches no module.
         ValueError: ``handler: fix`` with a mode other than improve_precision or to_cpu.
     """
 
-    def __init__(self, model: Any, rank_dir: Path, config: FreeBenchmarkConfig, *, rank: int = 0) -> None:
+    def __init__(self, model: Any, rank_dir: Path, config: FreeBenchmarkConfig, *, rank: int = 0,
+                 framework: Framework | None = None) -> None:
         if config.handler == "fix" and not converts_precision(config.pert_mode):
             raise ValueError("free_benchmark.handler: fix needs pert_mode improve_precision or to_cpu, "
                              f"got {config.pert_mode!r}")
         self.config = config
         self.rank = rank
         self.csv_path = Path(rank_dir) / "free_benchmark.csv"
-        self.framework = framework_for(model)
+        self.framework: Framework = framework if framework is not None else TorchFramework()
         self.ops = self.framework.rerun_ops()
         self.table = ModuleTable(model, self.framework)
         self.parents = self.table.parents[0]

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from trainmon.base.records import ACTIVATION_KINDS
 from trainmon.collect.activations import named_tensors
 from trainmon.collect.hooks import HookRegistry
-from trainmon.records import ACTIVATION_KINDS
 
 if TYPE_CHECKING:
     from trainmon.actions.modules import Key, ModuleTable

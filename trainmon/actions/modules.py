@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainmon.actions.naming import implicated_module, neighbourhood
-from trainmon.targets import plain_name, select
+from trainmon.base.targets import plain_name, select
 
 if TYPE_CHECKING:
     from trainmon.actions.frameworks import Framework
@@ -32,18 +32,10 @@ class Entry:
     class_name: str
 
 
-def chunks_of(model: Any) -> list[Any]:
-    """The roots of ``model``: each Megatron chunk unwrapped, or the model itself."""
+def chunks_of(model: Any, framework: Framework) -> list[Any]:
+    """The roots of ``model``: each chunk (a Megatron chunk, say) unwrapped by the framework's adapter."""
     items = list(model) if isinstance(model, (list, tuple)) else [model]
-    return [_unwrap(item) for item in items]
-
-
-def _unwrap(module: Any) -> Any:
-    if any(cls.__module__.split(".")[0] == "megatron" for cls in type(module).__mro__):
-        from trainmon.integrations.megatron import unwrap
-
-        return unwrap(module)
-    return module
+    return [framework.unwrap(item) for item in items]
 
 
 class ModuleTable:
@@ -61,7 +53,7 @@ class ModuleTable:
 
     def __init__(self, model: Any, framework: Framework) -> None:
         self.framework = framework
-        self.roots = chunks_of(model)
+        self.roots = chunks_of(model, framework)
         self.entries: dict[Key, Entry] = {}
         self.parents: list[dict[str, str | None]] = []
         for chunk, root in enumerate(self.roots):

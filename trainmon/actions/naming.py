@@ -5,21 +5,14 @@ Framework-free (no torch import): the module tree is passed in as ``name -> pare
 
 from __future__ import annotations
 
-import hashlib
 import math
-import re
 from collections.abc import Collection, Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
-from trainmon.records import ACTIVATION_KINDS, split_activation_row, split_module_call
+from trainmon.base.records import ACTIVATION_KINDS, split_activation_row, split_module_call
 
 _NO_MODULE: frozenset[str] = frozenset({"scalars", "comm"})
 """Families whose rows name no module (the loss and other scalars, collectives)."""
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
-_DOTS = re.compile(r"\.{2,}")
-MAX_FILE_NAME = 200
-"""Longest file name written (most file systems allow 255 bytes)."""
 
 
 def module_parents(model: Any) -> dict[str, str | None]:
@@ -151,30 +144,3 @@ def describe_event(event: Any) -> str:
 
     return describe(str(getattr(event, "family", "")), str(getattr(event, "name", "")),
                     str(getattr(event, "phase", "")))
-
-
-def safe_file_name(name: str, suffix: str = "") -> str:
-    """A file name built from ``name`` that can only ever name a file in its own directory.
-
-    Characters outside ``[A-Za-z0-9_.-]`` (``/``, ``\\``, ``:``, NUL, spaces, ...) become ``_``,
-    runs of dots become ``_``, a leading dot is dropped, and the result is cut to
-    :data:`MAX_FILE_NAME` characters. When anything was changed, a short hash of the original
-    name is appended so two different names never share a file.
-
-    Example:
-        >>> safe_file_name("Module.layers.0.Linear.forward.0.input.0", ".pt")
-        'Module.layers.0.Linear.forward.0.input.0.pt'
-        >>> safe_file_name("../../etc/passwd").startswith("_")
-        True
-    """
-    cleaned = _DOTS.sub("_", _UNSAFE.sub("_", name)).lstrip(".") or "_"
-    limit = MAX_FILE_NAME - len(suffix)
-    if cleaned != name or len(cleaned) > limit:
-        digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:10]
-        cleaned = f"{cleaned[:limit - 11]}-{digest}"
-    return cleaned + suffix
-
-
-def is_within(base: Path, path: Path) -> bool:
-    """Whether ``path`` resolves to a location inside ``base`` (symlinks followed)."""
-    return path.resolve().is_relative_to(base.resolve())

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 
 PERT_MODES: tuple[str, ...] = ("improve_precision", "add_noise", "bit_noise", "change_value", "no_change", "to_cpu")
 LOW_PRECISION: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainmon.anomaly.detectors import build_detectors
 from trainmon.anomaly.events import AnomalyEvent, utc_now
@@ -14,13 +14,26 @@ from trainmon.anomaly.responses import JsonlAction, LogAction, logger
 from trainmon.errors import AnomalyError
 
 if TYPE_CHECKING:
-    from trainmon.config import AnomalyConfig
-    from trainmon.records import StepRecord
+    from trainmon.base.records import StepRecord
 
 AnomalyCallback = Callable[[AnomalyEvent], object]
 """A user callback: receives each event of a step, first origin first."""
 StepAction = Callable[[list[AnomalyEvent]], object]
 """A hand-off action (dump, free benchmark): receives the step's events, first origin first."""
+
+
+
+class AnomalySettings(Protocol):
+    """What the engine reads of its config section (:class:`trainmon.config.AnomalyConfig`, a room above
+    this one: the config imports the detectors' specs, never the reverse)."""
+
+    @property
+    def detectors(self) -> Sequence[Mapping[str, Any]]: ...
+    @property
+    def actions(self) -> Sequence[str]: ...
+    @property
+    def log_limit(self) -> int: ...
+
 
 HANDOFF_ACTIONS: tuple[str, ...] = ("dump", "free_benchmark")
 _STATE_VERSION = 1
@@ -44,13 +57,13 @@ class AnomalyEngine:
 
     Example:
         >>> from trainmon.config import AnomalyConfig
-        >>> from trainmon.records import StepRecord
+        >>> from trainmon.base.records import StepRecord
         >>> engine = AnomalyEngine(AnomalyConfig(actions=[]), rank=0, rank_dir=None)
         >>> [e.name for e in engine.process(StepRecord(step=3, rank=0, scalars={"loss": float("nan")}))]
         ['loss']
     """
 
-    def __init__(self, config: AnomalyConfig, rank: int, rank_dir: Path | None) -> None:
+    def __init__(self, config: AnomalySettings, rank: int, rank_dir: Path | None) -> None:
         self.config = config
         self.rank = rank
         self.detectors = build_detectors(config.detectors, "anomaly.detectors")

@@ -4,7 +4,7 @@ The steps to keep (:class:`StepRanges`, :func:`parse_steps`), the checked line r
 validating slow path per line), and the merge: events ordered earliest first with the DESIGN.md rule (see
 :mod:`trainmon.anomaly.ordering`). Only the top ``K`` events, the earliest event of every step and counts are
 kept in memory, so a 1,024-rank run with 1,000 events per rank is merged in seconds. Corrupt lines are
-reported with their file and line number and skipped. ``trainmon analyse`` (:mod:`trainmon.anomaly.analyse`)
+reported with their file and line number and skipped. ``trainmon analyse`` (:mod:`trainmon.tools.analyse`)
 prints and writes the result; ``trainmon report`` draws it.
 """
 
@@ -24,8 +24,8 @@ import numpy.typing as npt
 
 from trainmon.anomaly.events import decode_float
 from trainmon.anomaly.ordering import PHASE_RANK, sort_key_fields
-from trainmon.inputs import INT64_MAX, read_regular
-from trainmon.progress import Bar
+from trainmon.base.inputs import INT64_MAX, read_regular
+from trainmon.base.progress import Bar
 
 _INT_FIELDS = ("step", "micro_step", "rank", "order", "pp_stage", "vpp_stage")
 _STR_FIELDS = ("phase", "family", "name", "metric", "detector", "message")

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from trainmon.anomaly.events import AnomalyEvent
-from trainmon.records import split_activation_row
+from trainmon.base.records import split_activation_row
 
 PHASE_RANK: dict[str, int] = {"forward": 0, "loss": 1, "backward": 2, "communication": 3, "optimizer": 4}
 """Position of each phase within a micro-step."""

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import IO
 
 from trainmon.anomaly.events import AnomalyEvent
-from trainmon.safe_io import open_output
-from trainmon.sinks.base import CLOSE_TIMEOUT, OutputThread
+from trainmon.base.safe_io import open_output
+from trainmon.base.threads import CLOSE_TIMEOUT, OutputThread
 
 logger = logging.getLogger("trainmon")
 

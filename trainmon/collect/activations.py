@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainmon.base.records import activation_row, module_call
 from trainmon.collect.context import backward_pass, in_backward
 from trainmon.collect.hooks import (
     BackwardHook,
@@ -18,7 +19,6 @@ from trainmon.collect.hooks import (
     QuietOutputOnlyBackward,
     TensorHook,
 )
-from trainmon.records import activation_row, module_call
 
 logger = logging.getLogger("trainmon")
 
@@ -109,7 +109,7 @@ class ActivationCollector(HookedCollector):
 
     Rows are named by :func:`named_tensors` (gradients after their forward tensors) and by the call:
     the k-th call (k >= 1) of a module in one micro-step writes under ``{module}.call{k}``
-    (:func:`trainmon.records.module_call`). Integer and bool tensors are not activations and tensors
+    (:func:`trainmon.base.records.module_call`). Integer and bool tensors are not activations and tensors
     with no element get no row. A forward run again inside a backward pass (activation checkpointing)
     writes no forward rows; its calls are numbered per backward pass.
 

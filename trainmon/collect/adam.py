@@ -8,12 +8,13 @@ from typing import Any, TypeAlias, TypeGuard
 import numpy as np
 import torch
 
+from trainmon.base.records import PARTIAL_SLOTS
 from trainmon.collect import kernels
 from trainmon.collect.fallback import bounded_batches
 from trainmon.collect.kernels import ratio_into as _ratio_into
 from trainmon.collect.kernels import update_into as _update_into
-from trainmon.collect.stats import StatsSpec, combine_partials_torch, fused_kernel, numpy_viewable, partials_torch
-from trainmon.records import PARTIAL_SLOTS
+from trainmon.collect.stats import combine_partials_torch, fused_kernel, numpy_viewable, partials_torch
+from trainmon.collect.stats_base import StatsSpec
 
 AdamEntry: TypeAlias = "tuple[torch.Tensor, dict[str, Any], dict[str, Any]]"
 """``(param, state, param_group)`` of one parameter: its optimizer state and its group's settings."""

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from trainmon.records import PARTIAL_SLOTS, RowKey
+from trainmon.base.records import PARTIAL_SLOTS, RowKey
 
 DeviceHook = Callable[[list[torch.Tensor]], None]
 """Runs on the device tensors just before the transfer (e.g. one cross-rank collective)."""

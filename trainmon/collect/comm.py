@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from trainmon import guard, process_groups
+from trainmon.base import guard, process_groups
+from trainmon.base.records import RowKey
 from trainmon.collect.comm_ops import (
     PLANNERS,
     ArgumentBinder,
@@ -53,13 +54,12 @@ from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector
 from trainmon.collect.stats import combine_partials_torch, partial_stats
 from trainmon.config import COMM_OPS
-from trainmon.records import RowKey
 
 if TYPE_CHECKING:
+    from trainmon.base.types import Optimizer, ProcessGroup
     from trainmon.collect.buffer import Buffer
     from trainmon.collect.context import StepContext
     from trainmon.config import CommunicationConfig
-    from trainmon.protocols import Optimizer, ProcessGroup
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 if TYPE_CHECKING:
-    from trainmon.protocols import ProcessGroup
+    from trainmon.base.types import ProcessGroup
 
 Indexed = list[tuple[int, torch.Tensor]]
 

@@ -10,14 +10,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from trainmon.base.guard import Guard
+from trainmon.base.records import RowKey
 from trainmon.collect.buffer import Buffer, StepBuffer
 from trainmon.collect.grouped import GroupedRows
-from trainmon.collect.stats import StatsSpec, partial_stats, partial_stats_many
-from trainmon.guard import Guard
-from trainmon.records import RowKey
+from trainmon.collect.stats import partial_stats, partial_stats_many
+from trainmon.collect.stats_base import StatsSpec
 
 if TYPE_CHECKING:
-    from trainmon.protocols import GradScaler
+    from trainmon.base.types import GradScaler
 
 logger = logging.getLogger("trainmon")
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -95,15 +96,36 @@ class Collector(Protocol):
 class StepContext:
     """Per-monitor state that hooks read and append to.
 
+    Every field has one owner that writes it (in brackets below); the others only read it. The session
+    (:class:`trainmon.runtime.session.Session`) builds the context and writes the step-level fields, the step
+    model (:class:`trainmon.runtime.lifecycle.StepLifecycle`) the micro-step ones; an integration may set a field
+    at ``attach`` only where its framework owns that fact (named below), never during a step, except for
+    the temporary micro-step labels of a pipeline schedule, restored before the hook returns.
+
     Attributes:
-        specs: ``family -> StatsSpec`` for every enabled family; a family missing here is off.
-        metrics: ``family -> metric names`` in config order (for the host side).
-        buffer: the current step's buffer (replaced at every step end).
-        step: the current optimizer step.
+        specs: ``family -> StatsSpec`` for every enabled family; a family missing here is off. [session: built,
+            replaced on a dynamic reload]
+        metrics: ``family -> metric names`` in config order (for the host side). [session]
+        buffer: the current step's buffer. [:meth:`new_step`, which the session calls at each step end (it
+            also resets ``micro_step``); MindSpore's ``attach`` starts its own]
+        step: the current optimizer step. [session: ``start_step`` and ``+1`` at each step end; DeepSpeed's
+            ``attach``: the engine's ``global_steps`` when resuming]
         micro_step: forward passes of the root module in this step, minus one (0 without accumulation).
-        collecting: whether the current step is collected.
-        grad_acc_steps: micro-steps per step, as given to ``attach``.
-        pp_stage: this rank's pipeline stage.
+            [lifecycle; DeepSpeed's pipeline schedule and Megatron's forward-backward hooks label their
+            micro-batches while one runs]
+        forwards: training root forwards begun so far. [lifecycle]
+        collecting: whether the current step is collected. [session: armed/disarmed at each step boundary,
+            off at close or when the guard stops; lifecycle: suspended in evaluation, restored after]
+        grad_acc_steps: micro-steps per step, as given to ``attach``. [session; DeepSpeed's ``attach``: the
+            engine's ``gradient_accumulation_steps()``]
+        pp_stage: this rank's pipeline stage. [session, from the attachment]
+        buffer_factory, stats_fn: [MindSpore's ``attach``: its own buffer and statistics; else the defaults]
+        backward_end, backward_failed, micro_step_dropped: subscribers. [collectors append at ``attach``;
+            the lifecycle runs them]
+        schedule_backward_end: [lifecycle]
+        scaler: [lifecycle: the ``GradScaler`` given to ``attach`` or found by the step hooks]
+        guard: [session: one per attached monitor]
+        grouped: [this class; the activation collector sets its ``limit_bytes``]
     """
 
     specs: dict[str, StatsSpec]
@@ -122,7 +144,7 @@ class StepContext:
     """Partial statistics of one tensor; MindSpore sets its own."""
     backward_end: list[Callable[[], None]] = field(default_factory=list)
     """Run at the end of each backward pass of a collected step, when the gradients are final
-    (after data-parallel reduction): see :class:`trainmon.steps.StepLifecycle`."""
+    (after data-parallel reduction): see :class:`trainmon.runtime.lifecycle.StepLifecycle`."""
     scaler: GradScaler | None = None
     """The torch ``GradScaler`` of the run, when known: gradients read before ``unscale_`` are divided by its scale."""
     backward_failed: list[Callable[[], None]] = field(default_factory=list)
@@ -132,9 +154,9 @@ class StepContext:
     later micro-steps move down by one."""
     schedule_backward_end: Callable[[], None] = lambda: None
     """Called from inside a backward pass: makes sure :attr:`backward_end` runs when the pass ends
-    (set by :class:`trainmon.steps.StepLifecycle`; idempotent within one pass)."""
+    (set by :class:`trainmon.runtime.lifecycle.StepLifecycle`; idempotent within one pass)."""
     guard: Guard = field(default_factory=Guard)
-    """Catches trainmon's own exceptions in every hook, per part (:mod:`trainmon.guard`); owned by the session."""
+    """Catches trainmon's own exceptions in every hook, per part (:mod:`trainmon.base.guard`); owned by the session."""
     grouped: GroupedRows = field(init=False)
     """Activation rows measured in groups at flush points (:mod:`trainmon.collect.grouped`; off until a
     collector sets its ``limit_bytes``)."""

@@ -19,19 +19,44 @@ with a warning and measured in its hook from then on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from trainmon.base.records import PARTIAL_SLOTS, RowKey
 from trainmon.collect.buffer import StepBuffer, device_module
 from trainmon.collect.stats import numpy_viewable, partial_stats, partial_stats_many
-from trainmon.records import PARTIAL_SLOTS, RowKey
 
 if TYPE_CHECKING:
-    from trainmon.collect.context import StepContext
+    from trainmon.collect.stats_base import StatsSpec
 
 logger = logging.getLogger("trainmon")
+
+
+class RowContext(Protocol):
+    """What :class:`GroupedRows` uses of :class:`trainmon.collect.context.StepContext`, which owns it (named here
+    so that this module does not import the context that imports it)."""
+
+    @property
+    def specs(self) -> dict[str, StatsSpec]: ...
+    @property
+    def buffer(self) -> Any: ...
+    @property
+    def micro_step(self) -> int: ...
+    @property
+    def stats_fn(self) -> Callable[[Any, StatsSpec], Any]: ...
+
+    def record(self, family: str, name: str, tensor: torch.Tensor, vpp_stage: int = 0,
+               micro_step: int | None = None, scale: torch.Tensor | None = None,
+               order: int | None = None) -> torch.Tensor | None: ...
+
+    def measure(self, family: str, name: str, tensor: torch.Tensor) -> torch.Tensor | None: ...
+
+    def cached(self, tensor: Any, spec: StatsSpec) -> torch.Tensor | None: ...
+
+    def remember(self, tensor: Any, spec: StatsSpec, block: Any, row: int | None) -> None: ...
 
 _GROUPED, _IN_HOOK = True, False
 
@@ -60,7 +85,7 @@ class GroupedRows:
         limit_bytes: the most bytes of tensors kept before a flush; 0 measures every tensor in its hook.
     """
 
-    def __init__(self, ctx: StepContext, limit_bytes: int = 0) -> None:
+    def __init__(self, ctx: RowContext, limit_bytes: int = 0) -> None:
         self.ctx = ctx
         self.limit_bytes = limit_bytes
         self._kept: dict[str, _Kept] = {}

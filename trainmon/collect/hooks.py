@@ -105,7 +105,7 @@ class HookedCollector:
     HOOK_GROUPS: tuple[str, ...] = ()
     """The registry groups of the hooks installed by :meth:`install_hooks` (removed by :meth:`disarm`)."""
     PART: str = "weights"
-    """What this collector is called by the fail-safe guard (:mod:`trainmon.guard`): a failure in one of its
+    """What this collector is called by the fail-safe guard (:mod:`trainmon.base.guard`): a failure in one of its
     hooks switches off every collector of this part for the rest of the run."""
 
     def __init__(self, ctx: StepContext, registry: HookRegistry | None = None) -> None:

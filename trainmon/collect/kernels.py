@@ -26,10 +26,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from trainmon.base.records import PARTIAL_SLOTS, combine_partials
 from trainmon.collect.fallback import partials_torch
 from trainmon.collect.kernel_ops import ADAM_PARTS, adam_partials_op, partials_op
 from trainmon.collect.stats_base import StatsSpec, partial_numpy
-from trainmon.records import PARTIAL_SLOTS, combine_partials
 
 logger = logging.getLogger("trainmon")
 CHUNK = 65536

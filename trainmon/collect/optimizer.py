@@ -8,19 +8,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from trainmon.base.records import RowKey
 from trainmon.collect.adam import (  # re-exported (__all__): integrations and tests import them from here
-    _CHUNK,
     AdamEntry,
-    adam_partials_cpu,
     adam_partials_many,
-    adam_update,
-    update_ratio,
 )
 from trainmon.collect.hooks import HookedCollector, HookRegistry, post_accumulate_grad_hook
 from trainmon.collect.stats_base import foreach_norms, norm_of_norms
+from trainmon.collect.step_hooks import scale_of
 from trainmon.errors import UnsupportedSetupError
-from trainmon.records import RowKey
-from trainmon.step_hooks import scale_of
 
 if TYPE_CHECKING:
     from trainmon.collect.buffer import StepBuffer
@@ -483,6 +479,5 @@ class TorchOptimizerCollector(HookedCollector):
                                 orders=[family_orders[k] for k in rest] if family_orders else None)
 
 
-__all__ = ["_CHUNK", "OptimizerContainerError", "TorchOptimizerCollector", "adam_partials_cpu", "adam_partials_many",
-           "adam_update", "global_grad_norm", "optimizer_parts", "param_groups_of", "state_holder", "states_of",
-           "update_ratio"]
+__all__ = ["OptimizerContainerError", "TorchOptimizerCollector", "global_grad_norm", "optimizer_parts",
+           "param_groups_of", "state_holder", "states_of"]

@@ -1,7 +1,7 @@
 """On-device partial statistics of torch tensors.
 
 A tensor's statistics are an 8-slot float32 vector on the tensor's device,
-``[norm, sum, min, max, zeros, nans, infs, numel]`` (slot indices in :mod:`trainmon.records`),
+``[norm, sum, min, max, zeros, nans, infs, numel]`` (slot indices in :mod:`trainmon.base.records`),
 computed without any host synchronisation and without copying the tensor. Slots that the
 configured metrics do not need hold 0 and cost nothing; ``min``/``max`` are always computed
 (one fused pass) because they double as the exact non-finite flag of the tensor.
@@ -14,15 +14,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from trainmon.base.records import PARTIAL_SLOTS
 from trainmon.collect import fallback
-from trainmon.collect.stats_base import (  # also re-exported
+from trainmon.collect.stats_base import (
     StatsSpec,
     norm_of_norms,
     numel_minus,
     partial_numpy,
     zero_threshold,
 )
-from trainmon.records import PARTIAL_SLOTS
 
 _F32 = torch.float32
 _NUMPY_VIEWABLE = (torch.float32, torch.float64, torch.float16)
@@ -157,6 +157,5 @@ def combine_partials_torch(gathered: torch.Tensor) -> torch.Tensor:
     return out
 
 
-__all__ = ["StatsSpec", "combine_partials_torch", "device_partials", "empty_partial", "fused_enabled", "fused_kernel",
-           "numel_minus", "numpy_viewable", "partial_numpy", "partial_stats", "partial_stats_many", "partials_torch",
-           "zero_threshold"]
+__all__ = ["combine_partials_torch", "device_partials", "empty_partial", "fused_enabled", "fused_kernel",
+           "numpy_viewable", "partial_stats", "partial_stats_many", "partials_torch"]

@@ -71,7 +71,7 @@ def partial_numpy(values: FloatArray, spec: StatsSpec, out: FloatArray) -> Float
     The norm of a contiguous float32/float64 array is a BLAS dot (2x ``vector_norm`` on
     cache-sized arrays); the NaN and Inf counts are only computed when min or max is not finite
     (they are exactly 0 otherwise). Also the building block of chunked statistics
-    (:func:`trainmon.collect.optimizer.adam_partials_cpu`).
+    (:func:`trainmon.collect.adam.adam_partials_cpu`).
     """
     if spec.norm:
         if values.dtype != np.float16 and values.flags.c_contiguous:

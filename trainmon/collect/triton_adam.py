@@ -5,7 +5,7 @@ m / (sqrt(v) + eps) and of the update/param ratio without making either tensor (
 Three launches per group whatever its size: the span kernel reads ``m``, ``v`` (and the parameter, for the
 ratio) once, as :func:`trainmon.collect.triton_kernels._span_partials` reads a tensor (whole spans unmasked,
 NaN/Inf counted only in spans whose sums are not finite, zeros only when asked for); then
-``_combine_spans`` once per half (update, ratio). Its block is 512: two values per element at 1024 would
+``combine_spans`` once per half (update, ratio). Its block is 512: two values per element at 1024 would
 need about 140 registers a thread (56 at 512, sm_90).
 """
 
@@ -15,25 +15,25 @@ import torch
 import triton
 import triton.language as tl
 
+from trainmon.base.records import PARTIAL_SLOTS
 from trainmon.collect.kernel_ops import ADAM_PARTS, adam_partials_op
 from trainmon.collect.stats_base import zero_threshold
 from trainmon.collect.triton_kernels import (
-    _ROWS,
     DTYPES,
+    SPAN_ROWS,
     WARPS,
-    _add,
-    _add_masked,
-    _aligned,
-    _combine_spans,
-    _flag_kwargs,
-    _fresh,
-    _non_finite,
-    _spans,
-    _store_sums,
-    _table,
+    add_masked,
+    add_to,
+    aligned_addresses,
+    combine_spans,
+    flag_kwargs,
+    fresh_block,
+    non_finite,
     on_device,
+    span_table,
+    split_spans,
+    store_sums,
 )
-from trainmon.records import PARTIAL_SLOTS
 
 ADAM_BLOCK = 512
 
@@ -85,44 +85,44 @@ def _adam_span_partials(table, coefficients, n_tensors, n_spans, spans, threshol
         p_base = tl.multiple_of(p_base, 16)
     scale = tl.load(coefficients + 2 * t).to(tl.float32)
     eps = tl.load(coefficients + 2 * t + 1).to(tl.float32)
-    sq, sm, lo, hi, zeros = _fresh(BLOCK)
-    r_sq, r_sm, r_lo, r_hi, r_zeros = _fresh(BLOCK)
-    m_sq, m_sm, m_lo, m_hi, m_zeros = _fresh(BLOCK)
-    v_sq, v_sm, v_lo, v_hi, v_zeros = _fresh(BLOCK)
+    sq, sm, lo, hi, zeros = fresh_block(BLOCK)
+    r_sq, r_sm, r_lo, r_hi, r_zeros = fresh_block(BLOCK)
+    m_sq, m_sm, m_lo, m_hi, m_zeros = fresh_block(BLOCK)
+    v_sq, v_sm, v_lo, v_hi, v_zeros = fresh_block(BLOCK)
     if start + ITERS * BLOCK <= n:  # a whole span: no mask
         for i in range(ITERS):
             offsets = start + i * BLOCK + tl.arange(0, BLOCK)
             m, v, update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, False, n)
-            sq, sm, lo, hi, zeros = _add(update, sq, sm, lo, hi, zeros, threshold, ZEROS)
+            sq, sm, lo, hi, zeros = add_to(update, sq, sm, lo, hi, zeros, threshold, ZEROS)
             if RATIO:
-                r_sq, r_sm, r_lo, r_hi, r_zeros = _add(ratio, r_sq, r_sm, r_lo, r_hi, r_zeros, threshold, ZEROS)
+                r_sq, r_sm, r_lo, r_hi, r_zeros = add_to(ratio, r_sq, r_sm, r_lo, r_hi, r_zeros, threshold, ZEROS)
             if STATES:
-                m_sq, m_sm, m_lo, m_hi, m_zeros = _add(m, m_sq, m_sm, m_lo, m_hi, m_zeros, state_threshold, ZEROS)
-                v_sq, v_sm, v_lo, v_hi, v_zeros = _add(v, v_sq, v_sm, v_lo, v_hi, v_zeros, state_threshold, ZEROS)
+                m_sq, m_sm, m_lo, m_hi, m_zeros = add_to(m, m_sq, m_sm, m_lo, m_hi, m_zeros, state_threshold, ZEROS)
+                v_sq, v_sm, v_lo, v_hi, v_zeros = add_to(v, v_sq, v_sm, v_lo, v_hi, v_zeros, state_threshold, ZEROS)
     else:
         for i in range(ITERS):
             offsets = start + i * BLOCK + tl.arange(0, BLOCK)
             mask = offsets < n
             m, v, update, ratio = _adam_values(m_base, v_base, p_base, offsets, scale, eps, RATIO, True, n)
-            sq, sm, lo, hi, zeros = _add_masked(update, mask, sq, sm, lo, hi, zeros, threshold, ZEROS)
+            sq, sm, lo, hi, zeros = add_masked(update, mask, sq, sm, lo, hi, zeros, threshold, ZEROS)
             if RATIO:
-                r_sq, r_sm, r_lo, r_hi, r_zeros = _add_masked(ratio, mask, r_sq, r_sm, r_lo, r_hi, r_zeros, threshold,
+                r_sq, r_sm, r_lo, r_hi, r_zeros = add_masked(ratio, mask, r_sq, r_sm, r_lo, r_hi, r_zeros, threshold,
                                                               ZEROS)
             if STATES:
-                m_sq, m_sm, m_lo, m_hi, m_zeros = _add_masked(m, mask, m_sq, m_sm, m_lo, m_hi, m_zeros,
+                m_sq, m_sm, m_lo, m_hi, m_zeros = add_masked(m, mask, m_sq, m_sm, m_lo, m_hi, m_zeros,
                                                               state_threshold, ZEROS)
-                v_sq, v_sm, v_lo, v_hi, v_zeros = _add_masked(v, mask, v_sq, v_sm, v_lo, v_hi, v_zeros,
+                v_sq, v_sm, v_lo, v_hi, v_zeros = add_masked(v, mask, v_sq, v_sm, v_lo, v_hi, v_zeros,
                                                               state_threshold, ZEROS)
     row = spans + pid * 32
     total_sq, total = tl.sum(sq, 0), tl.sum(sm, 0)
     r_total_sq, r_total = tl.sum(r_sq, 0), tl.sum(r_sm, 0)
     m_total_sq, m_total = tl.sum(m_sq, 0), tl.sum(m_sm, 0)
     v_total_sq, v_total = tl.sum(v_sq, 0), tl.sum(v_sm, 0)
-    _store_sums(row, total_sq, total, lo, hi, zeros)
+    store_sums(row, total_sq, total, lo, hi, zeros)
     counts = tl.zeros([8], tl.float32)  # NaN and Inf counts: update, ratio, m, v
     # a NaN or an Inf in a span of m or v makes the update's sums non-finite too (unless m is 0 where v is Inf)
-    if _non_finite(total_sq, total) | _non_finite(r_total_sq, r_total) | _non_finite(m_total_sq, m_total) \
-            | _non_finite(v_total_sq, v_total):  # count them, reading the span again
+    if non_finite(total_sq, total) | non_finite(r_total_sq, r_total) | non_finite(m_total_sq, m_total) \
+            | non_finite(v_total_sq, v_total):  # count them, reading the span again
         lanes = tl.arange(0, 8)
         for i in range(ITERS):
             offsets = start + i * BLOCK + tl.arange(0, BLOCK)
@@ -138,10 +138,10 @@ def _adam_span_partials(table, coefficients, n_tensors, n_spans, spans, threshol
     slots = tl.arange(0, 8)
     tl.store(row + 5 + (slots // 2) * 8 + slots % 2, counts)  # slots 5 and 6 of each part
     if RATIO:
-        _store_sums(row + 8, r_total_sq, r_total, r_lo, r_hi, r_zeros)
+        store_sums(row + 8, r_total_sq, r_total, r_lo, r_hi, r_zeros)
     if STATES:
-        _store_sums(row + 16, m_total_sq, m_total, m_lo, m_hi, m_zeros)
-        _store_sums(row + 24, v_total_sq, v_total, v_lo, v_hi, v_zeros)
+        store_sums(row + 16, m_total_sq, m_total, m_lo, m_hi, m_zeros)
+        store_sums(row + 24, v_total_sq, v_total, v_lo, v_hi, v_zeros)
 
 
 def adam_triton(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
@@ -152,11 +152,11 @@ def adam_triton(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], par
     device = exp_avg[0].device
     ratio, states = bool(ratio_flags), bool(state_flags)
     numels = [t.numel() for t in exp_avg]
-    per, owner, start, first = _spans(numels)
+    per, owner, start, first = split_spans(numels)
     n, spans = len(exp_avg), len(owner)
     p_list = params if ratio else exp_avg
     columns = [[t.data_ptr() for t in group] for group in (exp_avg, exp_avg_sq, p_list)]
-    table = _table([*columns, numels, owner, start, first], device)
+    table = span_table([*columns, numels, owner, start, first], device)
     partial = torch.zeros(spans * 32, dtype=torch.float32, device=device)
     threshold = zero_threshold(eps, torch.float32)
     state_threshold = zero_threshold(eps, exp_avg[0].dtype)  # exp_avg_sq is of the same dtype (adam.py)
@@ -168,12 +168,12 @@ def adam_triton(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], par
         _adam_span_partials[(spans,)](table, coefficients, n, spans, partial, threshold, state_threshold,
                                       M_DTYPE=DTYPES[exp_avg[0].dtype], V_DTYPE=DTYPES[exp_avg_sq[0].dtype],
                                       P_DTYPE=DTYPES[p_list[0].dtype], RATIO=ratio, STATES=states, BLOCK=block,
-                                      ITERS=per // block, ALIGNED=all(_aligned(column) for column in columns),
+                                      ITERS=per // block, ALIGNED=all(aligned_addresses(column) for column in columns),
                                       ZEROS=zeros, num_warps=WARPS)
         for part, flags in enumerate((update_flags, ratio_flags, state_flags, state_flags)):
             if flags:
-                _combine_spans[(n,)](first_spans, numel_column, partial[8 * part:], out[PARTIAL_SLOTS * n * part:],
-                                     STRIDE=32, ROWS=_ROWS, **_flag_kwargs(flags))
+                combine_spans[(n,)](first_spans, numel_column, partial[8 * part:], out[PARTIAL_SLOTS * n * part:],
+                                     STRIDE=32, ROWS=SPAN_ROWS, **flag_kwargs(flags))
     return out
 
 

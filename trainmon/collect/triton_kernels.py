@@ -18,7 +18,7 @@ Triton 3.6's output).
 Tested on a real GPU against float64 references by tests/gpu/test_cuda.py (``bash
 scripts/gpu_check.sh``). Without one, Triton's interpreter runs these launchers and kernels on CPU
 tensors: tests/unit/test_triton_kernels.py against float64 numpy (NaN, Inf, zeros, unaligned views,
-more spans than ``_ROWS``), and scripts/test.sh's Triton lane under the monitored loops; the unit test
+more spans than ``SPAN_ROWS``), and scripts/test.sh's Triton lane under the monitored loops; the unit test
 also compiles every kernel for sm_80 and sm_90.
 """
 
@@ -36,15 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
+from trainmon.base.records import PARTIAL_SLOTS
 from trainmon.collect.kernel_ops import partials_op
 from trainmon.collect.stats_base import zero_threshold
-from trainmon.records import PARTIAL_SLOTS
 
 logger = logging.getLogger("trainmon")
 DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 BLOCK = 1024
 WARPS = 4
-_ROWS = 128
+SPAN_ROWS = 128
 _LIST_SPANS = 256
 _Column: TypeAlias = "list[int] | npt.NDArray[np.int64]"  # a span table: a list when short
 
@@ -66,20 +66,20 @@ def _small(x, threshold):
 
 
 @triton.jit
-def _non_finite(total_sq, total):
+def non_finite(total_sq, total):
     """A NaN or Inf among the values that gave these sums (or a square past float32's range)."""
     return (total_sq != total_sq) | (total_sq == float("inf")) | (total != total) | (tl.abs(total) == float("inf"))
 
 
 @triton.jit
-def _fresh(BLOCK: tl.constexpr):
+def fresh_block(BLOCK: tl.constexpr):
     """Empty running accumulators of one block's lanes: sum of squares, sum, min, max, zeros."""
     return (tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32), tl.full([BLOCK], float("inf"), tl.float32),
             tl.full([BLOCK], -float("inf"), tl.float32), tl.zeros([BLOCK], tl.float32))
 
 
 @triton.jit
-def _add(x, sq, sm, lo, hi, zeros, threshold, ZEROS: tl.constexpr):
+def add_to(x, sq, sm, lo, hi, zeros, threshold, ZEROS: tl.constexpr):
     """Accumulate a whole block: square-add, add, min, max (and the zero test when ``ZEROS``)."""
     sq += x * x
     sm += x
@@ -91,7 +91,7 @@ def _add(x, sq, sm, lo, hi, zeros, threshold, ZEROS: tl.constexpr):
 
 
 @triton.jit
-def _add_masked(x, mask, sq, sm, lo, hi, zeros, threshold, ZEROS: tl.constexpr):
+def add_masked(x, mask, sq, sm, lo, hi, zeros, threshold, ZEROS: tl.constexpr):
     """Accumulate a block whose masked lanes hold 0 (neutral for the sums; kept out of min, max and zeros)."""
     sq += x * x
     sm += x
@@ -103,7 +103,7 @@ def _add_masked(x, mask, sq, sm, lo, hi, zeros, threshold, ZEROS: tl.constexpr):
 
 
 @triton.jit
-def _store_sums(row, total_sq, total, lo, hi, zeros):
+def store_sums(row, total_sq, total, lo, hi, zeros):
     """Slots 0-4 of a span's row: norm (the square root of the sum of squares), sum, min, max, zeros."""
     tl.store(row + 0, tl.sqrt(total_sq))
     _store_rest(row, total, lo, hi, zeros)
@@ -129,7 +129,7 @@ def _span_partials(table, n_tensors, n_spans, spans, threshold, DTYPE: tl.conste
     zero test when ``ZEROS``). NaN and Inf are not tested per element: either makes the span's sum of
     squares or sum non-finite, and only then does the program read its span again to count them (a
     finite span, the common case, is read once). Where a NaN is present its min and max are NaN anyway
-    (``_combine_spans``), so how ``minimum`` treats NaN does not matter.
+    (``combine_spans``), so how ``minimum`` treats NaN does not matter.
     """
     pid = tl.program_id(0)
     t = tl.load(table + 2 * n_tensors + pid)
@@ -138,24 +138,24 @@ def _span_partials(table, n_tensors, n_spans, spans, threshold, DTYPE: tl.conste
     base = tl.load(table + t).to(tl.pointer_type(DTYPE))
     if ALIGNED:
         base = tl.multiple_of(base, 16)
-    sq, sm, lo, hi, zeros = _fresh(BLOCK)
+    sq, sm, lo, hi, zeros = fresh_block(BLOCK)
     if start + ITERS * BLOCK <= n:  # a whole span: no mask
         for i in range(ITERS):
             x = tl.load(base + (start + i * BLOCK + tl.arange(0, BLOCK))).to(tl.float32)
-            sq, sm, lo, hi, zeros = _add(x, sq, sm, lo, hi, zeros, threshold, ZEROS)
+            sq, sm, lo, hi, zeros = add_to(x, sq, sm, lo, hi, zeros, threshold, ZEROS)
     else:  # a tensor's last span: masked lanes read 0 (neutral for the sums) and are kept out of min/max/zeros
         for i in range(ITERS):
             offsets = start + i * BLOCK + tl.arange(0, BLOCK)
             mask = offsets < n
             x = tl.load(base + offsets, mask=mask, other=0.0).to(tl.float32)
-            sq, sm, lo, hi, zeros = _add_masked(x, mask, sq, sm, lo, hi, zeros, threshold, ZEROS)
+            sq, sm, lo, hi, zeros = add_masked(x, mask, sq, sm, lo, hi, zeros, threshold, ZEROS)
     total_sq, total = tl.sum(sq, 0), tl.sum(sm, 0)
     row = spans + pid * 8
     _store_rest(row, total, lo, hi, zeros)
     norm = tl.sqrt(total_sq)
     n_nans = tl.full([], 0.0, tl.float32)
     n_infs = tl.full([], 0.0, tl.float32)
-    if _non_finite(total_sq, total):  # a NaN or an Inf in the span: count them, reading the span again
+    if non_finite(total_sq, total):  # a NaN or an Inf in the span: count them, reading the span again
         # finite values whose squares passed float32's range: the norm of x / max|x| again, times max|x|
         biggest = tl.maximum(-tl.min(lo, 0), tl.max(hi, 0))
         inverse = tl.where((biggest > 0.0) & (biggest < float("inf")), 1.0 / biggest, 1.0)
@@ -177,7 +177,7 @@ def _span_partials(table, n_tensors, n_spans, spans, threshold, DTYPE: tl.conste
 
 
 @triton.jit
-def _combine_spans(first, numels, spans, out, STRIDE: tl.constexpr, NORM: tl.constexpr, SUM: tl.constexpr,
+def combine_spans(first, numels, spans, out, STRIDE: tl.constexpr, NORM: tl.constexpr, SUM: tl.constexpr,
                    ZEROS: tl.constexpr, NANS: tl.constexpr, INFS: tl.constexpr, ROWS: tl.constexpr):
     """One program per tensor: its spans (``first[t]`` to ``first[t + 1]``) -> its 8-slot partial.
 
@@ -244,7 +244,7 @@ def _combine_spans(first, numels, spans, out, STRIDE: tl.constexpr, NORM: tl.con
     tl.store(result + 7, tl.load(numels + t).to(tl.float32))
 
 
-def _spans(numels: list[int]) -> tuple[int, _Column, _Column, _Column]:
+def split_spans(numels: list[int]) -> tuple[int, _Column, _Column, _Column]:
     """Elements per program (a power of two: few programs for big groups) and the span tables.
 
     Plain lists for a few hundred spans (a single tensor's 3 small tables cost more in numpy calls
@@ -269,7 +269,7 @@ def _spans(numels: list[int]) -> tuple[int, _Column, _Column, _Column]:
     return per, owner_array, start_array, first_array
 
 
-def _table(columns: list[_Column], device: torch.device) -> torch.Tensor:
+def span_table(columns: list[_Column], device: torch.device) -> torch.Tensor:
     if all(isinstance(column, list) for column in columns):
         table = torch.tensor([value for column in columns for value in column], dtype=torch.int64)
     else:
@@ -288,12 +288,12 @@ def on_device(device: torch.device) -> Any:
     return torch.cuda.device(device)
 
 
-def _aligned(addresses: list[int]) -> bool:
+def aligned_addresses(addresses: list[int]) -> bool:
     """Every address 16-byte aligned (fresh torch allocations are; a view at an odd offset is not)."""
     return all(address % 16 == 0 for address in addresses)
 
 
-def _flag_kwargs(flags: Sequence[int]) -> dict[str, bool]:
+def flag_kwargs(flags: Sequence[int]) -> dict[str, bool]:
     norm, total, zeros, nans, infs = (bool(f) for f in flags)
     return {"NORM": norm, "SUM": total, "ZEROS": zeros, "NANS": nans, "INFS": infs}
 
@@ -302,19 +302,19 @@ def partials_triton(tensors: list[torch.Tensor], flags: list[int], eps: float) -
     """Flat ``[8 N]`` partials of contiguous float16/bfloat16/float32 tensors of one dtype: two launches."""
     device, dtype = tensors[0].device, tensors[0].dtype
     numels = [t.numel() for t in tensors]
-    per, owner, start, first = _spans(numels)
+    per, owner, start, first = split_spans(numels)
     n, spans = len(tensors), len(owner)
     addresses = [t.data_ptr() for t in tensors]  # host metadata: no sync
-    table = _table([addresses, numels, owner, start, first], device)
+    table = span_table([addresses, numels, owner, start, first], device)
     partial = torch.empty(spans * 8, dtype=torch.float32, device=device)
     threshold = zero_threshold(eps, dtype)
     out = torch.empty(PARTIAL_SLOTS * n, dtype=torch.float32, device=device)
     with on_device(device):
         _span_partials[(spans,)](table, n, spans, partial, threshold, DTYPE=DTYPES[dtype], BLOCK=BLOCK,
-                                 ITERS=per // BLOCK, ALIGNED=_aligned(addresses), ZEROS=bool(flags[2]),
+                                 ITERS=per // BLOCK, ALIGNED=aligned_addresses(addresses), ZEROS=bool(flags[2]),
                                  num_warps=WARPS)
-        _combine_spans[(n,)](table[2 * n + 2 * spans:], table[n:2 * n], partial, out, STRIDE=8, ROWS=_ROWS,
-                             **_flag_kwargs(flags))
+        combine_spans[(n,)](table[2 * n + 2 * spans:], table[n:2 * n], partial, out, STRIDE=8, ROWS=SPAN_ROWS,
+                             **flag_kwargs(flags))
     return out
 
 

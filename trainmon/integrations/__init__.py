@@ -7,7 +7,9 @@ import sys
 from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
-    from trainmon.protocols import Integration, Model
+    from trainmon.actions.frameworks import Framework
+    from trainmon.base.types import Model
+    from trainmon.integrations.base import Integration
 
 
 def framework_of(model: Model) -> str:
@@ -28,6 +30,28 @@ def framework_of(model: Model) -> str:
     return "torch"
 
 
+def actions_framework(model: Model) -> Framework:
+    """The adapter the anomaly actions (dump, free benchmark, localiser) use for ``model``: a module (inside any
+    DDP or DeepSpeed wrapper), a list of Megatron-Core chunks or a MindSpore cell; its framework from
+    :func:`framework_of`, and only that framework's adapter imported."""
+    framework = framework_of(model)
+    if framework == "mindspore":
+        from trainmon.integrations.mindspore.actions import MindSporeFramework
+
+        return MindSporeFramework()
+    if framework == "fsdp":
+        from trainmon.integrations.fsdp_actions import FSDPFramework
+
+        return FSDPFramework(model[0] if isinstance(model, (list, tuple)) and model else model)
+    if framework == "megatron":
+        from trainmon.integrations.megatron_actions import MegatronFramework
+
+        return MegatronFramework()
+    from trainmon.actions.frameworks import TorchFramework
+
+    return TorchFramework()
+
+
 def load(framework: str) -> Integration:
     """The integration module for ``framework`` (imported lazily)."""
     name = {"torch": "torch", "fsdp": "fsdp", "deepspeed": "deepspeed", "megatron": "megatron",
@@ -37,3 +61,10 @@ def load(framework: str) -> Integration:
     except ImportError as exc:
         raise ImportError(f"the {framework} integration needs its framework: pip install 'trainmon[{framework}]' "
                           f"({exc})") from exc
+
+
+if TYPE_CHECKING:  # read by mypy only: each integration module satisfies the protocol (never imported at run time)
+    from trainmon.integrations import deepspeed, fsdp, megatron, mindspore
+    from trainmon.integrations import torch as torch_integration
+
+    _INTEGRATIONS: tuple[Integration, ...] = (torch_integration, fsdp, deepspeed, megatron, mindspore)

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from trainmon.base.targets import plain_name, select
 from trainmon.collect.hooks import HookRegistry
-from trainmon.targets import plain_name, select
 
 if TYPE_CHECKING:
     import torch
 
-    from trainmon.collect.context import Collector
+    from trainmon.base.types import GradScaler, Model, Optimizer, ProcessGroup
+    from trainmon.collect.context import Collector, StepContext
     from trainmon.config import MonitorConfig
-    from trainmon.protocols import GradScaler, Optimizer, ProcessGroup
 
 _Item = TypeVar("_Item")
 
@@ -75,7 +75,7 @@ def named_modules(root: torch.nn.Module, vpp_stage: int = 0
                   ) -> tuple[list[tuple[str, torch.nn.Module, int]], dict[str, list[str]]]:
     """Every module under ``root`` once, with its row name, and the other names of modules reached by several.
 
-    Names are :func:`trainmon.targets.plain_name` (no compile or checkpoint wrapper levels; where a wrapper
+    Names are :func:`trainmon.base.targets.plain_name` (no compile or checkpoint wrapper levels; where a wrapper
     and the module it wraps get one name, the name is the wrapped module's). A module reached by several
     names (T5's ``shared`` embedding, also ``encoder.embed_tokens`` and ``decoder.embed_tokens``) is named by
     the first in ``named_modules()`` order; the others are its aliases: target patterns match them too.
@@ -125,3 +125,15 @@ def _select(names: list[str], patterns: Sequence[str], key: str, aliases: Mappin
             ) -> set[str]:
     canonical = {alias: name for name in names for alias in (aliases or {}).get(name, ())}
     return {canonical.get(name, name) for name in select([*dict.fromkeys(names), *canonical], patterns, key)}
+
+
+class Integration(Protocol):
+    """A framework integration module (``trainmon.integrations.{torch,fsdp,deepspeed,megatron,mindspore}``).
+
+    Its ``attach`` finds the model chunks, gradients, optimizer states and process groups of its framework
+    and returns the collectors that measure them; it hooks nothing that the returned
+    :class:`~trainmon.integrations.base.Attachment` does not remove on ``close()``.
+    """
+
+    def attach(self, ctx: StepContext, config: MonitorConfig, model: Model, optimizer: Optimizer | None,
+               options: AttachOptions) -> Attachment: ...

@@ -15,7 +15,7 @@ What is measured where (see ``docs/deepspeed.md``):
   ``skipped_steps``, ``step_applied``, ``global_steps``, ``lr/group{i}``.
 
 There is no public hook at the end of ``engine.step()``, so the one engine instance is wrapped
-(:class:`trainmon.step_hooks.StepWrapper`: an instance attribute ``step``, removed on close); the class
+(:class:`trainmon.collect.step_hooks.StepWrapper`: an instance attribute ``step``, removed on close); the class
 is never patched.
 """
 
@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 from trainmon.collect.activations import ActivationCollector
+from trainmon.collect.adam import adam_update, update_ratio
 from trainmon.collect.hooks import HookedCollector, HookRegistry
-from trainmon.collect.optimizer import TorchOptimizerCollector, adam_update, update_ratio
+from trainmon.collect.optimizer import TorchOptimizerCollector
 from trainmon.collect.stats import combine_partials_torch, empty_partial
+from trainmon.collect.step_hooks import StepWrapper
 from trainmon.integrations.base import (
     Attachment,
     AttachOptions,
@@ -39,12 +41,11 @@ from trainmon.integrations.base import (
     select_params,
 )
 from trainmon.integrations.deepspeed_shards import ShardLayout, layout_for
-from trainmon.step_hooks import StepWrapper
 
 if TYPE_CHECKING:
+    from trainmon.base.types import DeepSpeedParameter
     from trainmon.collect.context import Collector, StepContext
     from trainmon.config import MonitorConfig
-    from trainmon.protocols import DeepSpeedParameter
 
 _STATES = ("exp_avg", "exp_avg_sq")
 

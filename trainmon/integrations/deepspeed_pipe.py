@@ -44,8 +44,8 @@ from trainmon.errors import UnsupportedSetupError
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
+    from trainmon.collect.step_hooks import StepHook, StepWrapper
     from trainmon.config import MonitorConfig
-    from trainmon.step_hooks import StepHook, StepWrapper
 
 _MARKS = "pipe_backward_marks"
 _MARK_TENSORS = "pipe_backward_mark_tensors"

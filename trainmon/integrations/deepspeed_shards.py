@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 from trainmon.probe.shards import ShardSpec
 
 if TYPE_CHECKING:
-    from trainmon.protocols import DeepSpeedParameter
+    from trainmon.base.types import DeepSpeedParameter
 
 
 def _inner_optimizer(engine: Any) -> torch.optim.Optimizer | None:

@@ -33,19 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 from trainmon.collect.activations import ActivationCollector
+from trainmon.collect.adam import adam_partials_cpu, adam_update, update_ratio
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.optimizer import (
-    TorchOptimizerCollector,
-    adam_partials_cpu,
-    adam_update,
-    global_grad_norm,
-    param_groups_of,
-    states_of,
-    update_ratio,
-)
+from trainmon.collect.optimizer import TorchOptimizerCollector, global_grad_norm, param_groups_of, states_of
 from trainmon.collect.stats import combine_partials_torch, empty_partial
+from trainmon.collect.step_hooks import scale_of, unwrap_optimizer
 from trainmon.integrations.base import (
     Attachment,
     AttachOptions,
@@ -54,11 +48,10 @@ from trainmon.integrations.base import (
     select_modules,
     select_params,
 )
-from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, _local, shard_group_of
+from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, local_shard, shard_group_of
 from trainmon.integrations.fsdp_unsharded import GROUP as UNSHARDED
 from trainmon.integrations.fsdp_unsharded import UnshardedGradHooks, fsdp_modules, unsharded_owners
 from trainmon.integrations.torch import OutsideCompiled, refuse_root_compiled_in_place, unwrap_model
-from trainmon.step_hooks import scale_of, unwrap_optimizer
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext
@@ -132,7 +125,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
 
     def _local_norm(self) -> torch.Tensor | None:
         assert self.optimizer is not None
-        grads = [_local(p.grad) for group in param_groups_of(self.parts) for p in group["params"]
+        grads = [local_shard(p.grad) for group in param_groups_of(self.parts) for p in group["params"]
                  if p.grad is not None]
         if not grads:
             return None
@@ -170,12 +163,12 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
             if "momentum" in self._states and state.get("momentum_buffer") is not None:
                 self._shard("momentum", name, vpp_stage, state["momentum_buffer"])
             if adam and "exp_avg" in state and "exp_avg_sq" in state:
-                self._adam_rows(name, vpp_stage, state, group, _local(param))
+                self._adam_rows(name, vpp_stage, state, group, local_shard(param))
 
     def _adam_rows(self, name: str, vpp_stage: int, state: dict[str, Any], group: dict[str, Any],
                    param: torch.Tensor) -> None:
         """``update`` and ``ratio`` of the local shard (the same elementwise arithmetic as on whole tensors)."""
-        local = {key: _local(value) if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+        local = {key: local_shard(value) if isinstance(value, torch.Tensor) else value for key, value in state.items()}
         families: list[str] = [f for f in ("update", "ratio") if f in self._states]
         if param.numel() == 0:
             for family in families:
@@ -204,7 +197,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         spec = self.ctx.specs.get(family)
         if spec is None:
             return
-        local = _local(tensor)
+        local = local_shard(tensor)
         try:
             partial = self.ctx.stats_fn(local, spec)
         except Exception as exc:  # a tensor we cannot measure must not break the user's step

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 
 
 class FSDPLayoutError(ValueError):
@@ -97,7 +97,7 @@ def shard_group_of(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> Sh
     return ShardGroup(group, len(ranks), f"{layout} over ranks {list(ranks)}")
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a view, no communication); a plain tensor as it is."""
     to_local = getattr(tensor, "to_local", None)
     return (to_local() if to_local is not None else tensor).detach()

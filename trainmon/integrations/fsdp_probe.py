@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 from trainmon.collect.optimizer import optimizer_parts
-from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, _local
+from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, local_shard
 from trainmon.probe.shards import ShardSpec
 
 if TYPE_CHECKING:
@@ -73,12 +73,12 @@ def fsdp_grad_probe(ctx: StepContext, config: MonitorConfig, params: Sequence[tu
 
     def grad_of(param: torch.Tensor) -> torch.Tensor | None:
         grad = param.grad
-        return None if grad is None else _local(grad)
+        return None if grad is None else local_shard(grad)
 
     def exp_avg_of(param: torch.Tensor) -> torch.Tensor | None:
         state = next((part.state[param] for part in parts if param in part.state), None)
         exp_avg = state.get("exp_avg") if state else None
-        return None if exp_avg is None else _local(exp_avg)
+        return None if exp_avg is None else local_shard(exp_avg)
 
     return ShardedGradProbe(ctx, params, config, registry, optimizer, grad_of=grad_of,
                             spec_of=lambda param: specs[id(param)], exp_avg_of=exp_avg_of, group=shards.group)

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import torch
 
+from trainmon.base.targets import plain_name
 from trainmon.collect.hooks import post_accumulate_grad_hook
 from trainmon.integrations.torch import traced_modules
-from trainmon.targets import plain_name
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.step_hooks import StepWrapper
 from trainmon.integrations.base import (
     Attachment,
     AttachOptions,
@@ -36,12 +37,11 @@ from trainmon.integrations.megatron_collect import (
     MegatronParamCollector,
 )
 from trainmon.probe.sharded import ShardedGradProbe
-from trainmon.step_hooks import StepWrapper
 
 if TYPE_CHECKING:
+    from trainmon.base.types import MegatronParameter
     from trainmon.collect.context import Collector, StepContext
     from trainmon.config import MonitorConfig
-    from trainmon.protocols import MegatronParameter
 
 logger = logging.getLogger("trainmon")
 _Named = TypeVar("_Named")

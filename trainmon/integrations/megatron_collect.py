@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
+from trainmon.base.records import RowKey, activation_row, module_call
 from trainmon.collect.activations import ActivationCollector
+from trainmon.collect.adam import adam_update, update_ratio
 from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector, HookRegistry
-from trainmon.collect.optimizer import adam_update, update_ratio
 from trainmon.collect.stats import combine_partials_torch, empty_partial, partial_stats
-from trainmon.records import RowKey, activation_row, module_call
 
 if TYPE_CHECKING:
+    from trainmon.base.types import MegatronParameter
     from trainmon.collect.context import StepContext
     from trainmon.config import MonitorConfig
-    from trainmon.protocols import MegatronParameter
 
 _GRADS = "megatron_grads"
 _OPTIMIZER = "megatron_optimizer"
@@ -155,7 +155,7 @@ class MegatronParamCollector(HookedCollector):
             if not ctx.collecting or (micro_step < ctx.grad_acc_steps - 1
                                       and not self.config.weight_grads.per_micro_step):
                 return
-            grad = _unreduced_grad(param)
+            grad = unreduced_grad(param)
             if grad is None:
                 return
             partial = partial_stats(grad, ctx.specs["grad_unreduced"])
@@ -256,7 +256,7 @@ class MegatronParamCollector(HookedCollector):
         self.reset()
 
 
-def _unreduced_grad(param: MegatronParameter) -> torch.Tensor | None:
+def unreduced_grad(param: MegatronParameter) -> torch.Tensor | None:
     """The parameter's accumulated gradient including the micro-step being accumulated now."""
     main_grad: torch.Tensor | None = getattr(param, "main_grad", None)
     grad: torch.Tensor | None = param.grad

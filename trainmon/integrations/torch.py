@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
+from trainmon.base.targets import plain_name
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector, optimizer_parts, state_holder
+from trainmon.collect.step_hooks import unwrap_optimizer
 from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations.base import (
     Attachment,
@@ -21,8 +23,6 @@ from trainmon.integrations.base import (
     select_modules,
     select_params,
 )
-from trainmon.step_hooks import unwrap_optimizer
-from trainmon.targets import plain_name
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext

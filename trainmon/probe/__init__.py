@@ -3,7 +3,7 @@
 - :mod:`trainmon.probe.collector` (torch): the collector an integration builds when
   ``grad_probe.enabled`` is set.
 - :mod:`trainmon.probe.storage` (framework-free): the on-disk formats.
-- :mod:`trainmon.probe.compare` (framework-free): ``trainmon grad-compare RUN_A RUN_B -o OUT``.
+- :mod:`trainmon.tools.grad_compare` (framework-free): ``trainmon grad-compare RUN_A RUN_B -o OUT``.
 
 Importing this package imports no framework; see ``docs/grad_probe.md``.
 """

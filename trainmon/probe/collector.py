@@ -47,10 +47,10 @@ from trainmon.probe.storage import (
 )
 
 if TYPE_CHECKING:
+    from trainmon.base.threads import OutputThread
+    from trainmon.base.types import Optimizer
     from trainmon.collect.context import StepContext
     from trainmon.config import MonitorConfig
-    from trainmon.protocols import Optimizer
-    from trainmon.sinks.base import OutputThread
 
 logger = logging.getLogger("trainmon")
 _GROUP = "grad_probe"
@@ -61,7 +61,7 @@ def _run_job(job: Callable[[], None]) -> None:
     job()
 
 
-def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
     """Enqueue a device-to-host copy (no sync); on CPU the tensor itself is the host copy."""
     if tensor.device.type == "cpu":
         return tensor
@@ -70,7 +70,7 @@ def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _record_event(device: torch.device) -> Any:
+def record_event(device: torch.device) -> Any:
     """The end of the copies queued for ``device``, on its own stream (not the current device's: see
     :func:`trainmon.collect.buffer.copy_done`)."""
     if device.type == "cpu":
@@ -131,7 +131,7 @@ class GradProbe(HookedCollector):
         """Set the rank directory (the monitor knows it only after ``attach``); None turns output off."""
         if self._writer is not None or rank_dir is None or self._closed:
             return
-        from trainmon.sinks.base import OutputThread
+        from trainmon.base.threads import OutputThread
 
         self._probe_dir = Path(rank_dir) / PROBE_DIR
         self._root = Path(rank_dir).parent  # the run directory: no symlink below it is followed
@@ -219,11 +219,11 @@ class GradProbe(HookedCollector):
             return
         stats = torch.stack([v.to(_F32) for v in vectors]).view(len(metas), self.width)
         self._add_scalars(stats, metas, totals)
-        host_stats = _pinned_copy(stats)
-        host_checksums = _pinned_copy(torch.stack(checksums)) if checksums else None
-        host_bits = [_pinned_copy(b) for b in bits] if stats.device.type == "cpu" else (
+        host_stats = pinned_copy(stats)
+        host_checksums = pinned_copy(torch.stack(checksums)) if checksums else None
+        host_bits = [pinned_copy(b) for b in bits] if stats.device.type == "cpu" else (
             self._split_host(torch.cat(bits), bits) if bits else [])
-        event = _record_event(stats.device)
+        event = record_event(stats.device)
         step = ctx.step
         self._writer.submit(lambda: self._write(step, metas, host_stats, host_checksums, host_bits, event))
 
@@ -347,7 +347,7 @@ class GradProbe(HookedCollector):
 
     @staticmethod
     def _split_host(joined: torch.Tensor, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        host = _pinned_copy(joined)
+        host = pinned_copy(joined)
         return list(torch.split(host, [p.numel() for p in parts]))
 
     # ----------------------------------------------------------------------------- writer thread

@@ -21,17 +21,17 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from trainmon import process_groups
+from trainmon.base import process_groups
 from trainmon.probe import device as dev
 from trainmon.probe import shards as sh
-from trainmon.probe.collector import GradProbe, _pinned_copy, _record_event
+from trainmon.probe.collector import GradProbe, pinned_copy, record_event
 from trainmon.probe.storage import AGREE_PREV, SIMILARITIES
 
 if TYPE_CHECKING:
+    from trainmon.base.types import Optimizer, ProcessGroup
     from trainmon.collect.context import StepContext
     from trainmon.collect.hooks import HookRegistry
     from trainmon.config import MonitorConfig
-    from trainmon.protocols import Optimizer, ProcessGroup
 
 logger = logging.getLogger("trainmon")
 _F32, _F64 = torch.float32, torch.float64
@@ -309,10 +309,10 @@ class ShardedGradProbe(GradProbe):
         if checksums is not None:
             checksums = checksums.index_select(0, index)
         self._scalars(stats, combined, metas, [i in previous for i in keep], [available[i] for i in keep])
-        host_stats = _pinned_copy(stats)
-        host_checksums = _pinned_copy(checksums) if checksums is not None else None
-        host_gathered = _pinned_copy(gathered) if self.level != "L0" else None
-        event = _record_event(stats.device)
+        host_stats = pinned_copy(stats)
+        host_checksums = pinned_copy(checksums) if checksums is not None else None
+        host_gathered = pinned_copy(gathered) if self.level != "L0" else None
+        event = record_event(stats.device)
         assert self._writer is not None  # before_transfer combines only where there is one
         self._writer.submit(lambda: self._write_whole(step, keep, metas, host_stats, host_checksums,
                                                       host_gathered, event))

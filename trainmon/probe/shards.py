@@ -21,7 +21,7 @@ each piece where it lives and combines *partials*, never the gradient:
   holds the whole parameter's direction, as an unsharded run writes it.
 
 - :func:`whole_stats` turns combined partials into the probe's rows (written by the rank that
-  :func:`trainmon.process_groups.lowest_selected` names).
+  :func:`trainmon.base.process_groups.lowest_selected` names).
 
 Device functions never synchronise with the host; host functions (numpy) run on the probe's
 writer thread or once at set-up.

@@ -26,8 +26,7 @@ from typing import IO, Any
 import numpy as np
 import numpy.typing as npt
 
-from trainmon.actions.naming import safe_file_name
-from trainmon.safe_io import write_atomic
+from trainmon.base.safe_io import safe_file_name, write_atomic
 from trainmon.sinks.csv import open_csv_table
 
 MAGIC = b"TMGS"
@@ -87,7 +86,7 @@ def format_value(value: float) -> str:
 def direction_path(probe_dir: Path, step: int, name: str, vpp_stage: int) -> Path:
     """Where the direction file of a parameter at a step lives.
 
-    The name is made safe with :func:`~trainmon.actions.naming.safe_file_name`: a parameter named
+    The name is made safe with :func:`~trainmon.base.safe_io.safe_file_name`: a parameter named
     ``../../x`` or ``w/x`` still gives a file directly in ``step{S}/`` (the header keeps the real name).
     """
     stem = name if vpp_stage == 0 else f"vpp{vpp_stage}.{name}"
@@ -136,7 +135,7 @@ class DirectionFile:
             DirectionFormatError: the file is truncated (or longer than its header says), not a
                 regular file, or unreadable.
         """
-        from trainmon.inputs import open_regular
+        from trainmon.base.inputs import open_regular
 
         nbytes = (int(self.header["count"]) + 7) // 8
         try:
@@ -169,7 +168,7 @@ def read_direction_header(path: Path) -> DirectionFile:
             length beyond the file, or a broken header (not a JSON object; ``name`` not a string;
             ``step``, ``count``, ``vpp_stage`` or a ``shape`` entry not an integer in 0..2**63-1).
     """
-    from trainmon.inputs import open_regular
+    from trainmon.base.inputs import open_regular
 
     try:
         with open_regular(path) as handle:

@@ -2,7 +2,7 @@
 
 Nothing is ever truncated: a file that already has the same header (a resumed run) is appended
 to; one with another header is left alone and rows go to ``{family}_{n}.csv`` (``n`` the first step
-written there, or the next free number). Files are opened through :mod:`trainmon.safe_io`, so no
+written there, or the next free number). Files are opened through :mod:`trainmon.base.safe_io`, so no
 symlink inside the run directory is followed.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from trainmon.records import StepRecord
-from trainmon.safe_io import open_output
+from trainmon.base.records import StepRecord
+from trainmon.base.safe_io import open_output
 
 logger = logging.getLogger("trainmon")
 _MAX_NAMES = 1000  # alternative names tried before giving up on a family (a directory full of them)

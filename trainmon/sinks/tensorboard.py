@@ -1,6 +1,6 @@
 """TensorBoard sink (tensorboardX protos).
 
-Tags (shared with ``trainmon csv2tb`` through :func:`~trainmon.records.row_tag` and :func:`scalar_tags`):
+Tags (shared with ``trainmon csv2tb`` through :func:`~trainmon.base.records.row_tag` and :func:`scalar_tags`):
 
 - ``0_overview/{loss, grad_norm, lr/group{i}, loss_scale, step_skipped}``: the run at a glance, in the
   group TensorBoard lists first (also written as ``scalars/{name}``, the tag earlier versions used);
@@ -27,9 +27,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from trainmon.inputs import open_regular
-from trainmon.records import StepRecord, row_tag, split_row_tag
-from trainmon.safe_io import open_output
+from trainmon.base.inputs import open_regular
+from trainmon.base.records import StepRecord, row_tag, split_row_tag
+from trainmon.base.safe_io import open_output
 
 _MAX_NAMES = 100  # event files tried per second before giving up (another writer in the same directory)
 
@@ -125,7 +125,7 @@ class TensorBoardSink:
     TFRecord framing (length, masked CRC32C, data, masked CRC32C, as tensorboardX's
     ``RecordWriter``), not through tensorboardX's ``FileWriter``: a full disk then raises here,
     where the writer disables the sink with one warning, and the file is opened through
-    :mod:`trainmon.safe_io` (no symlink followed, an existing file never reused or overwritten).
+    :mod:`trainmon.base.safe_io` (no symlink followed, an existing file never reused or overwritten).
     ``flush`` hands the data to the OS without an ``fsync`` per step (enough for a killed process).
 
     Args:

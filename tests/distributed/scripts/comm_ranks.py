@@ -21,12 +21,12 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from trainmon import TrainerMonitor
+from trainmon.base.records import METRICS, finalize
 from trainmon.collect.buffer import StepBuffer
 from trainmon.collect.comm import CommCollector
 from trainmon.collect.context import StepContext
-from trainmon.collect.stats import StatsSpec
+from trainmon.collect.stats_base import StatsSpec
 from trainmon.config import COMM_OPS, CommunicationConfig
-from trainmon.records import METRICS, finalize
 
 N = 16
 

@@ -49,7 +49,7 @@ FULL_GATHERS = ("safe_get_full_grad", "safe_get_full_optimizer_state", "safe_get
 # The installed package's own directory, never a "/trainmon/" substring: a clone in a folder named
 # trainmon (what `git clone` makes) has that substring in this script's path and in the venv's.
 _PACKAGE_DIR = Path(trainmon.__file__).resolve().parent
-_ENGINE_WRAPPER = _PACKAGE_DIR / "step_hooks.py"  # StepWrapper.install().step
+_ENGINE_WRAPPER = _PACKAGE_DIR / "collect" / "step_hooks.py"  # StepWrapper.install().step
 
 
 @functools.cache

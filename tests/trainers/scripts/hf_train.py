@@ -33,7 +33,7 @@ import torch
 import transformers
 
 from tests.trainers.hf_common import LossReference, NoKwargsLM, PaddedTokens, gpt2
-from trainmon.integrations.hf import TrainmonCallback
+from trainmon.trainers.hf import TrainmonCallback
 
 
 def _norm(tensor: torch.Tensor) -> float:

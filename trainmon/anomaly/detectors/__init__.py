@@ -10,8 +10,8 @@ from trainmon.anomaly.detectors.base import Detector
 from trainmon.anomaly.detectors.loss_spike import LossSpikeConfig, LossSpikeDetector
 from trainmon.anomaly.detectors.nonfinite import NonfiniteConfig, NonfiniteDetector
 from trainmon.anomaly.detectors.spike import SpikeConfig, SpikeDetector
+from trainmon.base.schema import load, spec_wording
 from trainmon.errors import ConfigError
-from trainmon.schema import load, spec_wording
 
 DETECTORS: dict[str, type[Detector[object]]] = {
     NonfiniteDetector.type_name: NonfiniteDetector,
@@ -25,7 +25,7 @@ __all__ = ["DETECTORS", "Detector", "LossSpikeConfig", "LossSpikeDetector", "Non
 
 
 def load_spec(spec: object, path: str) -> tuple[type[Detector[object]], object]:
-    """The detector class of one spec and its validated config (:mod:`trainmon.schema`).
+    """The detector class of one spec and its validated config (:mod:`trainmon.base.schema`).
 
     Raises:
         ConfigError: the spec is not a mapping, has no or an unknown ``type``, or an unknown,

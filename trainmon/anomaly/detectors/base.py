@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 from trainmon.anomaly.events import AnomalyEvent
+from trainmon.base.records import Row, StepRecord
 from trainmon.errors import ConfigError
-from trainmon.records import Row, StepRecord
 
 SpecT = TypeVar("SpecT", covariant=True)
 """The spec (config) class of a detector."""
@@ -21,7 +21,7 @@ class Detector(ABC, Generic[SpecT]):
     """A host-side detector: floats of one step in, events out.
 
     Subclasses set :attr:`type_name` and :attr:`config_class` (a dataclass with a docstring and
-    :func:`~trainmon.schema.setting` rules per field: :func:`~trainmon.anomaly.detectors.build_detectors`
+    :func:`~trainmon.base.schema.setting` rules per field: :func:`~trainmon.anomaly.detectors.build_detectors`
     validates a spec against it) and implement :meth:`update`. State must never hold NaN or Inf.
     """
 
@@ -48,7 +48,7 @@ class Detector(ABC, Generic[SpecT]):
 
 # --------------------------------------------------------------------------- spec rules
 def off_or_above_one(factor: float, path: str) -> None:
-    """A factor that is 0 (rule off) or above 1 (:data:`~trainmon.schema.Check` of the log-level rules)."""
+    """A factor that is 0 (rule off) or above 1 (:data:`~trainmon.base.schema.Check` of the log-level rules)."""
     if factor and factor <= 1:
         raise ConfigError(path, f"must be 0 (off) or > 1, got {factor}")
 

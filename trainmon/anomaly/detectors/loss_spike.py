@@ -43,8 +43,8 @@ from typing import Any
 from trainmon.anomaly.detectors.base import Detector, off_or_above_one, scalar_event
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.ordering import format_number
-from trainmon.records import StepRecord
-from trainmon.schema import setting
+from trainmon.base.records import StepRecord
+from trainmon.base.schema import setting
 
 DIRECTIONS: tuple[str, ...] = ("up", "down", "both")
 MAX_WINDOW = 10_000

@@ -11,8 +11,8 @@ from typing import Any
 from trainmon.anomaly.detectors.base import SCALAR_FAMILY, Detector, row_event, scalar_event, scalar_location
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.ordering import describe, format_number, sort_key_fields
-from trainmon.records import FAMILIES, Row, StepRecord
-from trainmon.schema import setting
+from trainmon.base.records import FAMILIES, Row, StepRecord
+from trainmon.base.schema import setting
 
 
 @dataclass

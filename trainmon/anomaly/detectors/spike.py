@@ -31,10 +31,10 @@ from trainmon.anomaly.detectors.base import Detector, off_or_above_one, row_even
 from trainmon.anomaly.detectors.loss_spike import DIRECTIONS, MAX_WINDOW, LogLevelSeries, LogRules, describe_verdict
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.ordering import describe, format_number
+from trainmon.base.records import METRICS, StepRecord, split_row_series
+from trainmon.base.schema import setting
+from trainmon.base.targets import compile_pattern
 from trainmon.errors import ConfigError
-from trainmon.records import METRICS, StepRecord, split_row_series
-from trainmon.schema import setting
-from trainmon.targets import compile_pattern
 
 _DEFAULT_THRESHOLD = {"ema": 6.0, "mad": 6.0, "relative": 0.5, "log": 6.0}
 _DEFAULT_WARMUP = {"ema": 10, "mad": 10, "relative": 1, "log": 10}
@@ -137,7 +137,7 @@ class SpikeDetector(Detector[SpikeConfig]):
         config: the detector's spec.
 
     Example:
-        >>> from trainmon.records import StepRecord
+        >>> from trainmon.base.records import StepRecord
         >>> d = SpikeDetector(SpikeConfig(series=["loss"], warmup=3))
         >>> [len(d.update(StepRecord(s, 0, scalars={"loss": v}), "")) for s, v in enumerate([1, 1.1, 0.9, 1, 9])]
         [0, 0, 0, 0, 1]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import mindspore as ms
 from mindspore import nn
 
+from trainmon.base.process_groups import mindspore_layout as dist_layout
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
 from trainmon.errors import UnsupportedSetupError
@@ -30,7 +31,6 @@ from trainmon.integrations.mindspore.buffer import MindSporeStepBuffer, buffer_o
 from trainmon.integrations.mindspore.host import MindSporeStats, on_cpu
 from trainmon.integrations.mindspore.optimizer import MindSporeOptimizerCollector
 from trainmon.integrations.mindspore.stats import partial_stats
-from trainmon.process_groups import mindspore_layout as dist_layout
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext

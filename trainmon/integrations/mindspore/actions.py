@@ -61,6 +61,9 @@ class MindSporeFramework:
         children: Iterable[tuple[str, Any]] = cell.name_cells().items()
         return children
 
+    def unwrap(self, chunk: Any) -> Any:
+        return chunk
+
     def own_parameters(self, cell: Any) -> list[tuple[str, Parameter]]:
         # msprobe's naming: the parameter's own name without its cell prefix
         return [(key.split(".")[-1], param) for key, param in cell.parameters_dict(recurse=False).items()]

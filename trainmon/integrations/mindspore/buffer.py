@@ -23,9 +23,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint
 
+from trainmon.base.records import PARTIAL_SLOTS, RowKey
 from trainmon.collect.buffer import HostStep
 from trainmon.integrations.mindspore.host import Deferred, HostEntry, HostRows
-from trainmon.records import PARTIAL_SLOTS, RowKey
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import mindspore as ms
 from mindspore import Tensor, mint, ops
 
+from trainmon.base.process_groups import mindspore_layout
+from trainmon.base.records import RowKey
 from trainmon.collect.comm_ops import ArgumentBinder, group_label
 from trainmon.collect.hooks import HookedCollector
 from trainmon.config import COMM_OPS
@@ -53,8 +55,6 @@ from trainmon.integrations.mindspore.comm_plans import (
     tensors_of,
 )
 from trainmon.integrations.mindspore.stats import partial_stats
-from trainmon.process_groups import mindspore_layout
-from trainmon.records import RowKey
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext

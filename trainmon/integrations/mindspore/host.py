@@ -30,13 +30,13 @@ import numpy.typing as npt
 import torch
 from mindspore import Tensor, mint
 
+from trainmon.base.records import PARTIAL_SLOTS, RowKey
 from trainmon.collect.kernels import adam_partial_into, partial_into
 from trainmon.integrations.mindspore.stats import constants, partial_stats, tensor_meta
-from trainmon.records import PARTIAL_SLOTS, RowKey
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
-    from trainmon.collect.stats import StatsSpec
+    from trainmon.collect.stats_base import StatsSpec
 
 _ADAM_FAMILIES = ("exp_avg", "exp_avg_sq", "update", "ratio")
 HOST_DTYPES = (ms.float16, ms.float32, ms.float64)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import mindspore as ms
 from mindspore import Parameter, Tensor, mint
 
+from trainmon.base.records import RowKey
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.integrations.mindspore.buffer import buffer_of
 from trainmon.integrations.mindspore.host import HOST_DTYPES, HostAdam, HostNorm, HostRows, host_measurable
@@ -33,7 +34,6 @@ from trainmon.integrations.mindspore.stats import (
     tensor_meta,
     working_dtype,
 )
-from trainmon.records import RowKey
 
 if TYPE_CHECKING:
     from mindspore import nn
@@ -52,7 +52,7 @@ _STATE_ATTRS: dict[str, tuple[str, ...]] = {
 """Where MindSpore optimizers keep each state, as ParameterTuples aligned with ``optimizer.parameters``."""
 
 
-def _state_tuple(optimizer: nn.Optimizer, family: str) -> Sequence[Parameter] | None:
+def state_tuple(optimizer: nn.Optimizer, family: str) -> Sequence[Parameter] | None:
     for attr in _STATE_ATTRS[family]:
         value: Sequence[Parameter] | None = getattr(optimizer, attr, None)
         if value is not None and len(value) == len(optimizer.parameters):
@@ -75,7 +75,7 @@ class AdamMoments:
 
     @classmethod
     def of(cls, optimizer: nn.Optimizer) -> AdamMoments | None:
-        m, v = _state_tuple(optimizer, "exp_avg"), _state_tuple(optimizer, "exp_avg_sq")
+        m, v = state_tuple(optimizer, "exp_avg"), state_tuple(optimizer, "exp_avg_sq")
         eps = getattr(optimizer, "eps", None)
         if m is None or v is None or eps is None:
             return None
@@ -258,7 +258,7 @@ class MindSporeOptimizerCollector(HookedCollector):
             adam = AdamMoments.of(optimizer)
             families = ("momentum",) if adam is not None else ("exp_avg", "exp_avg_sq", "momentum")
             for family in families:
-                states = _state_tuple(optimizer, family) if family in self._states else None
+                states = state_tuple(optimizer, family) if family in self._states else None
                 if states is not None:
                     tensors = [states[i] for i in self._positions]
                     if self.host and host_measurable([tensor_meta(t) for t in tensors]):  # Parameters: no wait

@@ -18,7 +18,7 @@ import mindspore as ms
 import torch
 from mindspore import Parameter, Tensor
 
-from trainmon.integrations.mindspore.optimizer import _state_tuple
+from trainmon.integrations.mindspore.optimizer import state_tuple
 
 if TYPE_CHECKING:
     from mindspore import nn
@@ -65,7 +65,7 @@ class OptimizerPreHook:
 
     def exp_avg_of(self, param: Parameter) -> torch.Tensor | None:
         i = self.index.get(id(param))
-        moments = _state_tuple(self.optimizer, "exp_avg")
+        moments = state_tuple(self.optimizer, "exp_avg")
         return None if moments is None or i is None else _to_torch(moments[i])
 
 

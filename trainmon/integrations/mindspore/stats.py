@@ -1,7 +1,7 @@
 """On-device partial statistics of MindSpore tensors (the mirror of :mod:`trainmon.collect.stats`).
 
 A tensor's statistics are 8 float32 values on the tensor's device,
-``[norm, sum, min, max, zeros, nans, infs, numel]`` (slot indices in :mod:`trainmon.records`),
+``[norm, sum, min, max, zeros, nans, infs, numel]`` (slot indices in :mod:`trainmon.base.records`),
 computed with MindSpore ops and no host synchronisation. Slots the configured metrics do not
 need hold 0. The host side (``records.finalize``) is shared with PyTorch.
 
@@ -38,10 +38,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint
 
-from trainmon.records import PARTIAL_SLOTS
+from trainmon.base.records import PARTIAL_SLOTS
 
 if TYPE_CHECKING:
-    from trainmon.collect.stats import StatsSpec
+    from trainmon.collect.stats_base import StatsSpec
 
 _F32, _F64 = ms.float32, ms.float64
 GROUP_ELEMENTS = 1 << 22
@@ -89,7 +89,7 @@ def matrix_partials(matrix: Tensor, spec: StatsSpec | Any, rows: int, numel: int
 
     Args:
         matrix: a ``[rows, numel]`` float32 or float64 tensor (``numel`` > 0); it is not modified.
-        spec: which slots to compute (:class:`trainmon.collect.stats.StatsSpec` or any object with
+        spec: which slots to compute (:class:`trainmon.collect.stats_base.StatsSpec` or any object with
             the attributes ``norm``, ``sum``, ``zeros``, ``nans``, ``infs``, ``eps``).
         rows, numel: the matrix's shape, given: reading it would wait for the queue (module docstring).
         dtype: the matrix's dtype, given for the same reason.
@@ -188,7 +188,7 @@ def partial_stats(tensor: Tensor, spec: StatsSpec | Any) -> Tensor:
 
     Args:
         tensor: any MindSpore tensor handed to a hook (a ``Parameter`` too); it is not modified.
-        spec: which slots to compute (:class:`trainmon.collect.stats.StatsSpec` or any object
+        spec: which slots to compute (:class:`trainmon.collect.stats_base.StatsSpec` or any object
             with the attributes ``norm``, ``sum``, ``zeros``, ``nans``, ``infs``, ``eps``).
 
     Returns:

@@ -1,6 +1,6 @@
 """The HTML of ``trainmon report``: one self-contained file (inline CSS and JavaScript, no network).
 
-The page draws everything from the JSON of :mod:`trainmon.report.data`, embedded in a
+The page draws everything from the JSON of :mod:`trainmon.tools.report.data`, embedded in a
 ``<script type="application/json">`` element: heatmaps on ``<canvas>`` (one pixel per cell, scaled
 up), curves and the anomaly timeline as inline SVG. A JavaScript error is written into the page
 (``#js-error`` and ``body[data-js-error]``); a page drawn to the end has ``body[data-rendered="ok"]``.
@@ -336,7 +336,7 @@ def _controls(prefix: str) -> str:
 
 
 def render(data: dict[str, Any]) -> str:
-    """The report page for :func:`trainmon.report.build`'s data."""
+    """The report page for :func:`trainmon.tools.report.build`'s data."""
     payload = json.dumps(data, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")
     title = html.escape(f"trainmon report: {data['summary']['run_name']}")
     return f"""<!doctype html>

@@ -17,17 +17,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmon.anomaly.merge import analyse_run, find_files, parse_steps
-from trainmon.csv_reader import CsvFormatError
+from trainmon.base.inputs import describe_os_error, find_runs, is_dir, rank_dirs_of, runs_hint
+from trainmon.base.progress import Bar
+from trainmon.base.safe_io import write_atomic
 from trainmon.errors import UsageError
-from trainmon.inputs import describe_os_error, find_runs, is_dir, rank_dirs_of, runs_hint
-from trainmon.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders
-from trainmon.progress import Bar
-from trainmon.report import data as report_data
-from trainmon.report.page import render
-from trainmon.safe_io import write_atomic
+from trainmon.tools.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders
+from trainmon.tools.readers import CsvFormatError
+from trainmon.tools.report import data as report_data
+from trainmon.tools.report.page import render
 
 if TYPE_CHECKING:
-    from trainmon.protocols import Subparsers
+    from trainmon.tools.command import Subparsers
 
 DEFAULT_NAME = "report.html"
 MAX_RANKS = 8
@@ -146,7 +146,7 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
         raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(describe_os_error(exc)) from None
-    from trainmon import __version__
+    from trainmon.version import __version__
 
     page_data = {
         "summary": {"run_dir": str(run_dir), "run_name": run_dir.resolve().name, "trainmon": __version__,

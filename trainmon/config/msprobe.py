@@ -14,7 +14,7 @@ with msprobe's meaning, or warned about once with the reason. The semantics are 
   msprobe's ``anomaly.json``), not tensors; ``AnomalyTurbulence`` watches every monitored row.
 
 msprobe's names (squashed names, target patterns, rows of target specs) live in
-:mod:`trainmon.msprobe_names`, the value types it accepts in :mod:`trainmon.msprobe_checks`; this module
+:mod:`trainmon.config.msprobe_names`, the value types it accepts in :mod:`trainmon.config.msprobe_checks`; this module
 reads a config and translates it key by key (and re-exports the names' functions).
 """
 
@@ -26,15 +26,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainmon.config_files import parse_json, read_text
+from trainmon.base.records import ACTIVATION_KINDS
+from trainmon.base.targets import OPTIONAL
+from trainmon.config.files import parse_json, read_text
+from trainmon.config.msprobe_checks import KNOWN_KEYS, check_types
+from trainmon.config.msprobe_names import TARGET_SPEC, module_pattern, param_pattern
 from trainmon.errors import ConfigError
-from trainmon.msprobe_checks import KNOWN_KEYS, check_types
-from trainmon.msprobe_names import TARGET_SPEC, module_pattern, param_pattern, squash_name, trainmon_row_name
-from trainmon.records import ACTIVATION_KINDS
-from trainmon.targets import OPTIONAL
 
-__all__ = ["DEFAULT_OUTPUT_DIR", "OUTPUT_DIR_VARIABLE", "module_pattern", "param_pattern", "squash_name",
-           "trainmon_row_name", "translate_msprobe"]
+__all__ = ["DEFAULT_OUTPUT_DIR", "OUTPUT_DIR_VARIABLE", "translate_msprobe"]
 
 logger = logging.getLogger("trainmon")
 

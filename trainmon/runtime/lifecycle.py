@@ -21,9 +21,9 @@ A *monitor step* is one optimizer step. Within it:
 - whether the step was **applied**: with a ``GradScaler`` from its ``found_inf`` (scalar
   ``step_skipped``, with ``loss_scale``), otherwise from whether the optimizer's step ran.
 
-Framework specifics come in through two small pieces in :mod:`trainmon.step_hooks`:
-:class:`~trainmon.step_hooks.StepWrapper` gives pre/post step hooks to an object that has none (a
-``DeepSpeedEngine``, a Megatron optimizer), and :class:`~trainmon.step_hooks.ScalerHooks` reads a
+Framework specifics come in through two small pieces in :mod:`trainmon.collect.step_hooks`:
+:class:`~trainmon.collect.step_hooks.StepWrapper` gives pre/post step hooks to an object that has none (a
+``DeepSpeedEngine``, a Megatron optimizer), and :class:`~trainmon.collect.step_hooks.ScalerHooks` reads a
 torch ``GradScaler`` at its ``update()``.
 """
 
@@ -38,11 +38,11 @@ import torch
 
 from trainmon.collect.activations import named_tensors
 from trainmon.collect.hooks import H, HookRegistry
-from trainmon.step_hooks import ScalerHooks
+from trainmon.collect.step_hooks import ScalerHooks
 
 if TYPE_CHECKING:
+    from trainmon.base.types import GradScaler, Optimizer
     from trainmon.collect.context import StepContext
-    from trainmon.protocols import GradScaler, Optimizer
 
 logger = logging.getLogger("trainmon")
 
@@ -102,7 +102,7 @@ class StepLifecycle:
     # ------------------------------------------------------------------ set-up
     def guarded(self, fn: H) -> H:
         """``fn`` (a hook of the step model) under the fail-safe guard as part ``step``: when it fails, the
-        monitor cannot tell steps apart any more and switches itself off (:mod:`trainmon.guard`). While
+        monitor cannot tell steps apart any more and switches itself off (:mod:`trainmon.base.guard`). While
         dynamo traces it (a root inside ``torch.compile``) it is called as it is, as without the guard."""
         return self.ctx.guard.wrap("step", fn, bypass=torch.compiler.is_compiling)
 

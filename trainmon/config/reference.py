@@ -14,7 +14,7 @@ import textwrap
 import typing
 from pathlib import Path
 
-from trainmon.schema import type_name
+from trainmon.base.schema import type_name
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -36,7 +36,7 @@ def reference(root: type, command: str) -> str:
         root: the top-level config dataclass; every field must have a default.
         command: the command that regenerates the file (named in its header).
     """
-    source = Path(inspect.getfile(root)).resolve().relative_to(Path(__file__).resolve().parents[1])
+    source = Path(inspect.getfile(root)).resolve().relative_to(Path(__file__).resolve().parents[2])
     lines = ["# Configuration reference", "", f"Generated from `{source.as_posix()}` (`{command}`). "
              "Every key is optional.", ""]
     sections: list[tuple[type, str]] = [(root, "")]

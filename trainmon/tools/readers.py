@@ -2,8 +2,8 @@
 
 :func:`read_scalars` yields ``(tag, value, step)`` row by row; :func:`read_table` reads a whole file as
 columns (the bulk form, with the same checks and messages). Both read trainmon's CSV files and msprobe's
-(1.2 and 8.x-26.x layouts, see :mod:`trainmon.msprobe_output`); :func:`family_of` names a file's family.
-Used by ``trainmon csv2tb`` (:mod:`trainmon.csv2tb`) and ``trainmon report``.
+(1.2 and 8.x-26.x layouts, see :mod:`trainmon.tools.msprobe_output`); :func:`family_of` names a file's family.
+Used by ``trainmon csv2tb`` (:mod:`trainmon.tools.csv2tb`) and ``trainmon report``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from trainmon.inputs import INT64_MAX, open_regular
-from trainmon.msprobe_output import csv_family, layout_of, msprobe_rows
-from trainmon.records import row_tag, split_row_tag
+from trainmon.base.inputs import INT64_MAX, open_regular
+from trainmon.base.records import row_tag, split_row_tag
+from trainmon.tools.msprobe_output import csv_family, layout_of, msprobe_rows
 
 _FIXED = ("vpp_stage", "name", "step", "micro_step")
 
@@ -315,7 +315,7 @@ def _table_of_tags(path: Path, family: str) -> Table:
 
 
 def _read_msprobe(path: Path, family: str, header: list[str], reader: Any) -> Any:
-    """Rows of a msprobe CSV file as ``(tag, value, step)`` (see :func:`trainmon.msprobe_output.msprobe_rows`)."""
+    """Rows of a msprobe CSV file as ``(tag, value, step)`` (see :func:`trainmon.tools.msprobe_output.msprobe_rows`)."""
     for line, row in enumerate(reader, 2):
         if len(row) != len(header):
             raise CsvFormatError(f"{path}:{line}: expected {len(header)} fields, got {len(row)}")

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from trainmon.base.inputs import find_runs, is_dir, rank_dirs_of, runs_hint
+from trainmon.base.progress import progress
 from trainmon.errors import UsageError
-from trainmon.inputs import find_runs, is_dir, rank_dirs_of, runs_hint
 from trainmon.probe.storage import PROBE_DIR, DirectionFile, DirectionFormatError, read_direction_header
-from trainmon.progress import progress
 
 if TYPE_CHECKING:
-    from trainmon.protocols import Subparsers
+    from trainmon.tools.command import Subparsers
 
 _CONTROL = {code: f"\\x{code:02x}" for code in (*range(32), 127)}  # problems name user data: print it escaped
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)

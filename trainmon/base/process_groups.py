@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from trainmon.protocols import ProcessGroup
+    from trainmon.base.types import ProcessGroup
 
 
 def initialized() -> bool:

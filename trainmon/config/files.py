@@ -1,7 +1,7 @@
 """Reading a config file: UTF-8 text, parsed as YAML (safe loader) or JSON, each key given once.
 
 Used by :func:`trainmon.config.load_config` and the msprobe translation; no validation here (that is
-:mod:`trainmon.schema`'s). Framework-free.
+:mod:`trainmon.base.schema`'s). Framework-free.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trainmon.base.inputs import read_regular
 from trainmon.errors import ConfigError
-from trainmon.inputs import read_regular
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

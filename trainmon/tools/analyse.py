@@ -2,7 +2,7 @@
 
 Arguments, the printed summary and table, and ``anomaly_analyse.json`` (never over a file trainmon did not
 write). Reading and merging the files is :mod:`trainmon.anomaly.merge`'s (:func:`analyse_run`, whose names are
-re-exported here); msprobe's anomaly events are read by :mod:`trainmon.msprobe_output`.
+re-exported here); msprobe's anomaly events are read by :mod:`trainmon.tools.msprobe_output`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from trainmon.anomaly.events import decode_float
 from trainmon.anomaly.merge import RANK_DIR, StepRanges, analyse_run, bounded_int, find_files, parse_steps, printable
+from trainmon.base.inputs import find_runs, is_dir, rank_dirs_of, read_regular, runs_hint
 from trainmon.errors import UsageError
-from trainmon.inputs import find_runs, is_dir, rank_dirs_of, read_regular, runs_hint
-from trainmon.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders
+from trainmon.tools.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders
 
 if TYPE_CHECKING:
-    from trainmon.protocols import Subparsers
+    from trainmon.tools.command import Subparsers
 
 OUTPUT_NAME = "anomaly_analyse.json"
 MSPROBE_OUTPUT_NAME = "trainmon_anomaly_analyse.json"
@@ -157,5 +157,4 @@ def _refuse_foreign(target: Path) -> None:
                          f"{OUTPUT_NAME}?); it is left as it is: pass -o to write elsewhere")
 
 
-__all__ = ["MSPROBE_OUTPUT_NAME", "OUTPUT_NAME", "WRITTEN_BY", "StepRanges", "add_parser", "analyse_run",
-           "find_files", "format_table", "parse_steps", "run_cli"]
+__all__ = ["MSPROBE_OUTPUT_NAME", "OUTPUT_NAME", "WRITTEN_BY", "add_parser", "format_table", "run_cli"]

@@ -1,15 +1,15 @@
 """msprobe's names in trainmon's terms (framework-free): its squashed module and parameter names
 (:func:`squash_name`), the trainmon ``targets`` patterns of its ``targets`` keys
 (:func:`module_pattern`, :func:`param_pattern`) and the trainmon row of its target specs
-(:func:`trainmon_row_name`). :mod:`trainmon.msprobe` translates a whole config with them.
+(:func:`trainmon_row_name`). :mod:`trainmon.config.msprobe` translates a whole config with them.
 """
 
 from __future__ import annotations
 
 import re
 
-from trainmon.records import activation_row
-from trainmon.targets import OPTIONAL
+from trainmon.base.records import activation_row
+from trainmon.base.targets import OPTIONAL
 
 TARGET_SPEC = re.compile(r"tensor|tuple\[(\d+)\](?::(\d+))?")
 """msprobe's spec of a target's tensor: ``"tensor"`` or ``"tuple[n]:i"`` (element ``i`` of an ``n``-tuple)."""

@@ -8,26 +8,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmon import integrations
+from trainmon.base.records import StepRecord, build_record
+from trainmon.base.safe_io import write_json
 from trainmon.collect.buffer import HostStep, StepBuffer, Transfer
 from trainmon.collect.context import StepContext
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.stats import StatsSpec
+from trainmon.collect.stats_base import StatsSpec
 from trainmon.collect.struct import StructRecorder
-from trainmon.config import ConfigError, MonitorConfig, check_ranks
+from trainmon.config import ConfigError, MonitorConfig, check_ranks, family_metrics
 from trainmon.errors import AnomalyError
 from trainmon.integrations.base import Attachment, AttachOptions
-from trainmon.records import StepRecord, build_record, family_metrics
-from trainmon.rundir import default_run_name, run_json, unused_name, write_json
+from trainmon.runtime.lifecycle import StepLifecycle, part_of
+from trainmon.runtime.rundir import default_run_name, run_json, unused_name
+from trainmon.runtime.schedule import StepSchedule
 from trainmon.sinks import SinkWriter, build_sinks
-from trainmon.step_schedule import StepSchedule
-from trainmon.steps import StepLifecycle, part_of
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from trainmon.actions import HandOffAction
     from trainmon.anomaly.engine import AnomalyCallback, AnomalyEngine
-    from trainmon.dynamic import ConfigWatcher
-    from trainmon.protocols import HandOffAction, Model, Optimizer, Scalar
+    from trainmon.base.types import Model, Optimizer, Scalar
+    from trainmon.config.dynamic import ConfigWatcher
 
 logger = logging.getLogger("trainmon")
 
@@ -49,7 +51,7 @@ class Session:
         self.ctx = StepContext(specs=_specs(metrics, config.eps), metrics=metrics, step=self.options.start_step,
                                grad_acc_steps=self.options.grad_acc_steps)
         self.guard = self.ctx.guard
-        """Every hook's fail-safe guard (:mod:`trainmon.guard`): a part that raised is off from then on."""
+        """Every hook's fail-safe guard (:mod:`trainmon.base.guard`): a part that raised is off from then on."""
         self.actions: dict[str, HandOffAction] = {}
         self.in_flight: tuple[int, Transfer] | None = None
         """``async_results``: the collected step whose transfer has started and whose record is not made yet."""
@@ -87,7 +89,7 @@ class Session:
                            else None)
             if self.struct is not None:
                 self.struct.arm()
-            from trainmon.dynamic import ConfigWatcher
+            from trainmon.config.dynamic import ConfigWatcher
 
             self.watcher: ConfigWatcher | None = (ConfigWatcher(config_path, config.dynamic.poll_seconds)
                                                   if config.dynamic.watch and config_path else None)
@@ -151,12 +153,14 @@ class Session:
         if config.dump.enabled and _supports(self.framework, "dump"):
             from trainmon.actions.dump import TargetedDump
 
-            actions["dump"] = TargetedDump(root, self.rank_dir, config.dump)
+            actions["dump"] = TargetedDump(root, self.rank_dir, config.dump,
+                                            framework=integrations.actions_framework(root))
         if config.free_benchmark.enabled and _supports(self.framework, "free_benchmark"):
             from trainmon.actions.free_benchmark import FreeBenchmark
 
             actions["free_benchmark"] = FreeBenchmark(root, self.rank_dir, config.free_benchmark,
-                                                      rank=self.attachment.rank)
+                                                      rank=self.attachment.rank,
+                                                      framework=integrations.actions_framework(root))
         import torch
 
         for name, action in actions.items():

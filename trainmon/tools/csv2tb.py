@@ -1,9 +1,9 @@
 """``trainmon csv2tb``: convert a run's CSV files to TensorBoard event files (framework-free).
 
 Also reads msprobe's CSV output (``$MONITOR_OUTPUT_DIR/{time}-rank{R}-{id}/{family}_{a}-{b}.csv``, msprobe
-1.2 and 8.x-26.x layouts, see :mod:`trainmon.msprobe_output`) and says which layout it read. This module
+1.2 and 8.x-26.x layouts, see :mod:`trainmon.tools.msprobe_output`) and says which layout it read. This module
 finds the rank folders and writes the event files; reading and checking the CSV files is
-:mod:`trainmon.csv_reader`'s (its names are re-exported here).
+:mod:`trainmon.tools.readers`'s (its names are re-exported here).
 """
 
 from __future__ import annotations
@@ -14,24 +14,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainmon.csv_reader import (
-    MAX_FIELD,
-    CsvFormatError,
-    Table,
-    family_of,
-    read_scalars,
-    read_scalars_noting_layout,
-    read_table,
-)
+from trainmon.base.inputs import describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
+from trainmon.base.progress import Bar
+from trainmon.base.records import FAMILIES
 from trainmon.errors import UsageError
-from trainmon.inputs import describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
-from trainmon.msprobe_output import ANOMALY_FOLDER, rank_folders
-from trainmon.progress import Bar
-from trainmon.records import FAMILIES
 from trainmon.sinks import tensorboard as board
+from trainmon.tools.msprobe_output import ANOMALY_FOLDER, rank_folders
+from trainmon.tools.readers import (
+    CsvFormatError,
+    family_of,
+    read_scalars_noting_layout,
+)
 
 if TYPE_CHECKING:
-    from trainmon.protocols import Subparsers
+    from trainmon.tools.command import Subparsers
 
 _MSPROBE_FAMILIES = ("other", "param_origin", "param_updated")
 
@@ -195,4 +191,4 @@ def _anomaly_events(rank_dir: Path) -> list[dict[str, Any]]:
         return []
 
 
-__all__ = ["MAX_FIELD", "CsvFormatError", "Table", "add_parser", "convert", "family_of", "read_scalars", "read_table"]
+__all__ = ["add_parser", "convert"]

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import io
+import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import IO, Any
@@ -255,3 +258,51 @@ def write_atomic(path: Path, data: bytes, root: Path | None = None) -> None:
             raise
     finally:
         os.close(dir_fd)
+
+
+def write_json(path: Path, data: object, root: Path | None = None) -> None:
+    """Write JSON atomically (temp file + rename) so readers never see half a file.
+
+    Args:
+        path: the file.
+        data: anything ``json.dumps`` can write (other objects as ``str``).
+        root: the directory below which no symlink is followed (default: the file's directory);
+            a symlink at ``path`` itself is refused, never replaced or followed.
+
+    Raises:
+        OSError: the file cannot be written (:class:`UnsafePathError` for a symlink).
+    """
+    write_atomic(path, json.dumps(data, indent=1, default=str).encode("utf-8"), root=root)
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+_DOTS = re.compile(r"\.{2,}")
+MAX_FILE_NAME = 200
+"""Longest file name written (most file systems allow 255 bytes)."""
+
+
+def safe_file_name(name: str, suffix: str = "") -> str:
+    """A file name built from ``name`` that can only ever name a file in its own directory.
+
+    Characters outside ``[A-Za-z0-9_.-]`` (``/``, ``\\``, ``:``, NUL, spaces, ...) become ``_``,
+    runs of dots become ``_``, a leading dot is dropped, and the result is cut to
+    :data:`MAX_FILE_NAME` characters. When anything was changed, a short hash of the original
+    name is appended so two different names never share a file.
+
+    Example:
+        >>> safe_file_name("Module.layers.0.Linear.forward.0.input.0", ".pt")
+        'Module.layers.0.Linear.forward.0.input.0.pt'
+        >>> safe_file_name("../../etc/passwd").startswith("_")
+        True
+    """
+    cleaned = _DOTS.sub("_", _UNSAFE.sub("_", name)).lstrip(".") or "_"
+    limit = MAX_FILE_NAME - len(suffix)
+    if cleaned != name or len(cleaned) > limit:
+        digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+        cleaned = f"{cleaned[:limit - 11]}-{digest}"
+    return cleaned + suffix
+
+
+def is_within(base: Path, path: Path) -> bool:
+    """Whether ``path`` resolves to a location inside ``base`` (symlinks followed)."""
+    return path.resolve().is_relative_to(base.resolve())

@@ -1,6 +1,6 @@
 """What ``trainmon report`` shows, as one compact JSON-able dict (framework-free).
 
-Read with the CSV readers (:func:`trainmon.csv_reader.read_table`, the CSV files of trainmon or
+Read with the CSV readers (:func:`trainmon.tools.readers.read_table`, the CSV files of trainmon or
 msprobe) and ``analyse`` (:func:`trainmon.anomaly.merge.analyse_run`, every rank's ``anomalies.jsonl``).
 
 Heatmaps are module x step grids, one per (rank, family, metric), with at most ``max_columns``
@@ -25,9 +25,9 @@ from typing import Any, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from trainmon.csv2tb import rank_dirs
-from trainmon.csv_reader import CsvFormatError, Table, family_of, read_table
-from trainmon.inputs import open_regular
+from trainmon.base.inputs import open_regular
+from trainmon.tools.csv2tb import rank_dirs
+from trainmon.tools.readers import CsvFormatError, Table, family_of, read_table
 
 Ints: TypeAlias = "npt.NDArray[np.int64]"
 """Steps, bins and flat cell indices."""
@@ -49,7 +49,7 @@ def rank_of(folder: Path, default: int) -> int:
 
 
 def csv_files(run_dir: Path) -> dict[int, list[Path]]:
-    """``rank -> CSV files`` of a run (trainmon or msprobe layout; see :func:`trainmon.csv2tb.rank_dirs`).
+    """``rank -> CSV files`` of a run (trainmon or msprobe layout; see :func:`trainmon.tools.csv2tb.rank_dirs`).
 
     Raises:
         FileNotFoundError: not a run directory.
@@ -252,7 +252,7 @@ def read_families(files: list[Path], families: list[str] | None, on_file: Callab
 
 
 def read_probe_table(path: Path) -> Table:
-    """``grad_probe/grad_summary.csv`` as a :class:`~trainmon.csv_reader.Table` of its similarity columns."""
+    """``grad_probe/grad_summary.csv`` as a :class:`~trainmon.tools.readers.Table` of its similarity columns."""
     try:
         with open_regular(path, text=True, newline="") as handle:
             reader = csv.reader(handle)

@@ -12,13 +12,10 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
-if TYPE_CHECKING:
-    from trainmon.config import MonitorConfig
 
 METRICS: tuple[str, ...] = ("norm", "min", "max", "mean", "zeros", "nans", "infs")
 """Every metric a user may ask for, in canonical order."""
@@ -283,28 +280,6 @@ def finalize(partial: Sequence[float], metrics: Sequence[str]) -> tuple[dict[str
     nonfinite = bool(numel) and not (math.isfinite(lo) and math.isfinite(hi))
     nonfinite = nonfinite or bool(partial[NANS] > 0 or partial[INFS] > 0)
     return values, bool(nonfinite)
-
-
-def family_metrics(config: MonitorConfig) -> dict[str, list[str]]:
-    """``family -> metrics`` for every family the config turns on."""
-    out: dict[str, list[str]] = {}
-    a, w = config.activations, config.weight_grads
-    if a.enabled and a.forward:
-        out["actv"] = a.metrics
-    if a.enabled and a.backward:
-        out["actv_grad"] = a.metrics
-    if w.enabled and w.unreduced:
-        out["grad_unreduced"] = w.metrics
-    if w.enabled and w.reduced:
-        out["grad_reduced"] = w.metrics
-    if config.optimizer_states.enabled:
-        for state in config.optimizer_states.states:
-            out[state] = config.optimizer_states.metrics
-    if config.params.enabled:
-        out["param"] = config.params.metrics
-    if config.communication.enabled:
-        out["comm"] = config.communication.metrics
-    return {family: list(metrics) for family, metrics in out.items()}
 
 
 def finalize_many(partials: npt.ArrayLike) -> tuple[dict[str, list[float]], list[bool]]:

@@ -1,7 +1,7 @@
 """Typed monitor configuration, loaded from YAML, JSON, a dict or a :class:`MonitorConfig`.
 
 Each section is a dataclass with a docstring per field; each field's rules (choices, range, a check of
-its own) sit in its :func:`~trainmon.schema.setting`, and :mod:`trainmon.schema` applies them. Unknown
+its own) sit in its :func:`~trainmon.base.schema.setting`, and :mod:`trainmon.base.schema` applies them. Unknown
 keys, wrong types and out-of-range values fail at construction with the dotted key and what is allowed.
 ``docs/config.md`` is generated from these docstrings (``python -m trainmon.config > docs/config.md``).
 """
@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainmon import config_doc
 from trainmon.anomaly.detectors import check_specs
-from trainmon.config_files import read_config_file
+from trainmon.base.records import METRICS
+from trainmon.base.schema import each, load, setting, short
+from trainmon.base.targets import check_pattern
+from trainmon.config import reference
+from trainmon.config.files import read_config_file
 from trainmon.errors import ConfigError
-from trainmon.records import METRICS
-from trainmon.schema import each, load, setting, short
-from trainmon.targets import check_pattern
 
 __all__ = ["ConfigError", "MonitorConfig", "check_ranks", "config_reference", "load_config"]
 
@@ -50,12 +50,12 @@ MAX_DUMP_DEPTH = 64
 
 
 def _metrics() -> Any:
-    """The ``metrics`` field of a section: any of :data:`~trainmon.records.METRICS`, each once; default all."""
+    """The ``metrics`` field of a section: any of :data:`~trainmon.base.records.METRICS`, each once; default all."""
     return setting(list(METRICS), choices=METRICS, unique=True)
 
 
 def _patterns(default: list[str]) -> Any:
-    """A list of name patterns (:mod:`trainmon.targets`), each checked at construction."""
+    """A list of name patterns (:mod:`trainmon.base.targets`), each checked at construction."""
     return setting(default, check=each(check_pattern))
 
 
@@ -387,9 +387,28 @@ def load_config(source: MonitorConfig | Mapping[str, Any] | str | Path | None) -
 
 
 def config_reference() -> str:
-    """docs/config.md: every section and field of :class:`MonitorConfig` (:func:`trainmon.config_doc.reference`)."""
-    return config_doc.reference(MonitorConfig, "python -m trainmon.config > docs/config.md")
+    """docs/config.md: every section and field of :class:`MonitorConfig` (:func:`.reference.reference`)."""
+    return reference.reference(MonitorConfig, "python -m trainmon.config > docs/config.md")
 
 
-if __name__ == "__main__":  # pragma: no cover
-    print(config_reference())
+def family_metrics(config: MonitorConfig) -> dict[str, list[str]]:
+    """``family -> metrics`` for every family the config turns on."""
+    out: dict[str, list[str]] = {}
+    a, w = config.activations, config.weight_grads
+    if a.enabled and a.forward:
+        out["actv"] = a.metrics
+    if a.enabled and a.backward:
+        out["actv_grad"] = a.metrics
+    if w.enabled and w.unreduced:
+        out["grad_unreduced"] = w.metrics
+    if w.enabled and w.reduced:
+        out["grad_reduced"] = w.metrics
+    if config.optimizer_states.enabled:
+        for state in config.optimizer_states.states:
+            out[state] = config.optimizer_states.metrics
+    if config.params.enabled:
+        out["param"] = config.params.metrics
+    if config.communication.enabled:
+        out["comm"] = config.communication.metrics
+    return {family: list(metrics) for family, metrics in out.items()}
+

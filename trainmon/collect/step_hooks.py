@@ -1,7 +1,7 @@
 """Step hooks for framework objects: :class:`StepWrapper` (pre/post hooks on one instance's ``step``:
 a ``DeepSpeedEngine``, a Megatron optimizer), :class:`ScalerHooks` (a torch ``GradScaler``'s
 ``update()``), and the two helpers the collectors share (:func:`unwrap_optimizer`, :func:`scale_of`).
-The step model that uses them is :mod:`trainmon.steps`.
+The step model that uses them is :mod:`trainmon.runtime.lifecycle`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
-    from trainmon.protocols import GradScaler, Optimizer
+    from trainmon.base.types import GradScaler, Optimizer
 
 logger = logging.getLogger("trainmon")
 

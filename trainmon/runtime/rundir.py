@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import platform
 import time
@@ -11,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from trainmon.config import MonitorConfig
-from trainmon.safe_io import write_atomic
 from trainmon.version import __version__
 
 logger = logging.getLogger("trainmon")
@@ -31,21 +29,6 @@ def run_json(config: MonitorConfig, world_size: int, framework: str, versions: d
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": dataclasses.asdict(config),
     }
-
-
-def write_json(path: Path, data: object, root: Path | None = None) -> None:
-    """Write JSON atomically (temp file + rename) so readers never see half a file.
-
-    Args:
-        path: the file.
-        data: anything ``json.dumps`` can write (other objects as ``str``).
-        root: the directory below which no symlink is followed (default: the file's directory);
-            a symlink at ``path`` itself is refused, never replaced or followed.
-
-    Raises:
-        OSError: the file cannot be written (:class:`~trainmon.safe_io.UnsafePathError` for a symlink).
-    """
-    write_atomic(path, json.dumps(data, indent=1, default=str).encode("utf-8"), root=root)
 
 
 def unused_name(directory: Path, stem: str, suffix: str, tag: str) -> Path:

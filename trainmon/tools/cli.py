@@ -12,31 +12,17 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn, cast
+from typing import TYPE_CHECKING, cast
 
-from trainmon import __version__
 from trainmon.errors import UsageError
+from trainmon.tools.command import CommandParser, one_line
+from trainmon.version import __version__
 
 if TYPE_CHECKING:
-    from trainmon.protocols import Subcommand
+    from trainmon.tools.command import Subcommand
 
-_SUBCOMMANDS = ("trainmon.csv2tb", "trainmon.anomaly.analyse", "trainmon.probe.compare", "trainmon.report")
-
-
-_CONTROL = {code: f"\\x{code:02x}" for code in (*range(32), 127)}
-
-
-def one_line(text: str) -> str:
-    """``text`` with newlines and other control characters escaped (``\\x0a``): an error stays one
-    line, and a file or path name cannot send escape sequences to the terminal."""
-    return text.translate(_CONTROL)
-
-
-class CommandParser(argparse.ArgumentParser):
-    """argparse with a one-line error (argparse prints the usage first; ``--help`` still shows it)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+_SUBCOMMANDS = ("trainmon.tools.csv2tb", "trainmon.tools.analyse", "trainmon.tools.grad_compare",
+                "trainmon.tools.report")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 141
+
+
+if TYPE_CHECKING:  # read by mypy only: each subcommand module satisfies the protocol (never imported at run time)
+    from trainmon.tools import analyse, csv2tb, grad_compare, report
+
+    _SUBCOMMAND_MODULES: tuple[Subcommand, ...] = (csv2tb, analyse, grad_compare, report)
 
 
 if __name__ == "__main__":  # pragma: no cover

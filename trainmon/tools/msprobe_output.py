@@ -25,8 +25,8 @@ from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Any
 
-from trainmon.inputs import is_dir, read_regular
-from trainmon.records import ACTIVATION_KINDS, activation_row
+from trainmon.base.inputs import is_dir, read_regular
+from trainmon.base.records import ACTIVATION_KINDS, activation_row
 
 RANK_FOLDER = re.compile(r"([\w-]{0,20})-rank(\d{1,5})-.*")
 """msprobe's per-rank output folder (``OUTPUT_DIR_PATTERN`` in msprobe's constants)."""
@@ -217,7 +217,7 @@ def _number(text: str) -> float | str:
 
 def analyse_msprobe(folder: Path, files: list[Path], top: int, steps: Container[int] | None = None) -> dict[str, Any]:
     """``trainmon analyse`` of msprobe's ``anomaly.json`` files: the result of
-    :func:`trainmon.anomaly.analyse.analyse_run`, ordered by msprobe's own rule (its
+    :func:`trainmon.anomaly.merge.analyse_run`, ordered by msprobe's own rule (its
     ``GradAnomalyData.__lt__``: step, micro-step, train stage, pipeline position, call id)."""
     events: list[dict[str, Any]] = []
     corrupt: list[dict[str, Any]] = []

@@ -1,5 +1,5 @@
 """The value types msprobe accepts in its monitor config (``validate_config`` of the ``mindstudio-probe``
-wheel), checked before :mod:`trainmon.msprobe` translates a config (framework-free): :func:`check_types`
+wheel), checked before :mod:`trainmon.config.msprobe` translates a config (framework-free): :func:`check_types`
 rejects what msprobe rejects, :data:`KNOWN_KEYS` names every top-level key msprobe knows.
 """
 
