@@ -24,7 +24,8 @@ fi
 # (the trainmon command is the sign of trainmon's install: `import trainmon` would also find ./trainmon)
 if [ ! -x "$VENV/bin/trainmon" ] || ! "$VENV/bin/python" -c "import tensorboard, crc32c" 2>/dev/null; then
   say "installing trainmon (editable) and tensorboard into $VENV"
-  "$VENV/bin/pip" install -q -c constraints.txt -e ".[view,fast-tensorboard]"
+  # compat: importable from any folder, also the one holding a clone named trainmon (see scripts/setup.sh)
+  "$VENV/bin/pip" install -q -c constraints.txt --config-settings editable_mode=compat -e ".[view,fast-tensorboard]"
 fi
 say "$VENV is ready ($("$VENV/bin/python" -c 'import torch, trainmon; print(f"torch {torch.__version__}, trainmon {trainmon.__version__}")'))"
 exec "$VENV/bin/python" examples/demo.py "$@"

@@ -23,7 +23,10 @@ if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split(
 fi
 # The constraints file keeps torch at 2.13.0 for every package that asks for torch; constraints.txt adds
 # numpy<2 (MindSpore), constraints-np2.txt numpy>=2 and pandas>=3.
-"$VENV/bin/pip" install -q -c "$CONSTRAINTS" "${PACKAGES[@]}"
+# editable_mode=compat: the checkout goes on sys.path through a .pth file, so `import trainmon` finds the package
+# even from the folder that holds a clone named trainmon (setuptools' default editable finder comes after the
+# path finder there, and the clone folder itself would be imported as an empty namespace package).
+"$VENV/bin/pip" install -q -c "$CONSTRAINTS" --config-settings editable_mode=compat "${PACKAGES[@]}"
 
 # Chromium, for the browser test of `trainmon report` (tests/integration/test_report_browser.py skips without
 # it): Debian's package, installed once where apt-get is available; a failure only says so.
