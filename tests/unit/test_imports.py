@@ -175,11 +175,12 @@ FLOORS: list[tuple[str, ...]] = [
 ]
 
 # Deprecated aliases kept for one release: modules at an old import path that re-export the new one.
-ALIASES = {
+CALLBACK_ALIASES = {
     "trainmon.integrations.hf": "trainmon.trainers.hf",
     "trainmon.integrations.lightning": "trainmon.trainers.lightning",
     "trainmon.integrations.mindspore.callback": "trainmon.trainers.mindspore",
 }
+ALIASES = {**CALLBACK_ALIASES, "trainmon.anomaly.analyse": "trainmon.anomaly.merge"}
 
 FLOOR_OF = {room: floor for floor, rooms in enumerate(FLOORS) for room in rooms}
 
@@ -226,7 +227,7 @@ def test_aliases_are_deprecated_re_exports():
         assert "DeprecationWarning" in source and target in source, alias
 
 
-@pytest.mark.parametrize("old", sorted(ALIASES))
+@pytest.mark.parametrize("old", sorted(CALLBACK_ALIASES))
 def test_old_callback_paths_warn_and_give_the_same_callback(old):
     """The HF, Lightning and MindSpore callbacks' old import paths still work for one release, with a warning."""
     try:
@@ -280,3 +281,13 @@ def test_only_the_package_faces_re_export():
                 names = [element.value for element in ast.walk(node.value) if isinstance(element, ast.Constant)]
                 found += [f"{module_name(path)}: {name}" for name in names if name in imported and name not in defined]
     assert not found, "names re-exported outside the package faces:\n" + "\n".join(found)
+
+
+def test_the_documented_analyse_run_path_warns_and_gives_the_same_function():
+    """``trainmon.anomaly.analyse.analyse_run`` (documented before the re-rooming) still works for one release."""
+    from trainmon.anomaly.merge import analyse_run
+
+    sys.modules.pop("trainmon.anomaly.analyse", None)
+    with pytest.warns(DeprecationWarning, match="trainmon.anomaly.merge"):
+        alias = importlib.import_module("trainmon.anomaly.analyse")
+    assert alias.analyse_run is analyse_run
