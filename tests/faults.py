@@ -57,7 +57,7 @@ FAULTS: dict[str, Fault] = {
     # DeepSpeed: the engine's step wrapper (ZeRO shards' statistics)
     "engine_step": Fault("trainmon.integrations.deepspeed", "DeepSpeedShardCollector", "_pre_step", "weights"),
     # FSDP2: the forward pre-hook that finds the unsharded parameters
-    "fsdp_unsharded": Fault("trainmon.integrations.fsdp_unsharded", "UnshardedGradHooks", "_pre_forward", "weights",
+    "fsdp_unsharded": Fault("trainmon.integrations.fsdp.unsharded", "UnshardedGradHooks", "_pre_forward", "weights",
                             factory=True),
     # FSDP2: the optimizer's step post-hook (sharded optimizer states)
     "fsdp_post_step": Fault("trainmon.integrations.fsdp", "FSDPOptimizerCollector", "_post_step", "weights"),
@@ -65,10 +65,10 @@ FAULTS: dict[str, Fault] = {
     "engine_step_end": Fault("trainmon.integrations.deepspeed", "DeepSpeedShardCollector", "before_transfer",
                              "weights"),
     # Megatron-Core: the distributed optimizer's step pre-hook, a main_grad accumulation hook, the end of the step
-    "megatron_step": Fault("trainmon.integrations.megatron_collect", "MegatronParamCollector", "_pre_step", "weights"),
-    "megatron_grad_hook": Fault("trainmon.integrations.megatron_collect", "MegatronParamCollector", "_grad_hook",
+    "megatron_step": Fault("trainmon.integrations.megatron.collect", "MegatronParamCollector", "_pre_step", "weights"),
+    "megatron_grad_hook": Fault("trainmon.integrations.megatron.collect", "MegatronParamCollector", "_grad_hook",
                                 "weights", factory=True),
-    "megatron_step_end": Fault("trainmon.integrations.megatron_collect", "MegatronParamCollector", "before_transfer",
+    "megatron_step_end": Fault("trainmon.integrations.megatron.collect", "MegatronParamCollector", "before_transfer",
                                "weights"),
     # MindSpore: a cell's forward hook (actv) and the optimizer cell's forward pre-hook
     "mindspore_forward": Fault("trainmon.collect.grouped", "GroupedRows", "record", "activations",

@@ -199,7 +199,7 @@ def _fake_engine(slices: int = 1, checkpoint_interval: int = 0) -> SimpleNamespa
 ])
 def test_unsupported_pipeline_set_ups_are_refused_with_the_alternative(engine, config, words):
     from trainmon.config import load_config
-    from trainmon.integrations.deepspeed_pipe import refusal
+    from trainmon.integrations.deepspeed.pipe import refusal
 
     reason = refusal(engine, load_config(config))
     assert reason is not None and all(word in reason for word in words), reason
@@ -207,7 +207,7 @@ def test_unsupported_pipeline_set_ups_are_refused_with_the_alternative(engine, c
 
 def test_checkpointing_without_activations_is_accepted():
     from trainmon.config import load_config
-    from trainmon.integrations.deepspeed_pipe import refusal
+    from trainmon.integrations.deepspeed.pipe import refusal
 
     assert refusal(_fake_engine(checkpoint_interval=1), load_config({})) is None
 

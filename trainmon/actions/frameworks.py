@@ -2,8 +2,8 @@
 
 The dump, the free benchmark and the non-finite localiser are written once against
 :class:`Framework`; :class:`TorchFramework` serves plain torch, DDP and DeepSpeed models; the
-integrations subclass or implement it for their framework (``trainmon.integrations.megatron_actions.MegatronFramework``
-for Megatron-Core chunks, ``trainmon.integrations.fsdp_actions.FSDPFramework`` for FSDP2 models,
+integrations subclass or implement it for their framework (``trainmon.integrations.megatron.actions.MegatronFramework``
+for Megatron-Core chunks, ``trainmon.integrations.fsdp.actions.FSDPFramework`` for FSDP2 models,
 ``trainmon.integrations.mindspore.actions.MindSporeFramework`` for MindSpore cells), and
 :func:`trainmon.integrations.actions_framework` picks one from the model. The actions never import an integration:
 the adapter is handed to them.

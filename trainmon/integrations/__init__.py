@@ -23,7 +23,7 @@ def framework_of(model: Model) -> str:
         if any(m.split(".")[0] == framework for m in modules):
             return framework
     if "torch.distributed.fsdp" in sys.modules:  # an FSDP module can exist only once torch imported it
-        from trainmon.integrations.fsdp_layout import contains_fsdp
+        from trainmon.integrations.fsdp.layout import contains_fsdp
 
         if contains_fsdp(first):
             return "fsdp"
@@ -40,11 +40,11 @@ def actions_framework(model: Model) -> Framework:
 
         return MindSporeFramework()
     if framework == "fsdp":
-        from trainmon.integrations.fsdp_actions import FSDPFramework
+        from trainmon.integrations.fsdp.actions import FSDPFramework
 
         return FSDPFramework(model[0] if isinstance(model, (list, tuple)) and model else model)
     if framework == "megatron":
-        from trainmon.integrations.megatron_actions import MegatronFramework
+        from trainmon.integrations.megatron.actions import MegatronFramework
 
         return MegatronFramework()
     from trainmon.actions.frameworks import TorchFramework

@@ -42,7 +42,7 @@ from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from trainmon import TrainerMonitor  # noqa: E402
-from trainmon.integrations.megatron_collect import MegatronParamCollector  # noqa: E402
+from trainmon.integrations.megatron.collect import MegatronParamCollector  # noqa: E402
 
 CASES = {
     "tp1": dict(tp=1, pp=1),

@@ -40,7 +40,7 @@ from trainmon.integrations.base import (
     select_modules,
     select_params,
 )
-from trainmon.integrations.deepspeed_shards import ShardLayout, layout_for
+from trainmon.integrations.deepspeed.shards import ShardLayout, layout_for
 
 if TYPE_CHECKING:
     from trainmon.base.types import DeepSpeedParameter
@@ -299,13 +299,13 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
 
 
 def _attach_pipeline(ctx: StepContext, config: MonitorConfig, engine: Any, options: AttachOptions) -> Attachment:
-    """Build the collectors for a ``PipelineEngine`` (see :mod:`trainmon.integrations.deepspeed_pipe`).
+    """Build the collectors for a ``PipelineEngine`` (see :mod:`trainmon.integrations.deepspeed.pipe`).
 
     Raises:
-        PipelineSetupError: a set-up trainmon cannot monitor exactly (see :func:`deepspeed_pipe.refusal`).
+        PipelineSetupError: a set-up trainmon cannot monitor exactly (see :func:`.pipe.refusal`).
         TargetError: a target pattern matches no module or parameter of this stage.
     """
-    from trainmon.integrations import deepspeed_pipe
+    from trainmon.integrations.deepspeed import pipe as deepspeed_pipe
 
     reason = deepspeed_pipe.refusal(engine, config)
     if reason is not None:

@@ -1,7 +1,7 @@
 """FSDP2 layouts: which models are FSDP, and the one shard group the parameters are sharded over.
 
 Used by the FSDP integration (:mod:`trainmon.integrations.fsdp`), its grad probe
-(:mod:`trainmon.integrations.fsdp_probe`) and the anomaly actions' framework choice; imports nothing
+(:mod:`trainmon.integrations.fsdp.probe`) and the anomaly actions' framework choice; imports nothing
 of ``torch.distributed`` until a model is checked.
 """
 

@@ -30,7 +30,7 @@ from trainmon.integrations.base import (
     select_modules,
     select_params,
 )
-from trainmon.integrations.megatron_collect import (
+from trainmon.integrations.megatron.collect import (
     GroupLayout,
     MainParam,
     MegatronActivationCollector,

@@ -12,7 +12,7 @@ import torch
 
 from trainmon.actions.frameworks import TorchFramework
 from trainmon.integrations.megatron import unwrap
-from trainmon.integrations.megatron_collect import unreduced_grad
+from trainmon.integrations.megatron.collect import unreduced_grad
 
 
 class MegatronFramework(TorchFramework):

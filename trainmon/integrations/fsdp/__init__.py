@@ -4,7 +4,7 @@ What is measured where (see ``docs/fsdp.md``):
 
 - ``actv`` / ``actv_grad``: module hooks, as for plain torch (FSDP2 keeps the user's module names).
 - ``grad_unreduced``: this rank's own full gradient, before FSDP reduce-scatters it, from
-  post-accumulate-grad hooks on the *unsharded* parameters (:mod:`trainmon.integrations.fsdp_unsharded`:
+  post-accumulate-grad hooks on the *unsharded* parameters (:mod:`trainmon.integrations.fsdp.unsharded`:
   found by a forward pre-hook of each FSDP module, or from FSDP2's records for FSDP modules that run
   compiled, which get no hook of trainmon's).
 - ``grad_reduced``, ``param``, optimizer states (Adam ``exp_avg``/``exp_avg_sq``, ``update``,
@@ -17,7 +17,7 @@ What is measured where (see ``docs/fsdp.md``):
   that ``ranks`` selects. HSDP (a 2-D replicate x shard mesh): combined over the shard dimension
   only, i.e. once per replica (replicas hold identical values after FSDP's all-reduce).
 
-- ``grad_probe``: :mod:`trainmon.integrations.fsdp_probe` (the local shards' partials and sign bits,
+- ``grad_probe``: :mod:`trainmon.integrations.fsdp.probe` (the local shards' partials and sign bits,
   one gather per collected step).
 
 Layouts other than ``Shard(d)`` on one mesh dimension (FSDP) or ``(Replicate(), Shard(d))``
@@ -48,9 +48,9 @@ from trainmon.integrations.base import (
     select_modules,
     select_params,
 )
-from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, local_shard, shard_group_of
-from trainmon.integrations.fsdp_unsharded import GROUP as UNSHARDED
-from trainmon.integrations.fsdp_unsharded import UnshardedGradHooks, fsdp_modules, unsharded_owners
+from trainmon.integrations.fsdp.layout import FSDPLayoutError, ShardGroup, local_shard, shard_group_of
+from trainmon.integrations.fsdp.unsharded import GROUP as UNSHARDED
+from trainmon.integrations.fsdp.unsharded import UnshardedGradHooks, fsdp_modules, unsharded_owners
 from trainmon.integrations.torch import OutsideCompiled, refuse_root_compiled_in_place, unwrap_model
 
 if TYPE_CHECKING:
@@ -299,7 +299,7 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         chosen = select_params(params, config, param_aliases)
     probe_collector = None
     if probe and shards is not None:  # its layout check may raise: before any other collector exists
-        from trainmon.integrations.fsdp_probe import fsdp_grad_probe
+        from trainmon.integrations.fsdp.probe import fsdp_grad_probe
 
         probe_collector = fsdp_grad_probe(ctx, config, chosen, optimizer, registry, shards)
     if weights and shards is not None:

@@ -21,7 +21,7 @@ import torch
 
 from trainmon.base import process_groups
 from trainmon.collect.optimizer import optimizer_parts
-from trainmon.integrations.fsdp_layout import FSDPLayoutError, ShardGroup, local_shard
+from trainmon.integrations.fsdp.layout import FSDPLayoutError, ShardGroup, local_shard
 from trainmon.probe.shards import ShardSpec
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 def shard_spec(param: torch.Tensor, shards: ShardGroup) -> ShardSpec:
     """Which block of the whole parameter this rank's shard is (its last placement is ``Shard(d)``,
-    checked by :func:`trainmon.integrations.fsdp_layout.shard_group_of`).
+    checked by :func:`trainmon.integrations.fsdp.layout.shard_group_of`).
 
     Raises:
         FSDPLayoutError: the local shard is not the block ``torch.chunk`` gives this rank (a layout
