@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,12 +35,11 @@ from transformers import Trainer, TrainerCallback
 
 from trainmon.collect.step_hooks import unwrap_optimizer
 from trainmon.config import MonitorConfig
-from trainmon.errors import ConfigError, UnsupportedSetupError
+from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations import framework_of
 from trainmon.integrations.losses import output_loss
 from trainmon.monitor import TrainerMonitor
-
-logger = logging.getLogger("trainmon")
+from trainmon.trainers.attaching import attach_or_train_on
 
 
 class TrainmonCallback(TrainerCallback):
@@ -72,16 +70,7 @@ class TrainmonCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
-        self._release()
-        try:
-            self._attach(args, state, model, optimizer)
-        except (ConfigError, UnsupportedSetupError):
-            self._release()
-            raise  # a refusal: the message says what to change
-        except Exception as exc:
-            self._release()
-            logger.warning("trainmon: could not attach to this Trainer (%s: %s); training goes on without the "
-                           "monitor", type(exc).__name__, exc)
+        attach_or_train_on(lambda: self._attach(args, state, model, optimizer), self._release, "this Trainer")
 
     def _attach(self, args: Any, state: Any, model: Any, optimizer: Any) -> None:
         trainer = _calling_trainer()

@@ -27,7 +27,6 @@ Lightning is imported only when this module is (``lightning``, else ``pytorch_li
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,14 +34,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainmon.config import MonitorConfig
-from trainmon.errors import ConfigError, UnsupportedSetupError
 from trainmon.integrations.losses import output_loss
 from trainmon.monitor import TrainerMonitor
+from trainmon.trainers.attaching import attach_or_train_on
 
 if TYPE_CHECKING:
     from trainmon.runtime.lifecycle import StepLifecycle
 
-logger = logging.getLogger("trainmon")
 
 try:
     from lightning.pytorch import Callback
@@ -73,16 +71,7 @@ class TrainmonCallback(Callback):
 
     # ------------------------------------------------------------------ lifecycle
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._release()
-        try:
-            self._attach(trainer, pl_module)
-        except (ConfigError, UnsupportedSetupError):
-            self._release()
-            raise  # a refusal: the message says what to change
-        except Exception as exc:
-            self._release()
-            logger.warning("trainmon: could not attach to this Lightning run (%s: %s); training goes on "
-                           "without the monitor", type(exc).__name__, exc)
+        attach_or_train_on(lambda: self._attach(trainer, pl_module), self._release, "this Lightning run")
 
     def _attach(self, trainer: Any, pl_module: Any) -> None:
         optimizers = list(trainer.optimizers)

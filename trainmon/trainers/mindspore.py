@@ -19,18 +19,15 @@ only when this module is.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from mindspore.train import Callback
 
 from trainmon.config import MonitorConfig
-from trainmon.errors import ConfigError, UnsupportedSetupError
 from trainmon.integrations.mindspore import unwrap_training_cell
 from trainmon.monitor import TrainerMonitor
-
-logger = logging.getLogger("trainmon")
+from trainmon.trainers.attaching import attach_or_train_on
 
 
 class TrainmonCallback(Callback):  # type: ignore[misc]  # mindspore is untyped
@@ -60,16 +57,7 @@ class TrainmonCallback(Callback):  # type: ignore[misc]  # mindspore is untyped
             ConfigError, UnsupportedSetupError: a refusal (graph mode, say), before the first step; any other
                 failure to attach is warned about and the training goes on without the monitor.
         """
-        self._release()
-        try:
-            self._attach(run_context)
-        except (ConfigError, UnsupportedSetupError):
-            self._release()
-            raise  # a refusal: the message says what to change
-        except Exception as exc:
-            self._release()
-            logger.warning("trainmon: could not attach to this Model (%s: %s); training goes on without the "
-                           "monitor", type(exc).__name__, exc)
+        attach_or_train_on(lambda: self._attach(run_context), self._release, "this Model")
 
     def _attach(self, run_context: Any) -> None:
         args = run_context.original_args()
