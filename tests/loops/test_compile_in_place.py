@@ -17,7 +17,7 @@ from tests.loops.common import assert_rows_match, config, data, rows, scalars
 from tests.reference import METRICS, np_stats
 from tests.torchtitan_optimizer import OptimizersContainer
 from trainmon import TrainerMonitor
-from trainmon.collect.optimizer import OptimizerContainerError
+from trainmon.collect.optimizer_parts import OptimizerContainerError
 from trainmon.integrations.torch import CompiledRootError
 
 ACTIVATIONS = {"enabled": True, "metrics": ["norm", "max"]}

@@ -12,7 +12,8 @@ from trainmon.base import process_groups
 from trainmon.base.targets import plain_name
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.optimizer import TorchOptimizerCollector, optimizer_parts, state_holder
+from trainmon.collect.optimizer import TorchOptimizerCollector
+from trainmon.collect.optimizer_parts import optimizer_parts, state_holder
 from trainmon.collect.step_hooks import unwrap_optimizer
 from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations.base import (

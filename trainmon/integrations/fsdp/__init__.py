@@ -37,7 +37,8 @@ from trainmon.base import process_groups
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.adam import adam_partials_cpu, adam_update, update_ratio
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.optimizer import TorchOptimizerCollector, global_grad_norm, param_groups_of, states_of
+from trainmon.collect.optimizer import TorchOptimizerCollector, global_grad_norm
+from trainmon.collect.optimizer_parts import param_groups_of, states_of
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.collect.step_hooks import scale_of, unwrap_optimizer
 from trainmon.integrations.base import (

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from trainmon.base import process_groups
-from trainmon.collect.optimizer import optimizer_parts
+from trainmon.collect.optimizer_parts import optimizer_parts
 from trainmon.integrations.fsdp.layout import FSDPLayoutError, ShardGroup, local_shard
 from trainmon.probe.shards import ShardSpec
 
