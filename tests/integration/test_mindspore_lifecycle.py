@@ -377,3 +377,27 @@ def test_one_host_transfer_per_collected_step_and_none_otherwise(tmp_path: Path,
             assert len(calls) > 1 and set(calls) == {"asnumpy"}, calls
             assert {place for place in places[1:]} <= {("host_view", True), ("host_scalar", True)}, places
     assert len(read_family(tmp_path / "run" / "rank0", "update")) == 2 * 4  # the collected steps were measured
+
+
+def test_the_loss_of_every_step_reaches_the_detectors(tmp_path: Path) -> None:
+    """A NaN loss on a step that is not collected is reported with its step; its value comes to the host
+    with the next collected step's one transfer (no read of its own)."""
+    ms.set_seed(0)
+    net = Mlp()
+    opt = nn.Adam(net.trainable_params(), learning_rate=1e-2)
+    seen: list = []
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": "run", "step_interval": 4,
+                              "anomaly": {"actions": ["callback"]}})
+    monitor.on_anomaly(seen.append)
+    monitor.attach(net, opt)
+    grad_fn = ms.value_and_grad(lambda x, y: nn.MSELoss()(net(x), y), None, opt.parameters)
+    reads = []
+    for step in range(7):
+        with _HostTransferCounter() as counter:
+            loss, grads = grad_fn(*_fixed_data(step))
+            opt(grads)
+            monitor.step(loss=loss * float("nan") if step in (2, 5) else loss)
+        reads.append(len(counter.calls))
+    monitor.close()
+    assert [(e.step, e.name) for e in seen if e.detector == "nonfinite"] == [(2, "loss"), (5, "loss")]
+    assert reads[1] == reads[2] == reads[3] == reads[5] == reads[6] == 0, reads

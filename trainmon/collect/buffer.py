@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,6 +36,7 @@ class Buffer(Protocol):
     keys: list[RowKey]
     partials: list[Any]
     scalar_names: list[str]
+    scalar_values: list[Any]
     host_scalars: dict[str, float]
 
     def next_order(self) -> int: ...
@@ -183,6 +185,8 @@ def device_module(device_type: str) -> Any:
 
 def _copy_to_host(tensor: torch.Tensor, wait: bool) -> tuple[torch.Tensor, Any]:
     """``(host tensor, event or None)``: a copy started on the device's stream, or made now."""
+    if tensor.device.type == "cpu" and not wait:
+        return tensor, None  # on the host already (a fresh tensor: the entries were concatenated or stacked)
     if tensor.device.type == "cpu" or wait:
         return tensor.cpu(), None  # sync (on a device): the one device-to-host transfer of the step
     module = events_module(tensor.device.type)
@@ -224,6 +228,10 @@ class Transfer:
     scalar_names: list[list[str]]
     host_scalars: dict[str, float]
 
+    def done(self) -> bool:
+        """Whether every copy has ended (asks the devices' events; never waits)."""
+        return all(event is None or event.query() for *_, event in self.copies)
+
     def result(self) -> HostStep:
         """The host copy (waits for the copies' events only, which have long ended one step later)."""
         pieces: list[npt.NDArray[np.float32]] = [np.empty(0, np.float32)] * sum(len(c[0]) for c in self.copies)
@@ -240,3 +248,73 @@ class Transfer:
         for names, piece in zip(self.scalar_names, pieces[n_blocks:]):
             scalars.update((name, float(value)) for name, value in zip(names, piece))
         return HostStep(self.keys, partials, scalars)
+
+
+class PendingScalars:
+    """The scalars given to ``step()`` on steps that are not collected, on their way to the anomaly detectors
+    without a host synchronisation.
+
+    Each such step's scalars go into a buffer of their own whose copy to the host starts at once without
+    waiting for the device (pinned memory and an event, as ``async_results`` does; on the CPU the values
+    are simply there). :meth:`take` hands over, oldest first, the steps whose copy has ended, asking the
+    events only; at a collected step (which synchronises anyway) it hands over all of them. A buffer that
+    cannot copy without waiting (MindSpore's) waits for the next collected step, whose one transfer takes
+    its values along (:meth:`merge_into`, :meth:`split_from`).
+
+    Args:
+        make_buffer: makes one step's buffer (``StepContext.buffer_factory``).
+        limit: at most this many steps wait; an older one is then finished (waiting for its copy only).
+    """
+
+    def __init__(self, make_buffer: Callable[[], Buffer], limit: int = 1024) -> None:
+        self._make = make_buffer
+        self._limit = limit
+        self._queue: deque[tuple[int, Transfer | Buffer | dict[str, float]]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, step: int, scalars: Mapping[str, Any]) -> None:
+        """Start moving one uncollected step's scalars to the host (device tensors or numbers; no sync)."""
+        buffer = self._make()
+        for name, value in scalars.items():
+            buffer.add_scalar(name, value)
+        self._queue.append((step, buffer.start_transfer() if isinstance(buffer, StepBuffer) else buffer))
+
+    def merge_into(self, buffer: Buffer) -> None:
+        """Add the values of the steps that wait for a collected step to that step's ``buffer``, before its
+        transfer (under reserved names that :meth:`split_from` takes out of the result)."""
+        for step, pending in self._queue:
+            if not isinstance(pending, (Transfer, dict)):
+                for name, value in zip(pending.scalar_names, pending.scalar_values, strict=True):
+                    buffer.add_scalar(f"{_MERGED}{step}/{name}", value)
+                for name, number in pending.host_scalars.items():
+                    buffer.add_scalar(f"{_MERGED}{step}/{name}", number)
+
+    def split_from(self, host: HostStep) -> None:
+        """Take the values :meth:`merge_into` added out of a collected step's ``host`` result."""
+        merged: dict[int, dict[str, float]] = {}
+        for key in [key for key in host.scalars if key.startswith(_MERGED)]:
+            step, name = key[len(_MERGED):].split("/", 1)
+            merged.setdefault(int(step), {})[name] = host.scalars.pop(key)
+        if merged:
+            self._queue = deque((step, merged.get(step, {}) if not isinstance(pending, (Transfer, dict)) else pending)
+                                for step, pending in self._queue)
+
+    def take(self, before: float = 0) -> Iterator[tuple[int, dict[str, float]]]:
+        """``(step, scalars)`` of the waiting steps, oldest first: every step before ``before`` (waiting for its
+        copy only, if it has not ended), then those whose copy has ended. ``math.inf``: all of them."""
+        queue = self._queue
+        while queue:
+            step, pending = queue[0]
+            if not (step < before or len(queue) > self._limit or isinstance(pending, dict)
+                    or (isinstance(pending, Transfer) and pending.done())):
+                return
+            queue.popleft()
+            if isinstance(pending, Transfer):
+                yield step, pending.result().scalars
+            else:
+                yield step, pending if isinstance(pending, dict) else pending.transfer().scalars
+
+
+_MERGED = "\0pending/"

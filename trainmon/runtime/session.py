@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmon import integrations
 from trainmon.base.records import StepRecord, build_record
 from trainmon.base.safe_io import write_json
-from trainmon.collect.buffer import HostStep, StepBuffer, Transfer
+from trainmon.collect.buffer import HostStep, PendingScalars, StepBuffer, Transfer
 from trainmon.collect.context import StepContext
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.stats_base import StatsSpec
@@ -55,6 +56,8 @@ class Session:
         self.actions: dict[str, HandOffAction] = {}
         self.in_flight: tuple[int, Transfer] | None = None
         """``async_results``: the collected step whose transfer has started and whose record is not made yet."""
+        self.pending = PendingScalars(lambda: self.ctx.buffer_factory())
+        """The scalars (loss, ...) of uncollected steps on their way to the detectors (no host sync)."""
         self.boundary = HookRegistry()
         self.lifecycle = StepLifecycle(self.ctx, end_step=lambda: self.end_step(None, {}, by_user=False))
         self.attachment: Attachment = self._attach(config)
@@ -235,10 +238,10 @@ class Session:
         for name, action in self.actions.items():
             guard.run(name, action.end_step)
         record, error = None, None
+        if loss is not None:
+            scalars = {"loss": loss if not hasattr(loss, "detach") else loss.detach().float().mean(), **scalars}
         if ctx.collecting:
             buffer = ctx.buffer
-            if loss is not None:
-                buffer.add_scalar("loss", loss if not hasattr(loss, "detach") else loss.detach().float().mean())
             for name, value in scalars.items():
                 buffer.add_scalar(name, value)
             guard.run("activations", ctx.grouped.flush)
@@ -253,9 +256,18 @@ class Session:
                 record, error = self.finish_in_flight()
                 self.in_flight = (ctx.step, transfer)
             else:
-                record, error = self._finish(ctx.step, buffer.transfer())  # sync: the one transfer of this step
-        elif self.in_flight is not None:
-            record, error = self.finish_in_flight()
+                self.pending.merge_into(buffer)  # values that wait for a collected step go with its transfer
+                host = buffer.transfer()  # sync: the one transfer of this step
+                self.pending.split_from(host)
+                error = self._take_pending(before=ctx.step)  # their copies ended before this one: no wait
+                record, late = self._finish(ctx.step, host)
+                error = error or late
+        else:
+            if scalars and self.writes and self.config.enabled and not guard.off("loss"):
+                guard.run("loss", self.pending.add, ctx.step, scalars)  # to the detectors without a sync
+            if self.in_flight is not None:
+                record, error = self.finish_in_flight()
+        error = self._take_pending() or error
         if self.struct is not None and self.struct.seen and not self.struct.done:
             self._write_struct()
         ctx.step += 1
@@ -284,11 +296,28 @@ class Session:
         return record, error
 
     def finish_in_flight(self) -> tuple[StepRecord | None, AnomalyError | None]:
-        """Finish the step whose transfer is in flight (``async_results``), if any."""
+        """Finish the step whose transfer is in flight (``async_results``), if any, after the uncollected steps
+        before it (their copies ended before its own: waiting for it waits for nothing more)."""
         if self.in_flight is None:
             return None, None
         (step, transfer), self.in_flight = self.in_flight, None
-        return self._finish(step, transfer.result())
+        error = self._take_pending(before=step)
+        record, late = self._finish(step, transfer.result())
+        return record, error or late
+
+    def _take_pending(self, before: float = 0) -> AnomalyError | None:
+        """Record and check the uncollected steps' scalars that are on the host (all those before step
+        ``before``, waiting for their copies if needed): each a record of scalars only, to the writer and the
+        anomaly engine, oldest first. Returns the ``raise`` action's first error."""
+        error = None
+        for step, scalars in self.guard.run("loss", lambda: list(self.pending.take(before))) or ():
+            record = StepRecord(step, self.attachment.rank, scalars=scalars, pp_stage=self.ctx.pp_stage)
+            self.writer.submit(record)
+            try:
+                self.guard.run("anomaly", self.anomaly.process, record)
+            except AnomalyError as exc:
+                error = error or exc
+        return error
 
     def _arm(self, collecting: bool) -> None:
         """At a step boundary: arm the collectors for a collected step, disarm them for another. A collector
@@ -361,6 +390,7 @@ class Session:
             if self.ctx.collecting and len(self.ctx.buffer) and self.lifecycle.active:
                 self.end_step(None, {}, by_user=False)  # the last step when the user never called step()
             self.finish_in_flight()  # async_results: the last collected step
+            self._take_pending(before=math.inf)  # the uncollected steps after it
         except AnomalyError:
             pass
         except Exception as exc:
