@@ -67,6 +67,10 @@ class AnomalyEngine:
         self.config = config
         self.rank = rank
         self.detectors = build_detectors(config.detectors, "anomaly.detectors")
+        types = [detector.type_name for detector in self.detectors]
+        # The console throttles each detector on its own (LogAction), named as the user sees it.
+        self._labels = [kind if types.count(kind) == 1 else f"{kind} (anomaly.detectors[{i}])"
+                        for i, kind in enumerate(types)]
         self.actions = list(config.actions)
         self._log = LogAction(rank, config.log_limit) if "log" in self.actions else None
         jsonl_path = Path(rank_dir) / "anomalies.jsonl" if rank_dir is not None else None
@@ -112,21 +116,25 @@ class AnomalyEngine:
             return []
         time = utc_now()
         events: list[AnomalyEvent] = []
+        source: dict[int, str] = {}  # id(event) -> label of the detector that made it
         for index, detector in enumerate(self.detectors):
             name = f"detector {index} ({detector.type_name})"
             if name in self._disabled:
                 continue
             try:
-                events.extend(detector.update(record, time))
+                found = detector.update(record, time)
             except Exception:  # a detector bug must not kill training
                 self._fail(name)
+                continue
+            events.extend(found)
+            source.update((id(event), self._labels[index]) for event in found)
         if not events:
             if self._log is not None:
                 self._log.quiet()
             return []
         events = order_events(events)
         if self._log is not None:
-            self._run("log", self._log, events)
+            self._run("log", functools.partial(self._log, sources=[source[id(e)] for e in events]), events)
         if self._jsonl is not None:
             self._run("jsonl", self._jsonl, events)
         for i, callback in enumerate(self._callbacks if "callback" in self.actions else []):

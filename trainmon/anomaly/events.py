@@ -18,6 +18,23 @@ WRITE_ORDER: tuple[str, ...] = ("step", "micro_step", "rank", "phase", "pp_stage
                                 "detector", "family", "name", "metric", "value", "baseline", "message", "time")
 """Key order of a written event: the sort-key fields first, so ``trainmon analyse`` can read them
 from the start of a line without a full JSON parse (readers must not rely on key order)."""
+NONFINITE = "nonfinite"
+"""The detector type that reports NaN and Inf (:mod:`trainmon.anomaly.detectors.nonfinite`)."""
+NONFINITE_DETECTORS: frozenset[str] = frozenset({NONFINITE, "AnomalyNan"})
+"""Detectors whose events are non-finite values: trainmon's ``nonfinite`` and msprobe's ``AnomalyNan`` rule
+(as ``trainmon analyse`` names msprobe's events)."""
+
+
+def reports_nonfinite(detector: str, value: float) -> bool:
+    """Whether an event is a non-finite one (made by a :data:`NONFINITE_DETECTORS` detector, or its value is
+    NaN/Inf), as opposed to a spike: what the console never throttles away and ``trainmon analyse`` reports
+    as the first non-finite.
+
+    Example:
+        >>> [reports_nonfinite(d, v) for d, v in [("nonfinite", 4.0), ("spike", float("inf")), ("spike", 9.0)]]
+        [True, True, False]
+    """
+    return detector in NONFINITE_DETECTORS or not math.isfinite(value)
 
 
 def utc_now() -> str:

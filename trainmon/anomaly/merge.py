@@ -2,8 +2,9 @@
 
 The steps to keep (:class:`StepRanges`, :func:`parse_steps`), the checked line readers (one regex per file, a
 validating slow path per line), and the merge: events ordered earliest first with the DESIGN.md rule (see
-:mod:`trainmon.anomaly.ordering`). Only the top ``K`` events, the earliest event of every step and counts are
-kept in memory, so a 1,024-rank run with 1,000 events per rank is merged in seconds. Corrupt lines are
+:mod:`trainmon.anomaly.ordering`). Only the top ``K`` events, the earliest event of every step, the first
+non-finite and the first spike (:mod:`trainmon.anomaly.firsts`), and counts are kept in memory, so a 1,024-rank
+run with 1,000 events per rank is merged in seconds. Corrupt lines are
 reported with their file and line number and skipped. ``trainmon analyse`` (:mod:`trainmon.tools.analyse`)
 prints and writes the result; ``trainmon report`` draws it.
 """
@@ -15,14 +16,15 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
-from trainmon.anomaly.events import decode_float
+from trainmon.anomaly.events import NONFINITE_DETECTORS, decode_float
+from trainmon.anomaly.firsts import check_detectors, headline
 from trainmon.anomaly.ordering import PHASE_RANK, sort_key_fields
 from trainmon.base.inputs import INT64_MAX, read_regular
 from trainmon.base.progress import Bar
@@ -30,6 +32,7 @@ from trainmon.base.progress import Bar
 _INT_FIELDS = ("step", "micro_step", "rank", "order", "pp_stage", "vpp_stage")
 _STR_FIELDS = ("phase", "family", "name", "metric", "detector", "message")
 _MAX_CORRUPT_KEPT = 1000
+_NONFINITE_TEXT = frozenset({'"nan"', '"inf"', '"-inf"', "nan", "inf", "-inf"})  # a value as a line spells it
 RANK_DIR = re.compile(r"rank(\d+)$")
 """A rank directory's name (``rank{R}``)."""
 
@@ -162,9 +165,9 @@ _FLOAT = r'(?:-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?|"nan"|"inf"|"-inf")'
 _FAST = re.compile(
     rf'^\{{"step":{_INT},"micro_step":{_INT},"rank":{_INT},"phase":"([a-z]+)","pp_stage":{_INT},'
     rf'"vpp_stage":{_INT},"order":{_INT},"detector":"(\w+)","family":{_STRING},"name":{_STRING},'
-    rf'"metric":{_STRING},"value":{_FLOAT},"baseline":{_FLOAT},"message":{_STRING},"time":{_STRING}\}}$',
+    rf'"metric":{_STRING},"value":({_FLOAT}),"baseline":{_FLOAT},"message":{_STRING},"time":{_STRING}\}}$',
     re.M)
-_Fields: TypeAlias = tuple[str, ...]  # (step, micro_step, rank, phase, pp_stage, vpp_stage, order, detector)
+_Fields: TypeAlias = tuple[str, ...]  # (step, micro_step, rank, phase, pp_stage, vpp_stage, order, detector, value)
 
 
 def _slow_line(line: str) -> _Fields:
@@ -174,7 +177,8 @@ def _slow_line(line: str) -> _Fields:
     event = _loads(line)
     _check(event)
     return (str(event["step"]), str(event["micro_step"]), str(event["rank"]), event["phase"],
-            str(event.get("pp_stage", 0)), str(event.get("vpp_stage", 0)), str(event["order"]), event["detector"])
+            str(event.get("pp_stage", 0)), str(event.get("vpp_stage", 0)), str(event["order"]), event["detector"],
+            str(event["value"]))
 
 
 def _loads(line: str) -> Any:
@@ -188,11 +192,14 @@ def _loads(line: str) -> Any:
 class _Merger:
     """Folds files into the top-K heap, the first event per step, counts and corrupt lines."""
 
-    def __init__(self, top: int, steps: StepRanges | None) -> None:
+    def __init__(self, top: int, steps: StepRanges | None, detectors: frozenset[str] | None = None) -> None:
         self.top = top
         self.steps = steps
+        self.detectors = detectors
+        self.present: set[str] = set()  # every detector of the files, selected or not
         self.heap: list[tuple[tuple[int, ...], int, dict[str, Any]]] = []  # keys negated: a max-heap
         self.first_by_step: dict[int, tuple[tuple[int, ...], str, int, str]] = {}
+        self.first_of: dict[bool, tuple[tuple[int, ...], str, int, str]] = {}  # non-finite? -> earliest
         self.by_rank: Counter[int] = Counter()
         self.by_step: Counter[int] = Counter()
         self.by_detector: Counter[str] = Counter()
@@ -235,10 +242,15 @@ class _Merger:
         step, micro, rank, pp_stage, vpp_stage, order = ints
         phase = np.array([PHASE_RANK[p] for p in columns[3]], dtype=np.int64)
         detectors: Sequence[str] = columns[7]
-        if self.steps is not None:
-            keep = self.steps.mask(step)
-            step, micro, rank, pp_stage, vpp_stage, order, phase = (
-                a[keep] for a in (step, micro, rank, pp_stage, vpp_stage, order, phase))
+        self.present.update(detectors)
+        nonfinite = np.fromiter((d in NONFINITE_DETECTORS or v in _NONFINITE_TEXT
+                                 for d, v in zip(detectors, columns[8])), dtype=bool, count=len(detectors))
+        if self.steps is not None or self.detectors is not None:
+            keep = self.steps.mask(step) if self.steps is not None else np.ones(len(step), dtype=bool)
+            if self.detectors is not None:
+                keep &= np.fromiter((d in self.detectors for d in detectors), dtype=bool, count=len(detectors))
+            step, micro, rank, pp_stage, vpp_stage, order, phase, nonfinite = (
+                a[keep] for a in (step, micro, rank, pp_stage, vpp_stage, order, phase, nonfinite))
             numbered = [item for item, k in zip(numbered, keep.tolist()) if k]
             detectors = [d for d, k in zip(detectors, keep.tolist()) if k]
             if not numbered:
@@ -263,6 +275,12 @@ class _Merger:
             known = self.first_by_step.get(step_value)
             if known is None or key < known[0]:
                 self.first_by_step[step_value] = (key, label, *numbered[index])
+        for kind in (True, False):  # the earliest non-finite event, the earliest spike
+            hits = ranking[nonfinite[ranking] == kind]
+            if len(hits):
+                key = tuple(keys[int(hits[0])].tolist())
+                if kind not in self.first_of or key < self.first_of[kind][0]:
+                    self.first_of[kind] = (key, label, *numbered[int(hits[0])])
 
     def _offer_top(self, key: tuple[int, ...], numbered: tuple[int, str], label: str) -> None:
         entry_key = tuple(-k for k in key)
@@ -296,9 +314,15 @@ class _Merger:
                 out.append(event)
         return out
 
+    def first(self, nonfinite: bool) -> dict[str, Any] | None:
+        """The earliest non-finite event (``True``) or spike (``False``), or None."""
+        found = self.first_of.get(nonfinite)
+        return self._full(*found[1:]) if found is not None else None
+
 
 def analyse_run(run_dir: str | Path, top: int = 20, steps: StepRanges | Iterable[int] | None = None,
-                progress: bool = False, rank_steps: bool = False) -> dict[str, Any]:
+                progress: bool = False, rank_steps: bool = False,
+                detectors: Collection[str] | None = None) -> dict[str, Any]:
     """Merge the anomalies of every rank of a run.
 
     Args:
@@ -308,15 +332,22 @@ def analyse_run(run_dir: str | Path, top: int = 20, steps: StepRanges | Iterable
         progress: draw a progress bar (files, rate, ETA, events) on stderr when it is a terminal.
         rank_steps: also count events per (rank, step): ``counts["by_rank_step"]``, a list of
             ``[rank, step, events]`` (the cross-rank timeline of ``trainmon report``).
+        detectors: only the events of these detectors (None: all), e.g. ``{"nonfinite"}``.
 
     Returns:
-        ``{"run_dir", "files", "events", "steps", "first_origin", "top", "first_by_step",
-        "counts": {"by_rank", "by_step", "by_detector"}, "corrupt", "corrupt_total"}``; events as
-        they appear in ``anomalies.jsonl`` (non-finite values as "nan"/"inf" strings); ``steps`` is the
-        selection as text (``"1,3,5-9"``) or None.
+        ``{"run_dir", "files", "events", "steps", "detectors", "detectors_present", "first_origin",
+        "first_nonfinite", "first_spike", "top", "first_by_step", "counts": {"by_rank", "by_step",
+        "by_detector"}, "corrupt", "corrupt_total"}``; events as they appear in ``anomalies.jsonl``
+        (non-finite values as "nan"/"inf" strings); ``steps`` is the selection as text (``"1,3,5-9"``)
+        or None, ``detectors`` the selected detectors or None. ``first_nonfinite`` is the earliest
+        non-finite event (see :func:`~trainmon.anomaly.events.reports_nonfinite`), ``first_spike`` the
+        earliest of the other detectors', ``first_origin`` the first non-finite when there is one, else
+        the earliest event (:func:`~trainmon.anomaly.firsts.headline`).
 
     Raises:
         FileNotFoundError: ``run_dir`` is not a directory.
+        ~trainmon.anomaly.firsts.UnknownDetectorError: a name in ``detectors`` is neither a detector of
+            the run's events nor one trainmon or msprobe has.
 
     Example:
         >>> analyse_run("/nonexistent")  # doctest: +IGNORE_EXCEPTION_DETAIL
@@ -331,20 +362,26 @@ def analyse_run(run_dir: str | Path, top: int = 20, steps: StepRanges | Iterable
     if steps is not None and not isinstance(steps, StepRanges):
         steps = StepRanges.of(steps)
     files = find_files(root)
-    merger = _Merger(top, steps)
+    merger = _Merger(top, steps, frozenset(detectors) if detectors is not None else None)
     if rank_steps:
         merger.by_rank_step = Counter()
     with Bar(len(files), "analyse", enabled=None if progress else False) as bar:
         for path in files:
             merger.scan(path, str(path.relative_to(root)))
             bar.advance(events=merger.events)
+    check_detectors(detectors, merger.present)
     ordered = [event for _, _, event in sorted(merger.heap, reverse=True)]
+    first_nonfinite, first_spike = merger.first(True), merger.first(False)
     return {
         "run_dir": str(root),
         "files": len(files),
         "events": merger.events,
         "steps": str(steps) if steps is not None else None,
-        "first_origin": ordered[0] if ordered else None,
+        "detectors": sorted(detectors) if detectors is not None else None,
+        "detectors_present": sorted(merger.present),
+        "first_origin": headline(first_nonfinite, ordered),
+        "first_nonfinite": first_nonfinite,
+        "first_spike": first_spike,
         "top": ordered,
         "first_by_step": merger.first_events(),
         "counts": {"by_rank": {str(k): v for k, v in sorted(merger.by_rank.items())},

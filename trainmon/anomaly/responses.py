@@ -8,10 +8,11 @@ rate-limited) and ``jsonl``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from trainmon.anomaly.events import AnomalyEvent
+from trainmon.anomaly.events import AnomalyEvent, reports_nonfinite
 from trainmon.base.safe_io import open_output
 from trainmon.base.threads import CLOSE_TIMEOUT, OutputThread
 
@@ -21,9 +22,13 @@ logger = logging.getLogger("trainmon")
 class LogAction:
     """Logs the events of a step on the ``trainmon`` logger, prefixed with the rank.
 
-    Rate limits: at most ``limit`` lines per step (the first-origin event first, the rest
-    counted in one summary line), and during a run of consecutive anomalous steps only the
-    1st, 2nd, 4th, 8th, ... such step is logged. ``anomalies.jsonl`` keeps every event.
+    Rate limits, kept per detector (one entry of ``anomaly.detectors``) so that a rule firing every
+    step never hides another's lines: during a run of consecutive collected steps in which a detector
+    fires, only its events of the 1st, 2nd, 4th, 8th, ... such step are logged. A non-finite event
+    (the ``nonfinite`` detector, or a NaN/Inf value) is always logged at its step when it names a
+    tensor or scalar not logged as non-finite before; its repeats follow the detector's powers of
+    two. At most ``limit`` lines per step: non-finite events first, then the others earliest first,
+    the rest counted in one summary line. ``anomalies.jsonl`` keeps every event.
 
     Args:
         rank: global rank, the prefix of every line.
@@ -33,24 +38,48 @@ class LogAction:
     def __init__(self, rank: int, limit: int) -> None:
         self.rank = rank
         self.limit = max(1, limit)
-        self.streak = 0
+        self.streaks: dict[str, int] = {}
+        """Consecutive collected steps in which each detector (by its label) fired."""
+        self._logged_nonfinite: set[tuple[str, str]] = set()  # (family, name); bounded by the monitored tensors
 
     def quiet(self) -> None:
-        """A collected step without events: ends the current streak."""
-        self.streak = 0
+        """A collected step without events: ends every detector's streak."""
+        self.streaks = {}
 
-    def __call__(self, events: list[AnomalyEvent]) -> None:
-        self.streak += 1
-        if self.streak & (self.streak - 1):  # not a power of two: suppressed
-            return
+    def __call__(self, events: list[AnomalyEvent], sources: Sequence[str] | None = None) -> None:
+        """Log one step's events (earliest first).
+
+        Args:
+            events: the step's events, earliest first.
+            sources: the label of the detector that made each event (its throttle key); default
+                each event's ``detector`` type.
+        """
+        labels = list(sources) if sources is not None else [event.detector for event in events]
+        # A detector absent from this step's events has ended its streak.
+        self.streaks = {label: self.streaks.get(label, 0) + 1 for label in labels}
+        nonfinite: list[tuple[AnomalyEvent, str]] = []
+        others: list[tuple[AnomalyEvent, str]] = []
+        for event, label in zip(events, labels):
+            streak = self.streaks[label]
+            if reports_nonfinite(event.detector, event.value):
+                if not streak & (streak - 1) or (event.family, event.name) not in self._logged_nonfinite:
+                    nonfinite.append((event, label))
+            elif not streak & (streak - 1):  # a power of two
+                others.append((event, label))
+        due = nonfinite + others
+        shown = due[: self.limit if len(due) <= self.limit else self.limit - 1]
         prefix = f"[rank {self.rank}]"
-        shown = events[: self.limit if len(events) <= self.limit else self.limit - 1]
-        for i, event in enumerate(shown):
+        noted: set[str] = set()
+        for event, label in shown:
             text = event.message
-            if i == 0 and self.streak > 1:
-                text += f" (anomalies in {self.streak} consecutive collected steps; logging at powers of two)"
+            if label not in noted and self.streaks[label] > 1:
+                text += (f" ({label}: anomalies in {self.streaks[label]} consecutive collected steps; "
+                         f"logging at powers of two)")
+            noted.add(label)
+            if reports_nonfinite(event.detector, event.value):
+                self._logged_nonfinite.add((event.family, event.name))
             logger.warning("%s %s", prefix, text)
-        hidden = len(events) - len(shown)
+        hidden = len(due) - len(shown)
         if hidden:
             logger.warning("%s ... and %d more anomalies at step %d (see anomalies.jsonl)",
                            prefix, hidden, events[0].step)

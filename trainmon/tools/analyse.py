@@ -1,4 +1,5 @@
-"""``trainmon analyse RUN_DIR``: the command that merges every rank's ``anomalies.jsonl`` and shows the first origin.
+"""``trainmon analyse RUN_DIR``: the command that merges every rank's ``anomalies.jsonl`` and shows the first
+non-finite value and the first spike.
 
 Arguments, the printed summary and table, and ``anomaly_analyse.json`` (never over a file trainmon did not
 write). Reading and merging the files is :mod:`trainmon.anomaly.merge`'s (:func:`analyse_run`, whose names are
@@ -11,10 +12,12 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec
 
 from trainmon.anomaly.events import decode_float
+from trainmon.anomaly.firsts import UnknownDetectorError
 from trainmon.anomaly.merge import RANK_DIR, StepRanges, analyse_run, bounded_int, find_files, parse_steps, printable
 from trainmon.base.inputs import find_runs, is_dir, rank_dirs_of, read_regular, runs_hint
 from trainmon.errors import UsageError
@@ -23,6 +26,7 @@ from trainmon.tools.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anoma
 if TYPE_CHECKING:
     from trainmon.tools.command import Subparsers
 
+_P = ParamSpec("_P")
 OUTPUT_NAME = "anomaly_analyse.json"
 MSPROBE_OUTPUT_NAME = "trainmon_anomaly_analyse.json"
 """Written next to msprobe's own ``anomaly_analyse.json``, under another name."""
@@ -45,6 +49,26 @@ def _steps_arg(text: str) -> StepRanges:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def detectors_arg(text: str) -> list[str]:
+    """``--detector`` value: one name or a comma list (``nonfinite,spike``)."""
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected detector names, e.g. nonfinite,spike, got {text[:50]!r}")
+    return names
+
+
+def selected_detectors(values: list[list[str]] | None) -> list[str] | None:
+    """The names of every ``--detector`` (repeatable, each a comma list), or None when none was given."""
+    return sorted({name for names in values for name in names}) if values else None
+
+
+def add_detector_option(parser: argparse.ArgumentParser) -> None:
+    """``--detector NAME`` (repeatable or a comma list), shared by ``analyse`` and ``report``."""
+    parser.add_argument("--detector", dest="detectors", action="append", type=detectors_arg, metavar="NAME",
+                        help="only the events of this detector (nonfinite, spike, loss_spike, or msprobe's rule "
+                             "names); repeat it or give a comma list")
+
+
 def _positive(text: str) -> int:
     value = bounded_int(text.strip()) if text.strip().isdigit() else 0
     if value < 1:
@@ -57,7 +81,8 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "analyse", help="merge every rank's anomalies.jsonl and show the earliest anomalies",
         description="Merge rank*/anomalies.jsonl of a run, order events earliest first (step, micro-step, "
-                    "phase, pipeline stage, execution order), print the top K and write anomaly_analyse.json. "
+                    "phase, pipeline stage, execution order), name the first non-finite value and the first spike, "
+                    "print the top K and write anomaly_analyse.json. "
                     "Also reads msprobe's anomaly events (MONITOR_OUTPUT_DIR/anomaly_detected/rank*/anomaly.json), "
                     f"ordered by msprobe's rule, and writes {MSPROBE_OUTPUT_NAME} next to them. "
                     "A file trainmon did not write is never overwritten.")
@@ -65,6 +90,7 @@ def add_parser(subparsers: Subparsers) -> argparse.ArgumentParser:
                         help="run directory holding rank{R}/anomalies.jsonl, or msprobe's output folder")
     parser.add_argument("--top", type=_positive, default=20, metavar="K", help="events to show (default 20)")
     parser.add_argument("--steps", type=_steps_arg, default=None, help="only these steps, e.g. 1,3,5-9")
+    add_detector_option(parser)
     parser.add_argument("-o", "--output", default=None, metavar="OUT",
                         help=f"directory (or .json file) for {OUTPUT_NAME}; default RUN_DIR")
     parser.set_defaults(func=run_cli)
@@ -83,12 +109,13 @@ def run_cli(args: argparse.Namespace) -> int:
             output cannot be written or is a file trainmon did not write.
     """
     run_dir = Path(args.run_dir)
+    detectors = selected_detectors(args.detectors)
     if not is_dir(run_dir):
         what = "is not a directory" if os.path.lexists(run_dir) else "does not exist"
         raise UsageError(f"run directory {run_dir} {what}")
     msprobe_files = [] if find_files(run_dir) else anomaly_files(run_dir)
     if msprobe_files:
-        result = analyse_msprobe(run_dir, msprobe_files, top=args.top, steps=args.steps)
+        result = checked(analyse_msprobe, run_dir, msprobe_files, top=args.top, steps=args.steps, detectors=detectors)
         default_name = MSPROBE_OUTPUT_NAME
         runs = [run for run in find_runs(run_dir) if run.name != ANOMALY_FOLDER]
         print(f"read msprobe's anomaly events: {len(msprobe_files)} anomaly.json file"
@@ -106,7 +133,7 @@ def run_cli(args: argparse.Namespace) -> int:
                                  f"{ANOMALY_FOLDER}/rank*/anomaly.json only with alert.dump: true)")
             if not RANK_DIR.match(run_dir.name):
                 raise UsageError(f"{run_dir} is not a run directory (no rank*/ folders)")
-        result = analyse_run(run_dir, top=args.top, steps=args.steps, progress=True)
+        result = checked(analyse_run, run_dir, top=args.top, steps=args.steps, progress=True, detectors=detectors)
         default_name = OUTPUT_NAME
         print(f"read trainmon's anomaly events: {result['files']} rank*/anomalies.jsonl file"
               f"{'s' if result['files'] != 1 else ''} under {printable(str(run_dir))}")
@@ -128,13 +155,31 @@ def run_cli(args: argparse.Namespace) -> int:
     if not result["files"]:
         print(f"no rank*/anomalies.jsonl under {run_dir}: no anomalies recorded")
     elif not result["top"]:
-        print(f"no anomalies{' in the selected steps' if args.steps is not None else ''}")
+        print(f"no anomalies{' in the selected steps' if args.steps is not None else ''}"
+              f"{' from the selected detectors' if detectors else ''}")
     else:
         first = result["first_origin"]
         print(f"{result['events']} anomalies in {result['files']} files; first origin: {printable(first['message'])}")
+        for title, key in (("first non-finite", "first_nonfinite"), ("first spike", "first_spike")):
+            print(f"{title}: {_headline(result[key])}")
         print(format_table(result["top"]))
     print(f"wrote {target}")
     return 0
+
+
+def _headline(event: dict[str, Any] | None) -> str:
+    """``step 60, rank 0 [nonfinite]: <message>``, or ``none``."""
+    if event is None:
+        return "none"
+    return f"step {event['step']}, rank {event['rank']} [{printable(event['detector'])}]: {printable(event['message'])}"
+
+
+def checked(analyse: Callable[_P, dict[str, Any]], *args: _P.args, **kwargs: _P.kwargs) -> dict[str, Any]:
+    """``analyse(*args, **kwargs)`` with an unknown ``--detector`` name as a usage error (exit 2, one line)."""
+    try:
+        return analyse(*args, **kwargs)
+    except UnknownDetectorError as exc:
+        raise UsageError(f"--detector: {exc}") from None
 
 
 def _refuse_foreign(target: Path) -> None:
@@ -157,4 +202,5 @@ def _refuse_foreign(target: Path) -> None:
                          f"{OUTPUT_NAME}?); it is left as it is: pass -o to write elsewhere")
 
 
-__all__ = ["MSPROBE_OUTPUT_NAME", "OUTPUT_NAME", "WRITTEN_BY", "add_parser", "format_table", "run_cli"]
+__all__ = ["MSPROBE_OUTPUT_NAME", "OUTPUT_NAME", "WRITTEN_BY", "add_detector_option", "add_parser", "checked",
+           "detectors_arg", "format_table", "run_cli", "selected_detectors"]

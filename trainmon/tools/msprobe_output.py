@@ -21,10 +21,12 @@ import json
 import math
 import re
 from collections import Counter
-from collections.abc import Container, Iterator
+from collections.abc import Collection, Container, Iterator
 from pathlib import Path
 from typing import Any
 
+from trainmon.anomaly.events import decode_float, reports_nonfinite
+from trainmon.anomaly.firsts import check_detectors, headline
 from trainmon.base.inputs import is_dir, read_regular
 from trainmon.base.records import ACTIVATION_KINDS, activation_row
 
@@ -215,27 +217,48 @@ def _number(text: str) -> float | str:
     return value if math.isfinite(value) else str(value).lower()
 
 
-def analyse_msprobe(folder: Path, files: list[Path], top: int, steps: Container[int] | None = None) -> dict[str, Any]:
+def analyse_msprobe(folder: Path, files: list[Path], top: int, steps: Container[int] | None = None,
+                    detectors: Collection[str] | None = None) -> dict[str, Any]:
     """``trainmon analyse`` of msprobe's ``anomaly.json`` files: the result of
     :func:`trainmon.anomaly.merge.analyse_run`, ordered by msprobe's own rule (its
-    ``GradAnomalyData.__lt__``: step, micro-step, train stage, pipeline position, call id)."""
+    ``GradAnomalyData.__lt__``: step, micro-step, train stage, pipeline position, call id).
+
+    Raises:
+        UnknownDetectorError: a name in ``detectors`` is no detector (see
+            :func:`~trainmon.anomaly.firsts.check_detectors`).
+    """
     events: list[dict[str, Any]] = []
     corrupt: list[dict[str, Any]] = []
+    present: set[str] = set()
     for path in files:
         found, problems = read_anomalies(path)
         label = str(path.relative_to(folder)) if path.is_relative_to(folder) else str(path)
-        events += [e for e in found if steps is None or e["step"] in steps]
+        present.update(e["detector"] for e in found)
+        events += [e for e in found if (steps is None or e["step"] in steps)
+                   and (detectors is None or e["detector"] in detectors)]
         corrupt += [{"file": label, "line": 0, "error": problem} for problem in problems]
+    check_detectors(detectors, present)
     events.sort(key=lambda e: e["msprobe_key"])
     first_by_step: dict[int, dict[str, Any]] = {}
     for event in events:
         first_by_step.setdefault(event["step"], event)
+    first_nonfinite = next((e for e in events if _nonfinite(e)), None)
     return {
         "run_dir": str(folder), "layout": "msprobe anomaly.json", "files": len(files), "events": len(events),
-        "steps": str(steps) if steps is not None else None, "first_origin": events[0] if events else None,
+        "steps": str(steps) if steps is not None else None,
+        "detectors": sorted(detectors) if detectors is not None else None, "detectors_present": sorted(present),
+        "first_origin": headline(first_nonfinite, events), "first_nonfinite": first_nonfinite,
+        "first_spike": next((e for e in events if not _nonfinite(e)), None),
         "top": events[:top], "first_by_step": list(first_by_step.values()),
         "counts": {"by_rank": {str(k): v for k, v in sorted(Counter(e["rank"] for e in events).items())},
                    "by_step": {str(k): v for k, v in sorted(Counter(e["step"] for e in events).items())},
                    "by_detector": dict(sorted(Counter(e["detector"] for e in events).items()))},
         "corrupt": corrupt, "corrupt_total": len(corrupt),
     }
+
+
+def _nonfinite(event: dict[str, Any]) -> bool:
+    """A non-finite event of msprobe: its ``AnomalyNan`` rule, or a NaN/Inf current value in the message (an
+    event whose message has no value to read gets the value ``nan`` and is not counted as non-finite)."""
+    readable = "current value " in event["message"]
+    return reports_nonfinite(event["detector"], decode_float(event["value"]) if readable else 0.0)

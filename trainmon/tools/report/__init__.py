@@ -1,9 +1,9 @@
 """``trainmon report RUN_DIR -o report.html``: one self-contained HTML report of a run (framework-free).
 
 The page (no network needed to open it) shows the loss, grad-norm and learning-rate curves with
-the steps of anomaly events marked, the cross-rank anomaly timeline with the first origin (from
-``trainmon analyse``'s merge), module x step heatmaps per family, metric and rank (log colour
-scale), and the gradient-direction heatmaps of the grad probe when the run has them. Reads
+the steps of anomaly events marked, the cross-rank anomaly timeline with the first origin, the first
+non-finite value and the first spike (from ``trainmon analyse``'s merge), module x step heatmaps per family,
+metric and rank (log colour scale), and the gradient-direction heatmaps of the grad probe when the run has them. Reads
 trainmon runs and msprobe's CSV output folders, with the readers of ``csv2tb`` and ``analyse``.
 See docs/report.md.
 """
@@ -21,6 +21,7 @@ from trainmon.base.inputs import describe_os_error, find_runs, is_dir, rank_dirs
 from trainmon.base.progress import Bar
 from trainmon.base.safe_io import write_atomic
 from trainmon.errors import UsageError
+from trainmon.tools.analyse import add_detector_option, checked, selected_detectors
 from trainmon.tools.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders
 from trainmon.tools.readers import CsvFormatError
 from trainmon.tools.report import data as report_data
@@ -39,7 +40,8 @@ def add_parser(sub: Subparsers) -> None:
     parser = sub.add_parser(
         "report", help="write one self-contained HTML report of a run",
         description="Write one HTML file (inline JavaScript, no network needed to open it) with the loss, grad-norm "
-                    "and lr curves (anomalies marked), the cross-rank anomaly timeline with the first origin, "
+                    "and lr curves (anomalies marked), the cross-rank anomaly timeline with the first origin, the "
+                    "first non-finite value and the first spike, "
                     "module x step heatmaps per family, metric and rank (log colour scale) and the grad-probe "
                     "direction heatmaps. Reads a trainmon run directory or msprobe's CSV output folder.")
     parser.add_argument("run_dir", metavar="RUN_DIR",
@@ -51,6 +53,7 @@ def add_parser(sub: Subparsers) -> None:
     parser.add_argument("--metrics", nargs="+", metavar="METRIC", help="only these metrics' heatmaps (e.g. norm nans)")
     parser.add_argument("--max-columns", type=_columns_arg, default=1000, metavar="N",
                         help="heatmap columns at most (default 1000): more collected steps are binned")
+    add_detector_option(parser)
     parser.set_defaults(func=_main)
 
 
@@ -73,7 +76,7 @@ def _main(args: argparse.Namespace) -> int:
     if is_dir(output):
         raise UsageError(f"--output {output} is a directory: name the HTML file, e.g. {output / DEFAULT_NAME}")
     summary = build(run_dir, output, ranks=args.ranks, families=args.families, metrics=args.metrics,
-                    max_columns=args.max_columns)
+                    max_columns=args.max_columns, detectors=selected_detectors(args.detectors))
     for line in summary["warnings"]:
         print(f"warning: {line}", file=sys.stderr)
     print(f"read {summary['files']} CSV files of {len(summary['ranks'])} rank(s)"
@@ -84,7 +87,8 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | None = None,
-          metrics: list[str] | None = None, max_columns: int = 1000, progress: bool | None = None) -> dict[str, Any]:
+          metrics: list[str] | None = None, max_columns: int = 1000, progress: bool | None = None,
+          detectors: list[str] | None = None) -> dict[str, Any]:
     """Read ``run_dir``, write the report to ``output``; returns what it did (counts, bytes, seconds).
 
     Args:
@@ -94,10 +98,11 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
         metrics: only these metrics' heatmaps (None: all).
         max_columns: heatmap columns at most; curves keep up to twice as many points.
         progress: draw a progress bar (None: when stderr is a terminal).
+        detectors: only these detectors' anomaly events (None: all).
 
     Raises:
         UsageError: not a run directory, nothing to report, a corrupt CSV file (file and line in the
-            message), or the output cannot be written.
+            message), a detector that is none, or the output cannot be written.
     """
     start = time.perf_counter()
     if is_dir(run_dir) and not rank_dirs_of(run_dir) and not rank_folders(run_dir) and not any(run_dir.glob("*.csv")):
@@ -118,7 +123,7 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
         raise UsageError(f"--ranks {ranks}: the run has ranks {_ranks_text(all_ranks)}")
     files = [path for rank in chosen for path in by_rank[rank]]
     probe = report_data.probe_files(run_dir, chosen)
-    anomalies, anomaly_count = _anomalies(run_dir, max_columns)
+    anomalies, anomaly_count = _anomalies(run_dir, max_columns, detectors)
     warnings = anomalies.pop("warnings", [])
     if not files and not probe and not anomaly_count:
         raise UsageError(f"{run_dir}: nothing to report (no CSV files, grad-probe summaries or anomaly events)")
@@ -171,25 +176,30 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
             "warnings": warnings}
 
 
-def _anomalies(run_dir: Path, max_columns: int) -> tuple[dict[str, Any], int]:
+def _anomalies(run_dir: Path, max_columns: int, detectors: list[str] | None) -> tuple[dict[str, Any], int]:
     """What the page shows of the anomalies (``analyse``'s merge), and the number of events."""
     if find_files(run_dir):
-        result = analyse_run(run_dir, top=20, progress=True, rank_steps=True)
+        result = checked(analyse_run, run_dir, top=20, progress=True, rank_steps=True, detectors=detectors)
     elif anomaly_files(run_dir):
-        result = analyse_msprobe(run_dir, anomaly_files(run_dir), top=20)
+        result = checked(analyse_msprobe, run_dir, anomaly_files(run_dir), top=20, detectors=detectors)
         by_step = result["counts"]["by_step"]
         result["counts"]["by_rank_step"] = [[e["rank"], e["step"], by_step[str(e["step"])]]
                                             for e in result["first_by_step"]]
     else:
         return {"present": False, "markers": [], "timeline": {"cells": [], "per_bin": 1}, "top": [],
-                "first_origin": None, "events": 0, "files": 0, "by_detector": {}}, 0
+                "first_origin": None, "first_nonfinite": None, "first_spike": None, "detectors": detectors,
+                "events": 0, "files": 0, "by_detector": {}}, 0
     keep = ("step", "micro_step", "rank", "phase", "name", "metric", "value", "detector", "message")
-    slim = [{k: event.get(k) for k in keep} for event in result["top"]]
+
+    def slim(event: dict[str, Any] | None) -> dict[str, Any] | None:
+        return {k: event.get(k) for k in keep} if event is not None else None
+
     warnings = [f"{run_dir / item['file']}{':' + str(item['line']) if item['line'] else ''}: skipped: {item['error']}"
                 for item in result["corrupt"][:5]]
     return {"present": True, "events": result["events"], "files": result["files"],
-            "by_detector": result["counts"]["by_detector"], "first_origin": slim[0] if slim else None,
-            "top": slim, "markers": report_data.markers(result["first_by_step"]),
+            "by_detector": result["counts"]["by_detector"], "detectors": detectors,
+            **{key: slim(result[key]) for key in ("first_origin", "first_nonfinite", "first_spike")},
+            "top": [slim(event) for event in result["top"]], "markers": report_data.markers(result["first_by_step"]),
             "timeline": report_data.timeline(result, max_columns), "warnings": warnings}, result["events"]
 
 

@@ -163,13 +163,18 @@ function drawAnomalies() {
   const a = DATA.anomalies, box = document.getElementById("anomaly-summary");
   if (!a.present) { box.textContent = "No anomalies.jsonl in this run: no anomaly was recorded."; return; }
   const f = a.first_origin;
+  const where = e => "step " + e.step + ", micro-step " + e.micro_step + ", rank " + e.rank + ", " + e.phase + " of " +
+    e.name + " (" + e.metric + " = " + e.value + ") [" + e.detector + "]";
   box.textContent = a.events + " anomaly events in " + a.files + " file(s)" +
+    (a.detectors ? " of detector(s) " + a.detectors.join(", ") : "") +
     (Object.keys(a.by_detector).length
       ? " (" + Object.entries(a.by_detector).map(([d, n]) => d + ": " + n).join(", ") + ")" : "") + ". ";
-  if (f) {
-    el("b", {id: "first-origin-text", "data-step": f.step, "data-rank": f.rank}, box, "First origin: step " + f.step +
-      ", micro-step " + f.micro_step + ", rank " + f.rank + ", " + f.phase + " of " + f.name + " (" + f.metric + " = " +
-      f.value + ") [" + f.detector + "]");
+  if (f) el("b", {id: "first-origin-text", "data-step": f.step, "data-rank": f.rank}, box, "First origin: " + where(f));
+  // The first NaN/Inf and the first spike, apart: a rule firing from step 1 must not hide where the NaN began.
+  for (const [key, title] of [["first_nonfinite", "First non-finite"], ["first_spike", "First spike"]]) {
+    const e = a[key];
+    el("div", {id: key.replace("_", "-") + "-text", "data-step": e ? e.step : "", "data-rank": e ? e.rank : ""}, box,
+      title + ": " + (e ? where(e) : "none"));
   }
   const cells = a.timeline.cells;
   const svgBox = document.getElementById("timeline");
