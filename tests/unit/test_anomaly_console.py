@@ -14,6 +14,7 @@ from tests.unit.test_anomaly_detectors import record, row
 from trainmon.anomaly.engine import AnomalyEngine
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.responses import LogAction
+from trainmon.base.records import StepRecord
 from trainmon.config import AnomalyConfig
 
 NAN = math.nan
@@ -58,7 +59,7 @@ def test_noisy_detector_does_not_bury_the_nan(caplog):
     # the noisy rule fires on every step from step 1 (warm-up 1): its own streak, logged at 1, 2, 4, 8, ...
     assert spike_steps == [1, 2, 4, 8, 16, 32, 64]
     note = next(line for step, line in lines if step == 64 and "consecutive" in line)
-    assert "(spike: anomalies in 64 consecutive collected steps; logging at powers of two)" in note
+    assert "(spike: anomalies in 64 consecutive steps; logging at powers of two)" in note
 
 
 def test_first_nonfinite_comes_first_within_the_line_limit(caplog):
@@ -110,3 +111,21 @@ def test_log_action_alone_keys_on_the_event_detector(caplog):
         action.quiet()
         action([event(6, "spike", 2.0)])
     assert [step for step, _ in logged(caplog)] == [0, 1, 3, 5, 6]  # 5: a NaN/Inf value is non-finite
+
+
+def test_steps_that_are_not_collected_do_not_end_a_row_detectors_streak(caplog):
+    """Every step's loss is checked (its record has the loss only); a rule on statistics rows fires on every
+    collected step (every 5th): its run goes on across the steps in between, and the loss detector's own run
+    ends on them."""
+    engine = AnomalyEngine(AnomalyConfig(detectors=[{"type": "nonfinite"}, NOISY], actions=["log"]),
+                           rank=0, rank_dir=None)
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        for step in range(90):
+            loss = NAN if step in (41, 43) else 1.0
+            if step % 5 == 0:
+                engine.process(record(step, rising_rows(step), loss=loss))
+            else:
+                engine.process(StepRecord(step, 0, scalars={"loss": loss}, collected=False))
+    lines = logged(caplog)
+    assert sorted({step for step, line in lines if line.startswith("[rank 0] spike:")}) == [5, 10, 20, 40, 80]
+    assert [step for step, line in lines if "non-finite" in line] == [41, 43]

@@ -130,11 +130,12 @@ class AnomalyEngine:
             source.update((id(event), self._labels[index]) for event in found)
         if not events:
             if self._log is not None:
-                self._log.quiet()
+                self._log.quiet(record.collected)
             return []
         events = order_events(events)
         if self._log is not None:
-            self._run("log", functools.partial(self._log, sources=[source[id(e)] for e in events]), events)
+            self._run("log", functools.partial(self._log, sources=[source[id(e)] for e in events],
+                                                collected=record.collected), events)
         if self._jsonl is not None:
             self._run("jsonl", self._jsonl, events)
         for i, callback in enumerate(self._callbacks if "callback" in self.actions else []):

@@ -23,7 +23,7 @@ class LogAction:
     """Logs the events of a step on the ``trainmon`` logger, prefixed with the rank.
 
     Rate limits, kept per detector (one entry of ``anomaly.detectors``) so that a rule firing every
-    step never hides another's lines: during a run of consecutive collected steps in which a detector
+    step never hides another's lines: during a run of consecutive steps in which a detector
     fires, only its events of the 1st, 2nd, 4th, 8th, ... such step are logged. A non-finite event
     (the ``nonfinite`` detector, or a NaN/Inf value) is always logged at its step when it names a
     tensor or scalar not logged as non-finite before; its repeats follow the detector's powers of
@@ -41,22 +41,33 @@ class LogAction:
         self.streaks: dict[str, int] = {}
         """Consecutive collected steps in which each detector (by its label) fired."""
         self._logged_nonfinite: set[tuple[str, str]] = set()  # (family, name); bounded by the monitored tensors
+        self._scalar_labels: set[str] = set()  # detectors that fired on an uncollected step's scalars
 
-    def quiet(self) -> None:
-        """A collected step without events: ends every detector's streak."""
-        self.streaks = {}
+    def quiet(self, collected: bool = True) -> None:
+        """A step without events: ends every detector's streak (a step that was not collected, whose
+        record holds only the scalars given to ``step()``, ends the streaks of the detectors that have
+        fired on such a step: those that watch these scalars)."""
+        self.streaks = {} if collected else {label: n for label, n in self.streaks.items()
+                                             if label not in self._scalar_labels}
 
-    def __call__(self, events: list[AnomalyEvent], sources: Sequence[str] | None = None) -> None:
+    def __call__(self, events: list[AnomalyEvent], sources: Sequence[str] | None = None,
+                 collected: bool = True) -> None:
         """Log one step's events (earliest first).
 
         Args:
             events: the step's events, earliest first.
             sources: the label of the detector that made each event (its throttle key); default
                 each event's ``detector`` type.
+            collected: False for a step that was not collected: a detector of rows saw nothing
+                there, so its streak goes on.
         """
         labels = list(sources) if sources is not None else [event.detector for event in events]
-        # A detector absent from this step's events has ended its streak.
-        self.streaks = {label: self.streaks.get(label, 0) + 1 for label in labels}
+        if not collected:
+            self._scalar_labels.update(labels)
+        # A detector absent from this step's events has ended its streak (if it could have fired).
+        kept = {} if collected else {label: n for label, n in self.streaks.items()
+                                     if label not in self._scalar_labels}
+        self.streaks = {**kept, **{label: self.streaks.get(label, 0) + 1 for label in labels}}
         nonfinite: list[tuple[AnomalyEvent, str]] = []
         others: list[tuple[AnomalyEvent, str]] = []
         for event, label in zip(events, labels):
@@ -73,7 +84,7 @@ class LogAction:
         for event, label in shown:
             text = event.message
             if label not in noted and self.streaks[label] > 1:
-                text += (f" ({label}: anomalies in {self.streaks[label]} consecutive collected steps; "
+                text += (f" ({label}: anomalies in {self.streaks[label]} consecutive steps; "
                          f"logging at powers of two)")
             noted.add(label)
             if reports_nonfinite(event.detector, event.value):

@@ -213,6 +213,7 @@ class StepRecord:
         rows: statistics rows in execution order.
         scalars: ``loss``, ``grad_norm``, ``lr/group{i}`` and integration extras.
         pp_stage: pipeline stage of this rank (0 without pipeline parallelism).
+        collected: False for a step that was not collected: only the scalars given to ``step()``.
     """
 
     step: int
@@ -220,6 +221,7 @@ class StepRecord:
     rows: list[Row] = field(default_factory=list)
     scalars: dict[str, float] = field(default_factory=dict)
     pp_stage: int = 0
+    collected: bool = True
 
 
 def combine_partials(partials: npt.ArrayLike) -> npt.NDArray[np.float64]:

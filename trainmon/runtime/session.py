@@ -311,7 +311,8 @@ class Session:
         anomaly engine, oldest first. Returns the ``raise`` action's first error."""
         error = None
         for step, scalars in self.guard.run("loss", lambda: list(self.pending.take(before))) or ():
-            record = StepRecord(step, self.attachment.rank, scalars=scalars, pp_stage=self.ctx.pp_stage)
+            record = StepRecord(step, self.attachment.rank, scalars=scalars, pp_stage=self.ctx.pp_stage,
+                                collected=False)
             self.writer.submit(record)
             try:
                 self.guard.run("anomaly", self.anomaly.process, record)
