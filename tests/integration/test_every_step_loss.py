@@ -95,3 +95,10 @@ def test_uncollected_steps_reach_the_detectors_in_step_order(tmp_path, async_res
 def test_a_disabled_monitor_checks_nothing(tmp_path):
     seen, _ = _train(tmp_path / "off", {"enabled": False}, {3: math.nan})
     assert seen == []
+
+
+def test_the_readme_shows_the_sample_config_as_it_is():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"`examples/monitor\.yaml`.*?\n```yaml\n(.*?)```", readme, re.S)
+    assert block is not None
+    assert block[1] == (ROOT / "examples" / "monitor.yaml").read_text(encoding="utf-8")
