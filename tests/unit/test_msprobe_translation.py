@@ -112,16 +112,19 @@ def _translate(tmp_path: Path, data: dict[str, Any], **environ: str) -> dict[str
 def test_whole_model_target_and_missing_targets(tmp_path: Path) -> None:
     out = _translate(tmp_path, {"targets": {"": {}}, "wg_distribution": True})
     assert out["targets"]["params"] == ["*"] and out["weight_grads"]["enabled"]
-    out = _translate(tmp_path, {"xy_distribution": True})  # no targets: every module, every parameter
-    assert out["targets"] == {"modules": ["*"], "params": ["*"]}
+    out = _translate(tmp_path, {"targets": {"": {}}, "xy_distribution": True})  # msprobe: the root module alone
+    assert out["targets"]["modules"] == [] and out["activations"]["root"]
+    out = _translate(tmp_path, {"xy_distribution": True})  # no targets: every module (the root too), every parameter
+    assert out["targets"] == {"modules": ["optional:*"], "params": ["*"]} and out["activations"]["root"]
     out = _translate(tmp_path, {"targets": {}, "xy_distribution": True, "mv_distribution": True})
-    assert out["targets"] == {"modules": ["*"], "params": ["*"]}
+    assert out["targets"] == {"modules": ["optional:*"], "params": ["*"]}
     assert out["optimizer_states"] == {"enabled": True, "states": ["exp_avg", "exp_avg_sq"], "metrics": ["norm"]}
 
 
 def test_all_xy_monitors_every_module_not_inputs(tmp_path: Path) -> None:
     out = _translate(tmp_path, {"targets": {"layers.0": {}}, "xy_distribution": True, "all_xy": True})
-    assert out["targets"]["modules"] == ["*"] and "inputs" not in out["activations"]
+    assert out["targets"]["modules"] == ["optional:*"] and "inputs" not in out["activations"]
+    assert out["activations"]["root"]  # msprobe hooks every module of named_modules(), the root ("") too
     out = _translate(tmp_path, {"targets": {"layers.0": {}}, "all_xy": True})  # all_xy needs xy_distribution
     assert not out["activations"]["enabled"]
 
@@ -176,6 +179,7 @@ def test_mg_direction_mbs_grad_and_schedule(tmp_path: Path, caplog: pytest.LogCa
     assert out["weight_grads"]["per_micro_step"] and out["weight_grads"]["metrics"] == ["min"]
     assert (out["ranks"], out["collect_times"], out["start_step"], out["step_interval"], out["eps"]) == (
         [1, 3], 5, 2, 3, 1e-6)
+    assert out["absent_ranks"] == "skip"  # msprobe runs on the listed ranks the job has
     assert "monitor_mbs_grad" not in caplog.text  # honoured: no warning
     assert _translate(tmp_path, {"collect_times": 0})["enabled"] is False
     assert _translate(tmp_path, {"ops": ["id"]})["params"]["metrics"] == ["norm"]  # msprobe's default op
