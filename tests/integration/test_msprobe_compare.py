@@ -1,4 +1,5 @@
-"""trainmon through ``TrainerMonitor.from_msprobe`` against msprobe 1.2.1 itself on one deterministic run.
+"""trainmon through ``TrainerMonitor.from_msprobe`` against msprobe 1.2.1 itself on one deterministic run (with
+the config's targets, and again with ``all_xy``: every module, the root module too).
 
 msprobe 1.2.1 is the ``mindstudio-probe`` wheel from PyPI, unpacked (never installed) into
 ``.cache/msprobe-1.2.1/`` by ``scripts/fetch_msprobe.sh`` (run by ``scripts/setup.sh``). Its monitor is

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from trainmon.base.targets import select
 from trainmon.config import load_config
-from trainmon.config.msprobe import translate_msprobe
+from trainmon.config.msprobe import read_msprobe, translate_msprobe
 from trainmon.config.msprobe_names import module_pattern, param_pattern, squash_name, trainmon_row_name
-from trainmon.errors import ConfigError
+from trainmon.errors import ConfigError, TargetError
 
 
 def msprobe_squash(param_name: str, enable: bool = True) -> str:
@@ -230,3 +230,35 @@ def test_chunk_prefixes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Non
     assert select(params, out["targets"]["params"], "p") == params[:2]
     assert caplog.text.count("'1:4.mlp': trainmon applies a target to every virtual-pipeline chunk") == 1
     assert "'0:3.mlp'" not in caplog.text
+
+
+def test_errors_and_messages_name_msprobes_keys(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "msprobe.json"
+    path.write_text(json.dumps({"targets": {"layers.0": {}, "0:head": {}}, "xy_distribution": True,
+                                "wg_distribution": True, "module_ranks": [1]}))
+    out, keys = read_msprobe(path)
+    assert (keys.msprobe_key("ranks"), keys.msprobe_key("ranks[0]")) == ("module_ranks", "module_ranks[0]")
+    assert keys.msprobe_key("targets.modules[1]") == "targets.0:head"
+    assert keys.msprobe_key("targets.params[0]") == "targets.layers.0" and keys.msprobe_key("async_results") is None
+    error = keys.reword(TargetError("targets.modules[1]", "why"))
+    assert isinstance(error, TargetError) and str(error) == f"{path}: msprobe key targets.0:head: why"
+    assert str(keys.reword(ConfigError("async_results", "why"))) == (
+        f"{path}: async_results (of the trainmon config translated from it): why")
+    # the translated patterns are shown as the keys were written, never as their regex
+    select(["a"], out["targets"]["modules"], "targets.modules")
+    assert "no name matches ['layers.0', '0:head']" in caplog.text
+    with pytest.raises(TargetError, match=r"^targets.modules\[1\]: pattern '0:head' matches nothing"):
+        select(["layers.0"], [p.removeprefix("optional:") for p in out["targets"]["modules"]], "targets.modules")
+    # a key is reported when it selects no module and no parameter
+    assert keys.unmatched_targets(["", "layers.0"], ["layers.0.fc.weight"]) == ["0:head"]
+    assert keys.unmatched_targets(["", "head"], ["layers.0.fc.weight"]) == []
+
+
+def test_module_ranks_skip_absent_ranks_and_ignore_negative_ones(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    out = _translate(tmp_path, {"module_ranks": [-1, 0, 0, 5], "wg_distribution": True})
+    assert (out["ranks"], out["absent_ranks"]) == ([0, 5], "skip")
+    assert "module_ranks: ranks [-1] exist in no job; ignored, as msprobe ignores them" in caplog.text
+    assert "ranks" not in _translate(tmp_path, {"module_ranks": []})  # msprobe: every rank
+    with pytest.raises(ConfigError, match="msprobe key module_ranks: lists no rank that can exist"):
+        _translate(tmp_path, {"module_ranks": [-2]})
