@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from trainmon.anomaly.engine import AnomalyCallback
     from trainmon.base.guard import Guard
     from trainmon.base.types import GradScaler, Model, Optimizer, ProcessGroup, Scalar
+    from trainmon.config.msprobe_checks import MsprobeKeys
     from trainmon.runtime.lifecycle import StepLifecycle
     from trainmon.runtime.session import Session
 
@@ -46,6 +47,8 @@ class TrainerMonitor:
         self._session: Session | None = None
         self._closed = False
         self._dirs: tuple[Path | None, Path | None] = (None, None)
+        self._msprobe: MsprobeKeys | None = None
+        """Built by :meth:`from_msprobe`: the msprobe keys that errors at ``attach`` name."""
 
     @classmethod
     def from_msprobe(cls, path: str | Path) -> TrainerMonitor:
@@ -53,12 +56,22 @@ class TrainerMonitor:
 
         Output goes where msprobe's would: ``$MONITOR_OUTPUT_DIR`` (the one environment variable
         trainmon reads, and only here), else ``./monitor_output``. See docs/msprobe.md.
+
+        Raises:
+            ConfigError: the config is invalid; here and at ``attach`` the message names the file and msprobe's key
+                (``monitor.json: msprobe key module_ranks[0]: ...``).
         """
         import os
 
-        from trainmon.config.msprobe import translate_msprobe
+        from trainmon.config.msprobe import read_msprobe
 
-        return cls(translate_msprobe(Path(path), environ=os.environ))
+        config, keys = read_msprobe(Path(path), environ=os.environ)
+        try:
+            monitor = cls(config)
+        except ConfigError as exc:
+            raise keys.reword(exc) from None
+        monitor._msprobe = keys
+        return monitor
 
     def on_anomaly(self, callback: AnomalyCallback) -> None:
         """Register ``callback(event: AnomalyEvent)``; called when the ``callback`` action is configured."""
@@ -101,9 +114,17 @@ class TrainerMonitor:
             raise ValueError(f"grad_acc_steps must be >= 1 and start_step >= 0, got {grad_acc_steps}, {start_step}")
         from trainmon.runtime.session import Session
 
-        self._session = Session(model, optimizer, self._config, self.config_path, self._callbacks,
-                                grad_acc_steps=grad_acc_steps, tp_group=tp_group, dp_group=dp_group,
-                                pp_group=pp_group, start_step=start_step, scaler=scaler)
+        try:
+            self._session = Session(model, optimizer, self._config, self.config_path, self._callbacks,
+                                    grad_acc_steps=grad_acc_steps, tp_group=tp_group, dp_group=dp_group,
+                                    pp_group=pp_group, start_step=start_step, scaler=scaler)
+        except ConfigError as exc:
+            if self._msprobe is None:
+                raise
+            raise self._msprobe.reword(exc) from None
+        if self._msprobe is not None:
+            modules = self._session.attachment.modules
+            self._msprobe.warn_unmatched_targets([name for name, _, _ in modules], _parameter_names(modules))
         return self
 
     def step(self, loss: Scalar | None = None, **scalars: Scalar) -> StepRecord | None:
@@ -241,6 +262,18 @@ class TrainerMonitor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _parameter_names(modules: list[tuple[str, Any, int]]) -> list[str]:
+    """The parameter names of the root modules (named ``""``) of an attachment's modules (torch or MindSpore)."""
+    from trainmon.base.targets import plain_name
+
+    names: list[str] = []
+    for name, module, _ in modules:
+        named = getattr(module, "named_parameters", None) or getattr(module, "parameters_and_names", None)
+        if not name and named is not None:
+            names += [plain_name(param) for param, _ in named()]
+    return names
 
 
 def _check_scalar(name: str, value: Scalar | None) -> None:

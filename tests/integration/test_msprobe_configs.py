@@ -11,7 +11,9 @@ config in msprobe's documentation and unit tests:
 
 Each must load, attach and run one training step; the modules and parameters with rows must be the
 ones msprobe selects by its own rules (``msprobe_selection``, restated from msprobe 1.2.1's source in
-tests/unit/test_msprobe_translation.py), minus the root module, which trainmon never hooks.
+tests/unit/test_msprobe_translation.py), the root module included (rows ``.input``, ``.output``, ...).
+A config's ``module_ranks`` ([0, 1, 2, 3] in three of them) runs on this one-process job's rank 0, with a
+warning naming the absent ranks, as msprobe runs on the listed ranks a job has.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 
 from tests.unit.test_msprobe_translation import msprobe_selection
 from trainmon import TrainerMonitor
+from trainmon.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "msprobe_configs"
 SOURCES = {  # file -> where msprobe publishes it (doc blocks by the line their ``` fence opens on)
@@ -237,18 +241,15 @@ def test_every_published_config_is_collected_and_cited() -> None:
 
 @pytest.mark.parametrize("name", sorted(SOURCES))
 def test_published_config_runs_and_selects_what_msprobe_selects(name: str, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
     data: dict[str, Any] = json.loads((CONFIGS / name).read_text())
     monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path))
     monitor = TrainerMonitor.from_msprobe(CONFIGS / name)
     config = monitor.config
     assert config.output_dir == str(tmp_path)
     if data.get("module_ranks"):
-        assert config.ranks == list(dict.fromkeys(data["module_ranks"]))
-        # This test's job has one rank; msprobe ignores listed ranks that do not exist, trainmon rejects them
-        # at attach (docs/msprobe.md). Run it on rank 0.
-        monitor.close()
-        monitor = TrainerMonitor({**_as_dict(config), "ranks": [0]})
+        assert config.ranks == list(dict.fromkeys(data["module_ranks"])) and config.absent_ranks == "skip"
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -261,6 +262,8 @@ def test_published_config_runs_and_selects_what_msprobe_selects(name: str, tmp_p
         monitor.step(loss=loss)
     if not config.enabled:
         return
+    if data.get("module_ranks") == [0, 1, 2, 3]:
+        assert "ranks 1, 2, 3 do not exist: this job has 1 rank (0..0); collecting on rank 0 only" in caplog.text
     (run_dir,) = tmp_path.iterdir()
     rank_dir = run_dir / "rank0"
     rows = _rows(rank_dir)
@@ -274,7 +277,7 @@ def test_published_config_runs_and_selects_what_msprobe_selects(name: str, tmp_p
                                                           [n for n, _ in model.named_parameters()])
     if not data.get("xy_distribution") or (data.get("forward_only") and data.get("backward_only")):
         expected_modules = set()  # msprobe hooks modules with print_struct too, but records only their structure
-    expected_modules = (expected_modules & _called_modules(model)) - {""}
+    expected_modules &= _called_modules(model)
     if not any(data.get(k) for k in ("wg_distribution", "mv_distribution", "param_distribution", "mg_direction",
                                      "ur_distribution")):
         expected_params = set()
@@ -284,7 +287,94 @@ def test_published_config_runs_and_selects_what_msprobe_selects(name: str, tmp_p
         assert (rank_dir / "module_struct.json").exists()
 
 
-def _as_dict(config: Any) -> dict[str, Any]:
-    import dataclasses
 
-    return dataclasses.asdict(config)
+# ------------------------------------------------------------------ the first hour with a msprobe config
+def _write(tmp_path: Path, config: dict[str, Any]) -> Path:
+    path = tmp_path / "monitor_config.json"
+    path.write_text(json.dumps(config, indent=2))
+    return path
+
+
+def test_a_config_for_four_ranks_runs_on_one_and_all_xy_measures_the_root(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """msprobe's module_ranks [0, 1, 2, 3] on a one-process job: a warning, rank 0 collects; all_xy hooks the root
+    module too (msprobe's "" module, rows .input/.output/.output_grad). Values against float64 numpy of the tensors
+    the loop really used; an evaluation forward between steps writes no row."""
+    path = _write(tmp_path, {"module_ranks": [0, 1, 2, 3], "xy_distribution": True, "all_xy": True,
+                             "wg_distribution": True, "format": "csv", "ops": ["norm", "max"]})
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    torch.manual_seed(0)
+    model = Block()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected: dict[tuple[str, int], np.ndarray] = {}
+    monitor = TrainerMonitor.from_msprobe(path).attach(model, optimizer)
+    assert "ranks 1, 2, 3 do not exist: this job has 1 rank (0..0); collecting on rank 0 only" in caplog.text
+    assert "module_ranks" in caplog.text
+    for step in range(2):
+        x = torch.randn(3, 8)
+        out = model(x)
+        loss = out.pow(2).mean()
+        loss.backward()
+        out64 = out.detach().double().numpy()
+        expected[(".input", step)] = x.double().numpy()
+        expected[(".output", step)] = out64
+        expected[(".output_grad", step)] = 2 * out64 / out64.size  # d mean(out^2) / d out
+        expected[("fc1.weight", step)] = model.fc1.weight.grad.double().numpy()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.step(loss=loss)
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(5, 8))  # evaluation: no rows, the root's none either
+        model.train()
+    monitor.close()
+    rank_dir = tmp_path / "out" / monitor.run_dir.name / "rank0"
+    frames = {family: pd.read_csv(rank_dir / f"{family}.csv", keep_default_na=False, na_values=["nan"])
+              for family in ("actv", "actv_grad", "grad_reduced")}
+    for (name, step), reference in expected.items():
+        family = {".input": "actv", ".output": "actv", ".output_grad": "actv_grad"}.get(name, "grad_reduced")
+        frame = frames[family]
+        (row,) = frame[(frame["name"] == name) & (frame["step"] == step)].itertuples()
+        assert row.norm == pytest.approx(np.linalg.norm(reference), rel=1e-6)
+        assert row.max == pytest.approx(reference.max(), rel=1e-6)
+    assert {".input", ".output", "fc1.output", "act.output", "fc2.output"} <= set(frames["actv"]["name"])
+
+
+def test_a_config_naming_no_rank_of_the_job_fails_at_attach_with_msprobes_key(tmp_path: Path) -> None:
+    path = _write(tmp_path, {"module_ranks": [2, 3], "wg_distribution": True})
+    monitor = TrainerMonitor.from_msprobe(path)
+    with pytest.raises(ConfigError) as info:
+        monitor.attach(Block(), None)
+    assert str(info.value) == (f"{path}: msprobe key module_ranks: ranks 2, 3 do not exist: this job has 1 rank "
+                               "(0..0); list a rank below 1")
+    monitor.close()
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"start_step": -1}, "msprobe key start_step: must be >= 0, got -1"),
+    ({"step_interval": 0}, "msprobe key step_interval: must be >= 1, got 0"),
+    ({"module_ranks": [-1]}, "msprobe key module_ranks: lists no rank that can exist"),
+    ({"xy_distribution": "yes"}, "msprobe key xy_distribution: must be true or false"),
+])
+def test_config_errors_name_the_file_and_msprobes_key(tmp_path: Path, config: dict[str, Any], message: str) -> None:
+    path = _write(tmp_path, config)
+    with pytest.raises(ConfigError) as info:
+        TrainerMonitor.from_msprobe(path)
+    assert str(info.value).startswith(f"{path}: {message}")
+
+
+def test_a_target_that_names_nothing_is_reported_by_its_key(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _write(tmp_path, {"targets": {"fc3": {}, "fc2": {}}, "xy_distribution": True, "wg_distribution": True})
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    model = Block()
+    with TrainerMonitor.from_msprobe(path) as monitor:
+        monitor.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert (f"msprobe targets key 'fc3' ({path}) selects no module or parameter of this model; it is skipped, as "
+            "msprobe skips it; close names: ['fc2', 'fc1']") in caplog.text
+    assert "'fc2'" not in caplog.text.split("close names")[0] and "re:" not in caplog.text
+    caplog.clear()
+    _write(tmp_path, {"targets": {"fc3": {}}, "xy_distribution": True})
+    with TrainerMonitor.from_msprobe(path) as monitor:
+        monitor.attach(model, None)
+    assert "targets.modules: no name matches ['fc3']" in caplog.text and "re:" not in caplog.text

@@ -224,6 +224,16 @@ def test_check_ranks_against_the_world_size():
         check_ranks([1, 2], 1)
 
 
+def test_check_ranks_skips_absent_ranks_when_asked(caplog: pytest.LogCaptureFixture) -> None:
+    assert check_ranks([3, 0, 1], 2, "skip") == [0, 1]  # the listed ranks that exist, in the config's order
+    assert "ranks (msprobe: module_ranks): rank 3 does not exist: this job has 2 ranks (0..1); " \
+           "collecting on ranks 0, 1 only (absent_ranks: skip)" in caplog.text
+    assert check_ranks([0, 1], 2, "skip") == [0, 1] and check_ranks(None, 2, "skip") is None
+    with pytest.raises(ConfigError, match=r"ranks 2, 3 do not exist: .*; list a rank below 2") as info:
+        check_ranks([2, 3], 2, "skip")  # none exists: nothing would be monitored anywhere
+    assert info.value.key == "ranks"
+
+
 def test_select_reports_a_bad_regex_with_its_key():
     with pytest.raises(TargetError, match="invalid regex") as info:
         select(["a", "b"], ["a", "re:("], "free_benchmark.targets")

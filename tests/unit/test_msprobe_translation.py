@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 from trainmon.base.targets import select
 from trainmon.config import load_config
-from trainmon.config.msprobe import translate_msprobe
+from trainmon.config.msprobe import read_msprobe, translate_msprobe
 from trainmon.config.msprobe_names import module_pattern, param_pattern, squash_name, trainmon_row_name
-from trainmon.errors import ConfigError
+from trainmon.errors import ConfigError, TargetError
 
 
 def msprobe_squash(param_name: str, enable: bool = True) -> str:
@@ -112,16 +112,19 @@ def _translate(tmp_path: Path, data: dict[str, Any], **environ: str) -> dict[str
 def test_whole_model_target_and_missing_targets(tmp_path: Path) -> None:
     out = _translate(tmp_path, {"targets": {"": {}}, "wg_distribution": True})
     assert out["targets"]["params"] == ["*"] and out["weight_grads"]["enabled"]
-    out = _translate(tmp_path, {"xy_distribution": True})  # no targets: every module, every parameter
-    assert out["targets"] == {"modules": ["*"], "params": ["*"]}
+    out = _translate(tmp_path, {"targets": {"": {}}, "xy_distribution": True})  # msprobe: the root module alone
+    assert out["targets"]["modules"] == [] and out["activations"]["root"]
+    out = _translate(tmp_path, {"xy_distribution": True})  # no targets: every module (the root too), every parameter
+    assert out["targets"] == {"modules": ["optional:*"], "params": ["*"]} and out["activations"]["root"]
     out = _translate(tmp_path, {"targets": {}, "xy_distribution": True, "mv_distribution": True})
-    assert out["targets"] == {"modules": ["*"], "params": ["*"]}
+    assert out["targets"] == {"modules": ["optional:*"], "params": ["*"]}
     assert out["optimizer_states"] == {"enabled": True, "states": ["exp_avg", "exp_avg_sq"], "metrics": ["norm"]}
 
 
 def test_all_xy_monitors_every_module_not_inputs(tmp_path: Path) -> None:
     out = _translate(tmp_path, {"targets": {"layers.0": {}}, "xy_distribution": True, "all_xy": True})
-    assert out["targets"]["modules"] == ["*"] and "inputs" not in out["activations"]
+    assert out["targets"]["modules"] == ["optional:*"] and "inputs" not in out["activations"]
+    assert out["activations"]["root"]  # msprobe hooks every module of named_modules(), the root ("") too
     out = _translate(tmp_path, {"targets": {"layers.0": {}}, "all_xy": True})  # all_xy needs xy_distribution
     assert not out["activations"]["enabled"]
 
@@ -176,6 +179,7 @@ def test_mg_direction_mbs_grad_and_schedule(tmp_path: Path, caplog: pytest.LogCa
     assert out["weight_grads"]["per_micro_step"] and out["weight_grads"]["metrics"] == ["min"]
     assert (out["ranks"], out["collect_times"], out["start_step"], out["step_interval"], out["eps"]) == (
         [1, 3], 5, 2, 3, 1e-6)
+    assert out["absent_ranks"] == "skip"  # msprobe runs on the listed ranks the job has
     assert "monitor_mbs_grad" not in caplog.text  # honoured: no warning
     assert _translate(tmp_path, {"collect_times": 0})["enabled"] is False
     assert _translate(tmp_path, {"ops": ["id"]})["params"]["metrics"] == ["norm"]  # msprobe's default op
@@ -226,3 +230,35 @@ def test_chunk_prefixes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> Non
     assert select(params, out["targets"]["params"], "p") == params[:2]
     assert caplog.text.count("'1:4.mlp': trainmon applies a target to every virtual-pipeline chunk") == 1
     assert "'0:3.mlp'" not in caplog.text
+
+
+def test_errors_and_messages_name_msprobes_keys(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "msprobe.json"
+    path.write_text(json.dumps({"targets": {"layers.0": {}, "0:head": {}}, "xy_distribution": True,
+                                "wg_distribution": True, "module_ranks": [1]}))
+    out, keys = read_msprobe(path)
+    assert (keys.msprobe_key("ranks"), keys.msprobe_key("ranks[0]")) == ("module_ranks", "module_ranks[0]")
+    assert keys.msprobe_key("targets.modules[1]") == "targets.0:head"
+    assert keys.msprobe_key("targets.params[0]") == "targets.layers.0" and keys.msprobe_key("async_results") is None
+    error = keys.reword(TargetError("targets.modules[1]", "why"))
+    assert isinstance(error, TargetError) and str(error) == f"{path}: msprobe key targets.0:head: why"
+    assert str(keys.reword(ConfigError("async_results", "why"))) == (
+        f"{path}: async_results (of the trainmon config translated from it): why")
+    # the translated patterns are shown as the keys were written, never as their regex
+    select(["a"], out["targets"]["modules"], "targets.modules")
+    assert "no name matches ['layers.0', '0:head']" in caplog.text
+    with pytest.raises(TargetError, match=r"^targets.modules\[1\]: pattern '0:head' matches nothing"):
+        select(["layers.0"], [p.removeprefix("optional:") for p in out["targets"]["modules"]], "targets.modules")
+    # a key is reported when it selects no module and no parameter
+    assert keys.unmatched_targets(["", "layers.0"], ["layers.0.fc.weight"]) == ["0:head"]
+    assert keys.unmatched_targets(["", "head"], ["layers.0.fc.weight"]) == []
+
+
+def test_module_ranks_skip_absent_ranks_and_ignore_negative_ones(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    out = _translate(tmp_path, {"module_ranks": [-1, 0, 0, 5], "wg_distribution": True})
+    assert (out["ranks"], out["absent_ranks"]) == ([0, 5], "skip")
+    assert "module_ranks: ranks [-1] exist in no job; ignored, as msprobe ignores them" in caplog.text
+    assert "ranks" not in _translate(tmp_path, {"module_ranks": []})  # msprobe: every rank
+    with pytest.raises(ConfigError, match="msprobe key module_ranks: lists no rank that can exist"):
+        _translate(tmp_path, {"module_ranks": [-2]})

@@ -55,16 +55,40 @@ class NamePattern:
         (True, True)
     """
 
-    __slots__ = ("regex", "search", "text")
+    __slots__ = ("regex", "search", "text", "written")
 
     def __init__(self, text: str) -> None:
         self.text = text
         self.search = text.startswith("re:")
         self.regex = re.compile(text[3:] if self.search else fnmatch.translate(text))
+        self.written = written_as(text)
+        """What messages show: the text the user wrote (see :func:`written_as`)."""
 
     def matches(self, name: str) -> bool:
         """Whether ``name`` is selected."""
         return bool(self.regex.search(name) if self.search else self.regex.fullmatch(name))
+
+
+_WRITTEN = re.compile(r"re:\(\?#((?:[^\\)]|\\.)*)\)", re.DOTALL)
+
+
+def labelled(regex: str, written: str) -> str:
+    """The ``re:`` pattern of ``regex`` that messages show as ``written`` (a translated config's key, e.g. a msprobe
+    ``targets`` key): ``written`` rides along as a leading regex comment, ``(?#...)``, which matches nothing.
+
+    Example:
+        >>> pattern = labelled("^layers\\.0$", "layers.0")
+        >>> pattern, written_as(pattern)
+        ('re:(?#layers.0)^layers\\.0$', 'layers.0')
+    """
+    return "re:(?#" + re.sub(r"([\\)])", r"\\\1", written) + ")" + regex
+
+
+def written_as(pattern: str) -> str:
+    """What messages show for ``pattern`` (no ``optional:`` prefix): the text of a :func:`labelled` pattern,
+    else the pattern itself."""
+    match = _WRITTEN.match(pattern)
+    return re.sub(r"\\(.)", r"\1", match.group(1), flags=re.DOTALL) if match else pattern
 
 
 def compile_pattern(pattern: str, key: str, error: type[ConfigError] = ConfigError) -> NamePattern:
@@ -126,12 +150,13 @@ def select(names: Iterable[str], patterns: Sequence[str], key: str) -> list[str]
         matcher = compile_pattern(pattern, f"{key}[{i}]", TargetError)
         hits = {n for n in names if matcher.matches(n)}
         if not hits and not optional:
-            close = difflib.get_close_matches(pattern.removeprefix("re:"), names, n=5, cutoff=0.5)
+            written = matcher.written
+            close = difflib.get_close_matches(written.removeprefix("re:"), names, n=5, cutoff=0.5)
             hint = f"; close names: {close}" if close else f"; some names: {names[:5]}"
-            raise TargetError(f"{key}[{i}]", f"pattern {pattern!r} matches nothing{hint}")
+            raise TargetError(f"{key}[{i}]", f"pattern {written!r} matches nothing{hint}")
         chosen |= hits
     if patterns and not chosen:
-        shown = [p[:80] for p in patterns[:3]]
+        shown = [written_as(split_optional(p)[0])[:80] for p in patterns[:3]]
         logger.warning("trainmon: %s: no name matches %s%s (optional patterns); nothing is selected; some names: %s",
                        key, shown, " ..." if len(patterns) > 3 else "", names[:5])
     return [n for n in names if n in chosen]

@@ -39,6 +39,13 @@ def is_activation(tensor: Any) -> bool:
     return bool((tensor.is_floating_point() or tensor.is_complex()) and (tensor.dim() > 0 or tensor.requires_grad))
 
 
+def is_root(name: str) -> bool:
+    """Whether a target is the root module (``activations.root``). Its forward hook is put before the step
+    lifecycle's hooks on it (``prepend``), which end the micro-step's forward: an evaluation forward's rows are
+    then still suppressed, and its tensors are measured with the forward's others."""
+    return not name
+
+
 def named_tensors(value: Any, prefix: str, tensor_type: type = torch.Tensor, *,
                   none_holds_position: bool = False, keep: Callable[[Any], bool] | None = None
                   ) -> Iterator[tuple[str, Any]]:
@@ -190,7 +197,7 @@ class ActivationCollector(HookedCollector):
                 handles.append(module.register_forward_pre_hook(self.guarded(self._pre_hook(name, vpp_stage)),
                                                                 with_kwargs=True))
             hook = self.guarded(self._hook(name, vpp_stage, forward, backward, tensor_inputs))
-            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(hook, with_kwargs=True, prepend=is_root(name)))
             if input_grads and self.grad_hooks == "module":
                 # Only so that torch routes the inputs' gradient through one node per call (see the class docstring).
                 handle = module.register_full_backward_hook(self.guarded(self._lift))

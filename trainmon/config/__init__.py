@@ -9,6 +9,7 @@ keys, wrong types and out-of-range values fail at construction with the dotted k
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ PERT_MODES: tuple[str, ...] = ("improve_precision", "add_noise", "bit_noise", "c
 FIXING_PERT_MODES: tuple[str, ...] = ("improve_precision", "to_cpu")
 """The perturbations whose result may replace a module's output (``free_benchmark.handler: fix``)."""
 HANDLERS: tuple[str, ...] = ("check", "fix")
+ABSENT_RANKS: tuple[str, ...] = ("error", "skip")
 MAX_DUMP_DEPTH = 64
 """Deeper than any module tree; a huge ``dump.depth`` would stall every anomalous step."""
 
@@ -117,6 +119,11 @@ class ActivationsConfig:
     target, ``out += x``): torch rejects that under full backward hooks. ``module`` switches to ``tensor`` by
     itself, with a warning, when a target module has ``inplace=True``. MindSpore always uses cell backward
     hooks."""
+    root: bool = False
+    """Also measure the root module (the model given to ``attach``, each chunk of a pipeline): the model's own
+    inputs and outputs and their gradients, in rows named ``.input``, ``.output``, ``.input_grad``, ``.output_grad``
+    (the root's name is ``""``). Target patterns never select the root; msprobe's ``all_xy`` and ``""`` target
+    set this."""
     group_mb: float = setting(256.0, minimum=0)
     """On the device path (GPU, Ascend, low-precision tensors), activations are kept by their hooks and measured
     together, a few kernels per group, when the root module's forward or a backward pass ends, or once the kept
@@ -287,6 +294,10 @@ class MonitorConfig:
     ranks: list[int] | None = setting(None, minimum=0, unique=True, check=_some_rank)
     """Ranks that collect and write (distinct, each below the world size: checked at ``attach``); null means
     every rank."""
+    absent_ranks: str = setting("error", choices=ABSENT_RANKS)
+    """A rank listed in ``ranks`` that the job does not have (a smaller job than the config was written for):
+    ``error`` fails at ``attach``; ``skip`` warns once, naming them, and the listed ranks that exist collect
+    (msprobe's ``module_ranks``: translated msprobe configs set it). Listing no rank that exists fails either way."""
     start_step: int = setting(0, minimum=0)
     """First step that is collected."""
     step_interval: int = setting(1, minimum=1)
@@ -335,15 +346,20 @@ class MonitorConfig:
                 raise ConfigError("anomaly.actions", f"{action!r} needs {action}.enabled: true")
 
 
-def check_ranks(ranks: list[int] | None, world_size: int) -> None:
+def check_ranks(ranks: list[int] | None, world_size: int, absent: str = "error") -> list[int] | None:
     """Check the config's ``ranks`` against the job's world size (called at ``attach``).
 
     Args:
         ranks: ``MonitorConfig.ranks`` (None: every rank).
         world_size: the number of ranks of the job.
+        absent: ``MonitorConfig.absent_ranks``: ``skip`` warns about listed ranks the job does not have.
+
+    Returns:
+        The listed ranks that exist, in the config's order (None: every rank).
 
     Raises:
-        ConfigError: a listed rank does not exist (``ranks`` is named, with the valid range).
+        ConfigError: a listed rank does not exist (``absent: error``) or none does; ``ranks`` is named, with
+            the valid range.
 
     Example:
         >>> check_ranks([0, 3], world_size=2)  # doctest: +IGNORE_EXCEPTION_DETAIL
@@ -351,13 +367,21 @@ def check_ranks(ranks: list[int] | None, world_size: int) -> None:
         ConfigError: ranks: rank 3 does not exist: this job has 2 ranks (0..1)
     """
     if ranks is None:
-        return
+        return None
     missing = [rank for rank in ranks if not 0 <= rank < world_size]
-    if missing:
-        listed = ", ".join(str(rank) for rank in missing[:10]) + (", ..." if len(missing) > 10 else "")
-        raise ConfigError("ranks", f"rank{'s' if len(missing) > 1 else ''} {listed} "
-                                   f"{'do' if len(missing) > 1 else 'does'} not exist: this job has {world_size} "
-                                   f"rank{'s' if world_size != 1 else ''} (0..{world_size - 1})")
+    present = [rank for rank in ranks if rank not in missing]
+    if not missing:
+        return present
+    listed = ", ".join(str(rank) for rank in missing[:10]) + (", ..." if len(missing) > 10 else "")
+    reason = (f"rank{'s' if len(missing) > 1 else ''} {listed} {'do' if len(missing) > 1 else 'does'} not exist: "
+              f"this job has {world_size} rank{'s' if world_size != 1 else ''} (0..{world_size - 1})")
+    if absent == "error" or not present:
+        raise ConfigError("ranks", reason + ("" if present else f"; list a rank below {world_size}"))
+    # absent_ranks: skip is msprobe's rule: name its key too, for a msprobe config's user
+    logging.getLogger("trainmon").warning("trainmon: ranks (msprobe: module_ranks): %s; collecting on rank%s %s only "
+                                          "(absent_ranks: skip)", reason, "s" if len(present) > 1 else "",
+                                          ", ".join(map(str, present)))
+    return present
 
 
 def load_config(source: MonitorConfig | Mapping[str, Any] | str | Path | None) -> MonitorConfig:

@@ -10,12 +10,15 @@ with msprobe's meaning, or warned about once with the reason. The semantics are 
   (with ``xy_distribution`` then meaning every module). msprobe also accepts its *squashed*
   names (:func:`squash_name`, the names of its ``module_struct.json``) and a ``"{chunk}:"`` prefix.
   Each key becomes an ``optional:re:`` pattern: msprobe skips a key that names nothing.
-- ``all_xy`` monitors every module; ``alert.dump`` writes the anomaly events (``anomalies.jsonl``,
+- ``all_xy`` monitors every module, the root module too (``activations.root``); ``module_ranks`` may name
+  ranks the job does not have (``absent_ranks: skip``); ``alert.dump`` writes the anomaly events (``anomalies.jsonl``,
   msprobe's ``anomaly.json``), not tensors; ``AnomalyTurbulence`` watches every monitored row.
 
 msprobe's names (squashed names, target patterns, rows of target specs) live in
 :mod:`trainmon.config.msprobe_names`, the value types it accepts in :mod:`trainmon.config.msprobe_checks`; this module
-reads a config and translates it key by key (and re-exports the names' functions).
+reads a config and translates it key by key (and re-exports the names' functions), recording which msprobe key
+each trainmon key comes from (:class:`~trainmon.config.msprobe_checks.MsprobeKeys`) so that later errors name
+msprobe's keys.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ from typing import Any
 from trainmon.base.records import ACTIVATION_KINDS
 from trainmon.base.targets import OPTIONAL
 from trainmon.config.files import parse_json, read_text
-from trainmon.config.msprobe_checks import KNOWN_KEYS, check_types
+from trainmon.config.msprobe_checks import KNOWN_KEYS, MsprobeKeys, check_types
 from trainmon.config.msprobe_names import TARGET_SPEC, module_pattern, param_pattern
 from trainmon.errors import ConfigError
 
-__all__ = ["DEFAULT_OUTPUT_DIR", "OUTPUT_DIR_VARIABLE", "translate_msprobe"]
+__all__ = ["DEFAULT_OUTPUT_DIR", "OUTPUT_DIR_VARIABLE", "read_msprobe", "translate_msprobe"]
 
 logger = logging.getLogger("trainmon")
 
@@ -46,6 +49,14 @@ _FAMILY_OF_SECTION = {"activations": ("actv", "actv_grad"), "weight_grads": ("gr
                       "optimizer_states": (), "params": ("param",), "communication": ("comm",)}
 _KINDS = tuple(kind for kinds in ACTIVATION_KINDS.values() for kind in kinds)  # msprobe's are trainmon's
 _VPP_KEY = re.compile(r"(\d+):(.*)", re.DOTALL)
+_PARAM_SWITCHES = ("wg_distribution", "mv_distribution", "ur_distribution", "param_distribution", "mg_direction")
+_SAME_KEYS = ("start_step", "step_interval", "collect_times", "eps", "print_struct")
+_KEY_OF_SECTION = {"ranks": "module_ranks", "sinks": "format", "activations": "xy_distribution",
+                   "weight_grads": "wg_distribution", "optimizer_states": "mv_distribution",
+                   "params": "param_distribution", "grad_probe": "mg_direction",
+                   "communication.call_site_filter": "cc_distribution.cc_codeline", "communication": "cc_distribution",
+                   "anomaly": "alert"}
+"""The msprobe key behind each trainmon key it is translated to (the targets' patterns are added per key)."""
 
 
 # ----------------------------------------------------------------------------------- translation
@@ -64,18 +75,29 @@ def translate_msprobe(path: Path, environ: Mapping[str, str] | None = None) -> d
         ConfigError: the file cannot be read, is not UTF-8 JSON, repeats a key, is not a JSON
             object, or a key's value has a type msprobe rejects too; the message names the file and the key.
     """
+    return read_msprobe(path, environ)[0]
+
+
+def read_msprobe(path: Path, environ: Mapping[str, str] | None = None) -> tuple[dict[str, Any], MsprobeKeys]:
+    """:func:`translate_msprobe`, and which msprobe key each trainmon key comes from (to reword later errors).
+
+    Raises:
+        ConfigError: as :func:`translate_msprobe`.
+    """
     data = parse_json(read_text(path, "msprobe config"), path)
     if not isinstance(data, dict):
         raise ConfigError(str(path), "a msprobe monitor config must be a JSON object")
     check_types(data, path)
-    return _Translation(data, environ or {}).run()
+    translation = _Translation(data, environ or {}, path)
+    return translation.run(), translation.keys
 
 
 class _Translation:
     """One msprobe config on its way to a trainmon dict (see :func:`translate_msprobe`)."""
 
-    def __init__(self, data: dict[str, Any], environ: Mapping[str, str]) -> None:
+    def __init__(self, data: dict[str, Any], environ: Mapping[str, str], path: Path) -> None:
         self.data = data
+        self.keys = MsprobeKeys(path, {**{key: key for key in _SAME_KEYS}, **_KEY_OF_SECTION})
         self.out: dict[str, Any] = {
             "output_dir": environ.get(OUTPUT_DIR_VARIABLE) or DEFAULT_OUTPUT_DIR,
             # msprobe collects a family only when its switch is set; trainmon's defaults differ.
@@ -114,9 +136,11 @@ class _Translation:
         xy = bool(data.get("xy_distribution"))
         targets = data.get("targets") or {"": {}}  # msprobe: no targets is the whole model
         all_xy = bool(data.get("all_xy")) or (xy and not data.get("targets"))
+        params = self._params(targets)
         if xy:
             out["activations"].update(enabled=True, **self._modules(targets, all_xy))
-        out["targets"] = {**out.get("targets", {}), "params": self._params(targets)}
+        out["targets"] = {**out.get("targets", {}), "params": params}
+        self._key_patterns(targets, by_module=xy and not all_xy and not data.get("print_struct"))
         if data.get("forward_only") and data.get("backward_only"):
             self._differs("forward_only", "forward_only and backward_only together monitor no activation "
                                           "(msprobe warns too)")
@@ -163,16 +187,29 @@ class _Translation:
         for key, spec in targets.items():
             self._check_specs(key, spec)
         if all_xy or self.data.get("print_struct"):
-            self.out["targets"] = {"modules": ["*"]}
-            return {}
-        names = [self._split(key) for key in targets]
-        if "" in names:
-            self._differs("targets", "'' (the whole model) hooks only the root module's own forward in msprobe; "
-                                     "trainmon never hooks the root module (set all_xy: true to monitor every "
-                                     "module inside it)")
-        patterns = [module_pattern(name, self.squash) for name in names if name]
-        self.out["targets"] = {"modules": patterns or [f"{OPTIONAL}re:(?!)"]}
-        return {}
+            # msprobe hooks every module of named_modules(), the root ("", rows ".input", ...) first
+            self.out["targets"] = {"modules": [f"{OPTIONAL}*"]}
+            return {"root": True}
+        patterns: list[str] = []
+        for key in targets:
+            name = self._split(key)
+            if name:  # "" is the root module: activations.root
+                self.keys.keys[f"targets.modules[{len(patterns)}]"] = _target_key(key)
+                patterns.append(module_pattern(name, self.squash, key))
+        self.out["targets"] = {"modules": patterns}  # [] when the root is the only module key
+        return {"root": True} if "" in map(self._split, targets) else {}
+
+    def _key_patterns(self, targets: dict[str, Any], by_module: bool) -> None:
+        """What each ``targets`` key selects on its own (:attr:`MsprobeKeys.targets`), to report at ``attach`` the
+        keys that select nothing monitored: modules when they are hooked by key, parameters when a family of
+        theirs is on."""
+        by_param = any(self.data.get(key) for key in _PARAM_SWITCHES)
+        for key in targets if by_module or by_param else ():
+            name = self._split(key)
+            modules = (module_pattern(name, self.squash, key) if name else f"{OPTIONAL}re:^$") if by_module else None
+            params = (f"{OPTIONAL}*" if "0:".startswith(key) else param_pattern(name, self.squash and name != key, key)
+                      ) if by_param else None
+            self.keys.targets[key] = (modules, params)
 
     def _check_specs(self, key: str, spec: dict[str, Any]) -> None:
         for kind, value in spec.items():
@@ -184,12 +221,13 @@ class _Translation:
 
     def _params(self, targets: dict[str, Any]) -> list[str]:
         """msprobe's parameter rule: the name, ``"0:" + name`` or ``"0:" + squashed name`` starts with a key."""
-        patterns = []
+        patterns: list[str] = []
         for key in targets:
             if "0:".startswith(key):  # "", "0" and "0:" are prefixes of every "0:{name}"
                 return ["*"]
             name = self._split(key)
-            patterns.append(param_pattern(name, self.squash and name != key))
+            self.keys.keys[f"targets.params[{len(patterns)}]"] = _target_key(key)
+            patterns.append(param_pattern(name, self.squash and name != key, key))
         return patterns
 
     # ------------------------------------------------------------------------------- other keys
@@ -219,11 +257,24 @@ class _Translation:
             else:
                 out["collect_times"] = data["collect_times"]
         if data.get("module_ranks"):
-            out["ranks"] = list(dict.fromkeys(data["module_ranks"]))
+            self._ranks(data["module_ranks"])
         if data.get("print_struct"):
             self._differs("print_struct", "trainmon writes module_struct.json and goes on training with the "
                                           "configured families (msprobe records only the structure and raises "
                                           "at the first optimizer step)")
+
+    def _ranks(self, ranks: list[int]) -> None:
+        """``module_ranks``: msprobe monitors the listed ranks that exist and ignores the others, so a config written
+        for a larger job runs on a smaller one (``absent_ranks: skip`` warns about them at ``attach``)."""
+        negative = [rank for rank in ranks if rank < 0]
+        if negative:
+            self._warn_once("trainmon: msprobe config key %s: %s", "module_ranks",
+                            f"ranks {negative} exist in no job; ignored, as msprobe ignores them")
+        ranks = [rank for rank in dict.fromkeys(ranks) if rank >= 0]
+        if not ranks:
+            raise ConfigError(str(self.keys.path), "msprobe key module_ranks: lists no rank that can exist "
+                                                   "([] means every rank)")
+        self.out.update(ranks=ranks, absent_ranks="skip")
 
     def _outputs(self) -> None:
         fmt = self.data.get("format")
@@ -331,6 +382,11 @@ class _Translation:
         if (key, why) not in self.warned:
             self.warned.add((key, why))
             logger.warning(text, key, why)
+
+
+def _target_key(key: str) -> str:
+    """How messages name a msprobe ``targets`` key."""
+    return f"targets.{key}" if key else 'targets.""'
 
 
 def _codeline_regex(codeline: str) -> str:

@@ -1,16 +1,25 @@
 """The value types msprobe accepts in its monitor config (``validate_config`` of the ``mindstudio-probe``
 wheel), checked before :mod:`trainmon.config.msprobe` translates a config (framework-free): :func:`check_types`
-rejects what msprobe rejects, :data:`KNOWN_KEYS` names every top-level key msprobe knows.
+rejects what msprobe rejects, :data:`KNOWN_KEYS` names every top-level key msprobe knows; :class:`MsprobeKeys`
+rewords the errors of the translated config with msprobe's keys.
 """
 
 from __future__ import annotations
 
+import difflib
 import itertools
-from collections.abc import Callable, Iterator
+import logging
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
+from trainmon.base.targets import NamePattern, split_optional
 from trainmon.errors import ConfigError
+
+logger = logging.getLogger("trainmon")
+_VPP_PREFIX = re.compile(r"^\d+:")
 
 _BOOL_KEYS = ("print_struct", "ur_distribution", "xy_distribution", "all_xy", "forward_only", "backward_only",
               "mv_distribution", "wg_distribution", "mg_distribution", "param_distribution", "mg_direction",
@@ -72,3 +81,59 @@ def check_types(data: dict[str, Any], path: Path) -> None:
     for key, what, value, fits in itertools.chain(top, _nested_values(data)):
         if not fits(value):
             raise ConfigError(str(path), f"msprobe key {key}: must be {what}, got {str(value)[:60]!r}")
+
+
+@dataclass
+class MsprobeKeys:
+    """Which msprobe key each trainmon key of a translated msprobe config comes from, so that an error raised
+    later (when the config is built, at ``attach``) names msprobe's key and the file, and the ``targets`` keys
+    that name nothing in the model are reported as the user wrote them.
+
+    Example:
+        >>> keys = MsprobeKeys(Path("monitor.json"), {"ranks": "module_ranks"})
+        >>> str(keys.reword(ConfigError("ranks[1]", "must be >= 0, got -1")))
+        'monitor.json: msprobe key module_ranks[1]: must be >= 0, got -1'
+    """
+
+    path: Path
+    """The msprobe config file."""
+    keys: dict[str, str] = field(default_factory=dict)
+    """trainmon dotted key -> the msprobe key it was translated from (a key's items and fields follow it)."""
+    targets: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+    """msprobe ``targets`` key -> the module pattern and the parameter pattern of that key alone (None: that kind is
+    not selected by key); the root module is named ``""``."""
+
+    def msprobe_key(self, key: str) -> str | None:
+        """The msprobe key of trainmon ``key`` (``ranks[1]`` -> ``module_ranks[1]``), or None."""
+        for ours, theirs in self.keys.items():
+            if key == ours or key.startswith((ours + "[", ours + ".")):
+                return theirs + key[len(ours):]
+        return None
+
+    def reword(self, error: ConfigError) -> ConfigError:
+        """``error`` (a :class:`ConfigError` or subclass, from the translated config) as the msprobe user reads it:
+        the file and msprobe's key, or the trainmon key it was translated to when no msprobe key maps to it."""
+        theirs = self.msprobe_key(error.key)
+        where = f"msprobe key {theirs}" if theirs else f"{error.key} (of the trainmon config translated from it)"
+        return type(error)(str(self.path), f"{where}: {error.reason}")
+
+    def unmatched_targets(self, module_names: Sequence[str], param_names: Sequence[str]) -> list[str]:
+        """The ``targets`` keys that select no module and no parameter (of the kinds selected by key)."""
+        def hits(pattern: str | None, names: Sequence[str]) -> bool:
+            if pattern is None:
+                return False
+            matcher = NamePattern(split_optional(pattern)[0])
+            return any(matcher.matches(name) for name in names)
+
+        return [key for key, (modules, params) in self.targets.items()
+                if not hits(modules, module_names) and not hits(params, param_names)]
+
+    def warn_unmatched_targets(self, module_names: Sequence[str], param_names: Sequence[str]) -> None:
+        """One warning per ``targets`` key that selects nothing in the model (msprobe skips such a key silently),
+        with the model's names closest to it."""
+        names = [name for name in (*module_names, *param_names) if name]  # not the root's ""
+        for key in self.unmatched_targets(module_names, param_names):
+            close = difflib.get_close_matches(_VPP_PREFIX.sub("", key), names, n=5, cutoff=0.5)
+            logger.warning("trainmon: msprobe targets key %r (%s) selects no module or parameter of this model; it "
+                           "is skipped, as msprobe skips it; %s: %s", key, self.path,
+                           "close names" if close else "some names", close or names[:5])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from trainmon.base.records import activation_row
-from trainmon.base.targets import OPTIONAL
+from trainmon.base.targets import OPTIONAL, labelled
 
 TARGET_SPEC = re.compile(r"tensor|tuple\[(\d+)\](?::(\d+))?")
 """msprobe's spec of a target's tensor: ``"tensor"`` or ``"tuple[n]:i"`` (element ``i`` of an ``n``-tuple)."""
@@ -58,18 +58,19 @@ def _squashed_regexes(key: str, whole: bool) -> list[str]:
     return found
 
 
-def module_pattern(key: str, squash: bool = True) -> str:
+def module_pattern(key: str, squash: bool = True, written: str | None = None) -> str:
     """The trainmon ``targets.modules`` pattern of a msprobe ``targets`` key (chunk prefix removed):
-    the module named ``key``, or whose squashed name is ``key``. May match nothing."""
+    the module named ``key``, or whose squashed name is ``key``. May match nothing. Messages show it as
+    ``written`` (the key as in the file; default ``key``)."""
     alternatives = [re.escape(key) + "$"] + (_squashed_regexes(key, whole=True) if squash else [])
-    return f"{OPTIONAL}re:(?s)^(?:{'|'.join(alternatives)})"
+    return OPTIONAL + labelled(f"(?s)^(?:{'|'.join(alternatives)})", key if written is None else written)
 
 
-def param_pattern(key: str, squash: bool) -> str:
+def param_pattern(key: str, squash: bool, written: str | None = None) -> str:
     """The trainmon ``targets.params`` pattern of a msprobe ``targets`` key (chunk prefix removed):
-    parameters whose name (or, with ``squash``, squashed name) starts with ``key``."""
+    parameters whose name (or, with ``squash``, squashed name) starts with ``key``; shown as ``written``."""
     alternatives = [re.escape(key)] + (_squashed_regexes(key, whole=False) if squash else [])
-    return f"{OPTIONAL}re:(?s)^(?:{'|'.join(alternatives)})"
+    return OPTIONAL + labelled(f"(?s)^(?:{'|'.join(alternatives)})", key if written is None else written)
 
 
 def trainmon_row_name(module: str, kind: str, spec: str | None = None) -> str:

@@ -107,11 +107,12 @@ def _by_plain_name(items: Iterable[tuple[str, _Item]], vpp_stage: int
 
 def select_modules(named: Sequence[tuple[str, torch.nn.Module, int]], config: MonitorConfig,
                    aliases: Mapping[str, Sequence[str]] | None = None) -> list[tuple[str, torch.nn.Module, int]]:
-    """Target modules (the root, named ``""``, is never a target); a pattern matching one of a module's
-    ``aliases`` selects it too."""
+    """Target modules; a pattern matching one of a module's ``aliases`` selects it too. The root, named ``""``,
+    is never matched by a pattern: it is a target (first) when ``activations.root`` is set."""
+    roots = [item for item in named if not item[0]] if config.activations.root else []
     named = [item for item in named if item[0]]
     chosen = _select([n for n, _, _ in named], config.targets.modules, "targets.modules", aliases)
-    return [item for item in named if item[0] in chosen]
+    return roots + [item for item in named if item[0] in chosen]
 
 
 def select_params(named: Sequence[tuple[str, torch.nn.Parameter, int]], config: MonitorConfig,

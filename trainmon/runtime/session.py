@@ -62,12 +62,12 @@ class Session:
         self.lifecycle = StepLifecycle(self.ctx, end_step=lambda: self.end_step(None, {}, by_user=False))
         self.attachment: Attachment = self._attach(config)
         try:
-            check_ranks(config.ranks, self.attachment.world_size)
+            ranks = check_ranks(config.ranks, self.attachment.world_size, config.absent_ranks)  # those that exist
             _warn_unsupported(config, self.framework)
             self.ctx.pp_stage = self.attachment.pp_stage
             self._hook_boundaries()
             rank = self.attachment.rank
-            self.writes = config.ranks is None or rank in config.ranks
+            self.writes = ranks is None or rank in ranks
             self.schedule = StepSchedule(config, rank_selected=self.writes or self.attachment.collective)
             self.run_dir, self.rank_dir = self._make_dirs(config)
             if self.rank_dir is not None:
@@ -76,7 +76,7 @@ class Session:
             self.writer = SinkWriter(build_sinks(config.sinks, self.rank_dir) if self.rank_dir else [],
                                      config.flush_seconds, root=self.run_dir,
                                      stats_path=self.rank_dir / "writer_stats.json" if self.rank_dir else None)
-            if self.rank_dir is not None and rank == (config.ranks[0] if config.ranks else 0):
+            if self.rank_dir is not None and rank == (ranks[0] if ranks else 0):
                 info = run_json(config, self.attachment.world_size, self.framework, _versions(self.framework))
                 run_dir = self.run_dir
                 # on the writer's thread; a resumed run keeps the first run.json and adds run.resume{n}.json

@@ -19,7 +19,7 @@ import torch
 
 from trainmon.base import process_groups
 from trainmon.base.records import RowKey, activation_row, module_call
-from trainmon.collect.activations import ActivationCollector
+from trainmon.collect.activations import ActivationCollector, is_root
 from trainmon.collect.adam import adam_update, update_ratio
 from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector, HookRegistry
@@ -301,7 +301,8 @@ class MegatronActivationCollector(ActivationCollector):
             return
         for name, module, vpp_stage in self.modules:
             hook = self.guarded(self._megatron_hook(name, vpp_stage, forward, backward))
-            self.registry.add(self.HOOK_GROUP, module.register_forward_hook(hook, with_kwargs=True))
+            self.registry.add(self.HOOK_GROUP, module.register_forward_hook(hook, with_kwargs=True,
+                                                                            prepend=is_root(name)))
 
     def reset(self) -> None:
         super().reset()
