@@ -137,3 +137,11 @@ def test_anomaly_package_imports_no_framework():
             "bad = [m for m in ('torch', 'mindspore', 'deepspeed', 'megatron') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_events_of_the_root_module_name_it():
+    """``activations.root`` (msprobe's ``all_xy``) rows are named ``.output`` etc.; the message names the root."""
+    from trainmon.anomaly.ordering import describe
+
+    assert describe("actv_grad", ".output_grad", "backward") == "backward gradient w.r.t. the output of the root module"
+    assert describe("actv", ".input.1", "forward") == "forward input of the root module (tensor 1)"

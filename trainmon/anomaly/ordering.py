@@ -56,6 +56,7 @@ def _split_suffix(name: str) -> tuple[str, str]:
     if row is None:
         return "", name
     module, kind, tensor = row
+    module = module or "the root module"  # activations.root (msprobe's all_xy): named ""
     return _KIND_WORDS[kind], f"{module} (tensor {tensor})" if tensor else module
 
 
