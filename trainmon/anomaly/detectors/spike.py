@@ -157,7 +157,9 @@ class SpikeDetector(Detector[SpikeConfig]):
         self.rules = LogRules(threshold=self.threshold, min_relative_change=self.min_relative_change,
                               warmup=self.warmup, window=config.window, level_window=config.level_window,
                               range_factor=config.range_factor, range_window=config.range_window,
-                              trend_factor=0.0, persist=config.persist, direction=config.direction)
+                              trend_factor=0.0, persist=config.persist, direction=config.direction,
+                              # the young phase is never less strict than the rest of the run
+                              early_relative_change=max(LogRules.early_relative_change, self.min_relative_change))
         self.series: dict[tuple[str, str, str, int, int], _Series | LogLevelSeries] = {}
         self._wanted: dict[tuple[str, str], list[str]] = {}  # (family, name) -> metrics (cache)
 
