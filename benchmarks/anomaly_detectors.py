@@ -2,7 +2,7 @@
 
     python benchmarks/anomaly_detectors.py [--quick] [--markdown] [--curves benchmarks/data/curves.npz]
 
-Healthy curves: six regimes of real small torch models (``benchmarks/detector_curves.py`` trains
+Healthy curves: seven regimes of real small torch models (``benchmarks/detector_curves.py`` trains
 them once and caches them in ``benchmarks/data/curves.npz``) and three synthetic ones made here
 (``ar_noise``: AR(1) log-noise, phi 0.9; ``heavy_tail``: Student-t log-noise, 3 degrees of freedom;
 ``slow_drift``: a random walk in the log level plus noise). Each curve has a loss, a global gradient
@@ -11,7 +11,7 @@ norm and four per-layer gradient norms.
 Events of known size and shape are injected at known steps (at least 200 steps in, so every peer is
 past its warm-up) into copies of the healthy loss (and, for the grad-norm table, gradient norm):
 
-- ``spike`` x1.5, x2, x3, x4, x10: one step multiplied; caught only at that step;
+- ``spike`` x1.5, x2, x3, x4, x8, x10: one step multiplied; caught only at that step;
 - ``plateau`` x2, x3: 20 steps multiplied; caught within them;
 - ``diverge``: the loss doubles every 50 steps from the event on; caught within 200 steps;
 - ``nan``, ``inf``: one non-finite loss; caught at that step;

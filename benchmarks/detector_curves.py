@@ -1,8 +1,9 @@
 """Healthy training curves for the detector benchmark, from real small torch models.
 
     python benchmarks/detector_curves.py [--out benchmarks/data/curves.npz] [--runs 4] [--steps 3000]
+                                         [--regimes REGIME ...]
 
-Trains small models in six regimes and records, per step, the loss handed to the monitor, the
+Trains small models in seven regimes and records, per step, the loss handed to the monitor, the
 global gradient norm (before clipping) and the gradient norms of four weight matrices. Also records
 "blow-ups": forks of a healthy run where one layer's weights start to diverge along one direction
 (a perturbation growing 1.25x per step, added after each optimizer step), for the per-layer early
