@@ -98,7 +98,8 @@ class SpikeConfig:
     """log: fires when a value is more than this times the largest of the ``range_window`` values before
     the level window (less than their smallest over this, going down); 0 turns the range rule off."""
     range_window: int = setting(100, minimum=1, maximum=MAX_WINDOW)
-    """log: values the range rule compares with; also the length of the young phase (3x jumps only)."""
+    """log: values the range rule compares with; also the length of the young phase (jumps of
+    3x, or 1 + min_relative_change when larger)."""
     persist: int = setting(1, minimum=1, maximum=MAX_WINDOW)
     """log: fire only when this many values in a row are out of band (the earlier ones are held back
     from the state meanwhile): 3 ignores one-step outliers and still catches a growing norm."""
