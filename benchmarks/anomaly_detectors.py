@@ -2,7 +2,7 @@
 
     python benchmarks/anomaly_detectors.py [--quick] [--markdown] [--curves benchmarks/data/curves.npz]
 
-Healthy curves: six regimes of real small torch models (``benchmarks/detector_curves.py`` trains
+Healthy curves: seven regimes of real small torch models (``benchmarks/detector_curves.py`` trains
 them once and caches them in ``benchmarks/data/curves.npz``) and three synthetic ones made here
 (``ar_noise``: AR(1) log-noise, phi 0.9; ``heavy_tail``: Student-t log-noise, 3 degrees of freedom;
 ``slow_drift``: a random walk in the log level plus noise). Each curve has a loss, a global gradient
@@ -11,7 +11,7 @@ norm and four per-layer gradient norms.
 Events of known size and shape are injected at known steps (at least 200 steps in, so every peer is
 past its warm-up) into copies of the healthy loss (and, for the grad-norm table, gradient norm):
 
-- ``spike`` x1.5, x2, x3, x4, x10: one step multiplied; caught only at that step;
+- ``spike`` x1.5, x2, x3, x4, x8, x10: one step multiplied; caught only at that step;
 - ``plateau`` x2, x3: 20 steps multiplied; caught within them;
 - ``diverge``: the loss doubles every 50 steps from the event on; caught within 200 steps;
 - ``nan``, ``inf``: one non-finite loss; caught at that step;
@@ -54,19 +54,26 @@ from benchmarks.detector_baselines import (  # noqa: E402
     OlmoStability,
     TrainmonLossSpikeV0,
 )
-from trainmon.anomaly.detectors import build_detectors  # noqa: E402
+from trainmon.anomaly.detectors import (  # noqa: E402
+    DEFAULT_DETECTORS,
+    GRAD_NORM_DEFAULT,
+    PER_LAYER_DEFAULT,
+    build_detectors,
+)
 from trainmon.base.records import Row, RowKey, StepRecord  # noqa: E402
 
 CURVES = ROOT / "benchmarks" / "data" / "curves.npz"
-REAL_REGIMES = ("large_batch", "small_batch", "warmup_decay", "data_mix", "periodic_eval", "restart")
+REAL_REGIMES = ("large_batch", "small_batch", "warmup_decay", "data_mix", "periodic_eval", "restart", "curriculum")
 SYNTHETIC_REGIMES = ("ar_noise", "heavy_tail", "slow_drift")
-SPIKES = (1.5, 2.0, 3.0, 4.0, 10.0)
+SPIKES = (1.5, 2.0, 3.0, 4.0, 8.0, 10.0)
 PLATEAU_STEPS = 20
 DIVERGE_STEPS = 200
 DIVERGE_DOUBLING = 50
 FIRST_EVENT = 200
 EVENTS: tuple[tuple[str, float | None], ...] = (
     *(("spike", k) for k in SPIKES), ("plateau", 2.0), ("plateau", 3.0), ("diverge", 2.0), ("nan", None), ("inf", None))
+_DRAW_ORDER = (*(e for e in EVENTS if e != ("spike", 8.0)), ("spike", 8.0))
+"""Where each event is drawn: x8 (added later) last, so the other events keep their steps."""
 
 
 def event_label(kind: str, size: float | None) -> str:
@@ -176,7 +183,8 @@ def event_starts(curve: Curve, per_curve: int) -> dict[tuple[str, float | None],
     """Where each event kind is injected in ``curve`` (fixed by the curve's regime and run)."""
     rng = np.random.default_rng([len(curve.regime), sum(map(ord, curve.regime)), curve.run])
     last = len(curve.values) - DIVERGE_STEPS - 1
-    return {event: sorted(int(s) for s in rng.integers(FIRST_EVENT, last, per_curve)) for event in EVENTS}
+    starts = {event: sorted(int(s) for s in rng.integers(FIRST_EVENT, last, per_curve)) for event in _DRAW_ORDER}
+    return {event: starts[event] for event in EVENTS}
 
 
 # --------------------------------------------------------------------------------------- adapters
@@ -230,15 +238,20 @@ class PerLayer:
 
 DetectorFactory = Callable[[Curve], Any]
 
-TRAINMON_DEFAULT = [{"type": "nonfinite"}, {"type": "loss_spike"}]
-"""The default ``anomaly.detectors``."""
+TRAINMON_DEFAULT = [dict(s) for s in DEFAULT_DETECTORS if s["type"] in ("nonfinite", "loss_spike")]
+"""The default ``anomaly.detectors`` that watch the loss."""
+TRAINMON_GRAD_DEFAULT = [{"type": "nonfinite", "scalars": ["grad_norm"]}, dict(GRAD_NORM_DEFAULT)]
+"""The default global grad-norm watch (with the default ``nonfinite`` on ``grad_norm``)."""
 TRAINMON_GRAD = [{"type": "nonfinite", "scalars": ["grad_norm"]},
                  {"type": "spike", "series": ["grad_norm"], "method": "log"}]
-TRAINMON_LAYERS = [{"type": "spike", "series": ["grad_reduced/*/norm"], "method": "log", "persist": 3}]
+TRAINMON_LAYERS = [dict(PER_LAYER_DEFAULT)]
 """The per-layer early warning of docs/anomaly.md."""
+TRAINMON_BEFORE_TREND = [{"type": "nonfinite"}, {"type": "loss_spike", "trend_factor": 0}]
+"""The default loss detectors without the trend rule (what the trend rule adds)."""
 
 LOSS_DETECTORS: dict[str, DetectorFactory] = {
     "trainmon default": lambda c: TrainmonScalar(TRAINMON_DEFAULT, "loss"),
+    "trainmon default without trend": lambda c: TrainmonScalar(TRAINMON_BEFORE_TREND, "loss"),
     "trainmon before (v0 loss_spike)": lambda c: TrainmonLossSpikeV0(),
     "trainmon spike ema": lambda c: TrainmonScalar([{"type": "nonfinite"}, {"type": "spike"}], "loss"),
     "trainmon spike mad": lambda c: TrainmonScalar([{"type": "nonfinite"}, {"type": "spike", "method": "mad"}], "loss"),
@@ -250,6 +263,7 @@ LOSS_DETECTORS: dict[str, DetectorFactory] = {
     "msprobe 26.2 Turbulence EMA": lambda c: MsprobeTurbulence("ema"),
 }
 GRAD_DETECTORS: dict[str, DetectorFactory] = {
+    "trainmon default (grad_norm)": lambda c: TrainmonScalar(TRAINMON_GRAD_DEFAULT, "grad_norm"),
     "trainmon spike log (grad_norm)": lambda c: TrainmonScalar(TRAINMON_GRAD, "grad_norm"),
     "trainmon spike mad (grad_norm)": lambda c: TrainmonScalar(
         [TRAINMON_GRAD[0], {"type": "spike", "series": ["grad_norm"], "method": "mad", "min_relative_change": 1.0}],
@@ -507,6 +521,8 @@ def main(argv: list[str] | None = None) -> None:
     print("trainmon default by regime:\n" + regime_table(out["loss"], "trainmon default", healthy_extremes(curves), md)
           + "\n")
     print("Global grad norm:\n" + detector_table(out["grad_norm"], md) + "\n")
+    print("trainmon default (grad_norm) by regime:\n" + regime_table(
+        out["grad_norm"], "trainmon default (grad_norm)", healthy_extremes(curves, column=1), md) + "\n")
     print("Per-layer grad norms: healthy false alarms and blow-ups (one layer's weights diverging):\n"
           + layer_table(out["layers"], out["loss"], curves, md))
 

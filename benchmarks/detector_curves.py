@@ -1,8 +1,9 @@
 """Healthy training curves for the detector benchmark, from real small torch models.
 
     python benchmarks/detector_curves.py [--out benchmarks/data/curves.npz] [--runs 4] [--steps 3000]
+                                         [--regimes REGIME ...]
 
-Trains small models in six regimes and records, per step, the loss handed to the monitor, the
+Trains small models in seven regimes and records, per step, the loss handed to the monitor, the
 global gradient norm (before clipping) and the gradient norms of four weight matrices. Also records
 "blow-ups": forks of a healthy run where one layer's weights start to diverge along one direction
 (a perturbation growing 1.25x per step, added after each optimizer step), for the per-layer early
@@ -22,6 +23,10 @@ Regimes (all classification on Gaussian-mixture data unless said otherwise, fres
 - ``restart``: checkpoints every 400 steps; the job dies at steps 1000 and 2100 and resumes from the
   last checkpoint (800, 2000) with a new data order, the second time with fresh optimizer state and a
   50-step LR re-warm-up. The recorded series is what the monitor sees, replayed steps included.
+- ``curriculum``: batch 16, 3 classes, from a model trained 300 (unrecorded) steps on the easy data;
+  the data gets harder in three 200-step ramps (label noise 10% -> 20% at steps 700-900, -> 30% at
+  1500-1700, -> 45% at 2300-2500): a healthy noisy run whose median loss rises about 2x over 200
+  steps, the shape of the held-out case the loss trend rule fired on.
 
 Storage: ``log(value)`` quantised to 2e-4 (0.02% relative), delta-encoded as int16 per channel,
 ``np.savez_compressed``; the file stays under 1 MB.
@@ -49,8 +54,11 @@ from tiny_gpt import TinyGPT  # noqa: E402
 RESOLUTION = 2e-4
 """Quantisation step of log(value)."""
 DEFAULT_OUT = ROOT / "benchmarks" / "data" / "curves.npz"
-REGIMES = ("large_batch", "small_batch", "warmup_decay", "data_mix", "periodic_eval", "restart")
+REGIMES = ("large_batch", "small_batch", "warmup_decay", "data_mix", "periodic_eval", "restart", "curriculum")
 BLOWUP_STEPS = 80
+CURRICULUM_WARM_START = 300
+"""Unrecorded steps on the easy data before ``curriculum``'s recorded run (a later stage of a curriculum; a cold
+start of this small noisy batch is the young phase the other regimes cover)."""
 BLOWUP_GROWTH = 1.25
 
 
@@ -225,6 +233,25 @@ def make_trainer(regime: str, seed: int, steps: int) -> Trainer:
     if regime == "restart":
         return _mlp_trainer(seed, classes=5, batch=64, noise=0.15, lr=3e-3,
                             lr_fn=_warmup_cosine(100, steps))
+    if regime == "curriculum":
+        trainer = _mlp_trainer(seed, classes=3, batch=16, noise=0.1, lr=3e-3)
+        ramps = [(700, 0.10, 0.20), (1500, 0.20, 0.30), (2300, 0.30, 0.45)]  # (start, from, to) over 200 steps
+        easy = Mixture(3, 16, 6.0, 0.0, seed=1000 + seed)
+
+        def batch_fn(trainer: Trainer, step: int) -> torch.Tensor:
+            noise = 0.1
+            for start, low, high in ramps:
+                if step >= start:
+                    noise = low + (high - low) * min(1.0, (step - start) / 200)
+            easy.noise = noise
+            x, y = easy.sample(16, trainer.generator)
+            return nn.functional.cross_entropy(trainer.model(x), y)
+
+        trainer.batch_fn = batch_fn
+        for _ in range(CURRICULUM_WARM_START):  # not recorded: the recorded run starts from a trained model
+            trainer.train_step()
+        trainer.step = 0
+        return trainer
     raise ValueError(f"unknown regime {regime!r}")
 
 
@@ -303,12 +330,22 @@ def decode(deltas: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return np.exp(offsets + np.cumsum(deltas.astype(np.int64), axis=0) * RESOLUTION)
 
 
-def generate(out: Path, runs: int, steps: int) -> None:
+def generate(out: Path, runs: int, steps: int, regimes: tuple[str, ...] = REGIMES) -> None:
+    """Train ``regimes`` and write them to ``out``; the other regimes already in ``out`` are kept as they are
+    (so a new regime is added without retraining the rest)."""
     torch.set_num_threads(1)
     arrays: dict[str, np.ndarray] = {}
     meta: dict = {"resolution": RESOLUTION, "regimes": {}, "blowups": [], "torch": torch.__version__,
                   "blowup_growth": BLOWUP_GROWTH}
-    for regime in REGIMES:
+    if out.exists() and set(regimes) != set(REGIMES):
+        with np.load(out) as data:
+            meta = json.loads(bytes(data["meta"]).decode())
+            kept = [r for r in meta["regimes"] if r not in regimes]
+            arrays = {k: data[k] for k in data.files if k != "meta" and k.split("/")[0] in kept}
+        meta["regimes"] = {r: meta["regimes"][r] for r in kept}
+        meta["blowups"] = [b for b in meta["blowups"] if b["regime"] in kept]
+        meta.setdefault("torch_by_regime", {}).update({r: torch.__version__ for r in regimes})
+    for regime in regimes:
         start = time.perf_counter()
         layers = list(GPT_LAYERS if regime == "warmup_decay" else MLP_LAYERS)
         meta["regimes"][regime] = {"runs": runs, "layers": layers}
@@ -334,8 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--regimes", nargs="+", choices=REGIMES, default=list(REGIMES),
+                        help="train only these (the others already in --out are kept)")
     args = parser.parse_args(argv)
-    generate(args.out, args.runs, args.steps)
+    generate(args.out, args.runs, args.steps, tuple(args.regimes))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def test_noisy_detector_does_not_bury_the_nan(caplog):
     # the noisy rule fires on every step from step 1 (warm-up 1): its own streak, logged at 1, 2, 4, 8, ...
     assert spike_steps == [1, 2, 4, 8, 16, 32, 64]
     note = next(line for step, line in lines if step == 64 and "consecutive" in line)
-    assert "(spike: anomalies in 64 consecutive steps; logging at powers of two)" in note
+    assert "(spike (actv/*/norm): anomalies in 64 consecutive steps; logging at powers of two)" in note
 
 
 def test_first_nonfinite_comes_first_within_the_line_limit(caplog):
@@ -96,7 +96,7 @@ def test_two_detectors_of_one_type_are_throttled_apart(caplog):
     lines = logged(caplog)
     assert [step for step, line in lines if "spike: loss at step" in line] == [37]
     notes = [line for step, line in lines if "consecutive" in line]
-    assert notes and all("(spike (anomaly.detectors[0]): anomalies in" in line for line in notes)
+    assert notes and all("(spike (actv/*/norm): anomalies in" in line for line in notes)
 
 
 def test_log_action_alone_keys_on_the_event_detector(caplog):

@@ -128,8 +128,29 @@ def test_engine_state_dict_round_trip_and_mismatch():
     other.load_state_dict(state)
     assert other.state_dict() == engine.state_dict()
     assert [e.step for e in other.process(record(20, loss=5.0))] == [20]
-    with pytest.raises(ValueError, match="config has"):
-        AnomalyEngine(AnomalyConfig(detectors=[{"type": "nonfinite"}]), 0, None).load_state_dict(state)
+    with pytest.raises(ValueError, match="config has .*default_detectors: false"):
+        AnomalyEngine(AnomalyConfig(detectors=[{"type": "nonfinite"}], default_detectors=False), 0,
+                      None).load_state_dict(state)
+
+
+def test_a_state_saved_with_the_three_earlier_defaults_loads_into_the_four_defaults():
+    # A checkpoint of a run with the earlier default list [nonfinite, loss_spike, per-layer spike]
+    # (anomaly.detectors unset) resumes with the grad-norm watch added, which starts fresh.
+    earlier = [{"type": "nonfinite"}, {"type": "loss_spike"},
+               {"type": "spike", "series": ["grad_reduced/*/norm"], "method": "log", "persist": 3}]
+    saved = AnomalyEngine(AnomalyConfig(detectors=earlier, default_detectors=False, actions=[]), 0, None)
+    for step in range(20):
+        saved.process(record(step, loss=1.0 + 0.01 * (step % 3), grad_norm=1.0))
+    state = json.loads(json.dumps(saved.state_dict()))
+    assert [d["type"] for d in state["detectors"]] == ["nonfinite", "loss_spike", "spike"]
+    resumed = AnomalyEngine(AnomalyConfig(actions=[]), 0, None)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["detectors"][:3] == state["detectors"]
+    assert resumed.state_dict()["detectors"][3] == {"type": "spike", "state": {"series": []}}  # fresh
+    assert [e.name for e in resumed.process(record(20, loss=5.0, grad_norm=1.0))] == ["loss"]  # warm loss_spike
+    with pytest.raises(ValueError, match="holds detectors"):
+        AnomalyEngine(AnomalyConfig(detectors=[{"type": "spike", "series": ["lr"]}], actions=[]), 0,
+                      None).load_state_dict(state)
 
 
 def test_anomaly_package_imports_no_framework():

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from trainmon.anomaly.detectors import build_detectors
+from trainmon.anomaly.detectors import GRAD_NORM_DEFAULT, build_detectors, effective_specs
 from trainmon.anomaly.events import AnomalyEvent, utc_now
 from trainmon.anomaly.ordering import order_events
 from trainmon.anomaly.responses import JsonlAction, LogAction, logger
@@ -29,6 +29,8 @@ class AnomalySettings(Protocol):
 
     @property
     def detectors(self) -> Sequence[Mapping[str, Any]]: ...
+    @property
+    def default_detectors(self) -> bool: ...
     @property
     def actions(self) -> Sequence[str]: ...
     @property
@@ -66,11 +68,10 @@ class AnomalyEngine:
     def __init__(self, config: AnomalySettings, rank: int, rank_dir: Path | None) -> None:
         self.config = config
         self.rank = rank
-        self.detectors = build_detectors(config.detectors, "anomaly.detectors")
-        types = [detector.type_name for detector in self.detectors]
+        self.specs = effective_specs(config.detectors, config.default_detectors)
+        self.detectors = build_detectors(self.specs, "anomaly.detectors")
         # The console throttles each detector on its own (LogAction), named as the user sees it.
-        self._labels = [kind if types.count(kind) == 1 else f"{kind} (anomaly.detectors[{i}])"
-                        for i, kind in enumerate(types)]
+        self._labels = [_label(spec, self.specs) for spec in self.specs]
         self.actions = list(config.actions)
         self._log = LogAction(rank, config.log_limit) if "log" in self.actions else None
         jsonl_path = Path(rank_dir) / "anomalies.jsonl" if rank_dir is not None else None
@@ -179,17 +180,27 @@ class AnomalyEngine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output.
 
+        A state saved before the global grad-norm watch was a default (the three defaults ``nonfinite``,
+        ``loss_spike``, per-layer ``spike``) loads into the detectors it has; the grad-norm watch starts fresh.
+
         Raises:
-            ValueError: the state does not match the configured detectors (count or types).
+            ValueError: the state does not match the detectors that run (count or types).
         """
         saved = state.get("detectors") if isinstance(state, Mapping) else None
         if state.get("version") != _STATE_VERSION or not isinstance(saved, list):
             raise ValueError("not an anomaly engine state (missing version/detectors)")
-        types = [d.type_name for d in self.detectors]
-        if [item.get("type") for item in saved] != types:
-            raise ValueError(f"anomaly state holds detectors {[item.get('type') for item in saved]}, "
-                             f"the config has {types}")
-        for detector, item in zip(self.detectors, saved):
+        saved_types = [item.get("type") if isinstance(item, Mapping) else None for item in saved]
+        targets = list(self.detectors)
+        if saved_types != [d.type_name for d in targets] and GRAD_NORM_DEFAULT in self.specs:
+            older = [d for d, spec in zip(self.detectors, self.specs) if spec != GRAD_NORM_DEFAULT]
+            if saved_types == [d.type_name for d in older]:
+                targets = older  # saved before the grad-norm watch existed: it starts fresh
+        types = [d.type_name for d in targets]
+        if saved_types != types:
+            raise ValueError(f"anomaly state holds detectors {saved_types}, the config has {types} (with "
+                             f"anomaly.default_detectors: {str(self.config.default_detectors).lower()}); configure "
+                             f"the detectors the checkpoint was saved with")
+        for detector, item in zip(targets, saved):
             detector.load_state_dict(item["state"])
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -211,6 +222,20 @@ class AnomalyEngine:
         self._closed = True
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+def _label(spec: Mapping[str, Any], specs: Sequence[Mapping[str, Any]]) -> str:
+    """A detector's name on the console: its type, with its series when two detectors share the type.
+
+    Example:
+        >>> _label({"type": "spike", "series": ["grad_norm"]}, [{"type": "spike"}, {"type": "spike"}])
+        'spike (grad_norm)'
+    """
+    kind = str(spec["type"])
+    if sum(other["type"] == kind for other in specs) == 1:
+        return kind
+    series = spec.get("series")
+    return f"{kind} ({', '.join(map(str, series))})" if series else f"{kind} #{list(specs).index(spec)}"
 
 
 def _call_each(callback: AnomalyCallback, events: list[AnomalyEvent]) -> None:

@@ -213,12 +213,16 @@ class GradProbeConfig:
 class AnomalyConfig:
     """Anomaly detectors and what happens when they fire."""
 
-    detectors: list[dict[str, Any]] = setting([
-        {"type": "nonfinite"}, {"type": "loss_spike"},
-        {"type": "spike", "series": ["grad_reduced/*/norm"], "method": "log", "persist": 3}], check=check_specs)
-    """Detector specs, each ``{type: nonfinite|spike|loss_spike, ...}``; see docs/anomaly.md. The default
-    third one is the per-layer gradient early warning (it fires a median 13 steps before the loss on the
-    benchmark's layer blow-ups, with no false alarm in 108,000 healthy steps)."""
+    detectors: list[dict[str, Any]] = setting([], check=check_specs)
+    """Detector specs, each ``{type: nonfinite|spike|loss_spike, ...}`` (docs/anomaly.md), run in addition to the
+    default detectors (``default_detectors``). A spec replaces the default it overlaps rather than running next
+    to it: a ``nonfinite`` or ``loss_spike`` spec replaces that default, a ``spike`` spec each default ``spike``
+    sharing a ``series`` entry with it."""
+    default_detectors: bool = True
+    """Run the default detectors: ``nonfinite``, ``loss_spike``, the per-layer gradient early warning
+    (``{type: spike, series: ["grad_reduced/*/norm"], method: log, persist: 3}``) and the global gradient norm
+    watch (``{type: spike, series: [grad_norm], method: log, threshold: 7, min_relative_change: 2.2,
+    range_factor: 3}``: a jump above 3.2x its level). ``false``: only ``detectors`` run."""
     actions: list[str] = setting(["log", "jsonl"], choices=ACTIONS, unique=True)
     """Any of log, jsonl, callback, raise, dump, free_benchmark."""
     log_limit: int = setting(10, minimum=1)

@@ -20,8 +20,20 @@ DETECTORS: dict[str, type[Detector[object]]] = {
 }
 """Detector classes by their ``type``."""
 
-__all__ = ["DETECTORS", "Detector", "LossSpikeConfig", "LossSpikeDetector", "NonfiniteConfig",
-           "NonfiniteDetector", "SpikeConfig", "SpikeDetector", "build_detectors", "check_specs", "load_spec"]
+PER_LAYER_DEFAULT: dict[str, Any] = {"type": "spike", "series": ["grad_reduced/*/norm"], "method": "log", "persist": 3}
+"""The per-layer gradient early warning (docs/anomaly.md): a layer's norm out of band 3 steps in a row."""
+GRAD_NORM_DEFAULT: dict[str, Any] = {"type": "spike", "series": ["grad_norm"], "method": "log", "threshold": 7.0,
+                                     "min_relative_change": 2.2, "range_factor": 3.0}
+"""The global gradient norm watch: a jump above 3.2x its level with z > 7, or above 3x its recent range; tuned on
+``benchmarks/anomaly_detectors.py`` to stay under 1 false alarm per 10,000 healthy steps in every regime."""
+DEFAULT_DETECTORS: tuple[dict[str, Any], ...] = (
+    {"type": "nonfinite"}, {"type": "loss_spike"}, PER_LAYER_DEFAULT, GRAD_NORM_DEFAULT)
+"""The detectors that run unless ``anomaly.default_detectors: false``; the user's ``anomaly.detectors`` are added
+to them (:func:`effective_specs`). Read-only: copy before changing."""
+
+__all__ = ["DEFAULT_DETECTORS", "DETECTORS", "Detector", "GRAD_NORM_DEFAULT", "LossSpikeConfig", "LossSpikeDetector",
+           "NonfiniteConfig", "NonfiniteDetector", "PER_LAYER_DEFAULT", "SpikeConfig", "SpikeDetector",
+           "build_detectors", "check_specs", "effective_specs", "load_spec"]
 
 
 def load_spec(spec: object, path: str) -> tuple[type[Detector[object]], object]:
@@ -72,3 +84,51 @@ def build_detectors(specs: Sequence[Mapping[str, Any]], path: str = "anomaly.det
         ['nonfinite', 'spike']
     """
     return [cls(config) for cls, config in _specs(specs, path)]
+
+
+def _watched(spec: Mapping[str, Any]) -> tuple[str, frozenset[str]]:
+    """What a spec watches: its type and, for ``spike``, its series (a spike without ``series`` watches ``loss``)."""
+    kind = str(spec.get("type"))
+    if kind != SpikeDetector.type_name:
+        return kind, frozenset()
+    series = spec.get("series", ["loss"])
+    return kind, frozenset(str(s) for s in series) if isinstance(series, (list, tuple)) else frozenset()
+
+
+def _replaces(spec: Mapping[str, Any], default: Mapping[str, Any]) -> bool:
+    """A user spec replaces a default of its type that watches the same thing (a ``spike`` sharing a series entry)."""
+    kind, series = _watched(spec)
+    default_kind, default_series = _watched(default)
+    return kind == default_kind and (kind != SpikeDetector.type_name or bool(series & default_series))
+
+
+def effective_specs(specs: Sequence[Mapping[str, Any]], defaults: bool = True) -> list[dict[str, Any]]:
+    """The detectors that run: :data:`DEFAULT_DETECTORS` plus the user's ``specs`` (``defaults`` true), or the
+    user's ``specs`` alone (``anomaly.default_detectors: false``).
+
+    A user spec replaces the defaults it overlaps instead of running next to them: a ``nonfinite`` or
+    ``loss_spike`` spec replaces that default; a ``spike`` spec replaces each default ``spike`` sharing a
+    ``series`` entry with it (``series: [grad_norm]`` replaces the grad-norm watch, ``["grad_reduced/*/norm"]``
+    the per-layer warning). It takes the place of the first default it replaces; the other user specs follow
+    the defaults, in their order.
+
+    Example:
+        >>> [(s["type"], s.get("series")) for s in effective_specs([{"type": "spike", "series": ["grad_norm"]}])]
+        [('nonfinite', None), ('loss_spike', None), ('spike', ['grad_reduced/*/norm']), ('spike', ['grad_norm'])]
+        >>> effective_specs([{"type": "nonfinite"}], defaults=False)
+        [{'type': 'nonfinite'}]
+    """
+    users = [dict(spec) for spec in specs]
+    if not defaults:
+        return users
+    out: list[dict[str, Any]] = []
+    placed: set[int] = set()
+    for default in DEFAULT_DETECTORS:
+        replacing = [i for i, spec in enumerate(users) if _replaces(spec, default)]
+        if not replacing:
+            out.append(dict(default))
+        for i in replacing:
+            if i not in placed:
+                placed.add(i)
+                out.append(users[i])
+    return out + [spec for i, spec in enumerate(users) if i not in placed]

@@ -98,7 +98,8 @@ class SpikeConfig:
     """log: fires when a value is more than this times the largest of the ``range_window`` values before
     the level window (less than their smallest over this, going down); 0 turns the range rule off."""
     range_window: int = setting(100, minimum=1, maximum=MAX_WINDOW)
-    """log: values the range rule compares with; also the length of the young phase (3x jumps only)."""
+    """log: values the range rule compares with; also the length of the young phase (jumps of
+    3x, or 1 + min_relative_change when larger)."""
     persist: int = setting(1, minimum=1, maximum=MAX_WINDOW)
     """log: fire only when this many values in a row are out of band (the earlier ones are held back
     from the state meanwhile): 3 ignores one-step outliers and still catches a growing norm."""
@@ -157,7 +158,9 @@ class SpikeDetector(Detector[SpikeConfig]):
         self.rules = LogRules(threshold=self.threshold, min_relative_change=self.min_relative_change,
                               warmup=self.warmup, window=config.window, level_window=config.level_window,
                               range_factor=config.range_factor, range_window=config.range_window,
-                              trend_factor=0.0, persist=config.persist, direction=config.direction)
+                              trend_factor=0.0, persist=config.persist, direction=config.direction,
+                              # the young phase is never less strict than the rest of the run
+                              early_relative_change=max(LogRules.early_relative_change, self.min_relative_change))
         self.series: dict[tuple[str, str, str, int, int], _Series | LogLevelSeries] = {}
         self._wanted: dict[tuple[str, str], list[str]] = {}  # (family, name) -> metrics (cache)
 

@@ -1,0 +1,84 @@
+"""The default detectors as a user meets them: a config file, a real torch loop, events back through
+``on_anomaly``. The defaults run whatever ``anomaly.detectors`` lists, unless ``default_detectors: false``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainmon import TrainerMonitor
+from trainmon.anomaly.detectors import DEFAULT_DETECTORS, GRAD_NORM_DEFAULT, PER_LAYER_DEFAULT
+from trainmon.anomaly.engine import AnomalyEngine
+from trainmon.config import load_config
+
+JUMP_AT = 60
+
+
+def _prediction_and_target(model: nn.Module, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fresh batch of 64: the target is tanh(sum x) plus N(0, 0.3) noise."""
+    x = torch.randn(64, 8, generator=generator)
+    return model(x), x.sum(1, keepdim=True).tanh() + 0.3 * torch.randn(64, 1, generator=generator)
+
+
+def _run(tmp_path: Path, anomaly_yaml: str, jump: float = 8.0, seed: int = 0) -> list[tuple[int, str, str]]:
+    """80 Adam steps of a small MLP on fresh batches, configured from a YAML file; at ``JUMP_AT`` the loss
+    is multiplied by ``jump`` before ``backward`` (so the global grad norm jumps ``jump``-fold) while the loss
+    handed to the monitor is the plain one. Returns the events as (step, detector, name)."""
+    name = f"s{seed}j{jump:g}{abs(hash(anomaly_yaml)) % 10_000}"
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"output_dir: {tmp_path}\nrun_name: {name}\nsinks: []\n"
+                    f"anomaly:\n  actions: [callback]\n{anomaly_yaml}", encoding="utf-8")
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(100 + seed)
+    monitor = TrainerMonitor(path)
+    events = []
+    monitor.on_anomaly(events.append)
+    with monitor.attach(model, optimizer):
+        for step in range(80):
+            loss = nn.functional.mse_loss(*_prediction_and_target(model, generator))
+            (loss * (jump if step == JUMP_AT else 1.0)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step(loss=loss)
+    return [(e.step, e.detector, e.name) for e in events]
+
+
+def test_a_one_step_8x_grad_norm_jump_is_reported_by_default(tmp_path):
+    for seed in range(3):
+        assert _run(tmp_path, "", seed=seed) == [(JUMP_AT, "spike", "grad_norm")], seed
+    assert _run(tmp_path, "", jump=1.0) == []  # the same run without the jump: nothing
+
+
+def test_user_detectors_are_added_to_the_defaults(tmp_path):
+    user = "  detectors: [{type: spike, series: [loss]}]\n"
+    # the user's spike on the loss did not switch off the grad-norm watch
+    assert _run(tmp_path, user) == [(JUMP_AT, "spike", "grad_norm")]
+    config = load_config({"anomaly": {"detectors": [{"type": "spike", "series": ["loss"]}]}})
+    engine = AnomalyEngine(config.anomaly, rank=0, rank_dir=None)
+    assert engine.specs == [*DEFAULT_DETECTORS, {"type": "spike", "series": ["loss"]}]
+    assert [d.type_name for d in engine.detectors] == ["nonfinite", "loss_spike", "spike", "spike", "spike"]
+
+
+def test_default_detectors_false_runs_only_the_users(tmp_path):
+    user = "  default_detectors: false\n  detectors: [{type: spike, series: [loss]}]\n"
+    assert _run(tmp_path, user) == []
+    mine = [{"type": "spike", "series": ["loss"]}]
+    config = load_config({"anomaly": {"default_detectors": False, "detectors": mine}})
+    assert AnomalyEngine(config.anomaly, rank=0, rank_dir=None).specs == mine
+    nothing = load_config({"anomaly": {"default_detectors": False}})
+    assert AnomalyEngine(nothing.anomaly, rank=0, rank_dir=None).detectors == []
+
+
+def test_a_user_spec_on_a_default_series_replaces_that_default(tmp_path):
+    # Two rules on grad_norm would report every jump twice: the user's replaces the default in place.
+    mine = {"type": "spike", "series": ["grad_norm"], "method": "mad"}
+    config = load_config({"anomaly": {"detectors": [{"type": "nonfinite", "scalars": ["loss"]}, mine]}})
+    specs = AnomalyEngine(config.anomaly, rank=0, rank_dir=None).specs
+    assert specs == [{"type": "nonfinite", "scalars": ["loss"]}, {"type": "loss_spike"}, PER_LAYER_DEFAULT, mine]
+    assert GRAD_NORM_DEFAULT not in specs
+    assert _run(tmp_path, "  detectors: [{type: spike, series: [grad_norm], method: log, "
+                          "min_relative_change: 9.0, range_factor: 0}]\n") == []  # the user's 10x rule only
