@@ -82,3 +82,21 @@ def test_a_user_spec_on_a_default_series_replaces_that_default(tmp_path):
     assert GRAD_NORM_DEFAULT not in specs
     assert _run(tmp_path, "  detectors: [{type: spike, series: [grad_norm], method: log, "
                           "min_relative_change: 9.0, range_factor: 0}]\n") == []  # the user's 10x rule only
+
+
+def test_run_json_records_the_detectors_that_run(tmp_path):
+    """The merged list (defaults plus the user's) is what a reader of the run needs, not only the config keys."""
+    import json
+
+    import torch
+
+    from trainmon import TrainerMonitor
+
+    model = torch.nn.Linear(2, 1)
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": "run",
+                              "anomaly": {"detectors": [{"type": "spike", "series": ["loss"]}]}})
+    monitor.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    monitor.close()
+    detectors = json.loads((tmp_path / "run" / "run.json").read_text())["anomaly_detectors"]
+    assert [spec["type"] for spec in detectors][:2] == ["nonfinite", "loss_spike"]
+    assert {"type": "spike", "series": ["loss"]} in detectors and len(detectors) == 5

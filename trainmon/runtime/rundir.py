@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainmon.anomaly.detectors import effective_specs
 from trainmon.config import MonitorConfig
 from trainmon.version import __version__
 
@@ -28,6 +29,7 @@ def run_json(config: MonitorConfig, world_size: int, framework: str, versions: d
         "world_size": world_size,
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": dataclasses.asdict(config),
+        "anomaly_detectors": effective_specs(config.anomaly.detectors, config.anomaly.default_detectors),
     }
 
 
