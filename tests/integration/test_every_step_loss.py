@@ -53,7 +53,7 @@ def test_readme_config_reports_an_lr_bug_within_a_few_steps_on_a_nanogpt_run(tmp
     assert all(abs(recorded[s] - logged[s]) <= 6e-5 * max(1.0, logged[s]) for s in logged)
     spikes = [e for e in _events(run_dir) if e["detector"] == "loss_spike"]
     if bad_step < 0:
-        assert spikes == [], spikes  # the healthy run: no false alarm
+        assert _events(run_dir) == []  # the healthy run: no false alarm from any default detector
         return
     # the lr bug at step 60 first shows in the loss of step 61 (its update is applied after step 60's loss)
     assert logged[61] > 3 * logged[59]
