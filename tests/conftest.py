@@ -169,14 +169,36 @@ def tmpfs_1m(tmp_path):
     allowed (it needs root on Linux)."""
     mount = tmp_path / "tmpfs"
     mount.mkdir()
+    yield from _tmpfs(mount, "size=1m", "the full-disk case needs root on Linux")
+
+
+def _tmpfs(mount, options: str, why: str):
+    """Mount a tmpfs with ``options`` on ``mount``, yield it, unmount it; skip (saying ``why``) where it cannot."""
     try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True,
                               timeout=10)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs here ({exc}); the full-disk case needs root on Linux")
+        pytest.skip(f"cannot mount a tmpfs here ({exc}); {why}")
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}; {why}")
     try:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def readonly_dir(tmp_path):
+    """A directory that refuses writes: ``chmod 555`` where that denies (not root), else a read-only tmpfs
+    (root ignores permission bits); skipped where neither is possible."""
+    folder = tmp_path / "readonly"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if not os.access(folder, os.W_OK):
+        try:
+            yield folder
+        finally:
+            folder.chmod(0o755)
+        return
+    folder.chmod(0o755)
+    yield from _tmpfs(folder, "ro,size=1m", "chmod does not deny here (root), and a read-only tmpfs needs root")

@@ -1,16 +1,19 @@
 """Bounded crash loss: a training process killed with SIGKILL loses at most the last collected step
-(or ``flush_seconds`` of rows when the disk is slower than training).
+(or ``flush_seconds`` of rows when the disk is slower than training), in its CSV files and in its
+``anomalies.jsonl`` (written off the training thread too).
 
 A child process trains a small torch model with the monitor and prints each step once
 ``monitor.step()`` returned; the parent kills it with SIGKILL after N steps, then reads every CSV
-back and counts the steps that were done but are not (completely) on disk.
+(or ``anomalies.jsonl``, in a run with an anomaly at every step) back and counts the steps that were
+done but are not (completely) on disk.
 
-``python -m tests.integration.test_crash_loss 10`` measures 10 kills and prints the figures.
+``python -m tests.integration.test_crash_loss 10`` measures 10 kills of each kind and prints the figures.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import statistics
@@ -23,7 +26,7 @@ from pathlib import Path
 import pytest
 
 CHILD = textwrap.dedent('''
-    import sys, time
+    import json, sys, time
     import torch
     from torch import nn
     from trainmon import TrainerMonitor
@@ -31,8 +34,9 @@ CHILD = textwrap.dedent('''
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    monitor = TrainerMonitor({"output_dir": sys.argv[1], "run_name": "run", "sinks": ["csv", "tensorboard"],
-                              "activations": {"enabled": True}})
+    config = {"output_dir": sys.argv[1], "run_name": "run", **json.loads(sys.argv[3])}
+    nan_loss = config.pop("nan_loss", False)
+    monitor = TrainerMonitor(config)
     monitor.attach(model, optimizer)
     x = torch.randn(8, 32)
     for step in range(100000):
@@ -40,10 +44,15 @@ CHILD = textwrap.dedent('''
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        monitor.step(loss=loss)
+        monitor.step(loss=torch.tensor(float("nan")) if nan_loss else loss)
         print(step, time.monotonic(), flush=True)  # done: the monitor has this step
         time.sleep(float(sys.argv[2]))  # the rest of a training step
 ''')
+CSV_CONFIG = {"sinks": ["csv", "tensorboard"], "activations": {"enabled": True}}
+# Every step is an anomaly: the loss handed to the monitor is NaN (the model trains on a finite one), so the
+# nonfinite detector writes one event per step to anomalies.jsonl, and nothing else is written.
+ANOMALY_CONFIG = {"sinks": [], "anomaly": {"detectors": [{"type": "nonfinite"}], "actions": ["jsonl"]},
+                  "nan_loss": True}
 FLUSH_SECONDS = 2.0  # the default
 
 
@@ -59,16 +68,14 @@ def _complete_steps(path: Path) -> set[int]:
     return {step for step, count in counts.items() if count == counts.get(0)}
 
 
-def kill_after(tmp_path: Path, steps: int, step_seconds: float = 0.01) -> tuple[list[int], dict[int, float], float]:
-    """Run the child, SIGKILL it once ``steps`` steps are done.
-
-    Returns:
-        The steps lost (done, not completely in every CSV), each done step's time, and the kill time.
-    """
+def _train_and_kill(tmp_path: Path, config: dict, steps: int, step_seconds: float) -> tuple[dict[int, float], float]:
+    """Run the child with ``config``, SIGKILL it once ``steps`` steps are done; returns each done step's time
+    and the kill time."""
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    process = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out"), str(step_seconds)],
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out"), str(step_seconds),
+                                json.dumps(config)],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     done: dict[int, float] = {}
     try:
@@ -86,11 +93,43 @@ def kill_after(tmp_path: Path, steps: int, step_seconds: float = 0.01) -> tuple[
         step, at = line.split()
         done[int(step)] = float(at)
     assert len(done) >= steps, "the child died before training"
+    return done, killed_at
+
+
+def kill_after(tmp_path: Path, steps: int, step_seconds: float = 0.01) -> tuple[list[int], dict[int, float], float]:
+    """Run the child, SIGKILL it once ``steps`` steps are done.
+
+    Returns:
+        The steps lost (done, not completely in every CSV), each done step's time, and the kill time.
+    """
+    done, killed_at = _train_and_kill(tmp_path, CSV_CONFIG, steps, step_seconds)
     rank_dir = tmp_path / "out" / "run" / "rank0"
     files = sorted(rank_dir.glob("*.csv"))
     assert {p.stem for p in files} >= {"scalars", "actv", "grad_reduced"}
     on_disk = set.intersection(*(_complete_steps(p) for p in files))
     return sorted(set(done) - on_disk), done, killed_at
+
+
+def kill_during_anomalies(tmp_path: Path, steps: int,
+                          step_seconds: float = 0.01) -> tuple[list[int], dict[int, float], float]:
+    """Run the child with an anomaly at every step, SIGKILL it once ``steps`` steps are done.
+
+    Returns:
+        The steps lost (done, without their event in ``anomalies.jsonl``), each done step's time, the kill time.
+        Every line of the file must be a whole event, but the last one, which the kill may have cut short.
+    """
+    done, killed_at = _train_and_kill(tmp_path, ANOMALY_CONFIG, steps, step_seconds)
+    text = (tmp_path / "out" / "run" / "rank0" / "anomalies.jsonl").read_text(encoding="utf-8")
+    lines = text.split("\n")
+    whole, last = lines[:-1], lines[-1]  # ``last`` is "" when the file ends with its newline
+    events = [json.loads(line) for line in whole]  # a broken line before the end fails here
+    if last:  # a line cut by the kill: the only one allowed not to parse; its event counts as lost
+        with pytest.raises(ValueError):
+            json.loads(last)
+    assert all(e["detector"] == "nonfinite" and e["name"] == "loss" for e in events), events[:3]
+    steps_on_disk = [e["step"] for e in events]
+    assert steps_on_disk == sorted(set(steps_on_disk)), "an event twice or out of order"
+    return sorted(set(done) - set(steps_on_disk)), done, killed_at
 
 
 @pytest.mark.parametrize("steps", [30])
@@ -103,18 +142,29 @@ def test_kill_9_loses_at_most_the_last_step(tmp_path, steps):
     assert len(lost) <= 2 and all(step >= max(done) - 2 for step in lost), lost
 
 
+@pytest.mark.parametrize("steps", [30])
+def test_kill_9_loses_at_most_the_last_steps_anomaly_events(tmp_path, steps):
+    """``anomalies.jsonl`` is written by its own thread: an event is on disk a moment after its step (flushed
+    when that thread's queue is empty, at least every ``flush_seconds``), so a kill loses at most the last step's."""
+    lost, done, killed_at = kill_during_anomalies(tmp_path, steps)
+    assert all(done[step] > killed_at - FLUSH_SECONDS for step in lost), lost
+    # as above: one step more is tolerated for a loaded machine where the writer thread waits for a core
+    assert len(lost) <= 2 and all(step >= max(done) - 2 for step in lost), lost
+
+
 def main(runs: int) -> None:
-    """Measure ``runs`` kills at varying step counts; print the steps lost per run, median and max."""
+    """Measure ``runs`` kills of each kind at varying step counts; print the steps lost per run, median and max."""
     import random
     import tempfile
 
-    losses = []
-    for run in range(runs):
-        with tempfile.TemporaryDirectory() as directory:
-            lost, done, _ = kill_after(Path(directory), random.Random(run).randint(15, 80))
-            losses.append(len(lost))
-            print(f"run {run}: killed after {len(done)} steps, lost {len(lost)} {lost}", flush=True)
-    print(f"steps lost over {runs} kills: median {statistics.median(losses)}, max {max(losses)}")
+    for name, kill in (("CSV rows", kill_after), ("anomalies.jsonl events", kill_during_anomalies)):
+        losses = []
+        for run in range(runs):
+            with tempfile.TemporaryDirectory() as directory:
+                lost, done, _ = kill(Path(directory), random.Random(run).randint(15, 80))
+                losses.append(len(lost))
+                print(f"{name}, run {run}: killed after {len(done)} steps, lost {len(lost)} {lost}", flush=True)
+        print(f"{name}: steps lost over {runs} kills: median {statistics.median(losses)}, max {max(losses)}")
 
 
 if __name__ == "__main__":

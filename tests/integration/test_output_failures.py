@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -130,3 +131,55 @@ def test_dump_stack_keeps_user_frames_in_a_folder_named_trainmon(tmp_path):
     package = str(Path(sys.modules["trainmon"].__file__).resolve().parent)
     torch_dir = str(Path(torch.__file__).resolve().parent)
     assert not any(package in frame or torch_dir in frame for frame in frames), frames
+
+
+def _tree(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_a_failed_attach_leaves_nothing_behind_and_the_tools_skip_an_empty_run(tmp_path, capsys):
+    """An attach refused at its last part (a ``free_benchmark.targets`` pattern matching nothing, checked after
+    the directories are made) removes the directories it created, and only those; an empty run folder that an
+    older version left does not stop ``trainmon csv2tb OUTPUT_DIR`` or ``trainmon report``."""
+    from trainmon import TargetError
+    from trainmon.tools.cli import main
+
+    out = tmp_path / "out"
+    good = TrainerMonitor({"output_dir": str(out), "run_name": "good", "sinks": ["csv"]})
+    assert _train(good, 3, poisoned=set()) == []
+    before = _tree(out)
+    (tmp_path / "old" / "rank0").mkdir(parents=True)  # folders that existed before the attach are kept
+    refused = {"free_benchmark": {"enabled": True, "targets": ["nothing.*"]}}
+    for output_dir, run_name in ((out, "failed"), (tmp_path / "new" / "out", "failed"), (tmp_path, "old")):
+        monitor = TrainerMonitor({**refused, "output_dir": str(output_dir), "run_name": run_name})
+        model = Net()
+        with pytest.raises(TargetError, match="free_benchmark.targets"):
+            monitor.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        monitor.close()
+    assert _tree(out) == before
+    assert _tree(tmp_path / "new") == []  # output_dir itself (made by the attach) is gone, its parent is outside
+    assert _tree(tmp_path / "old") == ["rank0"]
+    # The empty run folder an attach used to leave: every tool skips it with a note, the other runs go on.
+    (out / "failed" / "rank0").mkdir(parents=True)
+    capsys.readouterr()
+    assert main(["csv2tb", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err == f"note: skipped {out / 'failed'}: no CSV files in rank0\n", err
+    assert list((out / "good" / "tensorboard" / "rank0").glob("events.out.tfevents.*"))
+    assert main(["report", str(out)]) == 2  # a folder of runs: the hint names a run that holds files
+    assert f"e.g. trainmon report {out / 'good'} " in capsys.readouterr().err
+    assert main(["report", str(out / "good")]) == 0 and (out / "good" / "report.html").exists()
+    assert main(["analyse", str(out / "good")]) == 0
+
+
+def test_a_reused_run_name_says_at_attach_that_it_appends(tmp_path, caplog):
+    config = {"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"]}
+    assert _train(TrainerMonitor(config), 4, poisoned=set()) == []
+    assert not [m for m in _warnings(caplog) if "already holds a run" in m]
+    model = Net()
+    monitor = TrainerMonitor(config)
+    monitor.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), start_step=2)
+    monitor.close()
+    (message,) = [m for m in _warnings(caplog) if "already holds a run" in m]
+    assert message == (f"trainmon: {tmp_path / 'run'} already holds a run (last step 3); this run appends to it "
+                       "from step 2 (start_step) - set another run_name to start a new run")

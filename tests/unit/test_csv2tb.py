@@ -143,3 +143,88 @@ def test_csv2tb_writes_the_tags_the_tensorboard_sink_writes(tmp_path):
     for tag in live.Tags()["scalars"]:
         assert [(e.step, e.value) for e in live.Scalars(tag)] == [(e.step, e.value) for e in offline.Scalars(tag)]
     assert "actv/fc.output/norm/vpp2/micro1" in live.Tags()["scalars"]
+
+
+def _main_within(argv: list[str], seconds: float = 60.0) -> int:
+    """``main(argv)`` on a thread; fails (instead of hanging the suite) when it has not returned in ``seconds``."""
+    import threading
+
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(main(argv)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"trainmon {' '.join(argv[:1])} still running after {seconds} s: it hangs"
+    return result[0]
+
+
+def _big_run(tmp_path: Path) -> Path:
+    """A run whose event files are larger than 1 MiB (2 ranks x 400 steps x 40 rows x 2 metrics)."""
+    run_dir = tmp_path / "big"
+    for rank in range(2):
+        sink = CsvSink(run_dir / f"rank{rank}")
+        for step in range(400):
+            rows = [Row(RowKey("grad_reduced", f"layers.{i}.weight", 0, 0, i), step, {"norm": step + i, "nans": 0.0},
+                        False) for i in range(40)]
+            sink.write(StepRecord(step=step, rank=rank, rows=rows, scalars={"loss": 1.0}, pp_stage=0))
+        sink.close()
+    return run_dir
+
+
+def test_full_disk_output_exits_2_with_one_line_and_does_not_hang(tmp_path, tmpfs_1m, capsys):
+    """A real 1 MiB tmpfs fills up while the event files are written (tensorboardX's FileWriter used to lose its
+    writer thread there and block csv2tb for ever)."""
+    run_dir = _big_run(tmp_path)
+    assert _main_within(["csv2tb", str(run_dir), "-o", str(tmpfs_1m / "tb")]) == 2
+    err = _one_line_error(capsys)
+    assert "cannot write to" in err and str(tmpfs_1m / "tb") in err and "No space left on device" in err, err
+
+
+def test_full_disk_simulated_exits_2_with_one_line(tmp_path, capsys, monkeypatch):
+    """The same without a mountable tmpfs: the event file's write raises ``OSError(ENOSPC)`` after a few events,
+    as a full disk does (simulated in-process; the tmpfs test above is the real one)."""
+    import errno
+
+    from trainmon.sinks import tensorboard
+
+    written = []
+    real = tensorboard.EventFile._write_event
+
+    def filling(self, event):
+        written.append(1)
+        if len(written) > 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, event)
+
+    monkeypatch.setattr(tensorboard.EventFile, "_write_event", filling)
+    run_dir = _run(tmp_path, ranks=2)
+    assert _main_within(["csv2tb", str(run_dir), "-o", str(tmp_path / "tb")]) == 2
+    err = _one_line_error(capsys)
+    assert f"cannot write to {tmp_path / 'tb'}" in err and "No space left on device" in err, err
+
+
+def test_read_only_output_exits_2_with_one_line(tmp_path, readonly_dir, capsys):
+    run_dir = _run(tmp_path, ranks=2)
+    for output in (readonly_dir, readonly_dir / "tb"):
+        assert _main_within(["csv2tb", str(run_dir), "-o", str(output)]) == 2
+        err = _one_line_error(capsys)
+        assert "cannot write to" in err and str(readonly_dir) in err, err
+    assert not any(readonly_dir.iterdir())
+
+
+def test_empty_run_and_rank_folders_are_skipped_with_a_note(tmp_path, capsys):
+    """What an attach that failed used to leave (an empty ``rank0/``) does not stop the other runs."""
+    out = tmp_path / "out"
+    _run(out, ranks=2).rename(out / "good")
+    (out / "good" / "rank2").mkdir()
+    (out / "failed" / "rank0").mkdir(parents=True)
+    assert main(["csv2tb", str(out)]) == 0
+    captured = capsys.readouterr()
+    notes = captured.err.strip().splitlines()
+    assert notes == [f"note: skipped {out / 'failed'}: no CSV files in rank0",
+                     f"note: {out / 'good'}: skipped rank2: no CSV files"], notes
+    assert sorted(p.name for p in (out / "good" / "tensorboard").iterdir()) == ["rank0", "rank1"]
+    assert _tags(out / "good" / "tensorboard" / "rank1")["grad_reduced/fc.weight/norm"] == [1.0, 2.0, 3.0]
+    assert not (out / "failed" / "tensorboard").exists()
+    # the empty run alone: nothing to convert, exit 2 with one line
+    assert main(["csv2tb", str(out / "failed")]) == 2
+    assert "no CSV files in rank0" in _one_line_error(capsys)

@@ -400,3 +400,38 @@ def test_tensorboard_never_reuses_an_existing_event_file(tmp_path, monkeypatch):
 @pytest.fixture(autouse=True)
 def _warnings(caplog):
     caplog.set_level(logging.WARNING, logger="trainmon")
+
+
+def test_previous_run_finds_the_last_step_from_the_tails_only(tmp_path, monkeypatch):
+    """A reused run_name is found at attach from the end of its files: a cut last line is skipped, the largest
+    step of the newest files wins, and no file is read whole (reads are counted)."""
+    from trainmon.base import inputs
+    from trainmon.runtime import rundir
+
+    run_dir, rank_dir = tmp_path / "run", tmp_path / "run" / "rank0"
+    assert rundir.previous_run(run_dir, rank_dir) is None
+    rank_dir.mkdir(parents=True)
+    assert rundir.previous_run(run_dir, rank_dir) is None  # an empty folder holds no run
+    big = "".join(f'0,"layers.{i % 50}.weight, odd",{i // 50},0,1.5\n' for i in range(200_000))  # ~6 MB
+    (rank_dir / "grad_reduced.csv").write_text("vpp_stage,name,step,micro_step,norm\n" + big + "0,w,99999")
+    (rank_dir / "scalars.csv").write_text("step,name,value\n0,loss,1.0\n1,loss,0.5\n")
+    (rank_dir / "anomalies.jsonl").write_text(json.dumps({"step": 7}) + "\n")
+    read: list[int] = []
+    real = inputs.open_regular
+
+    def counting(path, *args, **kwargs):
+        handle = real(path, *args, **kwargs)
+        original = handle.read
+        handle.read = lambda size=-1: (read.append(size), original(size))[1]
+        return handle
+
+    monkeypatch.setattr(rundir, "open_regular", counting)
+    assert rundir.previous_run(run_dir, rank_dir) == "last step 3999"
+    assert read and all(0 < size <= 64 * 1024 for size in read), read
+    (rank_dir / "grad_reduced.csv").unlink()
+    (rank_dir / "scalars.csv").unlink()
+    (rank_dir / "anomalies.jsonl").write_text('{"step": 7}\n{"step": 8, "cut')
+    assert rundir.previous_run(run_dir, rank_dir) == "last step 7"
+    (rank_dir / "anomalies.jsonl").unlink()
+    (run_dir / "run.json").write_text("{}")
+    assert rundir.previous_run(run_dir, rank_dir) == "last step unknown"

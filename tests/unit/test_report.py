@@ -255,3 +255,34 @@ def test_families_and_metrics_select_heatmaps(tmp_path):
     assert sorted((h["family"], h["metric"], h["rank"]) for h in page["heatmaps"]) == [
         ("actv", "nans", 1), ("grad_reduced", "nans", 1)]
     assert list(page["curves"]) == ["1"] and page["ranks"] == [1]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--families", "actvv"], "--families actvv: no such family in {run} (did you mean actv?); it has: actv, "),
+    (["--families", "actv", "comm"], "--families comm: no such family in {run}"),
+    (["--metrics", "nrom"], "--metrics nrom: no such metric in {run} (did you mean norm?); it has: nans, norm"),
+    (["--families", "actv", "--metrics", "max"], "--metrics max: no such metric of the --families in {run}"),
+])
+def test_a_filter_that_selects_nothing_exits_2_and_leaves_the_report_as_it_was(tmp_path, capsys, args, expected):
+    """A typo in --families or --metrics used to write an empty page over report.html, with exit 0."""
+    run = _run(tmp_path, ranks=1)
+    assert main(["report", str(run)]) == 0
+    before = (run / "report.html").read_bytes()
+    capsys.readouterr()
+    assert main(["report", str(run), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trainmon report: error: ") and expected.format(run=run) in err, err
+    assert (run / "report.html").read_bytes() == before
+    assert sorted(p.name for p in run.iterdir()) == ["rank0", "report.html"]  # no temporary file left either
+
+
+def test_an_empty_rank_folder_is_skipped_with_a_warning(tmp_path, capsys):
+    """An empty ``rank{R}/`` (an attach that failed, a rank that wrote nothing yet) is named once and left out."""
+    run = _run(tmp_path, ranks=2)
+    (run / "rank5").mkdir()
+    assert main(["report", str(run)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == f"warning: {run}: skipped rank folder(s) 5: no CSV files\n"
+    assert "of 2 rank(s)" in captured.out
+    page = _page_data((run / "report.html").read_text())
+    assert page["ranks"] == [0, 1] and sorted(page["curves"]) == ["0", "1"]

@@ -127,5 +127,15 @@ def find_runs(folder: Path, limit: int = 1000) -> list[Path]:
 def runs_hint(folder: Path, runs: list[Path], command: str) -> str:
     """One line saying that ``folder`` holds runs, not a run, and which to pass."""
     names = ", ".join(p.name for p in runs[:10]) + (f", ... ({len(runs)} in all)" if len(runs) > 10 else "")
+    # the example: the last run with a file in a rank folder, not an empty one an attach that failed left
+    example = next((run for run in reversed(runs[-20:]) if _holds_files(run)), runs[-1])
     return (f"{folder} is a folder of {len(runs)} runs, not a run: pass one of them, "
-            f"e.g. trainmon {command} {runs[-1]} (runs: {names})")
+            f"e.g. trainmon {command} {example} (runs: {names})")
+
+
+def _holds_files(run: Path) -> bool:
+    """Whether a rank folder of ``run`` holds anything."""
+    try:
+        return any(any(rank.iterdir()) for rank in rank_dirs_of(run))
+    except (OSError, ValueError):
+        return False

@@ -20,7 +20,14 @@ from trainmon.config import ConfigError, MonitorConfig, check_ranks, family_metr
 from trainmon.errors import AnomalyError
 from trainmon.integrations.base import Attachment, AttachOptions
 from trainmon.runtime.lifecycle import StepLifecycle, part_of
-from trainmon.runtime.rundir import default_run_name, run_json, unused_name
+from trainmon.runtime.rundir import (
+    default_run_name,
+    missing_dirs,
+    remove_empty_dirs,
+    run_json,
+    unused_name,
+    warn_if_appending,
+)
 from trainmon.runtime.schedule import StepSchedule
 from trainmon.sinks import SinkWriter, build_sinks
 
@@ -59,6 +66,8 @@ class Session:
         self.pending = PendingScalars(lambda: self.ctx.buffer_factory())
         """The scalars (loss, ...) of uncollected steps on their way to the detectors (no host sync)."""
         self.boundary = HookRegistry()
+        self.created_dirs: list[Path] = []
+        """Directories this attach created (deepest first); removed again, when empty, if it fails."""
         self.lifecycle = StepLifecycle(self.ctx, end_step=lambda: self.end_step(None, {}, by_user=False))
         self.attachment: Attachment = self._attach(config)
         try:
@@ -70,18 +79,12 @@ class Session:
             self.writes = ranks is None or rank in ranks
             self.schedule = StepSchedule(config, rank_selected=self.writes or self.attachment.collective)
             self.run_dir, self.rank_dir = self._make_dirs(config)
+            writes_run_json = self.rank_dir is not None and rank == (ranks[0] if ranks else 0)
             if self.rank_dir is not None:
                 logger.info("trainmon: rank %d writes to %s", rank, self.rank_dir)
+                if writes_run_json:  # one rank says that a reused run_name appends
+                    warn_if_appending(self.run_dir, self.rank_dir, self.options.start_step)
             self._bind_outputs()
-            self.writer = SinkWriter(build_sinks(config.sinks, self.rank_dir) if self.rank_dir else [],
-                                     config.flush_seconds, root=self.run_dir,
-                                     stats_path=self.rank_dir / "writer_stats.json" if self.rank_dir else None)
-            if self.rank_dir is not None and rank == (ranks[0] if ranks else 0):
-                info = run_json(config, self.attachment.world_size, self.framework, _versions(self.framework))
-                run_dir = self.run_dir
-                # on the writer's thread; a resumed run keeps the first run.json and adds run.resume{n}.json
-                self.writer.submit(lambda: write_json(unused_name(run_dir, "run", ".json", "resume"), info,
-                                                      root=run_dir))
             from trainmon.anomaly.engine import AnomalyEngine
 
             self.anomaly = AnomalyEngine(config.anomaly, rank, self.rank_dir)
@@ -99,9 +102,20 @@ class Session:
             if config.dynamic.watch and not config_path:
                 logger.warning("trainmon: dynamic.watch needs a config file (TrainerMonitor(path)); "
                                "this monitor was built from a dict and is not watched")
+            # The writer last: an attach that failed above wrote no file (no run.json, no writer_stats.json).
+            self.writer = SinkWriter(build_sinks(config.sinks, self.rank_dir) if self.rank_dir else [],
+                                     config.flush_seconds, root=self.run_dir,
+                                     stats_path=self.rank_dir / "writer_stats.json" if self.rank_dir else None)
+            if writes_run_json:
+                info = run_json(config, self.attachment.world_size, self.framework, _versions(self.framework))
+                run_dir = self.run_dir
+                # on the writer's thread; a resumed run keeps the first run.json and adds run.resume{n}.json
+                self.writer.submit(lambda: write_json(unused_name(run_dir, "run", ".json", "resume"), info,
+                                                      root=run_dir))
             self._arm(self.schedule.is_collected(self.ctx.step))
         except BaseException:
-            self._release()  # a failed attach leaves no hook, thread or file handle behind
+            self._release()  # a failed attach leaves no hook, thread or file handle behind ...
+            remove_empty_dirs(self.created_dirs)  # ... nor the (empty) directories it made
             raise
 
     def _release(self) -> None:
@@ -187,6 +201,7 @@ class Session:
         if not self.writes:
             return run_dir, None
         rank_dir = run_dir / f"rank{self.attachment.rank}"
+        self.created_dirs = missing_dirs(rank_dir, Path(config.output_dir))
         try:
             rank_dir.mkdir(parents=True, exist_ok=True)  # here, so an unwritable place is known at attach
         except OSError as exc:

@@ -116,54 +116,42 @@ def custom_scalar_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]
     return layout
 
 
-class TensorBoardSink:
-    """One event file per rank, in the rank directory itself.
+class EventFile:
+    """One TensorBoard event file, written synchronously on the caller's thread.
 
-    All values of a step go into one ``Summary`` event (tensorboardX's ``add_scalar`` would write
-    one event per value and log a warning for every NaN, which is exactly what a monitor must
-    report quietly). The event file is created and written here, on this sink's writer thread, in
-    TFRecord framing (length, masked CRC32C, data, masked CRC32C, as tensorboardX's
-    ``RecordWriter``), not through tensorboardX's ``FileWriter``: a full disk then raises here,
-    where the writer disables the sink with one warning, and the file is opened through
-    :mod:`trainmon.base.safe_io` (no symlink followed, an existing file never reused or overwritten).
-    ``flush`` hands the data to the OS without an ``fsync`` per step (enough for a killed process).
+    Events are framed as TFRecords (length, masked CRC32C, data, masked CRC32C, as tensorboardX's
+    ``RecordWriter``), not through tensorboardX's ``FileWriter``, whose writer thread dies on a full disk
+    and then blocks every later ``add_summary`` forever (``trainmon csv2tb`` hung there): here a failing
+    write raises ``OSError`` to the caller. The file is created on the first event (or by :meth:`open`)
+    through :mod:`trainmon.base.safe_io`: no symlink followed below ``root``, an existing file never
+    reused or overwritten. ``flush`` hands the data to the OS without an ``fsync``.
 
     Args:
-        rank_dir: ``{output_dir}/{run_name}/rank{R}``.
-        root: the directory below which no symlink is followed (default: ``rank_dir``'s parent).
+        directory: where ``events.out.tfevents.{seconds}.{host}[.{n}]`` is created (made if missing).
+        root: the directory below which no symlink is followed (default: ``directory``'s parent).
     """
 
-    name = "tensorboard"
-
-    def __init__(self, rank_dir: Path, root: Path | None = None) -> None:
+    def __init__(self, directory: Path, root: Path | None = None) -> None:
         try:
             from tensorboardX.proto.event_pb2 import Event
             from tensorboardX.proto.summary_pb2 import Summary
             from tensorboardX.record_writer import masked_crc32c
         except ImportError as exc:  # pragma: no cover - tensorboardX is a dependency
             raise ImportError("the tensorboard sink needs tensorboardX: pip install tensorboardX") from exc
-        from tensorboardX import crc32c
-
-        if crc32c._crc32c_native is None:  # tensorboardX's own optional accelerator
-            warnings.warn("tensorboard sink: the crc32c package is not installed, so tensorboardX checksums every "
-                          "event in pure Python (about 6 ms of the writer thread, holding the GIL, per 1,000 "
-                          "values); pip install 'trainmon[fast-tensorboard]' (or crc32c)", stacklevel=2)
         self._event = Event
         self._summary = Summary
         self._crc = masked_crc32c
-        self.rank_dir = Path(rank_dir)
+        self.rank_dir = Path(directory)
         self.root = Path(root) if root is not None else self.rank_dir.parent
         self.path: Path | None = None
         self._file: IO[bytes] | None = None
-        from tensorboardX.summary import custom_scalars
 
-        self._custom_scalars = custom_scalars
-        # Anomalies of earlier attaches (a resumed run) are in earlier event files: start at the current end.
-        self._anomalies = self.rank_dir / ANOMALIES_FILE
-        self._anomaly_offset = _size(self._anomalies)
+    def open(self) -> IO[bytes]:
+        """Create a new event file (``events.out.tfevents.{seconds}.{host}[.{n}]``) with its version event.
 
-    def _open(self) -> IO[bytes]:
-        """Create a new event file (``events.out.tfevents.{seconds}.{host}[.{n}]``) with its version event."""
+        Raises:
+            OSError: the file cannot be created or written.
+        """
         stem = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}"
         for n in range(_MAX_NAMES):
             path = self.rank_dir / (stem if n == 0 else f"{stem}.{n}")
@@ -183,24 +171,70 @@ class TensorBoardSink:
         header = struct.pack("<Q", len(data))
         self._file.write(header + struct.pack("<I", self._crc(header)) + data + struct.pack("<I", self._crc(data)))
 
-    def write(self, record: StepRecord) -> None:
+    def write_summary(self, step: int, summary: Any) -> None:
+        """Append one ``Summary`` at ``step`` (creating the file on the first call).
+
+        Raises:
+            OSError: the disk refused the write.
+        """
         if self._file is None:
-            self._open()
-            first = True
-        else:
-            first = False
+            self.open()
+        self._write_event(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        handle, self._file = self._file, None
+        if handle is not None:
+            handle.close()
+
+
+class TensorBoardSink(EventFile):
+    """One event file per rank, in the rank directory itself (an :class:`EventFile` written on this sink's
+    writer thread).
+
+    All values of a step go into one ``Summary`` event (tensorboardX's ``add_scalar`` would write
+    one event per value and log a warning for every NaN, which is exactly what a monitor must
+    report quietly). A full disk raises in :class:`EventFile`'s write, where the writer disables the
+    sink with one warning.
+
+    Args:
+        rank_dir: ``{output_dir}/{run_name}/rank{R}``.
+        root: the directory below which no symlink is followed (default: ``rank_dir``'s parent).
+    """
+
+    name = "tensorboard"
+
+    def __init__(self, rank_dir: Path, root: Path | None = None) -> None:
+        super().__init__(rank_dir, root)
+        from tensorboardX import crc32c
+
+        if crc32c._crc32c_native is None:  # tensorboardX's own optional accelerator
+            warnings.warn("tensorboard sink: the crc32c package is not installed, so tensorboardX checksums every "
+                          "event in pure Python (about 6 ms of the writer thread, holding the GIL, per 1,000 "
+                          "values); pip install 'trainmon[fast-tensorboard]' (or crc32c)", stacklevel=2)
+        from tensorboardX.summary import custom_scalars
+
+        self._custom_scalars = custom_scalars
+        # Anomalies of earlier attaches (a resumed run) are in earlier event files: start at the current end.
+        self._anomalies = self.rank_dir / ANOMALIES_FILE
+        self._anomaly_offset = _size(self._anomalies)
+
+    def write(self, record: StepRecord) -> None:
+        first = self._file is None
+        if first:
+            self.open()
         value = self._summary.Value
         values = [value(tag=row_tag(row.family, row.name, metric, row.key.micro_step, row.key.vpp_stage),
                         simple_value=v)
                   for row in record.rows for metric, v in row.values.items()]
         values += [value(tag=tag, simple_value=v) for name, v in record.scalars.items() for tag in scalar_tags(name)]
         if first:  # the Custom Scalars tab's charts, from the tags of the first step
-            self._write_summary(0, self._custom_scalars(custom_scalar_layout(v.tag for v in values)))
-        self._write_summary(record.step, self._summary(value=values))
+            self.write_summary(0, self._custom_scalars(custom_scalar_layout(v.tag for v in values)))
+        self.write_summary(record.step, self._summary(value=values))
         self._write_anomalies()
-
-    def _write_summary(self, step: int, summary: Any) -> None:
-        self._write_event(self._event(wall_time=time.time(), step=step, summary=summary))
 
     def _write_anomalies(self) -> None:
         """Anomaly events appended to ``anomalies.jsonl`` since the last call (complete lines only): per step, a
@@ -217,20 +251,14 @@ class TensorBoardSink:
             return
         self._anomaly_offset += end
         for step, (counts, texts) in anomaly_summaries(read_anomaly_lines(data[:end])).items():
-            self._write_summary(step, anomaly_summary(counts, texts))
-
-    def flush(self) -> None:
-        if self._file is not None:
-            self._file.flush()
+            self.write_summary(step, anomaly_summary(counts, texts))
 
     def close(self) -> None:
         try:
             if self._file is not None:
                 self._write_anomalies()
         finally:
-            handle, self._file = self._file, None
-            if handle is not None:
-                handle.close()
+            super().close()
 
 
 ANOMALIES_FILE = "anomalies.jsonl"

@@ -9,10 +9,13 @@ finds the rank folders and writes the event files; reading and checking the CSV 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from trainmon.base.inputs import describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
 from trainmon.base.progress import Bar
@@ -62,22 +65,36 @@ def _main(args: argparse.Namespace) -> int:
             jobs = [(run, output / run.name if output else None) for run in runs]
             if rank_folders(run_dir):
                 jobs.append((run_dir, output))
-    written = 0
+    written, skipped = 0, []
     for run, out in jobs:
         try:
-            count, layouts = _convert(run, out, args.families, args.workers)
+            count, layouts, notes = _convert(run, out, args.families, args.workers)
             written += count
+        except NothingToConvert as exc:
+            if len(jobs) == 1:
+                raise UsageError(str(exc)) from None
+            # one empty run (an attach that failed, a run that wrote nothing yet) does not stop the others
+            print(f"note: skipped {exc}", file=sys.stderr)
+            skipped.append(run.name)
+            continue
+        except OutputError as exc:
+            raise UsageError(f"cannot write to {exc.filename}: {exc.strerror}") from None
         except (FileNotFoundError, CsvFormatError) as exc:
             if isinstance(exc, FileNotFoundError) and exc.filename is not None:
                 raise UsageError(describe_os_error(exc)) from None
             raise UsageError(str(exc)) from None
         except OSError as exc:  # e.g. an unwritable --output, an unreadable CSV
             raise UsageError(describe_os_error(exc, out or run / "tensorboard")) from None
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
         for layout in sorted(layouts):
             print(f"{run}: read {layout}" + ("" if layout == "trainmon CSV" else
                   " (names as msprobe wrote them: squashed when its squash_name was on; see docs/msprobe.md)"))
         if len(jobs) > 1:
             print(f"{run.name}: converted to {out or run / 'tensorboard'}")
+    if len(skipped) == len(jobs):
+        raise UsageError(f"{run_dir}: nothing to convert: no run in it has CSV files ({', '.join(skipped[:5])}"
+                         f"{', ...' if len(skipped) > 5 else ''})")
     target = output if output else (run_dir / "tensorboard" if len(jobs) == 1 else "RUN/tensorboard of each run")
     print(f"wrote {written} scalars to {target}")
     return 0
@@ -120,13 +137,15 @@ def convert(run_dir: Path, output: Path | None = None, families: list[str] | Non
     Raises:
         FileNotFoundError: ``run_dir`` has no rank directories or CSV files.
         CsvFormatError: a malformed CSV (file and line in the message).
+        OutputError: the output cannot be written (a full disk, a read-only folder).
     """
     return _convert(run_dir, output, families, workers)[0]
 
 
-def _convert(run_dir: Path, output: Path | None, families: list[str] | None, workers: int) -> tuple[int, set[str]]:
-    """:func:`convert`, also returning the layouts read (``trainmon CSV``, ``msprobe 1.2 CSV``, ...)."""
-    from tensorboardX import FileWriter
+def _convert(run_dir: Path, output: Path | None, families: list[str] | None,
+             workers: int) -> tuple[int, set[str], list[str]]:
+    """:func:`convert`, also returning the layouts read (``trainmon CSV``, ``msprobe 1.2 CSV``, ...) and a
+    note per rank folder skipped because it holds nothing to convert."""
     from tensorboardX.proto.summary_pb2 import Summary
     from tensorboardX.summary import custom_scalars
 
@@ -137,8 +156,15 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None, wor
         events = any(any(rank_dir.glob("events.out.tfevents.*")) for rank_dir in ranks)
         hint = (" (msprobe wrote TensorBoard event files, format: tensorboard: open the folder in TensorBoard)"
                 if events else "")
-        raise FileNotFoundError(f"{run_dir}: no CSV files in {', '.join(p.name for p in ranks[:5])}"
-                                f"{', ...' if len(ranks) > 5 else ''}{hint}")
+        raise NothingToConvert(f"{run_dir}: no CSV files in {', '.join(p.name for p in ranks[:5])}"
+                               f"{', ...' if len(ranks) > 5 else ''}{hint}")
+    # A rank folder with neither CSV files nor anomalies (an attach that failed, a rank that wrote nothing
+    # yet) gets no event file: one note names them all.
+    empty = [rank_dir for rank_dir in ranks
+             if not csv_files[rank_dir] and not os.path.lexists(rank_dir / board.ANOMALIES_FILE)]
+    ranks = [rank_dir for rank_dir in ranks if rank_dir not in empty]
+    notes = [f"{run_dir}: skipped {', '.join(p.name for p in empty[:10])}{', ...' if len(empty) > 10 else ''}: "
+             f"no CSV files"] if empty else []
     layouts: set[str] = set()
     wanted_files = {rank_dir: [f for f in files if families is None or family_of(f) in families]
                     for rank_dir, files in csv_files.items()}
@@ -147,16 +173,17 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None, wor
         wanted = wanted_files[rank_dir]
         # One Summary per (file, step), as the TensorBoard sink writes them: no per-value event, and
         # no warning per NaN (tensorboardX's add_scalar logs one; a monitor reports NaN quietly).
-        writer = FileWriter(str(output / rank_dir.name), flush_secs=3600)
+        writer = _EventOutput(output / rank_dir.name, root=output)
+        writer.open()
         count = 0
         tags: set[str] = set()
         try:
             for path in wanted:
                 values: list[Any] = []
-                current = None
+                current = 0
                 for tag, value, step in read_scalars_noting_layout(path, layouts):
                     if step != current and values:
-                        writer.add_summary(Summary(value=values), current)
+                        writer.write_summary(current, Summary(value=values))
                         values = []
                     current = step
                     # a run-level scalar also goes to 0_overview/, as the TensorBoard sink writes it
@@ -165,21 +192,54 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None, wor
                         tags.add(alias)
                         count += 1
                 if values:
-                    writer.add_summary(Summary(value=values), current)
+                    writer.write_summary(current, Summary(value=values))
                 bar.advance()
             if families is None:  # anomalies as the TensorBoard sink writes them: counts and text at their step
                 for step, (counts, texts) in board.anomaly_summaries(_anomaly_events(rank_dir)).items():
-                    writer.add_summary(board.anomaly_summary(counts, texts), step)
+                    writer.write_summary(step, board.anomaly_summary(counts, texts))
                     count += len(counts)
             if tags:
-                writer.add_summary(custom_scalars(board.custom_scalar_layout(sorted(tags))), 0)
+                writer.write_summary(0, custom_scalars(board.custom_scalar_layout(sorted(tags))))
         finally:
             writer.close()
         return count
 
     with Bar(sum(map(len, wanted_files.values())), "csv2tb") as bar, \
             ThreadPoolExecutor(max_workers=min(workers, len(ranks))) as pool:
-        return sum(pool.map(one, ranks)), layouts
+        return sum(pool.map(one, ranks)), layouts, notes
+
+
+class NothingToConvert(FileNotFoundError):
+    """A run whose rank folders hold no CSV file (e.g. the empty ``rank0/`` of an attach that failed)."""
+
+
+class OutputError(OSError):
+    """``csv2tb``'s output cannot be written (a full disk, a read-only folder); ``filename`` is the folder."""
+
+
+class _EventOutput(board.EventFile):
+    """An event file of the converted output, written on the converting thread: a failing write raises
+    :class:`OutputError` naming the folder there and then (tensorboardX's ``FileWriter``, used before, lost
+    its writer thread on a full disk and then blocked the next ``add_summary`` for ever)."""
+
+    def open(self) -> IO[bytes]:
+        with self._failing():
+            return super().open()
+
+    def write_summary(self, step: int, summary: Any) -> None:
+        with self._failing():
+            super().write_summary(step, summary)
+
+    def close(self) -> None:
+        with self._failing():
+            super().close()
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as exc:
+            raise OutputError(exc.errno, exc.strerror or str(exc), str(self.rank_dir)) from None
 
 
 def _anomaly_events(rank_dir: Path) -> list[dict[str, Any]]:
@@ -191,4 +251,4 @@ def _anomaly_events(rank_dir: Path) -> list[dict[str, Any]]:
         return []
 
 
-__all__ = ["add_parser", "convert"]
+__all__ = ["OutputError", "add_parser", "convert"]

@@ -11,6 +11,7 @@ See docs/report.md.
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from trainmon.base.safe_io import write_atomic
 from trainmon.errors import UsageError
 from trainmon.tools.analyse import add_detector_option, checked, selected_detectors
 from trainmon.tools.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders
-from trainmon.tools.readers import CsvFormatError
+from trainmon.tools.readers import CsvFormatError, family_of
 from trainmon.tools.report import data as report_data
 from trainmon.tools.report.page import render
 
@@ -113,7 +114,14 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
         by_rank = report_data.csv_files(run_dir)
     except FileNotFoundError as exc:
         raise UsageError(str(exc) if exc.filename is None else describe_os_error(exc)) from None
-    all_ranks = sorted(by_rank)
+    probe = report_data.probe_files(run_dir, sorted(by_rank))
+    # A rank folder without CSV files or grad-probe summaries (an attach that failed, a rank that wrote
+    # nothing yet) has no heatmap or curve: one warning names them, the others are reported.
+    empty = [rank for rank, paths in by_rank.items() if not paths and rank not in probe]
+    if len(empty) == len(by_rank):  # no rank has any: the anomalies alone, or nothing to report (below)
+        empty = []
+    skipped = [f"{run_dir}: skipped rank folder(s) {_ranks_text(sorted(empty))}: no CSV files"] if empty else []
+    all_ranks = sorted(rank for rank in by_rank if rank not in empty)
     chosen = [r for r in all_ranks if r in ranks] if ranks is not None else all_ranks[:MAX_RANKS]
     notes = []
     if ranks is None and len(all_ranks) > MAX_RANKS:
@@ -122,15 +130,17 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
     if ranks is not None and not chosen:
         raise UsageError(f"--ranks {ranks}: the run has ranks {_ranks_text(all_ranks)}")
     files = [path for rank in chosen for path in by_rank[rank]]
-    probe = report_data.probe_files(run_dir, chosen)
+    probe = {rank: path for rank, path in probe.items() if rank in chosen}
+    _check_families(run_dir, families, files)
     anomalies, anomaly_count = _anomalies(run_dir, max_columns, detectors)
-    warnings = anomalies.pop("warnings", [])
+    warnings = skipped + anomalies.pop("warnings", [])
     if not files and not probe and not anomaly_count:
         raise UsageError(f"{run_dir}: nothing to report (no CSV files, grad-probe summaries or anomaly events)")
     heatmaps: list[dict[str, Any]] = []
     probe_maps: list[dict[str, Any]] = []
     curves: dict[str, Any] = {}
     steps: list[int] = []
+    read_metrics: set[str] = set()
     try:
         with Bar(len(files) + len(probe), "report", enabled=progress) as bar:
             for rank in chosen:
@@ -141,6 +151,7 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
                     if family == "scalars":
                         curves[str(rank)] = report_data.curves(family_tables, 2 * max_columns)
                     else:
+                        read_metrics.update(metric for table in family_tables for metric in table.metrics)
                         heatmaps += report_data.heatmaps(family, family_tables, rank, max_columns, metrics=metrics)
                 if rank in probe:
                     table = report_data.read_probe_table(probe[rank])
@@ -151,6 +162,7 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
         raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(describe_os_error(exc)) from None
+    _check_choice("--metrics", metrics, read_metrics, run_dir, "metric of the --families" if families else "metric")
     from trainmon.version import __version__
 
     page_data = {
@@ -174,6 +186,27 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
             "heatmaps": len(heatmaps) + len(probe_maps), "curves": sum(len(c) for c in curves.values()),
             "events": anomaly_count, "bytes": len(text), "seconds": time.perf_counter() - start,
             "warnings": warnings}
+
+
+def _check_families(run_dir: Path, families: list[str] | None, files: list[Path]) -> None:
+    """Raise unless every ``--families`` name is a family of the chosen ranks' CSV files (a typo would
+    otherwise give an empty page, written over the last report).
+
+    Raises:
+        UsageError: a name that is no family of those files (naming the families there are).
+    """
+    _check_choice("--families", families, {family_of(path) for path in files}, run_dir, "family")
+
+
+def _check_choice(option: str, given: list[str] | None, present: set[str], run_dir: Path, what: str) -> None:
+    """Raise a one-line UsageError for the first of ``given`` not in ``present``, with a close name if any."""
+    unknown = [name for name in given or [] if name not in present]
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], sorted(present), n=1)
+    names = ", ".join(sorted(present)[:30]) + (", ..." if len(present) > 30 else "")
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    raise UsageError(f"{option} {unknown[0]}: no such {what} in {run_dir}{hint}; it has: {names or 'none'}")
 
 
 def _anomalies(run_dir: Path, max_columns: int, detectors: list[str] | None) -> tuple[dict[str, Any], int]:
