@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -102,3 +103,34 @@ def test_the_readme_shows_the_sample_config_as_it_is():
     block = re.search(r"`examples/monitor\.yaml`.*?\n```yaml\n(.*?)```", readme, re.S)
     assert block is not None
     assert block[1] == (ROOT / "examples" / "monitor.yaml").read_text(encoding="utf-8")
+
+
+def test_a_model_without_submodules_and_without_optimizer_with_the_sample_config(tmp_path, monkeypatch):
+    """pytorch/examples' ``regression/main.py`` as written there (one ``nn.Linear``, a hand-written SGD update, a
+    loop until the loss is small) with the sample config added: the default targets ``["*"]`` select the model
+    itself, its rows equal float64 numpy of the tensors the loop used, every step's loss is recorded."""
+    shutil.copy(ROOT / "examples" / "monitor.yaml", tmp_path / "monitor.yaml")
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    fc = nn.Linear(4, 1)
+    monitor = TrainerMonitor("monitor.yaml")
+    monitor.attach(fc)
+    inputs, losses = {}, {}
+    for batch_idx in range(25):
+        x = torch.randn(32, 4)
+        y = x @ torch.tensor([[0.5], [-1.0], [2.0], [0.3]]) + 1.0
+        fc.zero_grad()
+        output = torch.nn.functional.smooth_l1_loss(fc(x), y)
+        inputs[batch_idx], losses[batch_idx] = x.double().numpy(), output.item()
+        output.backward()
+        for param in fc.parameters():
+            param.data.add_(-0.1 * param.grad)
+        monitor.step(loss=output)
+    monitor.close()
+    run_dir = monitor.run_dir
+    assert _scalars(run_dir, "loss") == pytest.approx(losses, rel=1e-6)
+    with open(run_dir / "rank0" / "actv.csv", newline="") as handle:
+        rows = {(int(r["step"]), r["name"]): r for r in csv.DictReader(handle)}
+    assert sorted({step for step, _ in rows}) == [0, 10, 20]
+    for step in (0, 10, 20):
+        assert float(rows[step, ".input"]["norm"]) == pytest.approx(float(np.linalg.norm(inputs[step])), rel=1e-6)

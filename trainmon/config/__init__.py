@@ -92,7 +92,8 @@ class TargetsConfig:
     modules: list[str] = _patterns(["*"])
     """Module names: exact (``layers.0.mlp``), glob (``layers.*.mlp``) or regex (``re:^layers\\.[01]\\.``).
     A pattern that matches nothing fails at ``attach``, unless prefixed with ``optional:``
-    (``optional:re:^layers\\.0\\.``)."""
+    (``optional:re:^layers\\.0\\.``). Patterns match submodules, not the model itself (see
+    ``activations.root``); a model without submodules (one ``nn.Linear``) is selected by the default ``*``."""
     params: list[str] = _patterns(["*"])
     """Parameter names, same pattern forms as ``modules``."""
 

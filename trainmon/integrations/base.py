@@ -108,8 +108,12 @@ def _by_plain_name(items: Iterable[tuple[str, _Item]], vpp_stage: int
 def select_modules(named: Sequence[tuple[str, torch.nn.Module, int]], config: MonitorConfig,
                    aliases: Mapping[str, Sequence[str]] | None = None) -> list[tuple[str, torch.nn.Module, int]]:
     """Target modules; a pattern matching one of a module's ``aliases`` selects it too. The root, named ``""``,
-    is never matched by a pattern: it is a target (first) when ``activations.root`` is set."""
-    roots = [item for item in named if not item[0]] if config.activations.root else []
+    is never matched by a pattern: it is a target (first) when ``activations.root`` is set, or when the model has
+    no submodule and the patterns are the default ``["*"]``."""
+    roots = [item for item in named if not item[0]]
+    if not any(name for name, _, _ in named) and list(config.targets.modules) == ["*"]:
+        return roots  # a model without submodules (one nn.Linear): every module is the model itself
+    roots = roots if config.activations.root else []
     named = [item for item in named if item[0]]
     chosen = _select([n for n, _, _ in named], config.targets.modules, "targets.modules", aliases)
     return roots + [item for item in named if item[0] in chosen]
