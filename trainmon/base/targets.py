@@ -73,7 +73,7 @@ _WRITTEN = re.compile(r"re:\(\?#((?:[^\\)]|\\.)*)\)", re.DOTALL)
 
 
 def labelled(regex: str, written: str) -> str:
-    """The ``re:`` pattern of ``regex`` that messages show as ``written`` (a translated config's key, e.g. a msprobe
+    r"""The ``re:`` pattern of ``regex`` that messages show as ``written`` (a translated config's key, e.g. a msprobe
     ``targets`` key): ``written`` rides along as a leading regex comment, ``(?#...)``, which matches nothing.
 
     Example:
