@@ -29,7 +29,7 @@ import stat
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["UnsafePathError", "open_output", "write_atomic", "make_dirs"]
+__all__ = ["UnsafePathError", "open_output", "write_atomic", "make_dirs", "remove_file"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -256,6 +256,26 @@ def write_atomic(path: Path, data: bytes, root: Path | None = None) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp_name, dir_fd=dir_fd)
             raise
+    finally:
+        os.close(dir_fd)
+
+
+def remove_file(path: Path, root: Path | None = None) -> None:
+    """Remove the file ``path`` (one trainmon wrote: a store part merged into a larger one), reaching its
+    directory without following a symlink below ``root``; a missing file is not an error.
+
+    Raises:
+        UnsafePathError: a symlink or non-directory below ``root``.
+        OSError: the file cannot be removed.
+    """
+    root, directories, name = _parts(path, root)
+    if not _RELATIVE:
+        _check_path_fallback(root, directories, name, create=False).unlink(missing_ok=True)
+        return
+    dir_fd = _open_dir(root, directories, create=False)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)  # unlink never follows a symlink named ``name``: it removes the link
     finally:
         os.close(dir_fd)
 

@@ -26,7 +26,7 @@ from trainmon.errors import ConfigError
 
 __all__ = ["ConfigError", "MonitorConfig", "check_ranks", "config_reference", "load_config"]
 
-SINKS: tuple[str, ...] = ("csv", "tensorboard")
+SINKS: tuple[str, ...] = ("csv", "tensorboard", "parquet")
 OPTIMIZER_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "update", "ratio", "momentum")
 ACTIONS: tuple[str, ...] = ("log", "jsonl", "callback", "raise", "dump", "free_benchmark")
 COMM_OPS: tuple[str, ...] = (
@@ -295,7 +295,7 @@ class MonitorConfig:
     run_name: str | None = setting(None, check=_directory_name)
     """Run directory name; default a UTC timestamp (shared by all ranks)."""
     sinks: list[str] = setting(["csv", "tensorboard"], choices=SINKS, unique=True)
-    """Outputs: csv, tensorboard."""
+    """Outputs: csv, tensorboard, parquet (the run store: docs/store.md)."""
     ranks: list[int] | None = setting(None, minimum=0, unique=True, check=_some_rank)
     """Ranks that collect and write (distinct, each below the world size: checked at ``attach``); null means
     every rank."""

@@ -19,6 +19,10 @@ def build_sinks(names: list[str], rank_dir: Path) -> list[Sink]:
             from trainmon.sinks.tensorboard import TensorBoardSink
 
             sinks.append(TensorBoardSink(rank_dir))
+        elif name == "parquet":
+            from trainmon.sinks.parquet import ParquetSink
+
+            sinks.append(ParquetSink(rank_dir))
         else:  # pragma: no cover - validated by the config
             raise AssertionError(name)
     return sinks

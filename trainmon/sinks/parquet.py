@@ -1,0 +1,207 @@
+"""Parquet sink: the run store (``{run}/store/{table}/rank={R}/part-*.parquet``; layout in :mod:`.store_layout`).
+
+Rows are kept in memory per table on the writer thread and rolled into a small Parquet file at most every
+``roll_seconds`` (when the :class:`~trainmon.base.threads.OutputThread` flushes) or every ``max_rows`` rows;
+runs of ``fan_in`` small files are merged into one larger part, and at close the remaining small files are
+merged too. Each file is written whole under a hidden name and renamed, never over an existing file, with no
+symlink followed (:mod:`trainmon.base.safe_io`): a ``kill -9`` leaves every file readable and loses what was
+not rolled yet (at most ``roll_seconds`` of rows, or the step being written).
+
+Columns of a row table: ``step`` (int64), ``micro_step``, ``vpp_stage``, ``pp_stage``, ``order`` (int32),
+``phase``, ``name`` (dictionary-encoded strings), ``nonfinite`` (bool), then one float64 column per configured
+metric. float64 keeps exactly the value the CSV sink writes (its ``repr``); ``mean`` and ``zeros`` are a
+float32 sum or count divided by the element count in float64, so float32 columns would round them. The float
+columns use the BYTE_STREAM_SPLIT encoding under zstd: the low mantissa bytes of float32-exact values (norm,
+min, max) are zeros that compress to nothing, so float64 costs ~3.5 bytes per row more than float32 would.
+The ``scalars`` table is ``step`` (int64), ``name`` (dictionary), ``value`` (float64).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trainmon.base.records import StepRecord
+from trainmon.base.safe_io import make_dirs, open_output, remove_file, write_atomic
+from trainmon.sinks.store_layout import SCALARS, Part, live_parts, parse_part, part_name, table_dir
+
+logger = logging.getLogger("trainmon")
+
+_DICTIONARY = ["name", "phase"]
+_INT32 = ("micro_step", "vpp_stage", "pp_stage", "order")
+
+
+@dataclass
+class _Table:
+    """Rows of one table not rolled into a file yet (plain lists: appending is the writer's hot path)."""
+
+    metrics: tuple[str, ...]
+    steps: list[int] = field(default_factory=list)
+    micro_steps: list[int] = field(default_factory=list)
+    vpp_stages: list[int] = field(default_factory=list)
+    pp_stages: list[int] = field(default_factory=list)
+    orders: list[int] = field(default_factory=list)
+    phases: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    nonfinite: list[bool] = field(default_factory=list)
+    values: list[tuple[float, ...]] = field(default_factory=list)
+
+    def arrow(self) -> pa.Table:
+        if not self.metrics:  # scalars: step, name, value
+            return pa.table({"step": pa.array(self.steps, pa.int64()), "name": pa.array(self.names, pa.string()),
+                             "value": pa.array([v for (v,) in self.values], pa.float64())})
+        columns: dict[str, Any] = {"step": pa.array(self.steps, pa.int64())}
+        for column, ints in zip(_INT32, (self.micro_steps, self.vpp_stages, self.pp_stages, self.orders)):
+            columns[column] = pa.array(ints, pa.int32())
+        columns["phase"] = pa.array(self.phases, pa.string())
+        columns["name"] = pa.array(self.names, pa.string())
+        columns["nonfinite"] = pa.array(self.nonfinite, pa.bool_())
+        for metric, floats in zip(self.metrics, zip(*self.values)):
+            columns[metric] = pa.array(floats, pa.float64())
+        return pa.table(columns)
+
+
+def parquet_bytes(table: pa.Table, compression_level: int = 3) -> bytes:
+    """``table`` as a Parquet file: zstd, dictionary-encoded names, BYTE_STREAM_SPLIT floats."""
+    floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd", compression_level=compression_level,
+                   use_dictionary=[c for c in _DICTIONARY if c in table.column_names],
+                   use_byte_stream_split=floats or False, write_statistics=True)
+    return bytes(sink.getvalue())
+
+
+class ParquetSink:
+    """Writes each family's rows and the scalars of one rank into the run store.
+
+    Args:
+        rank_dir: ``{output_dir}/{run_name}/rank{R}`` (the store lives beside it, in ``{run}/store``).
+        root: the run directory, below which no symlink is followed (default: ``rank_dir``'s parent).
+        roll_seconds: the longest time rows stay in memory only (what a ``kill -9`` can lose).
+        max_rows: rows of one table kept in memory before they are rolled whatever the time.
+        fan_in: small files merged into one part as soon as there are this many.
+        clock: the time source (tests replace it).
+    """
+
+    name = "parquet"
+
+    def __init__(self, rank_dir: Path, root: Path | None = None, *, roll_seconds: float = 2.0,
+                 max_rows: int = 1 << 18, fan_in: int = 64, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rank_dir = Path(rank_dir)
+        self.root = Path(root) if root is not None else self.rank_dir.parent
+        self.roll_seconds, self.max_rows, self.fan_in = roll_seconds, max_rows, max(2, fan_in)
+        self.writer_token = os.urandom(4).hex()
+        self._clock = clock
+        self._last_roll = clock()
+        self._rank: int | None = None
+        self._tables: dict[str, _Table] = {}
+        self._small: dict[str, list[Part]] = {}  # per table: this writer's small files not merged yet
+        self._seq = 0
+        self._repaired: set[str] = set()
+
+    # --------------------------------------------------------------------------- writer thread
+    def write(self, record: StepRecord) -> None:
+        """Append a record's rows and scalars to the in-memory tables (rolled on :meth:`flush`)."""
+        if self._rank is None:
+            self._rank = record.rank
+        step, pp_stage, tables = record.step, record.pp_stage, self._tables
+        for row in record.rows:
+            key, values = row.key, row.values
+            table = tables.get(key.family)
+            if table is None or table.metrics != tuple(values):
+                table = self._start(key.family, tuple(values))
+            table.steps.append(step)
+            table.micro_steps.append(key.micro_step)
+            table.vpp_stages.append(key.vpp_stage)
+            table.pp_stages.append(pp_stage)
+            table.orders.append(key.order)
+            table.phases.append(key.phase)
+            table.names.append(key.name)
+            table.nonfinite.append(row.nonfinite)
+            table.values.append(tuple(values.values()))
+        if record.scalars:
+            table = tables.get(SCALARS) or self._start(SCALARS, ())
+            for name, value in record.scalars.items():
+                table.steps.append(step)
+                table.names.append(name)
+                table.values.append((float(value),))
+        for name, table in list(tables.items()):
+            if len(table.steps) >= self.max_rows:
+                self._roll(name)
+
+    def _start(self, name: str, metrics: tuple[str, ...]) -> _Table:
+        """A new in-memory table; rows of other metrics (a changed config) go to a file of their own first."""
+        if name in self._tables:
+            self._roll(name)
+        table = self._tables[name] = _Table(metrics)
+        return table
+
+    def flush(self) -> None:
+        """Roll every table into a small file once ``roll_seconds`` have passed since the last roll."""
+        now = self._clock()
+        if now - self._last_roll >= self.roll_seconds:
+            self._roll_all()
+            self._last_roll = now
+
+    def close(self) -> None:
+        """Roll what is in memory, then merge each table's small files into one part."""
+        self._roll_all()
+        for name in list(self._small):
+            if len(self._small[name]) > 1:
+                self._merge(name)
+
+    # --------------------------------------------------------------------------- files
+    def _roll_all(self) -> None:
+        for name in list(self._tables):
+            self._roll(name)
+
+    def _roll(self, name: str) -> None:
+        table = self._tables.get(name)
+        if table is None or not table.steps:
+            return
+        self._tables[name] = _Table(table.metrics)
+        assert self._rank is not None, "rows come with a record, which names the rank"
+        directory = table_dir(self.root, name, self._rank)
+        if name not in self._repaired:
+            self._repair(directory)
+            self._repaired.add(name)
+        seq, self._seq = self._seq, self._seq + 1
+        path = directory / part_name(table.steps[0], table.steps[-1], self.writer_token, seq, seq)
+        write_atomic(path, parquet_bytes(table.arrow(), compression_level=1), root=self.root)
+        small = self._small.setdefault(name, [])
+        small.append(Part(path, table.steps[0], table.steps[-1], self.writer_token, seq, seq))
+        if len(small) >= self.fan_in:
+            self._merge(name)
+
+    def _merge(self, name: str) -> None:
+        """Merge this writer's small files of ``name`` into one part: the part is renamed into place first,
+        its inputs removed after (a crash in between leaves parts that :func:`live_parts` skips)."""
+        small, self._small[name] = self._small[name], []
+        tables = []
+        for part in small:
+            with open_output(part.path, "rb", self.root) as handle:
+                tables.append(pq.read_table(handle))
+        merged = pa.concat_tables(tables, promote_options="default")
+        first, last = min(p.first_step for p in small), max(p.last_step for p in small)
+        path = small[0].path.parent / part_name(first, last, self.writer_token, small[0].lo, small[-1].hi)
+        write_atomic(path, parquet_bytes(merged), root=self.root)
+        for part in small:
+            remove_file(part.path, self.root)
+
+    def _repair(self, directory: Path) -> None:
+        """Remove the parts a merge superseded before a crash could remove them (an earlier run's)."""
+        make_dirs(directory, self.root)
+        paths = [directory / entry for entry in os.listdir(directory)]
+        live = {part.path for part in live_parts(paths)}
+        for part in filter(None, map(parse_part, paths)):
+            if part.path not in live:
+                logger.info("trainmon: removing %s (merged into a larger part before a crash)", part.path)
+                remove_file(part.path, self.root)

@@ -1,0 +1,108 @@
+"""The run store's layout: where Parquet parts live, how they are named, which of them a reader takes.
+
+A run's store is ``{run}/store/{table}/rank={R}/part-{first}-{last}-{writer}-{lo}-{hi}.parquet``:
+
+- ``{table}``: a row family (``actv``, ``grad_reduced``, ...) or ``scalars``; one table per family, so a family
+  is read without filtering the others and each has its own metric columns.
+- ``rank={R}``: a Hive-style partition key; DuckDB (``hive_partitioning``), Dask and Spark add it as a ``rank``
+  column, so one rank is read alone by its directory.
+- ``{first}-{last}``: the first and last step in the file (9 digits, zero-padded, so names sort by step): a step
+  range is read alone by its files (and by each file's row-group statistics).
+- ``{writer}``: a random token per sink instance (a resumed run writes beside, never over, earlier files).
+- ``{lo}-{hi}``: the sequence numbers of the small files the part holds. A writer rolls a small file every
+  couple of seconds (``lo == hi``) and merges runs of them into larger parts (``lo < hi``), writing the larger
+  one first and removing its inputs after: a part whose range lies inside another part of the same writer is
+  superseded (a crash between the two left it behind) and :func:`live_parts` leaves it out.
+
+Every file is written whole to a hidden temporary name and renamed (:func:`trainmon.base.safe_io.write_atomic`):
+a reader never sees half a file, and hidden names (``.``) are skipped by DuckDB's glob here, Dask and Spark.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+STORE_DIR = "store"
+"""The store's folder inside a run directory."""
+SCALARS = "scalars"
+"""The table of ``step, name, value`` scalars (loss, grad_norm, lr/group0, ...)."""
+KEY_COLUMNS: tuple[str, ...] = ("step", "micro_step", "vpp_stage", "pp_stage", "order", "phase", "name", "nonfinite")
+"""The columns of a row table before its metric columns (one DOUBLE column per configured metric)."""
+
+_PART = re.compile(r"^part-(\d+)-(\d+)-([0-9a-f]+)-(\d+)-(\d+)\.parquet$")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One Parquet file of the store, described by its name.
+
+    Attributes:
+        path: the file.
+        first_step: the first step it holds.
+        last_step: the last step it holds.
+        writer: the token of the sink instance that wrote it.
+        lo: the sequence number of the first small file it holds.
+        hi: the sequence number of the last small file it holds.
+    """
+
+    path: Path
+    first_step: int
+    last_step: int
+    writer: str
+    lo: int
+    hi: int
+
+
+def part_name(first_step: int, last_step: int, writer: str, lo: int, hi: int) -> str:
+    """The file name of a part.
+
+    Example:
+        >>> part_name(12, 15, "0a1b2c3d", 4, 4)
+        'part-000000012-000000015-0a1b2c3d-000004-000004.parquet'
+    """
+    return f"part-{first_step:09d}-{last_step:09d}-{writer}-{lo:06d}-{hi:06d}.parquet"
+
+
+def parse_part(path: Path) -> Part | None:
+    """The :class:`Part` a file name describes; None for any other file (temporary, foreign, hidden).
+
+    Example:
+        >>> parse_part(Path("part-000000012-000000015-0a1b2c3d-000004-000007.parquet")).hi
+        7
+    """
+    found = _PART.match(path.name)
+    if found is None:
+        return None
+    first, last, writer, lo, hi = found.groups()
+    return Part(path, int(first), int(last), writer, int(lo), int(hi))
+
+
+def live_parts(paths: list[Path]) -> list[Part]:
+    """The parts among ``paths`` that hold data no other part holds, sorted by first step.
+
+    A part is superseded when another part of the same writer covers its sequence range and more
+    (a merge that was renamed into place before a crash removed its inputs).
+
+    Example:
+        >>> names = [part_name(0, 9, "ab", 0, 0), part_name(10, 19, "ab", 1, 1), part_name(0, 19, "ab", 0, 1)]
+        >>> [p.path.name for p in live_parts([Path(n) for n in names])] == [names[2]]
+        True
+    """
+    parts = [part for part in map(parse_part, paths) if part is not None]
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for part in parts:
+        ranges.setdefault(part.writer, []).append((part.lo, part.hi))
+
+    def superseded(part: Part) -> bool:
+        return any(lo <= part.lo and part.hi <= hi and (lo, hi) != (part.lo, part.hi)
+                   for lo, hi in ranges[part.writer])
+
+    return sorted((part for part in parts if not superseded(part)),
+                  key=lambda part: (part.first_step, part.last_step, part.writer, part.lo))
+
+
+def table_dir(run_dir: Path, table: str, rank: int) -> Path:
+    """``{run_dir}/store/{table}/rank={rank}``."""
+    return Path(run_dir) / STORE_DIR / table / f"rank={rank}"
