@@ -1,4 +1,4 @@
-"""The ``trainmon`` command: ``csv2tb``, ``analyse``, ``grad-compare``, ``report``; ``trainmon --version``.
+"""The ``trainmon`` command: ``csv2tb``, ``analyse``, ``grad-compare``, ``report``, ``query``; ``trainmon --version``.
 
 Exit codes: 0 on success, 2 on bad usage or bad input (one line on stderr: ``trainmon COMMAND:
 error: ...`` naming the argument, file or folder at fault), 130 on Ctrl-C. Bad input never ends in
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from trainmon.tools.command import Subcommand
 
 _SUBCOMMANDS = ("trainmon.tools.csv2tb", "trainmon.tools.analyse", "trainmon.tools.grad_compare",
-                "trainmon.tools.report")
+                "trainmon.tools.report", "trainmon.tools.query")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,9 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if TYPE_CHECKING:  # read by mypy only: each subcommand module satisfies the protocol (never imported at run time)
-    from trainmon.tools import analyse, csv2tb, grad_compare, report
+    from trainmon.tools import analyse, csv2tb, grad_compare, query, report
 
-    _SUBCOMMAND_MODULES: tuple[Subcommand, ...] = (csv2tb, analyse, grad_compare, report)
+    _SUBCOMMAND_MODULES: tuple[Subcommand, ...] = (csv2tb, analyse, grad_compare, report, query)
 
 
 if __name__ == "__main__":  # pragma: no cover
