@@ -1,0 +1,138 @@
+"""The Parquet sink's files: rolled on the clock, merged atomically, superseded parts skipped and repaired,
+no symlink followed; the store's layout helpers."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from trainmon.base.records import Row, RowKey, StepRecord
+from trainmon.base.safe_io import UnsafePathError
+from trainmon.sinks import SinkWriter, build_sinks
+from trainmon.sinks.parquet import ParquetSink
+from trainmon.sinks.store_layout import live_parts, part_name
+from trainmon.tools.store import open_run
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(step: int, metrics: tuple[str, ...] = ("norm", "max"), rank: int = 0) -> StepRecord:
+    rows = [Row(RowKey("grad_reduced", f"layer{i}.weight", order=i), step,
+                {m: step + i / 3 for m in metrics}, False) for i in range(3)]
+    rows.append(Row(RowKey("actv", "layer0.output"), step, {m: math.nan for m in metrics}, True))
+    return StepRecord(step=step, rank=rank, rows=rows, scalars={"loss": 1.0 / (step + 1)})
+
+
+def files(run: Path, table: str = "grad_reduced", rank: int = 0) -> list[Path]:
+    return sorted((run / "store" / table / f"rank={rank}").glob("*.parquet"))
+
+
+def test_rows_roll_on_the_clock_and_merge_at_close(tmp_path):
+    clock = Clock()
+    sink = ParquetSink(tmp_path / "rank0", clock=clock, roll_seconds=2.0, fan_in=64)
+    for step in range(3):
+        sink.write(record(step))
+        sink.flush()
+    assert files(tmp_path) == []  # within roll_seconds: in memory only
+    clock.now = 2.5
+    sink.flush()
+    assert len(files(tmp_path)) == 1 and len(files(tmp_path, "scalars")) == 1
+    for step in range(3, 5):
+        sink.write(record(step))
+    sink.close()
+    (merged,) = files(tmp_path)  # the two small files became one part
+    assert merged.name.startswith("part-000000000-000000004-")
+    table = pq.read_table(merged)
+    assert table.column("step").to_pylist() == [s for s in range(5) for _ in range(3)]
+    assert table.schema.field("norm").type == "double" and table.schema.field("step").type == "int64"
+    actv = pq.read_table(files(tmp_path, "actv")[0])
+    assert actv.column("nonfinite").to_pylist() == [True] * 5 and math.isnan(actv.column("max")[0].as_py())
+
+
+def test_fan_in_merges_runs_of_small_files(tmp_path):
+    clock = Clock()
+    sink = ParquetSink(tmp_path / "rank0", clock=clock, roll_seconds=1.0, fan_in=3)
+    for step in range(7):
+        sink.write(record(step))
+        clock.now += 1.0
+        sink.flush()
+    parts = live_parts(files(tmp_path))  # steps 0-2 and 3-5 merged (sequence numbers count every table's files)
+    assert [(p.first_step, p.last_step, p.lo < p.hi) for p in parts] == [(0, 2, True), (3, 5, True), (6, 6, False)]
+    sink.close()
+    con = open_run(tmp_path)
+    assert con.execute("SELECT count(*), count(DISTINCT step) FROM grad_reduced").fetchall() == [(21, 7)]
+
+
+def test_superseded_parts_are_skipped_and_repaired(tmp_path):
+    sink = ParquetSink(tmp_path / "rank0", roll_seconds=0.0, fan_in=64)
+    for step in range(2):
+        sink.write(record(step))
+        sink.flush()
+    small = files(tmp_path)
+    kept = [tmp_path / p.name for p in small]
+    for path in small:
+        shutil.copy(path, tmp_path / path.name)
+    sink.close()
+    for path in kept:  # a crash between the merge's rename and the removal of its inputs
+        shutil.copy(path, files(tmp_path)[0].parent / path.name)
+    foreign = files(tmp_path)[0].parent / "notes.parquet"
+    foreign.write_bytes(b"not ours")
+    assert len(live_parts(files(tmp_path))) == 1
+    assert open_run(tmp_path).execute("SELECT count(*) FROM grad_reduced").fetchall() == [(6,)]
+    resumed = ParquetSink(tmp_path / "rank0", roll_seconds=0.0)
+    resumed.write(record(2))
+    resumed.close()  # its first roll into the folder removed the superseded parts, and only those
+    assert len(files(tmp_path)) == 3 and foreign.exists()
+    assert open_run(tmp_path).execute("SELECT count(*) FROM grad_reduced").fetchall() == [(9,)]
+
+
+def test_changed_metrics_go_to_a_file_of_their_own(tmp_path):
+    sink = ParquetSink(tmp_path / "rank0")
+    sink.write(record(0, ("norm", "max")))
+    sink.write(record(1, ("norm", "min", "mean")))
+    sink.close()
+    rows = open_run(tmp_path).execute("SELECT step, norm, max, min FROM grad_reduced WHERE name = 'layer0.weight' "
+                                      "ORDER BY step").fetchall()
+    assert rows == [(0, 0.0, 0.0, None), (1, 1.0, None, 1.0)]
+
+
+def test_symlinks_in_the_store_are_not_followed(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    run = tmp_path / "run"
+    (run / "store" / "grad_reduced").mkdir(parents=True)
+    (run / "store" / "grad_reduced" / "rank=0").symlink_to(outside)
+    sink = ParquetSink(run / "rank0")
+    sink.write(record(0))
+    with pytest.raises(UnsafePathError):
+        sink.close()
+    assert list(outside.iterdir()) == []
+
+
+def test_lifecycle_through_the_writer(tmp_path):
+    (sink,) = build_sinks(["parquet"], tmp_path / "rank1")
+    writer = SinkWriter([sink])
+    for step in range(4):
+        writer.submit(record(step, rank=1))
+    writer.close()
+    writer.close()
+    assert writer.stats()["parquet"]["written"] == 4
+    con = open_run(tmp_path)
+    assert con.execute("SELECT DISTINCT rank FROM scalars").fetchall() == [(1,)]
+    assert con.execute("SELECT count(*) FROM scalars").fetchall() == [(4,)]
+
+
+def test_part_names_sort_by_step():
+    names = [part_name(first, first + 9, "ab", seq, seq) for seq, first in enumerate((0, 10, 100, 1000))]
+    assert sorted(names) == names
+    assert [p.first_step for p in live_parts([Path(n) for n in reversed(names)])] == [0, 10, 100, 1000]
