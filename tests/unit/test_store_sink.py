@@ -33,6 +33,11 @@ def record(step: int, metrics: tuple[str, ...] = ("norm", "max"), rank: int = 0)
     return StepRecord(step=step, rank=rank, rows=rows, scalars={"loss": 1.0 / (step + 1)})
 
 
+def read(path: Path) -> pq.Table:
+    with open(path, "rb") as handle:  # a path would leave pyarrow's own handle open until collected
+        return pq.read_table(handle)
+
+
 def files(run: Path, table: str = "grad_reduced", rank: int = 0) -> list[Path]:
     return sorted((run / "store" / table / f"rank={rank}").glob("*.parquet"))
 
@@ -52,10 +57,10 @@ def test_rows_roll_on_the_clock_and_merge_at_close(tmp_path):
     sink.close()
     (merged,) = files(tmp_path)  # the two small files became one part
     assert merged.name.startswith("part-000000000-000000004-")
-    table = pq.read_table(merged)
+    table = read(merged)
     assert table.column("step").to_pylist() == [s for s in range(5) for _ in range(3)]
     assert table.schema.field("norm").type == "double" and table.schema.field("step").type == "int64"
-    actv = pq.read_table(files(tmp_path, "actv")[0])
+    actv = read(files(tmp_path, "actv")[0])
     assert actv.column("nonfinite").to_pylist() == [True] * 5 and math.isnan(actv.column("max")[0].as_py())
 
 
