@@ -26,46 +26,56 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trainmon.base.records import StepRecord
+from trainmon.base.records import Row, StepRecord
 from trainmon.base.safe_io import make_dirs, open_output, remove_file, write_atomic
 from trainmon.sinks.store_layout import SCALARS, Part, live_parts, parse_part, part_name, table_dir
 
 logger = logging.getLogger("trainmon")
 
 _DICTIONARY = ["name", "phase"]
-_INT32 = ("micro_step", "vpp_stage", "pp_stage", "order")
 
 
 @dataclass
 class _Table:
-    """Rows of one table not rolled into a file yet (plain lists: appending is the writer's hot path)."""
+    """Rows of one table not rolled into a file yet: the rows themselves (appending is the writer's hot path;
+    they become columns once per file) or, for the scalars, ``(step, name, value)`` triples."""
 
     metrics: tuple[str, ...]
-    steps: list[int] = field(default_factory=list)
-    micro_steps: list[int] = field(default_factory=list)
-    vpp_stages: list[int] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
     pp_stages: list[int] = field(default_factory=list)
-    orders: list[int] = field(default_factory=list)
-    phases: list[str] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-    nonfinite: list[bool] = field(default_factory=list)
-    values: list[tuple[float, ...]] = field(default_factory=list)
+    scalars: list[tuple[int, str, float]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.scalars)
+
+    def step_range(self) -> tuple[int, int]:
+        if self.scalars:
+            return self.scalars[0][0], self.scalars[-1][0]
+        return self.rows[0].step, self.rows[-1].step
 
     def arrow(self) -> pa.Table:
         if not self.metrics:  # scalars: step, name, value
-            return pa.table({"step": pa.array(self.steps, pa.int64()), "name": pa.array(self.names, pa.string()),
-                             "value": pa.array([v for (v,) in self.values], pa.float64())})
-        columns: dict[str, Any] = {"step": pa.array(self.steps, pa.int64())}
-        for column, ints in zip(_INT32, (self.micro_steps, self.vpp_stages, self.pp_stages, self.orders)):
-            columns[column] = pa.array(ints, pa.int32())
-        columns["phase"] = pa.array(self.phases, pa.string())
-        columns["name"] = pa.array(self.names, pa.string())
-        columns["nonfinite"] = pa.array(self.nonfinite, pa.bool_())
-        for metric, floats in zip(self.metrics, zip(*self.values)):
-            columns[metric] = pa.array(floats, pa.float64())
+            steps, names, values = zip(*self.scalars)
+            return pa.table({"step": pa.array(steps, pa.int64()), "name": pa.array(names, pa.string()),
+                             "value": pa.array(values, pa.float64())})
+        rows, keys = self.rows, [row.key for row in self.rows]
+        columns: dict[str, Any] = {
+            "step": pa.array([row.step for row in rows], pa.int64()),
+            "micro_step": pa.array([key.micro_step for key in keys], pa.int32()),
+            "vpp_stage": pa.array([key.vpp_stage for key in keys], pa.int32()),
+            "pp_stage": pa.array(self.pp_stages, pa.int32()),
+            "order": pa.array([key.order for key in keys], pa.int32()),
+            "phase": pa.array([key.phase for key in keys], pa.string()),
+            "name": pa.array([key.name for key in keys], pa.string()),
+            "nonfinite": pa.array([row.nonfinite for row in rows], pa.bool_()),
+        }
+        matrix = np.array([tuple(row.values.values()) for row in rows], dtype=np.float64)  # one C pass
+        for i, metric in enumerate(self.metrics):
+            columns[metric] = pa.array(matrix[:, i])
         return pa.table(columns)
 
 
@@ -114,27 +124,17 @@ class ParquetSink:
             self._rank = record.rank
         step, pp_stage, tables = record.step, record.pp_stage, self._tables
         for row in record.rows:
-            key, values = row.key, row.values
-            table = tables.get(key.family)
+            values = row.values
+            table = tables.get(row.key.family)
             if table is None or table.metrics != tuple(values):
-                table = self._start(key.family, tuple(values))
-            table.steps.append(step)
-            table.micro_steps.append(key.micro_step)
-            table.vpp_stages.append(key.vpp_stage)
+                table = self._start(row.key.family, tuple(values))
+            table.rows.append(row)
             table.pp_stages.append(pp_stage)
-            table.orders.append(key.order)
-            table.phases.append(key.phase)
-            table.names.append(key.name)
-            table.nonfinite.append(row.nonfinite)
-            table.values.append(tuple(values.values()))
         if record.scalars:
             table = tables.get(SCALARS) or self._start(SCALARS, ())
-            for name, value in record.scalars.items():
-                table.steps.append(step)
-                table.names.append(name)
-                table.values.append((float(value),))
+            table.scalars.extend((step, name, float(value)) for name, value in record.scalars.items())
         for name, table in list(tables.items()):
-            if len(table.steps) >= self.max_rows:
+            if len(table) >= self.max_rows:
                 self._roll(name)
 
     def _start(self, name: str, metrics: tuple[str, ...]) -> _Table:
@@ -165,7 +165,7 @@ class ParquetSink:
 
     def _roll(self, name: str) -> None:
         table = self._tables.get(name)
-        if table is None or not table.steps:
+        if table is None or not len(table):
             return
         self._tables[name] = _Table(table.metrics)
         assert self._rank is not None, "rows come with a record, which names the rank"
@@ -174,10 +174,11 @@ class ParquetSink:
             self._repair(directory)
             self._repaired.add(name)
         seq, self._seq = self._seq, self._seq + 1
-        path = directory / part_name(table.steps[0], table.steps[-1], self.writer_token, seq, seq)
+        first, last = table.step_range()
+        path = directory / part_name(first, last, self.writer_token, seq, seq)
         write_atomic(path, parquet_bytes(table.arrow(), compression_level=1), root=self.root)
         small = self._small.setdefault(name, [])
-        small.append(Part(path, table.steps[0], table.steps[-1], self.writer_token, seq, seq))
+        small.append(Part(path, first, last, self.writer_token, seq, seq))
         if len(small) >= self.fan_in:
             self._merge(name)
 

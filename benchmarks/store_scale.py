@@ -1,0 +1,145 @@
+"""Benchmark the run store: write a synthetic run through the real Parquet sink, then time DuckDB queries.
+
+Usage: ``python benchmarks/store_scale.py [--ranks 64] [--tensors 292] [--steps 536] [--dir DIR] [--keep]``
+(the defaults make 10^7 rows: 64 ranks x 292 rows per step x 536 steps).
+
+Each rank gets its own :class:`~trainmon.sinks.parquet.ParquetSink`, fed :class:`StepRecord` s as the writer
+thread feeds it, with a clock that advances ``--step-seconds`` per step (2 s: every step rolls a file, the worst
+case for file counts). Half of each step's rows are ``actv`` (forward), half ``grad_reduced`` (optimizer), with
+the 7 default metrics: norms lognormal per tensor with a slow random walk, min/max/sum float32 values, mean and
+zeros float64 quotients as trainmon computes them, spikes (x1000) in 1 row of 10^4, and a NaN entering at one
+rank and one tensor mid-run that spreads to the later rows of that rank and to every rank from the next step.
+
+Prints bytes per row, files per table and rank, the writer's throughput (metric values per second, the sink's
+own time: rows to columns, Parquet encoding, files), and the time of two queries over all ranks:
+the first non-finite origin in execution order, and a per-(step, tensor) cross-rank aggregate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from trainmon.base.records import METRICS, Row, RowKey, StepRecord
+from trainmon.sinks.parquet import ParquetSink
+from trainmon.tools.store import open_run
+
+FIRST_NONFINITE = """
+SELECT rank, step, micro_step, phase, name, "order" FROM (
+    SELECT rank, step, micro_step, phase, pp_stage, "order", name FROM actv WHERE nonfinite
+    UNION ALL
+    SELECT rank, step, micro_step, phase, pp_stage, "order", name FROM grad_reduced WHERE nonfinite)
+ORDER BY step, micro_step,
+    CASE phase WHEN 'forward' THEN 0 WHEN 'loss' THEN 1 WHEN 'backward' THEN 2 WHEN 'communication' THEN 3 ELSE 4 END,
+    CASE WHEN phase = 'backward' THEN -pp_stage ELSE pp_stage END, "order", rank
+LIMIT 1"""
+CROSS_RANK = """
+SELECT count(*), max(spread) FROM (
+    SELECT step, name, max(norm) - min(norm) AS spread, avg(norm) AS mean, stddev_pop(norm) AS std,
+           arg_max(rank, norm) AS top_rank
+    FROM grad_reduced GROUP BY step, name)"""
+
+
+class StepClock:
+    """A clock the benchmark advances by one training step at a time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def write_run(run_dir: Path, ranks: int, tensors: int, steps: int, step_seconds: float,
+              seed: int = 0) -> tuple[int, float, tuple[int, int, int]]:
+    """Write the synthetic run; returns (rows, seconds spent in the sinks, (nan step, nan rank, nan order))."""
+    rng = np.random.default_rng(seed)
+    half = tensors // 2
+    keys = [RowKey("actv", f"model.layers.{i // 4}.block{i % 4}.output", order=i) for i in range(half)]
+    keys += [RowKey("grad_reduced", f"model.layers.{i // 9}.param{i % 9}.weight", order=half + i)
+             for i in range(tensors - half)]
+    numel = rng.integers(1 << 12, 1 << 24, tensors).astype(np.float64)
+    base = np.exp(rng.normal(np.log(0.1), 1.5, tensors))
+    nan_at = (steps // 2, ranks // 3, half // 2)
+    rows, sink_seconds = 0, 0.0
+    for rank in range(ranks):
+        clock = StepClock()
+        sink = ParquetSink(run_dir / f"rank{rank}", root=run_dir, clock=clock)
+        walk = base * np.exp(rng.normal(0, 0.05, tensors))
+        for step in range(steps):
+            walk *= np.exp(rng.normal(0, 0.01, tensors))
+            norm = walk.astype(np.float32).astype(np.float64)
+            norm = np.where(rng.random(tensors) < 1e-4, norm * 1000, norm)  # spikes
+            top = (norm / np.sqrt(numel) * rng.uniform(3, 6, tensors)).astype(np.float32).astype(np.float64)
+            low = -(top * rng.uniform(0.8, 1.2, tensors)).astype(np.float32).astype(np.float64)
+            total = (rng.normal(0, 1, tensors) * norm).astype(np.float32).astype(np.float64)
+            zeros = np.where(rng.random(tensors) < 0.9, 0.0, rng.integers(0, 50, tensors) / numel)
+            nans = np.zeros(tensors)
+            if step > nan_at[0] or (step == nan_at[0] and rank == nan_at[1]):
+                first = nan_at[2] if step == nan_at[0] else 0
+                nans[first:] = 1.0
+            bad = nans > 0
+            columns = [np.where(bad, np.nan, norm), np.where(bad, np.nan, low), np.where(bad, np.nan, top),
+                       np.where(bad, np.nan, total / numel), zeros, nans, np.zeros(tensors)]
+            values = list(zip(*(c.tolist() for c in columns)))
+            rows_of_step = [Row(key, step, dict(zip(METRICS, v)), f) for key, v, f in zip(keys, values, bad.tolist())]
+            record = StepRecord(step=step, rank=rank, rows=rows_of_step, scalars={"loss": float(2.0 + rng.normal())})
+            clock.now += step_seconds
+            start = time.perf_counter()
+            sink.write(record)
+            sink.flush()
+            sink_seconds += time.perf_counter() - start
+            rows += tensors
+        start = time.perf_counter()
+        sink.close()
+        sink_seconds += time.perf_counter() - start
+    return rows, sink_seconds, nan_at
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument("--tensors", type=int, default=292, help="rows per step and rank (half actv, half grads)")
+    parser.add_argument("--steps", type=int, default=536)
+    parser.add_argument("--step-seconds", type=float, default=2.0, help="clock per step (2: a file per step)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write the run (default: a temp folder)")
+    parser.add_argument("--keep", action="store_true", help="keep the run")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(dir=args.dir))
+    run_dir = root / "run"
+    try:
+        start = time.perf_counter()
+        rows, sink_seconds, nan_at = write_run(run_dir, args.ranks, args.tensors, args.steps, args.step_seconds)
+        total = time.perf_counter() - start
+        files = list((run_dir / "store").rglob("*.parquet"))
+        row_bytes = sum(p.stat().st_size for p in files if "scalars" not in p.parts)
+        tables = {p.parent.parent.name for p in files}
+        print(f"wrote {rows:,} rows ({args.ranks} ranks x {args.tensors} rows x {args.steps} steps) in {total:.1f} s; "
+              f"sinks' own time {sink_seconds:.1f} s = {rows * len(METRICS) / sink_seconds:,.0f} values/s "
+              f"({rows / sink_seconds:,.0f} rows/s) per process")
+        print(f"store: {row_bytes / rows:.2f} bytes per row ({row_bytes / 1e6:.1f} MB of row tables), "
+              f"{len(files)} files = {len(files) / (len(tables) * args.ranks):.1f} per table and rank")
+        con = open_run(run_dir)
+        for label, sql in (("first non-finite origin", FIRST_NONFINITE), ("cross-rank aggregate", CROSS_RANK)):
+            timings = []
+            for _ in range(3):
+                start = time.perf_counter()
+                result = con.execute(sql).fetchall()
+                timings.append(time.perf_counter() - start)
+            print(f"{label}: best {min(timings):.2f} s, first {timings[0]:.2f} s over {rows:,} rows -> {result}")
+        origin = con.execute(FIRST_NONFINITE).fetchall()[0]
+        assert (origin[1], origin[0], origin[5]) == nan_at, (origin, nan_at)
+    finally:
+        if args.keep:
+            print(f"kept {run_dir}")
+        else:
+            shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main()
