@@ -8,7 +8,8 @@ thread feeds it, with a clock that advances ``--step-seconds`` per step (2 s: ev
 case for file counts). Half of each step's rows are ``actv`` (forward), half ``grad_reduced`` (optimizer), with
 the 7 default metrics: norms lognormal per tensor with a slow random walk, min/max/sum float32 values, mean and
 zeros float64 quotients as trainmon computes them, spikes (x1000) in 1 row of 10^4, and a NaN entering at one
-rank and one tensor mid-run that spreads to the later rows of that rank and to every rank from the next step.
+rank and one tensor mid-run that spreads to the later rows of that rank and to every rank in the next step
+(after which the run recovers: a run that stays NaN would make the files unrealistically small).
 
 Prints bytes per row, files per table and rank, the writer's throughput (metric values per second, the sink's
 own time: rows to columns, Parquet encoding, files), and the time of two queries over all ranks:
@@ -80,7 +81,7 @@ def write_run(run_dir: Path, ranks: int, tensors: int, steps: int, step_seconds:
             total = (rng.normal(0, 1, tensors) * norm).astype(np.float32).astype(np.float64)
             zeros = np.where(rng.random(tensors) < 0.9, 0.0, rng.integers(0, 50, tensors) / numel)
             nans = np.zeros(tensors)
-            if step > nan_at[0] or (step == nan_at[0] and rank == nan_at[1]):
+            if step == nan_at[0] + 1 or (step == nan_at[0] and rank == nan_at[1]):
                 first = nan_at[2] if step == nan_at[0] else 0
                 nans[first:] = 1.0
             bad = nans > 0

@@ -129,6 +129,20 @@ def parent_of_runs(tmp: Path, command: str) -> list[str]:
     return [command, str(tmp / "out")]
 
 
+def store_run(tmp: Path, content: bytes | None = None) -> Path:
+    """A run whose store holds one part of ``grad_reduced`` (a real one, or ``content``: a corrupt one)."""
+    from trainmon.base.records import Row, RowKey, StepRecord
+    from trainmon.sinks.parquet import ParquetSink
+
+    sink = ParquetSink(tmp / "run" / "rank0")
+    sink.write(StepRecord(0, 0, rows=[Row(RowKey("grad_reduced", "w"), 0, {"norm": 1.0}, False)]))
+    sink.close()
+    if content is not None:
+        (part,) = (tmp / "run" / "store" / "grad_reduced" / "rank=0").iterdir()
+        part.write_bytes(content)
+    return tmp / "run"
+
+
 def analyse_dir_as_jsonl(tmp: Path) -> list[str]:
     (tmp / "run" / "rank0" / "anomalies.jsonl").mkdir(parents=True)
     return ["analyse", str(tmp / "run")]
@@ -319,6 +333,20 @@ CASES: list[tuple[str, Callable[[Path], list[str]], set[int]]] = [
     ("bits-bits-truncated", bits(crafted(bits=b"\x00")), BAD),
     ("bits-bits-too-long", bits(crafted(bits=b"\x00" * 300)), BAD),
     ("bits-is-directory", lambda tmp: compare_runs(tmp, kind="dir"), BAD),
+    # ---- query: runs, stores and SQL
+    ("query-ok", lambda tmp: ["query", str(store_run(tmp)), "SELECT * FROM grad_reduced"], OK),
+    ("query-missing-run", lambda tmp: ["query", str(tmp / "x"), "SELECT 1"], BAD),
+    ("query-run-is-file", lambda tmp: ["query", str(afile(tmp)), "SELECT 1"], BAD),
+    ("query-no-store", lambda tmp: ["query", str(tmp), "SELECT 1"], BAD),
+    ("query-no-sql", lambda tmp: ["query", str(store_run(tmp))], BAD),
+    ("query-unknown-table", lambda tmp: ["query", str(store_run(tmp)), "SELECT * FROM actv"], BAD),
+    ("query-syntax", lambda tmp: ["query", str(store_run(tmp)), "SELEC 1"], BAD),
+    ("query-writes", lambda tmp: ["query", str(store_run(tmp)), f"COPY grad_reduced TO '{tmp}/x.csv'"], BAD),
+    ("query-two-statements", lambda tmp: ["query", str(store_run(tmp)), "SELECT 1; SELECT 2"], BAD),
+    ("query-corrupt-part", lambda tmp: ["query", str(store_run(tmp, b"PAR1 not parquet")), "FROM grad_reduced"], BAD),
+    ("query-empty-part", lambda tmp: ["query", str(store_run(tmp, b"")), "SELECT count(*) FROM grad_reduced"], BAD),
+    ("query-nul-in-path", lambda tmp: ["query", str(tmp) + "/a\0b", "SELECT 1"], BAD),
+    ("query-bad-format", lambda tmp: ["query", str(store_run(tmp)), "SELECT 1", "--format", "xml"], BAD),
 ]
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 from trainmon.sinks.base import Sink, SinkWriter
 
 
-def build_sinks(names: list[str], rank_dir: Path) -> list[Sink]:
-    """Instantiate the configured sinks for one rank directory."""
+def build_sinks(names: list[str], rank_dir: Path, flush_seconds: float = 2.0) -> list[Sink]:
+    """Instantiate the configured sinks for one rank directory (``flush_seconds``: the Parquet sink's roll
+    interval, what a ``kill -9`` may lose)."""
     sinks: list[Sink] = []
     for name in names:
         if name == "csv":
@@ -22,7 +23,7 @@ def build_sinks(names: list[str], rank_dir: Path) -> list[Sink]:
         elif name == "parquet":
             from trainmon.sinks.parquet import ParquetSink
 
-            sinks.append(ParquetSink(rank_dir))
+            sinks.append(ParquetSink(rank_dir, roll_seconds=flush_seconds))
         else:  # pragma: no cover - validated by the config
             raise AssertionError(name)
     return sinks
