@@ -15,7 +15,7 @@ import torch
 
 from tests.models import TinyNet, batch, loss_fn
 from tests.reference import METRICS, adam_update_np, np_stats
-from trainmon import TrainerMonitor
+from trainmon import AnomalyEvent, TrainerMonitor
 from trainmon.tools.store import open_run
 
 ALL = {"enabled": True, "metrics": METRICS}
@@ -136,6 +136,22 @@ def test_anomalies_view_and_first_nonfinite_origin(run):
                     f"SELECT {columns} FROM actv_grad WHERE nonfinite) ORDER BY step, micro_step, "
                     "CASE phase WHEN 'forward' THEN 0 ELSE 1 END, \"order\" LIMIT 1").fetchall()
     assert first == [("forward", "layers.1.fc2.output")], first
+
+
+def test_anomaly_events_are_stored_at_close(run):
+    run_dir, _, _ = run
+    (stored,) = (run_dir / "store" / "anomalies" / "rank=0").iterdir()
+    jsonl = (run_dir / "rank0" / "anomalies.jsonl").read_text()
+    assert stored.name == f"events-{0:015d}-{len(jsonl.encode()):015d}.parquet"
+    want = [AnomalyEvent.from_json(line) for line in jsonl.splitlines()]
+    got = open_run(run_dir).sql("SELECT * FROM anomalies").df()
+    assert len(got) == len(want) > 0
+    for event, row in zip(want, got.itertuples()):
+        for field in ("step", "micro_step", "rank", "phase", "order", "detector", "family", "name", "metric",
+                      "message", "time"):
+            assert getattr(row, field) == getattr(event, field), field
+        for field in ("value", "baseline"):
+            np.testing.assert_array_equal(getattr(row, field), getattr(event, field))
 
 
 def test_store_files_are_merged_at_close(run):

@@ -3,6 +3,7 @@ no symlink followed; the store's layout helpers."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 from pathlib import Path
@@ -141,3 +142,41 @@ def test_part_names_sort_by_step():
     names = [part_name(first, first + 9, "ab", seq, seq) for seq, first in enumerate((0, 10, 100, 1000))]
     assert sorted(names) == names
     assert [p.first_step for p in live_parts([Path(n) for n in reversed(names)])] == [0, 10, 100, 1000]
+
+
+def _event_line(step: int, value: object = 1.5) -> str:
+    event = {"step": step, "micro_step": 0, "rank": 0, "phase": "forward", "pp_stage": 0, "vpp_stage": 0, "order": 3,
+             "detector": "nonfinite", "family": "actv", "name": "fc.output", "metric": "nans", "value": value,
+             "baseline": 0.0, "message": "m", "time": "t"}
+    return json.dumps(event, separators=(",", ":")) + "\n"
+
+
+def test_anomaly_events_stored_once_across_resumes(tmp_path):
+    jsonl = tmp_path / "rank0" / "anomalies.jsonl"
+    jsonl.parent.mkdir()
+    jsonl.write_text(_event_line(0, "nan") + "not json\n" + _event_line(1, "-inf"))
+    sink = ParquetSink(tmp_path / "rank0")
+    sink.write(record(0))
+    sink.close()
+    with jsonl.open("a") as handle:  # a resumed run appends; its last line is still being written
+        handle.write(_event_line(2) + _event_line(3)[:40])
+    resumed = ParquetSink(tmp_path / "rank0")
+    resumed.write(record(2))
+    resumed.close()
+    stored = sorted((tmp_path / "store" / "anomalies" / "rank=0").iterdir())
+    assert "rank" not in read(stored[0]).column_names  # the partition's (Spark refuses a column that is both)
+    assert len(stored) == 2 and stored[1].name.startswith(f"events-{stored[0].name.split('-')[2].split('.')[0]}")
+    with jsonl.open("a") as handle:  # the end of that line, and one more: read from the file by the reader
+        handle.write(_event_line(3)[40:] + _event_line(4))
+    rows = open_run(tmp_path).execute("SELECT step, rank, value FROM anomalies ORDER BY step").fetchall()
+    assert [(s, r) for s, r, _ in rows] == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 0)]
+    assert math.isnan(rows[0][2]) and rows[1][2] == -math.inf and rows[2][2] == 1.5
+
+
+def test_no_events_gives_an_empty_anomalies_table(tmp_path):
+    sink = ParquetSink(tmp_path / "rank0")
+    sink.write(record(0))
+    sink.close()
+    con = open_run(tmp_path)
+    assert con.execute("SELECT count(*) FROM anomalies").fetchall() == [(0,)]
+    assert "rank" in [name for name, *_ in con.execute("DESCRIBE anomalies").fetchall()]

@@ -32,11 +32,11 @@ import pyarrow.parquet as pq
 
 from trainmon.base.records import Row, StepRecord
 from trainmon.base.safe_io import make_dirs, open_output, remove_file, write_atomic
-from trainmon.sinks.store_layout import SCALARS, Part, live_parts, parse_part, part_name, table_dir
+from trainmon.sinks.store_events import store_events
+from trainmon.sinks.store_layout import SCALARS, Part, live_parts, parquet_bytes, parse_part, part_name, table_dir
 
 logger = logging.getLogger("trainmon")
 
-_DICTIONARY = ["name", "phase"]
 
 
 @dataclass
@@ -77,16 +77,6 @@ class _Table:
         for i, metric in enumerate(self.metrics):
             columns[metric] = pa.array(matrix[:, i])
         return pa.table(columns)
-
-
-def parquet_bytes(table: pa.Table, compression_level: int = 3) -> bytes:
-    """``table`` as a Parquet file: zstd, dictionary-encoded names, BYTE_STREAM_SPLIT floats."""
-    floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd", compression_level=compression_level,
-                   use_dictionary=[c for c in _DICTIONARY if c in table.column_names],
-                   use_byte_stream_split=floats or False, write_statistics=True)
-    return bytes(sink.getvalue())
 
 
 class ParquetSink:
@@ -152,11 +142,14 @@ class ParquetSink:
             self._last_roll = now
 
     def close(self) -> None:
-        """Roll what is in memory, then merge each table's small files into one part."""
+        """Roll what is in memory, merge each table's small files into one part, and store the rank's anomaly
+        events not stored yet (``anomalies.jsonl`` is complete by now: the anomaly engine closes first)."""
         self._roll_all()
         for name in list(self._small):
             if len(self._small[name]) > 1:
                 self._merge(name)
+        if self._rank is not None:
+            store_events(self.rank_dir, self._rank, self.root)
 
     # --------------------------------------------------------------------------- files
     def _roll_all(self) -> None:

@@ -23,14 +23,21 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 STORE_DIR = "store"
 """The store's folder inside a run directory."""
+ANOMALIES = "anomalies"
+"""The table of anomaly events (``events-*.parquet`` files: :mod:`trainmon.sinks.store_events`)."""
 SCALARS = "scalars"
 """The table of ``step, name, value`` scalars (loss, grad_norm, lr/group0, ...)."""
 KEY_COLUMNS: tuple[str, ...] = ("step", "micro_step", "vpp_stage", "pp_stage", "order", "phase", "name", "nonfinite")
 """The columns of a row table before its metric columns (one DOUBLE column per configured metric)."""
 
+_DICTIONARY = ("name", "phase", "family", "metric", "detector")
 _PART = re.compile(r"^part-(\d+)-(\d+)-([0-9a-f]+)-(\d+)-(\d+)\.parquet$")
 
 
@@ -106,3 +113,17 @@ def live_parts(paths: list[Path]) -> list[Part]:
 def table_dir(run_dir: Path, table: str, rank: int) -> Path:
     """``{run_dir}/store/{table}/rank={rank}``."""
     return Path(run_dir) / STORE_DIR / table / f"rank={rank}"
+
+
+def parquet_bytes(table: pa.Table, compression_level: int = 3) -> bytes:
+    """``table`` as a Parquet file: zstd, dictionary-encoded names, BYTE_STREAM_SPLIT floats (their zero low
+    mantissa bytes compress away), statistics for step-range pruning."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd", compression_level=compression_level,
+                   use_dictionary=[c for c in _DICTIONARY if c in table.column_names],
+                   use_byte_stream_split=floats or False, write_statistics=True)
+    return bytes(sink.getvalue())

@@ -5,8 +5,8 @@ Views (each with a ``rank`` column, from the ``rank={R}`` partition of its files
 - one per family written (``actv``, ``actv_grad``, ``grad_unreduced``, ``grad_reduced``, ``exp_avg``, ...):
   ``step, micro_step, vpp_stage, pp_stage, order, phase, name, nonfinite`` and one DOUBLE column per metric;
 - ``scalars``: ``step, name, value``;
-- ``anomalies``: every rank's ``anomalies.jsonl`` (the fields of :class:`~trainmon.anomaly.events.AnomalyEvent`;
-  NaN and Inf as DOUBLE values), empty when no event was written.
+- ``anomalies``: every rank's anomaly events (the fields of an ``AnomalyEvent``; NaN and Inf as DOUBLE values):
+  those stored at close and the lines of ``anomalies.jsonl`` written after them; empty when there is none.
 
 Example:
     >>> con = open_run("trainmon_output/run")  # doctest: +SKIP
@@ -17,23 +17,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import duckdb
 import pyarrow as pa
 
-from trainmon.anomaly.events import AnomalyEvent
-from trainmon.anomaly.merge import find_files
-from trainmon.base.inputs import is_dir, open_regular
-from trainmon.sinks.store_layout import STORE_DIR, live_parts
-
-ANOMALIES = "anomalies"
-"""The view of the run's anomaly events."""
-_ANOMALY_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("micro_step", pa.int32()), ("rank", pa.int64()), ("phase", pa.string()),
-    ("pp_stage", pa.int32()), ("vpp_stage", pa.int32()), ("order", pa.int32()), ("detector", pa.string()),
-    ("family", pa.string()), ("name", pa.string()), ("metric", pa.string()), ("value", pa.float64()),
-    ("baseline", pa.float64()), ("message", pa.string()), ("time", pa.string())])
+from trainmon.base.inputs import is_dir, rank_dirs_of
+from trainmon.sinks.store_events import EVENT_SCHEMA, events_of_rank
+from trainmon.sinks.store_layout import ANOMALIES, STORE_DIR, live_parts
 
 
 class StoreError(ValueError):
@@ -51,7 +41,7 @@ def table_files(run_dir: str | os.PathLike[str]) -> dict[str, list[Path]]:
         raise StoreError(f"{run_dir} has no {STORE_DIR}/ folder (a run written with sinks: [parquet] has one)")
     tables: dict[str, list[Path]] = {}
     for table in sorted(store.iterdir()):
-        if not is_dir(table) or table.name.startswith((".", "_")):
+        if not is_dir(table) or table.name.startswith((".", "_")) or table.name == ANOMALIES:
             continue
         files: list[Path] = []
         for rank_dir in sorted(table.glob("rank=*")):
@@ -71,19 +61,21 @@ def _identifier(text: str) -> str:
 
 
 def read_anomalies(run_dir: str | os.PathLike[str]) -> pa.Table:
-    """Every rank's ``anomalies.jsonl`` as one Arrow table (lines that are not events are skipped: a line
-    cut short by a crash)."""
-    columns: dict[str, list[Any]] = {name: [] for name in _ANOMALY_SCHEMA.names}
-    for path in find_files(Path(run_dir)):
-        with open_regular(path, text=True) as handle:
-            for line in handle:
-                try:
-                    event = AnomalyEvent.from_json(line)
-                except (ValueError, RecursionError):
-                    continue
-                for name, values in columns.items():
-                    values.append(getattr(event, name))
-    return pa.table(columns, schema=_ANOMALY_SCHEMA)
+    """Every rank's anomaly events as one Arrow table with a ``rank`` column: what the store holds and the
+    lines of ``anomalies.jsonl`` written after it (a run still open or killed); see
+    :mod:`trainmon.sinks.store_events`."""
+    path = Path(run_dir)
+    ranks = {int(p.name[4:]) for p in rank_dirs_of(path)}
+    stored = path / STORE_DIR / ANOMALIES
+    if is_dir(stored):
+        ranks |= {int(p.name[5:]) for p in stored.glob("rank=*") if p.name[5:].isdigit() and is_dir(p)}
+    tables = []
+    for rank in sorted(ranks):
+        events = events_of_rank(path, rank)
+        tables.append(events.add_column(2, "rank", pa.array([rank] * events.num_rows, pa.int64())))
+    if not tables:
+        return EVENT_SCHEMA.insert(2, pa.field("rank", pa.int64())).empty_table()
+    return pa.concat_tables(tables)
 
 
 def open_run(run_dir: str | os.PathLike[str],
@@ -115,17 +107,16 @@ def open_run(run_dir: str | os.PathLike[str],
             raise StoreError(f"{path / STORE_DIR / table}: {str(exc).splitlines()[0]}") from None
     try:
         events = read_anomalies(path)
-    except OSError as exc:
-        raise StoreError(f"{path}: cannot read anomalies.jsonl ({exc})") from None
-    con.register(f"{ANOMALIES}_events", events)
-    con.execute(f"CREATE OR REPLACE VIEW {ANOMALIES} AS SELECT * FROM {ANOMALIES}_events")
+    except (OSError, pa.ArrowException) as exc:
+        raise StoreError(f"{path}: cannot read the anomaly events ({exc})") from None
+    con.register(ANOMALIES, events)
     return con
 
 
 def views(connection: duckdb.DuckDBPyConnection) -> list[str]:
     """The names of the views :func:`open_run` made."""
     rows = connection.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal ORDER BY view_name").fetchall()
-    return [str(name) for (name,) in rows if not str(name).endswith("_events")]
+    return [str(name) for (name,) in rows]
 
 
 def describe(connection: duckdb.DuckDBPyConnection) -> str:
@@ -137,4 +128,4 @@ def describe(connection: duckdb.DuckDBPyConnection) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ANOMALIES", "StoreError", "describe", "open_run", "read_anomalies", "table_files", "views"]
+__all__ = ["StoreError", "describe", "open_run", "read_anomalies", "table_files", "views"]
