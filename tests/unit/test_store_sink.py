@@ -180,3 +180,13 @@ def test_no_events_gives_an_empty_anomalies_table(tmp_path):
     con = open_run(tmp_path)
     assert con.execute("SELECT count(*) FROM anomalies").fetchall() == [(0,)]
     assert "rank" in [name for name, *_ in con.execute("DESCRIBE anomalies").fetchall()]
+
+
+def test_a_part_never_replaces_an_existing_file(tmp_path):
+    from trainmon.base.safe_io import write_atomic
+
+    target = tmp_path / "run" / "part.parquet"
+    write_atomic(target, b"first", root=tmp_path / "run", exclusive=True)
+    with pytest.raises(FileExistsError):
+        write_atomic(target, b"second", root=tmp_path / "run", exclusive=True)
+    assert target.read_bytes() == b"first" and [p.name for p in target.parent.iterdir()] == ["part.parquet"]

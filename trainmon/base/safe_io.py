@@ -214,14 +214,16 @@ def _exists(name: str, dir_fd: int) -> bool:
     return True
 
 
-def write_atomic(path: Path, data: bytes, root: Path | None = None) -> None:
+def write_atomic(path: Path, data: bytes, root: Path | None = None, *, exclusive: bool = False) -> None:
     """Write ``data`` to a temporary file beside ``path`` and rename it over ``path``.
 
     Readers see the old file or the new one, never half a file; a crash or a full disk leaves at
     most a hidden ``.{name}.*.tmp`` file. A symlink at ``path`` is refused, not replaced, and
-    nothing below ``root`` is followed.
+    nothing below ``root`` is followed. With ``exclusive``, an existing ``path`` is never replaced
+    (FileExistsError): the file is linked into place, which fails when the name exists.
 
     Raises:
+        FileExistsError: ``exclusive`` and ``path`` exists.
         UnsafePathError: a symlink or non-directory below ``root``, or ``path`` is a symlink.
         OSError: the write failed (the temporary file is removed).
     """
@@ -233,7 +235,11 @@ def write_atomic(path: Path, data: bytes, root: Path | None = None) -> None:
         try:
             with open(tmp, "xb") as handle:
                 handle.write(data)
-            os.replace(tmp, target)
+            if exclusive:
+                os.link(tmp, target)
+                tmp.unlink()
+            else:
+                os.replace(tmp, target)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -251,13 +257,33 @@ def write_atomic(path: Path, data: bytes, root: Path | None = None) -> None:
                     raise UnsafePathError(errno.ELOOP, f"refusing to replace the symlink {path}")
             except FileNotFoundError:
                 pass
-            os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            if exclusive:  # link(2) fails with EEXIST where rename(2) would replace
+                _link_exclusive(tmp_name, name, dir_fd)
+            else:
+                os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp_name, dir_fd=dir_fd)
             raise
     finally:
         os.close(dir_fd)
+
+
+def _link_exclusive(tmp_name: str, name: str, dir_fd: int) -> None:
+    """Give the temporary file its name unless the name exists; a file system without hard links gets a check
+    and a rename (the check and the rename are not one step there)."""
+    try:
+        os.link(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+            raise
+        if _exists(name, dir_fd):
+            raise FileExistsError(errno.EEXIST, f"{name} exists") from None
+        os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return
+    os.unlink(tmp_name, dir_fd=dir_fd)
 
 
 def remove_file(path: Path, root: Path | None = None) -> None:

@@ -169,7 +169,7 @@ class ParquetSink:
         seq, self._seq = self._seq, self._seq + 1
         first, last = table.step_range()
         path = directory / part_name(first, last, self.writer_token, seq, seq)
-        write_atomic(path, parquet_bytes(table.arrow(), compression_level=1), root=self.root)
+        write_atomic(path, parquet_bytes(table.arrow(), compression_level=1), root=self.root, exclusive=True)
         small = self._small.setdefault(name, [])
         small.append(Part(path, first, last, self.writer_token, seq, seq))
         if len(small) >= self.fan_in:
@@ -186,7 +186,7 @@ class ParquetSink:
         merged = pa.concat_tables(tables, promote_options="default")
         first, last = min(p.first_step for p in small), max(p.last_step for p in small)
         path = small[0].path.parent / part_name(first, last, self.writer_token, small[0].lo, small[-1].hi)
-        write_atomic(path, parquet_bytes(merged), root=self.root)
+        write_atomic(path, parquet_bytes(merged), root=self.root, exclusive=True)
         for part in small:
             remove_file(part.path, self.root)
 

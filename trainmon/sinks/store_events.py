@@ -102,7 +102,8 @@ def store_events(rank_dir: Path, rank: int, root: Path) -> None:
     text, end = _unstored(jsonl, start, root)
     if end == start:
         return
-    write_atomic(directory / f"events-{start:015d}-{end:015d}.parquet", parquet_bytes(events_table(text)), root=root)
+    write_atomic(directory / f"events-{start:015d}-{end:015d}.parquet", parquet_bytes(events_table(text)), root=root,
+                 exclusive=True)
 
 
 def events_of_rank(run_dir: Path, rank: int) -> pa.Table:
