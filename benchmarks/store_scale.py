@@ -1,7 +1,8 @@
 """Benchmark the run store: write a synthetic run through the real Parquet sink, then time DuckDB queries.
 
 Usage: ``python benchmarks/store_scale.py [--ranks 64] [--tensors 292] [--steps 536] [--dir DIR] [--keep]``
-(the defaults make 10^7 rows: 64 ranks x 292 rows per step x 536 steps).
+(the defaults make 10^7 rows: 64 ranks x 292 rows per step x 536 steps); ``--real-steps N``: instead, bytes per
+row of a real torch run (a small transformer with the default config), Parquet beside CSV.
 
 Each rank gets its own :class:`~trainmon.sinks.parquet.ParquetSink`, fed :class:`StepRecord` s as the writer
 thread feeds it, with a clock that advances ``--step-seconds`` per step (2 s: every step rolls a file, the worst
@@ -102,6 +103,39 @@ def write_run(run_dir: Path, ranks: int, tensors: int, steps: int, step_seconds:
     return rows, sink_seconds, nan_at
 
 
+def real_run(out: Path, steps: int) -> None:
+    """Bytes per row on disk of a real torch run (a small transformer, AdamW, the default config's families and
+    metrics), Parquet beside CSV: the same rows in both."""
+    import torch
+
+    from trainmon import TrainerMonitor
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True)
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 64), torch.nn.TransformerEncoder(layer, 6),
+                                torch.nn.Linear(64, 100))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {"output_dir": str(out), "run_name": "real", "sinks": ["parquet", "csv"]}
+    with TrainerMonitor(config) as monitor:
+        monitor.attach(model, optimizer)
+        for _ in range(steps):
+            tokens = torch.randint(0, 100, (4, 16))
+            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step(loss=loss)
+    run_dir = out / "real"
+    con = open_run(run_dir)
+    tables = [name for (name,) in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()
+              if name not in ("scalars", "anomalies")]
+    rows = sum(con.execute(f'SELECT count(*) FROM "{name}"').fetchall()[0][0] for name in tables)
+    parquet = sum(p.stat().st_size for name in tables for p in (run_dir / "store" / name).rglob("*.parquet"))
+    csv = sum((run_dir / "rank0" / f"{name}.csv").stat().st_size for name in tables)
+    print(f"real run ({steps} steps, {len(list(model.parameters()))} parameter tensors, families {', '.join(tables)}): "
+          f"{rows:,} rows; Parquet {parquet / rows:.2f} bytes per row, CSV {csv / rows:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=64)
@@ -110,10 +144,14 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=2.0, help="clock per step (2: a file per step)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write the run (default: a temp folder)")
     parser.add_argument("--keep", action="store_true", help="keep the run")
+    parser.add_argument("--real-steps", type=int, default=0, help="instead: a real torch run of this many steps")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(dir=args.dir))
     run_dir = root / "run"
     try:
+        if args.real_steps:
+            real_run(root, args.real_steps)
+            return
         start = time.perf_counter()
         rows, sink_seconds, nan_at = write_run(run_dir, args.ranks, args.tensors, args.steps, args.step_seconds)
         total = time.perf_counter() - start

@@ -190,3 +190,13 @@ def test_a_part_never_replaces_an_existing_file(tmp_path):
     with pytest.raises(FileExistsError):
         write_atomic(target, b"second", root=tmp_path / "run", exclusive=True)
     assert target.read_bytes() == b"first" and [p.name for p in target.parent.iterdir()] == ["part.parquet"]
+
+
+def test_merge_rows_bounds_a_merge(tmp_path):
+    sink = ParquetSink(tmp_path / "rank0", roll_seconds=0.0, fan_in=64, merge_rows=6)
+    for step in range(4):
+        sink.write(record(step))
+        sink.flush()
+    parts = live_parts(files(tmp_path))  # 3 rows per step: steps 0-1 and 2-3 merged at 6 rows each
+    assert [(p.first_step, p.last_step) for p in parts] == [(0, 1), (2, 3)]
+    sink.close()

@@ -38,7 +38,6 @@ from trainmon.sinks.store_layout import SCALARS, Part, live_parts, parquet_bytes
 logger = logging.getLogger("trainmon")
 
 
-
 @dataclass
 class _Table:
     """Rows of one table not rolled into a file yet: the rows themselves (appending is the writer's hot path;
@@ -88,22 +87,26 @@ class ParquetSink:
         roll_seconds: the longest time rows stay in memory only (what a ``kill -9`` can lose).
         max_rows: rows of one table kept in memory before they are rolled whatever the time.
         fan_in: small files merged into one part as soon as there are this many.
+        merge_rows: small files merged as soon as they hold this many rows (bounds a merge's memory).
         clock: the time source (tests replace it).
     """
 
     name = "parquet"
 
     def __init__(self, rank_dir: Path, root: Path | None = None, *, roll_seconds: float = 2.0,
-                 max_rows: int = 1 << 18, fan_in: int = 64, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_rows: int = 1 << 18, fan_in: int = 64, merge_rows: int = 1 << 22,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.rank_dir = Path(rank_dir)
         self.root = Path(root) if root is not None else self.rank_dir.parent
         self.roll_seconds, self.max_rows, self.fan_in = roll_seconds, max_rows, max(2, fan_in)
+        self.merge_rows = merge_rows
         self.writer_token = os.urandom(4).hex()
         self._clock = clock
         self._last_roll = clock()
         self._rank: int | None = None
         self._tables: dict[str, _Table] = {}
         self._small: dict[str, list[Part]] = {}  # per table: this writer's small files not merged yet
+        self._small_rows: dict[str, int] = {}  # and the rows they hold
         self._seq = 0
         self._repaired: set[str] = set()
 
@@ -172,13 +175,16 @@ class ParquetSink:
         write_atomic(path, parquet_bytes(table.arrow(), compression_level=1), root=self.root, exclusive=True)
         small = self._small.setdefault(name, [])
         small.append(Part(path, first, last, self.writer_token, seq, seq))
-        if len(small) >= self.fan_in:
+        self._small_rows[name] = self._small_rows.get(name, 0) + len(table)
+        if len(small) >= self.fan_in or self._small_rows[name] >= self.merge_rows:
             self._merge(name)
 
     def _merge(self, name: str) -> None:
         """Merge this writer's small files of ``name`` into one part: the part is renamed into place first,
         its inputs removed after (a crash in between leaves parts that :func:`live_parts` skips)."""
-        small, self._small[name] = self._small[name], []
+        small, self._small[name], self._small_rows[name] = self._small[name], [], 0
+        if len(small) < 2:
+            return
         tables = []
         for part in small:
             with open_output(part.path, "rb", self.root) as handle:
