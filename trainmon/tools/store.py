@@ -40,15 +40,18 @@ def table_files(run_dir: str | os.PathLike[str]) -> dict[str, list[Path]]:
     if not is_dir(store):
         raise StoreError(f"{run_dir} has no {STORE_DIR}/ folder (a run written with sinks: [parquet] has one)")
     tables: dict[str, list[Path]] = {}
-    for table in sorted(store.iterdir()):
-        if not is_dir(table) or table.name.startswith((".", "_")) or table.name == ANOMALIES:
-            continue
-        files: list[Path] = []
-        for rank_dir in sorted(table.glob("rank=*")):
-            if is_dir(rank_dir):
-                files += [part.path for part in live_parts(sorted(rank_dir.iterdir()))]
-        if files:
-            tables[table.name] = files
+    try:
+        for table in sorted(store.iterdir()):
+            if not is_dir(table) or table.name.startswith((".", "_")) or table.name == ANOMALIES:
+                continue
+            files: list[Path] = []
+            for rank_dir in sorted(table.glob("rank=*")):
+                if is_dir(rank_dir):
+                    files += [part.path for part in live_parts(sorted(rank_dir.iterdir()))]
+            if files:
+                tables[table.name] = files
+    except OSError as exc:
+        raise StoreError(f"{store}: cannot list the store ({exc.strerror or exc})") from None
     return tables
 
 
@@ -97,19 +100,21 @@ def open_run(run_dir: str | os.PathLike[str],
         what = "is not a directory" if os.path.lexists(path) else "does not exist"
         raise StoreError(f"run directory {run_dir} {what}")
     tables = table_files(path)
-    con = connection if connection is not None else duckdb.connect()
-    for table, files in tables.items():
-        file_list = "[" + ", ".join(_literal(str(file)) for file in files) + "]"
-        try:
-            con.execute(f"CREATE OR REPLACE VIEW {_identifier(table)} AS SELECT * FROM read_parquet({file_list}, "
-                        "hive_partitioning = true, union_by_name = true)")
-        except duckdb.Error as exc:
-            raise StoreError(f"{path / STORE_DIR / table}: {str(exc).splitlines()[0]}") from None
     try:
         events = read_anomalies(path)
     except (OSError, pa.ArrowException) as exc:
         raise StoreError(f"{path}: cannot read the anomaly events ({exc})") from None
-    con.register(ANOMALIES, events)
+    con = connection if connection is not None else duckdb.connect()
+    try:
+        for table, files in tables.items():
+            file_list = "[" + ", ".join(_literal(str(file)) for file in files) + "]"
+            con.execute(f"CREATE OR REPLACE VIEW {_identifier(table)} AS SELECT * FROM read_parquet({file_list}, "
+                        "hive_partitioning = true, union_by_name = true)")
+        con.register(ANOMALIES, events)
+    except duckdb.Error as exc:
+        if connection is None:
+            con.close()
+        raise StoreError(f"{path / STORE_DIR}: {str(exc).splitlines()[0]}") from None
     return con
 
 
