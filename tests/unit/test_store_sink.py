@@ -200,3 +200,18 @@ def test_merge_rows_bounds_a_merge(tmp_path):
     parts = live_parts(files(tmp_path))  # 3 rows per step: steps 0-1 and 2-3 merged at 6 rows each
     assert [(p.first_step, p.last_step) for p in parts] == [(0, 1), (2, 3)]
     sink.close()
+
+
+def test_rows_are_written_once_training_pauses(tmp_path):
+    """A pause (an evaluation, a checkpoint) longer than flush_seconds writes what is in memory: a kill -9
+    during it loses nothing."""
+    import time
+
+    sink = ParquetSink(tmp_path / "rank0", roll_seconds=3600.0)
+    writer = SinkWriter([sink], flush_seconds=0.1)
+    writer.submit(record(0))
+    deadline = time.monotonic() + 10
+    while not files(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(files(tmp_path)) == 1
+    writer.close()

@@ -84,6 +84,8 @@ class OutputThread:
         disable_on_error: a failing ``write``/``flush`` disables the output (a sink); when false
             only that item is lost (independent write jobs).
         close_timeout: the longest :meth:`close` waits.
+        idle: called on the thread each time the queue stayed empty for ``flush_seconds`` (an output that keeps
+            written items in memory for a while, the Parquet sink, writes them out then).
 
     Example:
         >>> out = OutputThread("demo", write=print)
@@ -95,10 +97,11 @@ class OutputThread:
 
     def __init__(self, name: str, write: Callable[[Any], None], flush: Callable[[], None] | None = None,
                  close: Callable[[], None] | None = None, *, flush_seconds: float = 2.0, max_pending: int = 64,
-                 disable_on_error: bool = True, close_timeout: float = CLOSE_TIMEOUT) -> None:
+                 disable_on_error: bool = True, close_timeout: float = CLOSE_TIMEOUT,
+                 idle: Callable[[], None] | None = None) -> None:
         self.name = name
         self.stats = OutputStats()
-        self._write, self._flush, self._close = write, flush, close
+        self._write, self._flush, self._close, self._idle = write, flush, close, idle
         self._flush_seconds = max(flush_seconds, 0.0)
         self._max_pending = max(1, max_pending)
         self._disable_on_error = disable_on_error
@@ -174,7 +177,14 @@ class OutputThread:
     def _run(self) -> None:
         last_flush = time.monotonic()
         while True:
-            item = self._queue.get()
+            if self._idle is None:
+                item = self._queue.get()
+            else:
+                try:
+                    item = self._queue.get(timeout=max(self._flush_seconds, 0.05))
+                except queue.Empty:
+                    self._call(self._idle)
+                    continue
             if item is _STOP:
                 break
             if isinstance(item, _Marker):

@@ -69,9 +69,11 @@ class SinkWriter:
 
     def _start(self, sink: Sink) -> OutputThread:
         # Looked up at each call, not bound once: a sink may replace its methods (tests do, to play a full disk).
+        # ``idle``: a sink that keeps rows in memory between files (Parquet) writes them once training pauses.
+        idle = (lambda: sink.idle()) if callable(getattr(sink, "idle", None)) else None  # type: ignore[attr-defined]
         return OutputThread(sink.name, lambda record: sink.write(record), lambda: sink.flush(), lambda: sink.close(),
                             flush_seconds=self.flush_seconds, max_pending=self._max_pending,
-                            close_timeout=self._close_timeout)
+                            close_timeout=self._close_timeout, idle=idle)
 
     def submit(self, item: StepRecord | Callable[[], None]) -> None:
         """Queue a record for every sink (or a one-off write job). Never blocks, never raises."""

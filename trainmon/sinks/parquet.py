@@ -1,7 +1,8 @@
 """Parquet sink: the run store (``{run}/store/{table}/rank={R}/part-*.parquet``; layout in :mod:`.store_layout`).
 
 Rows are kept in memory per table on the writer thread and rolled into a small Parquet file at most every
-``roll_seconds`` (when the :class:`~trainmon.base.threads.OutputThread` flushes) or every ``max_rows`` rows;
+``roll_seconds`` (when the :class:`~trainmon.base.threads.OutputThread` flushes), every ``max_rows`` rows, and
+once no record came for ``flush_seconds`` (:meth:`ParquetSink.idle`);
 runs of ``fan_in`` small files are merged into one larger part, and at close the remaining small files are
 merged too. Each file is written whole under a hidden name and renamed, never over an existing file, with no
 symlink followed (:mod:`trainmon.base.safe_io`): a ``kill -9`` leaves every file readable and loses what was
@@ -143,6 +144,12 @@ class ParquetSink:
         if now - self._last_roll >= self.roll_seconds:
             self._roll_all()
             self._last_roll = now
+
+    def idle(self) -> None:
+        """Roll what is in memory: nothing came for a while (the writer calls it after ``flush_seconds`` of an
+        empty queue), so a crash in a pause of training (an evaluation, a checkpoint) loses nothing."""
+        self._roll_all()
+        self._last_roll = self._clock()
 
     def close(self) -> None:
         """Roll what is in memory, merge each table's small files into one part, and store the rank's anomaly
