@@ -45,13 +45,14 @@ def run(tmp_path_factory):
     reference: dict[tuple[str, str, int], np.ndarray] = {}
     losses = []
     with TrainerMonitor(config) as monitor:
-        monitor.attach(model, optimizer)
+        monitor.attach(model, optimizer, grad_acc_steps=2)  # two micro-steps: rows with micro_step 0 and 1
         for step in range(STEPS):
             if step == STEPS - 1:  # a NaN weight in the last step: nonfinite rows and NaN values from there on
                 with torch.no_grad():
                     model.layers[1].fc2.weight[0, 0] = float("nan")
-            loss = loss_fn(model, *batch(step))
-            loss.backward()
+            for micro_step in range(2):
+                loss = loss_fn(model, *batch(2 * step + micro_step)) / 2
+                loss.backward()
             for name, p in model.named_parameters():
                 reference[("grad_reduced", name, step)] = p.grad.double().numpy().copy()
                 reference[("param", name, step)] = p.detach().double().numpy().copy()
@@ -90,6 +91,7 @@ def test_every_row_equals_the_csv(run):
             | ~np.isfinite(stored["min"]) | ~np.isfinite(stored["max"])
         assert stored["nonfinite"].tolist() == flagged.tolist(), family
     assert con.execute("SELECT count(*) FROM grad_reduced WHERE nonfinite").fetchall()[0][0] >= 1
+    assert con.execute("SELECT DISTINCT micro_step FROM actv ORDER BY 1").fetchall() == [(0,), (1,)]
 
 
 def test_scalars_equal_the_csv_and_the_loop(run):
