@@ -103,8 +103,8 @@ class Session:
                 logger.warning("trainmon: dynamic.watch needs a config file (TrainerMonitor(path)); "
                                "this monitor was built from a dict and is not watched")
             # The writer last: an attach that failed above wrote no file (no run.json, no writer_stats.json).
-            self.writer = SinkWriter(build_sinks(config.sinks, self.rank_dir) if self.rank_dir else [],
-                                     config.flush_seconds, root=self.run_dir,
+            sinks = build_sinks(config.sinks, self.rank_dir, config.flush_seconds) if self.rank_dir else []
+            self.writer = SinkWriter(sinks, config.flush_seconds, root=self.run_dir,
                                      stats_path=self.rank_dir / "writer_stats.json" if self.rank_dir else None)
             if writes_run_json:
                 info = run_json(config, self.attachment.world_size, self.framework, _versions(self.framework))
