@@ -132,7 +132,9 @@ class TrainerMonitor:
 
         Args:
             loss: the step's loss (a tensor stays on the device until the step's one transfer).
-            **scalars: extra scalars written to ``scalars.csv``.
+            **scalars: extra scalars written to ``scalars.csv``. The loss and these are checked and written on
+                every step, collected or not (on an uncollected step without a host sync: their copy is
+                checked once it has ended; docs/anomaly.md).
 
         Returns:
             The step's record when the step was collected, else None. With ``async_results: true``: the
