@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -125,8 +126,13 @@ def test_both_ranks_have_nonfinite_rows(run):
     assert ranks == {0, 1}
 
 
-def test_dask_first_origin_agrees_with_analyse(run, analysed):
-    dd = pytest.importorskip("dask.dataframe", reason="dask[dataframe] is not installed (the scale extra)")
+@pytest.fixture(scope="module")
+def dd():
+    """``dask.dataframe``, or a skip (requested before ``run``: no training run when the test would skip)."""
+    return pytest.importorskip("dask.dataframe", reason="dask[dataframe] is not installed (the scale extra)")
+
+
+def test_dask_first_origin_agrees_with_analyse(dd, run, analysed):
     import pandas as pd
 
     started = time.perf_counter()
@@ -148,24 +154,33 @@ def test_dask_first_origin_agrees_with_analyse(run, analysed):
     print(f"dask first origin: {elapsed:.2f} s over {len(_families(run))} families")
 
 
-def _java_reason() -> str | None:
-    """Why Spark cannot run here (no ``java`` that starts), or None."""
-    java = shutil.which("java", path=os.path.join(os.environ["JAVA_HOME"], "bin")) if os.environ.get("JAVA_HOME") \
-        else shutil.which("java")
+def _java_reason(pyspark_version: str) -> str | None:
+    """Why Spark cannot run here (no ``java`` that starts, or one too old for this pyspark), or None."""
+    needed = 17 if int(pyspark_version.split(".")[0]) >= 4 else 8  # Debian 12's default-jre-headless is 17
+    home = os.environ.get("JAVA_HOME")  # Spark's launcher runs $JAVA_HOME/bin/java when it is set, else PATH's
+    java = shutil.which("java", path=os.path.join(home, "bin")) if home else shutil.which("java")
     if java is None:
-        return "no Java runtime (java not on PATH; scripts/setup.sh installs Debian's default-jre-headless)"
+        where = f"no java in JAVA_HOME={home}/bin" if home else "java not on PATH"
+        return f"no Java runtime ({where}; scripts/setup.sh installs Debian's default-jre-headless)"
     try:
-        done = subprocess.run([java, "-version"], capture_output=True, timeout=60)
+        done = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"java does not start: {error}"
-    return None if done.returncode == 0 else f"java -version exits {done.returncode}"
+    if done.returncode != 0:
+        return f"java -version exits {done.returncode}"
+    found = re.search(r'version "(?:1\.)?(\d+)', done.stderr + done.stdout)  # "17.0.15", or "1.8.0" for Java 8
+    major = int(found.group(1)) if found else 0
+    if major < needed:
+        return f"pyspark {pyspark_version} needs Java {needed} or newer; {java} is {major or 'of an unknown version'}"
+    return None
 
 
 @pytest.fixture(scope="module")
 def spark():
-    """One local Spark session for the module (the JVM takes ~15 s to start): 1 core, small memory, no UI."""
-    pytest.importorskip("pyspark", reason="pyspark is not installed (the scale extra)")
-    reason = _java_reason()
+    """One local Spark session for the module (the JVM takes ~15 s to start): 1 core, small memory, no UI.
+    Requested before ``run``: no training run when the test would skip."""
+    pyspark = pytest.importorskip("pyspark", reason="pyspark is not installed (the scale extra)")
+    reason = _java_reason(pyspark.__version__)
     if reason:
         pytest.skip(reason)
     from pyspark.sql import SparkSession
@@ -178,7 +193,7 @@ def spark():
     session.stop()
 
 
-def test_spark_first_origin_agrees_with_analyse(run, analysed, spark):
+def test_spark_first_origin_agrees_with_analyse(spark, run, analysed):
     started = time.perf_counter()
     for family in _families(run):
         spark.read.parquet(str(run / "store" / family)).createOrReplaceTempView(family)
@@ -191,7 +206,7 @@ def test_spark_first_origin_agrees_with_analyse(run, analysed, spark):
     print(f"spark first origin: {elapsed:.2f} s over {len(_families(run))} families")
 
 
-def test_spark_reads_every_row_and_prunes_by_rank(run, spark):
+def test_spark_reads_every_row_and_prunes_by_rank(spark, run):
     """Every stored row is there once (the same count as pyarrow), and a ``rank =`` filter reads one folder."""
     pq = pytest.importorskip("pyarrow.parquet")
     path = str(run / "store" / "grad_reduced")
