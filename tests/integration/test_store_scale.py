@@ -186,7 +186,8 @@ def spark():
     from pyspark.sql import SparkSession
 
     session = (SparkSession.builder.master("local[1]").appName("trainmon-test")
-               .config("spark.ui.enabled", "false").config("spark.driver.memory", "512m")
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.memory", "512m")
                .config("spark.sql.shuffle.partitions", "1").getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
     yield session
