@@ -28,15 +28,25 @@ fi
 # path finder there, and the clone folder itself would be imported as an empty namespace package).
 "$VENV/bin/pip" install -q -c "$CONSTRAINTS" --config-settings editable_mode=compat "${PACKAGES[@]}"
 
-# Chromium, for the browser test of `trainmon report` (tests/integration/test_report_browser.py skips without
-# it): Debian's package, installed once where apt-get is available; a failure only says so.
-if [ "$VENV" = .venv ] && ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
-    && command -v apt-get >/dev/null 2>&1; then
-  SUDO=()
-  if [ "$(id -u)" -ne 0 ]; then SUDO=(sudo -n); fi
-  echo "setup.sh: installing chromium (apt-get) for the report's browser test" >&2
-  { ${SUDO[@]+"${SUDO[@]}"} apt-get update -qq && DEBIAN_FRONTEND=noninteractive ${SUDO[@]+"${SUDO[@]}"} apt-get install -y -qq chromium; } \
-    >/dev/null 2>&1 || echo "setup.sh: chromium not installed; tests/integration/test_report_browser.py will skip" >&2
+# System packages the .venv tests use where they exist (Debian's, installed once where apt-get is available;
+# a failure only says so, the test that needs the package skips and says why).
+APT_UPDATED=0
+apt_install() {  # apt_install PACKAGE PURPOSE TEST
+  if [ "$VENV" != .venv ] || ! command -v apt-get >/dev/null 2>&1; then return 0; fi
+  local sudo=()
+  if [ "$(id -u)" -ne 0 ]; then sudo=(sudo -n); fi
+  echo "setup.sh: installing $1 (apt-get) for $2" >&2
+  { if [ "$APT_UPDATED" -eq 0 ]; then ${sudo[@]+"${sudo[@]}"} apt-get update -qq; fi && APT_UPDATED=1 \
+    && DEBIAN_FRONTEND=noninteractive ${sudo[@]+"${sudo[@]}"} apt-get install -y -qq "$1"; } \
+    >/dev/null 2>&1 || echo "setup.sh: $1 not installed; $3 will skip" >&2
+}
+# Chromium, for the browser test of `trainmon report`.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  apt_install chromium "the report's browser test" tests/integration/test_report_browser.py
+fi
+# A Java runtime, for Spark reading the run store (pyspark 4 needs Java 17+: Debian 12's default is 17).
+if ! command -v java >/dev/null 2>&1; then
+  apt_install default-jre-headless "the Spark test of the run store" "tests/integration/test_store_scale.py's Spark tests"
 fi
 
 # msprobe 1.2.1, the reference the msprobe tests compare with: downloaded and unpacked into .cache/ (cached,
