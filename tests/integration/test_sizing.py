@@ -102,3 +102,28 @@ def test_projection_follows_the_optimizer_and_the_schedule(tmp_path, caplog):
     assert pd.read_csv(run / "rank0" / "grad_reduced.csv")["step"].nunique() == STEPS // 3
     line = _logged(caplog)
     assert "per 1,000 steps at step_interval 3;" in line, line
+
+
+def test_activation_estimate_on_a_hugging_face_llama(tmp_path):
+    """A 2-layer Llama of ``transformers`` (the 7B shape's modules): its decoder layers also take the rotary
+    ``position_embeddings`` (cos, sin) as inputs, its attention returns a tuple; the estimate stays within 15%."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=128))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = {"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"], "activations": {"enabled": True}}
+    with TrainerMonitor(config) as monitor:
+        monitor.attach(model, optimizer)
+        for step in range(2):
+            tokens = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(step))
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            monitor.step()
+    projected = json.loads((tmp_path / "run" / "run.json").read_text())["sizing"]["rows_per_collected_step"]
+    written = _rows_per_step(tmp_path / "run" / "rank0")
+    assert projected["grad_reduced"] == written["grad_reduced"] == len(list(model.parameters()))
+    for family in ("actv", "actv_grad"):
+        assert written[family] == pytest.approx(projected[family], rel=ACTIVATION_TOLERANCE), family

@@ -137,11 +137,11 @@ class Sizing:
 
 
 def human_bytes(size: float) -> str:
-    """``1234567.0 -> '1.2 MB'`` (decimal units, two significant digits below 10)."""
+    """``1234567.0 -> '1.2 MB'`` (decimal units, one decimal below 10)."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", MB), ("kB", 1e3)):
         if size >= scale:
             value = size / scale
-            return f"{value:.2g} {unit}" if value < 10 else f"{value:,.0f} {unit}"
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:,.0f} {unit}"
     return f"{size:.0f} B"
 
 
