@@ -33,9 +33,9 @@ from trainmon.runtime.sizing import REPLICATED_FAMILIES, FamilySize, Sizing, hum
 
 LARGE_RUN: dict[str, Any] = {
     "sinks": ["parquet"],
-    "step_interval": 50,
+    "step_interval": 10,
     "weight_grads": {"metrics": ["norm", "max", "nans"]},
-    "optimizer_states": {"states": ["exp_avg_sq", "update"], "metrics": ["norm", "max", "nans"]},
+    "optimizer_states": {"metrics": ["norm", "max", "nans"]},
 }
 """The large-run config of docs/sizing.md (keep the two in step)."""
 BLOCK_OUTPUTS = {"enabled": True, "inputs": False, "backward": False, "metrics": ["norm", "max", "nans"]}
@@ -47,6 +47,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "large-run": LARGE_RUN,
     "large-run + block outputs": {**LARGE_RUN, "activations": BLOCK_OUTPUTS,
                                   "targets": {"modules": [r"re:^(model\.layers|blocks)\.\d+$"]}},
+    "large-run, step_interval 100": {**LARGE_RUN, "step_interval": 100},
 }
 
 
@@ -120,6 +121,12 @@ def main() -> None:
                 for ranks in args.ranks:
                     cells += [human_bytes(per_rank * ranks), human_bytes(stored_once(sizing, args.steps, ranks))]
                 print("| " + " | ".join(cells) + " |", flush=True)
+        print("\nPer family, 7B shape, default config + activations (bytes per row; TensorBoard: its 7 points):")
+        print("\n| family | rows / collected step | CSV | TensorBoard | Parquet |\n|---|---|---|---|---|")
+        for family in sizing_of(MODELS["7B shape"](), CONFIGS["default + activations"], Path(tmp)).families:
+            sizes = family.bytes_per_row
+            print(f"| {family.family} | {'~' if family.estimated else ''}{family.rows:,} | {sizes['csv']:.0f} | "
+                  f"{sizes['tensorboard']:.0f} | {sizes['parquet']:.0f} |")
 
 
 if __name__ == "__main__":
