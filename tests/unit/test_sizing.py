@@ -3,6 +3,8 @@ Its figures against a real run's files: tests/integration/test_sizing.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trainmon.config import load_config
@@ -68,3 +70,16 @@ def test_bytes_per_row_per_sink():
                                             (1.234e12, "1.2 TB"), (650e12, "650 TB")])
 def test_human_bytes(size, text):
     assert human_bytes(size) == text
+
+
+def test_the_documented_large_run_config_is_the_benchmarked_one():
+    """docs/sizing.md's large-run YAML block is valid and is what benchmarks/sizing.py projects."""
+    import yaml
+
+    from benchmarks.sizing import LARGE_RUN
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "sizing.md").read_text(encoding="utf-8")
+    block = text.split("## A large-run config", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+    documented = yaml.safe_load(block)
+    assert documented == LARGE_RUN
+    assert load_config(documented) == load_config(LARGE_RUN)
