@@ -241,9 +241,10 @@ def measured_by(attachment: Attachment) -> Measured:
 
 
 def _runs(module: Any) -> bool:
-    """Whether a module has a forward of its own (``nn.ModuleList`` and ``ModuleDict`` have none)."""
+    """Whether a module runs a forward of its own: not a torch ``ModuleList`` or ``ModuleDict`` (their ``forward`` is
+    torch's ``_forward_unimplemented``); a MindSpore cell (``construct``, no ``forward``) counts as running."""
     forward = getattr(type(module), "forward", None)
-    return forward is not None and getattr(forward, "__name__", "") != "_forward_unimplemented"
+    return getattr(forward, "__name__", "") != "_forward_unimplemented"
 
 
 def _optimizer_states(parts: Any) -> list[str] | None:
