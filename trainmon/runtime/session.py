@@ -29,6 +29,7 @@ from trainmon.runtime.rundir import (
     warn_if_appending,
 )
 from trainmon.runtime.schedule import StepSchedule
+from trainmon.runtime.sizing import log_sizing
 from trainmon.sinks import SinkWriter, build_sinks
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class Session:
                                      stats_path=self.rank_dir / "writer_stats.json" if self.rank_dir else None)
             if writes_run_json:
                 info = run_json(config, self.attachment.world_size, self.framework, _versions(self.framework))
+                info["sizing"] = log_sizing(self.attachment, config, self.options.grad_acc_steps).as_dict()
                 run_dir = self.run_dir
                 # on the writer's thread; a resumed run keeps the first run.json and adds run.resume{n}.json
                 self.writer.submit(lambda: write_json(unused_name(run_dir, "run", ".json", "resume"), info,
