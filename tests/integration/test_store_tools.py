@@ -171,4 +171,5 @@ def test_a_family_with_csv_files_is_read_from_them(runs, tmp_path):
     found = sources(mixed)[0]
     assert [s.family for s in found if isinstance(s, StoreFamily)] == ["actv"]
     assert all(isinstance(s, StoreFamily) or s.name != "actv.csv" for s in found)
-    assert [getattr(s, "family", None) or s.stem for s in found] == sorted(p.stem for p in (run_dir / "rank0").glob("*.csv"))
+    every = sorted(p.stem for p in (run_dir / "rank0").glob("*.csv"))
+    assert [s.family if isinstance(s, StoreFamily) else s.stem for s in found] == every
