@@ -83,9 +83,10 @@ def _main(args: argparse.Namespace) -> int:
                     max_columns=args.max_columns, detectors=selected_detectors(args.detectors))
     for line in summary["warnings"]:
         print(f"warning: {line}", file=sys.stderr)
-    stored = summary["store_tables"]
-    print(f"read {summary['files'] - stored} CSV files{f' and {stored} store tables' if stored else ''} "
-          f"of {len(summary['ranks'])} rank(s)"
+    stored, csv_count = summary["store_tables"], summary["files"] - summary["store_tables"]
+    read = " and ".join([f"{csv_count} CSV files"] * bool(csv_count or not stored)
+                        + [f"{stored} store tables"] * bool(stored))
+    print(f"read {read} of {len(summary['ranks'])} rank(s)"
           f"{' and ' + str(summary['anomaly_files']) + ' anomaly file(s)' if summary['anomaly_files'] else ''}; "
           f"{summary['heatmaps']} heatmaps, {summary['curves']} curves, {summary['events']} anomaly events")
     print(f"wrote {output} ({summary['bytes'] / 1e6:.1f} MB) in {summary['seconds']:.1f} s")
