@@ -19,7 +19,7 @@ import numpy as np
 
 from trainmon.base.inputs import is_dir, open_regular
 from trainmon.base.records import row_tag
-from trainmon.sinks.store_layout import ANOMALIES, KEY_COLUMNS, SCALARS, STORE_DIR, live_parts
+from trainmon.sinks.store_layout import ANOMALIES, KEY_COLUMNS, SCALARS, STORE_DIR, live_parts, parse_part
 from trainmon.tools.readers import Table, family_of, read_scalars_noting_layout, read_table
 
 if TYPE_CHECKING:
@@ -29,6 +29,10 @@ STORE_LAYOUT = "trainmon store"
 """The layout name ``csv2tb`` prints for what it read from a store."""
 _ROW_KEYS = ("step", "micro_step", "vpp_stage", "name")
 _SCALAR_KEYS = ("step", "name", "value")
+_CHUNK = 1 << 14
+"""Rows turned into Python values at a time by :func:`source_scalars`."""
+_BATCH = 1 << 16
+"""Rows decoded from a Parquet part at a time."""
 
 
 class StoreError(ValueError):
@@ -124,16 +128,16 @@ def read_source(source: Source, metrics: Collection[str] | None = None) -> tuple
     if not isinstance(source, StoreFamily):
         table = read_table(source)
         return [table], set(table.metrics)
-    groups: dict[tuple[str, ...], _Builder] = {}
-    for path, schema in _schemas(source):
-        held = tuple(name for name in schema.names if name not in KEY_COLUMNS and name != "rank")
-        builder = groups.get(held)
-        if builder is None:
-            wanted = [m for m in held if metrics is None or m in metrics]
-            builder = groups[held] = _Builder(source.family, ["value"] if source.family == SCALARS else wanted)
-        builder.add(path, _read_part(path, source.family, builder.metrics))
-    every = {metric for held in groups for metric in held}
-    return [builder.build() for builder in groups.values()], every
+    groups = _groups(source)
+    tables = []
+    for held, paths in groups.items():
+        wanted = [m for m in held if metrics is None or m in metrics or source.family == SCALARS]
+        builder = _Builder(source.family, wanted)
+        for path in paths:
+            for batch in _batches(path, source.family, builder.metrics):
+                builder.add(path, batch)
+        tables.append(builder.build())
+    return tables, {metric for held in groups for metric in held}
 
 
 def source_scalars(source: Source, layouts: set[str]) -> Iterator[tuple[str, float, int]]:
@@ -148,21 +152,45 @@ def source_scalars(source: Source, layouts: set[str]) -> Iterator[tuple[str, flo
         yield from read_scalars_noting_layout(source, layouts)
         return
     layouts.add(STORE_LAYOUT)
-    for table in read_source(source)[0]:
-        if table.family == SCALARS:
-            names = [f"scalars/{name}" for _, name in table.keys]
-            for row, step, (value,) in zip(table.rows.tolist(), table.steps.tolist(), table.values.tolist()):
-                yield names[row], value, step
-            continue
+    for table in _streamed(source):
         cache: dict[tuple[int, int], list[str]] = {}
-        for row, step, micro, values in zip(table.rows.tolist(), table.steps.tolist(),
-                                            table.micro_steps.tolist(), table.values.tolist()):
-            tags = cache.get((row, micro))
-            if tags is None:
-                vpp, name = table.keys[row]
-                tags = cache[(row, micro)] = [row_tag(table.family, name, m, micro, vpp) for m in table.metrics]
-            for tag, value in zip(tags, values):
-                yield tag, value, step
+        for start in range(0, len(table.steps), _CHUNK):  # Python floats for a chunk at a time, not the table
+            end = start + _CHUNK
+            for row, step, micro, values in zip(table.rows[start:end].tolist(), table.steps[start:end].tolist(),
+                                                table.micro_steps[start:end].tolist(),
+                                                table.values[start:end].tolist()):
+                tags = cache.get((row, micro))
+                if tags is None:
+                    vpp, name = table.keys[row]
+                    tags = cache[(row, micro)] = ([f"scalars/{name}"] if table.family == SCALARS else
+                                                  [row_tag(table.family, name, m, micro, vpp) for m in table.metrics])
+                for tag, value in zip(tags, values):
+                    yield tag, value, step
+
+
+def _streamed(source: StoreFamily) -> Iterator[Table]:
+    """:func:`read_source`'s tables in pieces (a batch of a part at a time, row ids per piece) when the parts
+    are in step order, as they are unless two writers' parts overlap (a resumed run): then the whole tables."""
+    groups = _groups(source)
+    for held, paths in groups.items():
+        parts = [parse_part(path) for path in paths]
+        if not all(a is not None and b is not None and a.last_step <= b.first_step for a, b in zip(parts, parts[1:])):
+            yield from read_source(StoreFamily(source.family, source.rank, tuple(paths)))[0]
+            continue
+        for path in paths:
+            for batch in _batches(path, source.family, list(held)):
+                builder = _Builder(source.family, list(held))
+                builder.add(path, batch)
+                yield builder.build()
+
+
+def _groups(source: StoreFamily) -> dict[tuple[str, ...], list[Path]]:
+    """The parts of ``source`` by the metric columns they hold (``("value",)`` for the scalars), in order."""
+    groups: dict[tuple[str, ...], list[Path]] = {}
+    for path, schema in _schemas(source):
+        held = tuple(name for name in schema.names if name not in KEY_COLUMNS and name != "rank")
+        groups.setdefault(("value",) if source.family == SCALARS else held, []).append(path)
+    return groups
 
 
 def _schemas(source: StoreFamily) -> Iterator[tuple[Path, pa.Schema]]:
@@ -182,14 +210,16 @@ def _schemas(source: StoreFamily) -> Iterator[tuple[Path, pa.Schema]]:
         yield path, schema
 
 
-def _read_part(path: Path, family: str, metrics: list[str]) -> pa.Table:
+def _batches(path: Path, family: str, metrics: list[str]) -> Iterator[pa.RecordBatch]:
+    """The key columns and ``metrics`` of one part, a batch of rows at a time (a merged part is one row group of
+    up to millions of rows: read whole, its decoding buffers doubled the peak memory)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     columns = list(_SCALAR_KEYS if family == SCALARS else (*_ROW_KEYS, *metrics))
     try:
         with open_regular(path) as handle:
-            return pq.read_table(handle, columns=columns)
+            yield from pq.ParquetFile(handle).iter_batches(batch_size=_BATCH, columns=columns)
     except (OSError, pa.ArrowException) as exc:
         raise StoreError(f"{path}: not a readable Parquet file ({_first_line(exc)})") from None
 
@@ -207,7 +237,7 @@ class _Builder:
         self.index: dict[tuple[int, str], int] = {}
         self.parts: list[tuple[Any, ...]] = []
 
-    def add(self, path: Path, table: pa.Table) -> None:
+    def add(self, path: Path, table: pa.RecordBatch) -> None:
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -250,7 +280,7 @@ class _Builder:
         return Table(self.family, self.metrics, list(self.index), rows, steps, micro, values)
 
 
-def _ints(table: pa.Table, column: str, path: Path) -> Any:
+def _ints(table: pa.RecordBatch, column: str, path: Path) -> Any:
     array = table.column(column)
     if array.null_count:
         raise StoreError(f"{path}: a row without {column}")
