@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.models import TinyNet, batch, loss_fn
 from tests.reference import METRICS
+from tests.unit.test_store_reader import store_only_copy, tags_and_points
 from trainmon import TrainerMonitor
 from trainmon.tools.cli import main
 from trainmon.tools.readers import read_table
@@ -51,11 +51,7 @@ def runs(tmp_path_factory):
             optimizer.zero_grad()
             monitor.step(loss=loss)
     run_dir = out / "run"
-    store_only = out / "store_only"
-    shutil.copytree(run_dir, store_only)
-    removed = [path.unlink() or path for path in store_only.rglob("*.csv")]
-    assert removed and not list(store_only.rglob("*.csv"))
-    return run_dir, store_only
+    return run_dir, store_only_copy(run_dir, out / "store_only")
 
 
 def _same_table(left, right) -> None:
@@ -109,11 +105,6 @@ def test_report_equals_the_csv_report(runs, tmp_path, capsys, options):
     assert from_store == from_csv
 
 
-def _tags(directory: Path) -> dict[str, list[tuple[int, float]]]:
-    events = EventAccumulator(str(directory), size_guidance={"scalars": 0}).Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-
-
 def test_csv2tb_equals_the_csv_conversion(runs, tmp_path, capsys):
     run_dir, store_only = runs
     assert main(["csv2tb", str(run_dir), "-o", str(tmp_path / "csv")]) == 0
@@ -122,7 +113,7 @@ def test_csv2tb_equals_the_csv_conversion(runs, tmp_path, capsys):
     store_out = capsys.readouterr().out
     assert "read trainmon store" in store_out and "msprobe" not in store_out
     assert csv_out.splitlines()[-1].split(" to ")[0] == store_out.splitlines()[-1].split(" to ")[0]  # wrote N scalars
-    from_csv, from_store = _tags(tmp_path / "csv" / "rank0"), _tags(tmp_path / "store" / "rank0")
+    from_csv, from_store = tags_and_points(tmp_path / "csv" / "rank0"), tags_and_points(tmp_path / "store" / "rank0")
     assert set(from_store) == set(from_csv) and len(from_csv) > 100
     for tag, points in from_csv.items():
         other = from_store[tag]
@@ -134,7 +125,7 @@ def test_csv2tb_equals_the_csv_conversion(runs, tmp_path, capsys):
 def test_csv2tb_families_filter_on_a_store_run(runs, tmp_path):
     _, store_only = runs
     assert main(["csv2tb", str(store_only), "-o", str(tmp_path / "tb"), "--families", "actv"]) == 0
-    assert {tag.split("/")[0] for tag in _tags(tmp_path / "tb" / "rank0")} == {"actv"}
+    assert {tag.split("/")[0] for tag in tags_and_points(tmp_path / "tb" / "rank0")} == {"actv"}
 
 
 def test_analyse_on_a_store_run(runs, tmp_path):

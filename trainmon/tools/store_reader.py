@@ -2,14 +2,17 @@
 
 ``trainmon report`` and ``trainmon csv2tb`` read a rank's families from its CSV files
 (:mod:`trainmon.tools.readers`); a family that has no CSV file but is in ``{run}/store/{family}/rank={R}/``
-is read from there instead (:func:`with_store`): :func:`read_source` gives the :class:`~trainmon.tools.readers.Table`
-that :func:`~trainmon.tools.readers.read_table` gives for its CSV file (same keys, dtypes, NaN and Inf, rows by step
-then in the order written), and :func:`source_scalars` the ``(tag, value, step)`` rows of
-:func:`~trainmon.tools.readers.read_scalars`. Only the columns asked for are read (pyarrow, one part at a time).
+is read from there instead (:func:`with_store`). :func:`read_source` gives the
+:class:`~trainmon.tools.readers.Table` that :func:`~trainmon.tools.readers.read_table` gives for its CSV file
+(same keys, dtypes, NaN and Inf; rows in the order the CSV sink appended them: by step, then execution order, a
+resumed run's after the run it resumed), and :func:`source_scalars` the ``(tag, value, step)`` rows of
+:func:`~trainmon.tools.readers.read_scalars`. Only the columns asked for are read (pyarrow, a batch of rows of
+one part at a time).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +22,7 @@ import numpy as np
 
 from trainmon.base.inputs import is_dir, open_regular
 from trainmon.base.records import row_tag
-from trainmon.sinks.store_layout import ANOMALIES, KEY_COLUMNS, SCALARS, STORE_DIR, live_parts, parse_part
+from trainmon.sinks.store_layout import ANOMALIES, KEY_COLUMNS, SCALARS, STORE_DIR, Part, live_parts
 from trainmon.tools.readers import Table, family_of, read_scalars_noting_layout, read_table
 
 if TYPE_CHECKING:
@@ -85,13 +88,28 @@ def store_families(run_dir: Path) -> dict[int, list[StoreFamily]]:
             for rank_dir in sorted(table.glob("rank=*")):
                 if not (rank_dir.name[5:].isdigit() and is_dir(rank_dir)):
                     continue
-                parts = tuple(part.path for part in live_parts(sorted(rank_dir.iterdir())))
+                parts = _in_write_order(live_parts(sorted(rank_dir.iterdir())))
                 if parts:
                     out.setdefault(int(rank_dir.name[5:]), []).append(StoreFamily(table.name, int(rank_dir.name[5:]),
                                                                                   parts))
     except OSError as exc:
         raise StoreError(f"{store}: cannot list the store ({exc.strerror or exc})") from None
     return out
+
+
+def _in_write_order(parts: list[Part]) -> tuple[Path, ...]:
+    """The parts as the CSV sink appended their rows: writer after writer (a resumed run's writer after the one
+    it resumed: by the oldest modification time of each writer's parts), each writer's in its sequence order.
+
+    Raises:
+        OSError: a part cannot be stat'ed.
+    """
+    by_writer: dict[str, list[Part]] = {}
+    for part in parts:
+        by_writer.setdefault(part.writer, []).append(part)
+    started = {writer: min(os.stat(part.path).st_mtime_ns for part in own) for writer, own in by_writer.items()}
+    return tuple(part.path for writer in sorted(by_writer, key=lambda w: (started[w], w))
+                 for part in sorted(by_writer[writer], key=lambda part: part.lo))
 
 
 def with_store(run_dir: Path, by_rank: Mapping[int, Sequence[Source]]) -> dict[int, list[Source]]:
@@ -169,14 +187,8 @@ def source_scalars(source: Source, layouts: set[str]) -> Iterator[tuple[str, flo
 
 
 def _streamed(source: StoreFamily) -> Iterator[Table]:
-    """:func:`read_source`'s tables in pieces (a batch of a part at a time, row ids per piece) when the parts
-    are in step order, as they are unless two writers' parts overlap (a resumed run): then the whole tables."""
-    groups = _groups(source)
-    for held, paths in groups.items():
-        parts = [parse_part(path) for path in paths]
-        if not all(a is not None and b is not None and a.last_step <= b.first_step for a, b in zip(parts, parts[1:])):
-            yield from read_source(StoreFamily(source.family, source.rank, tuple(paths)))[0]
-            continue
+    """:func:`read_source`'s tables in pieces: a batch of a part at a time (row ids per piece)."""
+    for held, paths in _groups(source).items():
         for path in paths:
             for batch in _batches(path, source.family, list(held)):
                 builder = _Builder(source.family, list(held))
@@ -273,10 +285,6 @@ class _Builder:
             return Table(self.family, self.metrics, [], np.zeros(0, np.int32), np.zeros(0, np.int64),
                          np.zeros(0, np.int32), np.zeros((0, len(self.metrics))))
         rows, steps, micro, values = (np.concatenate(column) for column in zip(*self.parts))
-        if len(steps) > 1 and bool((np.diff(steps) < 0).any()):
-            # parts of two writers (a resumed run) overlap in steps: by step, each step's rows as written
-            order = np.argsort(steps, kind="stable")
-            rows, steps, micro, values = rows[order], steps[order], micro[order], values[order]
         return Table(self.family, self.metrics, list(self.index), rows, steps, micro, values)
 
 
