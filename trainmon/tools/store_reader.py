@@ -34,7 +34,7 @@ _ROW_KEYS = ("step", "micro_step", "vpp_stage", "name")
 _SCALAR_KEYS = ("step", "name", "value")
 _CHUNK = 1 << 14
 """Rows turned into Python values at a time by :func:`source_scalars`."""
-_BATCH = 1 << 16
+_BATCH = 1 << 13
 """Rows decoded from a Parquet part at a time."""
 
 
