@@ -198,9 +198,12 @@ def _streamed(source: StoreFamily) -> Iterator[Table]:
 
 def _groups(source: StoreFamily) -> dict[tuple[str, ...], list[Path]]:
     """The parts of ``source`` by the metric columns they hold (``("value",)`` for the scalars), in order."""
+    import pyarrow as pa
+
     groups: dict[tuple[str, ...], list[Path]] = {}
     for path, schema in _schemas(source):
-        held = tuple(name for name in schema.names if name not in KEY_COLUMNS and name != "rank")
+        # the float columns after the keys: a column a later sink may add (not a float) is not taken for a metric
+        held = tuple(f.name for f in schema if f.name not in KEY_COLUMNS and pa.types.is_floating(f.type))
         groups.setdefault(("value",) if source.family == SCALARS else held, []).append(path)
     return groups
 
@@ -223,8 +226,8 @@ def _schemas(source: StoreFamily) -> Iterator[tuple[Path, pa.Schema]]:
 
 
 def _batches(path: Path, family: str, metrics: list[str]) -> Iterator[pa.RecordBatch]:
-    """The key columns and ``metrics`` of one part, a batch of rows at a time (a merged part is one row group of
-    up to millions of rows: read whole, its decoding buffers doubled the peak memory)."""
+    """The key columns and ``metrics`` of one part, :data:`_BATCH` rows at a time (a merged part is one row group
+    of up to millions of rows: read whole, its decoding buffers raised the peak memory by about half again)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
