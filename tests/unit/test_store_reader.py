@@ -171,3 +171,19 @@ def test_a_bad_part_names_the_file(tmp_path, damage):
         pq.write_table(pa.table({"x": [1]}), part)
     with pytest.raises(StoreError, match=re.escape(str(part))):
         read_source(family)
+
+
+@pytest.mark.parametrize("command", ["report", "csv2tb"])
+def test_a_store_without_rank_folders_and_a_rank_folder_alone(tmp_path, capsys, command):
+    run_dir = tmp_path / "run"
+    _write(run_dir, range(3))
+    shutil.rmtree(store_only_copy(run_dir, tmp_path / "bare") / "rank0")
+    assert main([command, str(tmp_path / "bare"), "-o", str(tmp_path / "out.html" if command == "report" else
+                                                            tmp_path / "tb")]) == 0
+    if command == "csv2tb":
+        assert tags_and_points(tmp_path / "tb" / "rank0")["actv/a.output/norm/vpp1"][0] == (0, pytest.approx(1.01))
+    capsys.readouterr()
+    (tmp_path / "bare" / "rank0").mkdir()
+    assert main([command, str(tmp_path / "bare" / "rank0")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"its run {tmp_path / 'bare'} holds its statistics in store/" in err, err

@@ -27,7 +27,15 @@ from trainmon.errors import UsageError
 from trainmon.sinks import tensorboard as board
 from trainmon.tools.msprobe_output import ANOMALY_FOLDER, rank_folders
 from trainmon.tools.readers import CsvFormatError
-from trainmon.tools.store_reader import STORE_LAYOUT, Source, StoreError, source_family, source_scalars, with_store
+from trainmon.tools.store_reader import (
+    STORE_LAYOUT,
+    Source,
+    StoreError,
+    source_family,
+    source_scalars,
+    store_families,
+    with_store,
+)
 
 if TYPE_CHECKING:
     from trainmon.tools.command import Subparsers
@@ -109,11 +117,13 @@ def _has_csv(folder: Path) -> bool:
 
 
 def rank_dirs(run_dir: Path) -> list[Path]:
-    """The ``rank*`` directories of a run (or the directory itself if it is one).
+    """The ``rank*`` directories of a run (or the directory itself if it is one); none for a run that has only
+    its ``store/`` (:func:`_sources` adds the store's ranks).
 
     Raises:
-        FileNotFoundError: not a directory, or one with neither ``rank*/`` folders nor CSV files
+        FileNotFoundError: not a directory, or one with neither ``rank*/`` folders nor CSV files nor a store
             (a folder of runs is named as such, with its runs).
+        StoreError: the run's store cannot be listed.
     """
     if not is_dir(run_dir):
         raise FileNotFoundError(f"{run_dir}: {'not a directory' if os.path.lexists(run_dir) else 'no such directory'}")
@@ -122,10 +132,15 @@ def rank_dirs(run_dir: Path) -> list[Path]:
         return [run_dir]
     if not ranks and rank_folders(run_dir):
         return rank_folders(run_dir)
+    if not ranks and store_families(run_dir):  # a run's store without its rank folders: the store's ranks
+        return []
     if not ranks:
         runs = find_runs(run_dir)
         if runs:
             raise FileNotFoundError(runs_hint(run_dir, runs, "csv2tb"))
+        if rank_dirs_of(run_dir.parent) and store_families(run_dir.parent):
+            raise FileNotFoundError(f"{run_dir}: no CSV files; its run {run_dir.parent} holds its statistics in "
+                                    "store/: give the run directory")
         raise FileNotFoundError(f"{run_dir}: no rank*/ directories and no CSV files")
     return ranks
 
