@@ -1,5 +1,8 @@
 """``trainmon csv2tb``: convert a run's CSV files to TensorBoard event files (framework-free).
 
+A run written with ``sinks: [parquet]`` is read from its store where a family has no CSV file
+(:mod:`trainmon.tools.store_reader`): the event files are the same as from that run's CSV files.
+
 Also reads msprobe's CSV output (``$MONITOR_OUTPUT_DIR/{time}-rank{R}-{id}/{family}_{a}-{b}.csv``, msprobe
 1.2 and 8.x-26.x layouts, see :mod:`trainmon.tools.msprobe_output`) and says which layout it read. This module
 finds the rank folders and writes the event files; reading and checking the CSV files is
@@ -23,10 +26,15 @@ from trainmon.base.records import FAMILIES
 from trainmon.errors import UsageError
 from trainmon.sinks import tensorboard as board
 from trainmon.tools.msprobe_output import ANOMALY_FOLDER, rank_folders
-from trainmon.tools.readers import (
-    CsvFormatError,
-    family_of,
-    read_scalars_noting_layout,
+from trainmon.tools.readers import CsvFormatError
+from trainmon.tools.store_reader import (
+    STORE_LAYOUT,
+    Source,
+    StoreError,
+    source_family,
+    source_scalars,
+    store_families,
+    with_store,
 )
 
 if TYPE_CHECKING:
@@ -40,7 +48,8 @@ def add_parser(sub: Subparsers) -> None:
                             description="Convert every rank's CSV files of a run to TensorBoard event files "
                                         "at full resolution (tags 0_overview/{loss,grad_norm,lr,...}, "
                                         "{family}/{name}/{metric}[/vpp{v}][/micro{m}], anomalies as text). "
-                                        "Also reads msprobe's "
+                                        "A run written with sinks: [parquet] is read from its store/ where it "
+                                        "has no CSV files (the same event files). Also reads msprobe's "
                                         "CSV output (MONITOR_OUTPUT_DIR or one of its {time}-rank{R}-{id} folders).")
     parser.add_argument("run_dir", help="a run directory (with rank*/ folders), one rank directory, "
                                         "or msprobe's output folder")
@@ -79,7 +88,7 @@ def _main(args: argparse.Namespace) -> int:
             continue
         except OutputError as exc:
             raise UsageError(f"cannot write to {exc.filename}: {exc.strerror}") from None
-        except (FileNotFoundError, CsvFormatError) as exc:
+        except (FileNotFoundError, CsvFormatError, StoreError) as exc:
             if isinstance(exc, FileNotFoundError) and exc.filename is not None:
                 raise UsageError(describe_os_error(exc)) from None
             raise UsageError(str(exc)) from None
@@ -88,7 +97,7 @@ def _main(args: argparse.Namespace) -> int:
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
         for layout in sorted(layouts):
-            print(f"{run}: read {layout}" + ("" if layout == "trainmon CSV" else
+            print(f"{run}: read {layout}" + ("" if layout in ("trainmon CSV", STORE_LAYOUT) else
                   " (names as msprobe wrote them: squashed when its squash_name was on; see docs/msprobe.md)"))
         if len(jobs) > 1:
             print(f"{run.name}: converted to {out or run / 'tensorboard'}")
@@ -108,11 +117,13 @@ def _has_csv(folder: Path) -> bool:
 
 
 def rank_dirs(run_dir: Path) -> list[Path]:
-    """The ``rank*`` directories of a run (or the directory itself if it is one).
+    """The ``rank*`` directories of a run (or the directory itself if it is one); none for a run that has only
+    its ``store/`` (:func:`_sources` adds the store's ranks).
 
     Raises:
-        FileNotFoundError: not a directory, or one with neither ``rank*/`` folders nor CSV files
+        FileNotFoundError: not a directory, or one with neither ``rank*/`` folders nor CSV files nor a store
             (a folder of runs is named as such, with its runs).
+        StoreError: the run's store cannot be listed.
     """
     if not is_dir(run_dir):
         raise FileNotFoundError(f"{run_dir}: {'not a directory' if os.path.lexists(run_dir) else 'no such directory'}")
@@ -121,10 +132,15 @@ def rank_dirs(run_dir: Path) -> list[Path]:
         return [run_dir]
     if not ranks and rank_folders(run_dir):
         return rank_folders(run_dir)
+    if not ranks and store_families(run_dir):  # a run's store without its rank folders: the store's ranks
+        return []
     if not ranks:
         runs = find_runs(run_dir)
         if runs:
             raise FileNotFoundError(runs_hint(run_dir, runs, "csv2tb"))
+        if rank_dirs_of(run_dir.parent) and store_families(run_dir.parent):
+            raise FileNotFoundError(f"{run_dir}: no CSV files; its run {run_dir.parent} holds its statistics in "
+                                    "store/: give the run directory")
         raise FileNotFoundError(f"{run_dir}: no rank*/ directories and no CSV files")
     return ranks
 
@@ -137,6 +153,7 @@ def convert(run_dir: Path, output: Path | None = None, families: list[str] | Non
     Raises:
         FileNotFoundError: ``run_dir`` has no rank directories or CSV files.
         CsvFormatError: a malformed CSV (file and line in the message).
+        StoreError: an unreadable part of the run's store (the file in the message).
         OutputError: the output cannot be written (a full disk, a read-only folder).
     """
     return _convert(run_dir, output, families, workers)[0]
@@ -149,9 +166,9 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None,
     from tensorboardX.proto.summary_pb2 import Summary
     from tensorboardX.summary import custom_scalars
 
-    ranks = rank_dirs(run_dir)
     output = output or run_dir / "tensorboard"
-    csv_files = {rank_dir: sorted(rank_dir.glob("*.csv")) for rank_dir in ranks}
+    csv_files = _sources(run_dir)
+    ranks = list(csv_files)
     if not any(csv_files.values()):
         events = any(any(rank_dir.glob("events.out.tfevents.*")) for rank_dir in ranks)
         hint = (" (msprobe wrote TensorBoard event files, format: tensorboard: open the folder in TensorBoard)"
@@ -166,7 +183,7 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None,
     notes = [f"{run_dir}: skipped {', '.join(p.name for p in empty[:10])}{', ...' if len(empty) > 10 else ''}: "
              f"no CSV files"] if empty else []
     layouts: set[str] = set()
-    wanted_files = {rank_dir: [f for f in files if families is None or family_of(f) in families]
+    wanted_files = {rank_dir: [f for f in files if families is None or source_family(f) in families]
                     for rank_dir, files in csv_files.items()}
 
     def one(rank_dir: Path) -> int:
@@ -181,7 +198,7 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None,
             for path in wanted:
                 values: list[Any] = []
                 current = 0
-                for tag, value, step in read_scalars_noting_layout(path, layouts):
+                for tag, value, step in source_scalars(path, layouts):
                     if step != current and values:
                         writer.write_summary(current, Summary(value=values))
                         values = []
@@ -207,6 +224,17 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None,
     with Bar(sum(map(len, wanted_files.values())), "csv2tb") as bar, \
             ThreadPoolExecutor(max_workers=min(workers, len(ranks))) as pool:
         return sum(pool.map(one, ranks)), layouts, notes
+
+
+def _sources(run_dir: Path) -> dict[Path, list[Source]]:
+    """``rank folder -> CSV files`` of a run (:func:`rank_dirs`), with the families of its store that have no CSV
+    file (a rank only in the store gets its ``rank{R}`` path, whether the folder exists or not)."""
+    ranks = rank_dirs(run_dir)
+    sources: dict[Path, list[Source]] = {rank_dir: [*sorted(rank_dir.glob("*.csv"))] for rank_dir in ranks}
+    numbered = {int(p.name[4:]): p for p in ranks if p.parent == run_dir and p.name[4:].isdigit()}
+    for rank, found in with_store(run_dir, {n: list(sources[p]) for n, p in numbered.items()}).items():
+        sources[numbered.get(rank, run_dir / f"rank{rank}")] = found
+    return sources
 
 
 class NothingToConvert(FileNotFoundError):

@@ -20,7 +20,8 @@ import duckdb
 
 from trainmon.base.inputs import find_runs
 from trainmon.errors import UsageError
-from trainmon.tools.store import StoreError, describe, open_run
+from trainmon.tools.store import describe, open_run
+from trainmon.tools.store_reader import StoreError
 
 if TYPE_CHECKING:
     from trainmon.tools.command import Subparsers

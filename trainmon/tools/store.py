@@ -24,10 +24,7 @@ import pyarrow as pa
 from trainmon.base.inputs import is_dir, rank_dirs_of
 from trainmon.sinks.store_events import EVENT_SCHEMA, events_of_rank
 from trainmon.sinks.store_layout import ANOMALIES, STORE_DIR, live_parts
-
-
-class StoreError(ValueError):
-    """A run directory without a store, or a store that cannot be read; the message names the path."""
+from trainmon.tools.store_reader import StoreError  # its home: report and csv2tb catch it without importing duckdb
 
 
 def table_files(run_dir: str | os.PathLike[str]) -> dict[str, list[Path]]:
@@ -133,4 +130,4 @@ def describe(connection: duckdb.DuckDBPyConnection) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["StoreError", "describe", "open_run", "read_anomalies", "table_files", "views"]
+__all__ = ["describe", "open_run", "read_anomalies", "table_files", "views"]

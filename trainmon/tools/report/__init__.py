@@ -4,7 +4,8 @@ The page (no network needed to open it) shows the loss, grad-norm and learning-r
 the steps of anomaly events marked, the cross-rank anomaly timeline with the first origin, the first
 non-finite value and the first spike (from ``trainmon analyse``'s merge), module x step heatmaps per family,
 metric and rank (log colour scale), and the gradient-direction heatmaps of the grad probe when the run has them. Reads
-trainmon runs and msprobe's CSV output folders, with the readers of ``csv2tb`` and ``analyse``.
+trainmon runs (their CSV files, or the run store of ``sinks: [parquet]``) and msprobe's CSV output folders, with
+the readers of ``csv2tb`` and ``analyse``.
 See docs/report.md.
 """
 
@@ -24,9 +25,10 @@ from trainmon.base.safe_io import write_atomic
 from trainmon.errors import UsageError
 from trainmon.tools.analyse import add_detector_option, checked, selected_detectors
 from trainmon.tools.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anomaly_files, rank_folders
-from trainmon.tools.readers import CsvFormatError, family_of
+from trainmon.tools.readers import CsvFormatError
 from trainmon.tools.report import data as report_data
 from trainmon.tools.report.page import render
+from trainmon.tools.store_reader import Source, StoreError, StoreFamily, source_family
 
 if TYPE_CHECKING:
     from trainmon.tools.command import Subparsers
@@ -44,7 +46,8 @@ def add_parser(sub: Subparsers) -> None:
                     "and lr curves (anomalies marked), the cross-rank anomaly timeline with the first origin, the "
                     "first non-finite value and the first spike, "
                     "module x step heatmaps per family, metric and rank (log colour scale) and the grad-probe "
-                    "direction heatmaps. Reads a trainmon run directory or msprobe's CSV output folder.")
+                    "direction heatmaps. Reads a trainmon run directory (its CSV files, or its store/ of sinks: "
+                    "[parquet] where a family has no CSV file) or msprobe's CSV output folder.")
     parser.add_argument("run_dir", metavar="RUN_DIR",
                         help="a run directory (with rank*/ folders) or one rank directory")
     parser.add_argument("-o", "--output", metavar="OUT", help=f"the HTML file (default RUN_DIR/{DEFAULT_NAME})")
@@ -80,7 +83,10 @@ def _main(args: argparse.Namespace) -> int:
                     max_columns=args.max_columns, detectors=selected_detectors(args.detectors))
     for line in summary["warnings"]:
         print(f"warning: {line}", file=sys.stderr)
-    print(f"read {summary['files']} CSV files of {len(summary['ranks'])} rank(s)"
+    stored, csv_count = summary["store_tables"], summary["files"] - summary["store_tables"]
+    read = " and ".join([f"{csv_count} CSV files"] * bool(csv_count or not stored)
+                        + [f"{stored} store tables"] * bool(stored))
+    print(f"read {read} of {len(summary['ranks'])} rank(s)"
           f"{' and ' + str(summary['anomaly_files']) + ' anomaly file(s)' if summary['anomaly_files'] else ''}; "
           f"{summary['heatmaps']} heatmaps, {summary['curves']} curves, {summary['events']} anomaly events")
     print(f"wrote {output} ({summary['bytes'] / 1e6:.1f} MB) in {summary['seconds']:.1f} s")
@@ -103,7 +109,7 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
 
     Raises:
         UsageError: not a run directory, nothing to report, a corrupt CSV file (file and line in the
-            message), a detector that is none, or the output cannot be written.
+            message) or store part (the file), a detector that is none, or the output cannot be written.
     """
     start = time.perf_counter()
     if is_dir(run_dir) and not rank_dirs_of(run_dir) and not rank_folders(run_dir) and not any(run_dir.glob("*.csv")):
@@ -111,9 +117,11 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
         if runs:
             raise UsageError(runs_hint(run_dir, runs, "report"))
     try:
-        by_rank = report_data.csv_files(run_dir)
+        by_rank = report_data.sources(run_dir)
     except FileNotFoundError as exc:
         raise UsageError(str(exc) if exc.filename is None else describe_os_error(exc)) from None
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
     probe = report_data.probe_files(run_dir, sorted(by_rank))
     # A rank folder without CSV files or grad-probe summaries (an attach that failed, a rank that wrote
     # nothing yet) has no heatmap or curve: one warning names them, the others are reported.
@@ -144,21 +152,21 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
     try:
         with Bar(len(files) + len(probe), "report", enabled=progress) as bar:
             for rank in chosen:
-                tables = report_data.read_families(by_rank[rank], families, bar.advance)
+                tables, held = report_data.read_families(by_rank[rank], families, bar.advance, metrics)
+                read_metrics |= held
                 for family, family_tables in tables.items():
                     steps += [int(t.steps.min()) for t in family_tables if len(t.steps)]
                     steps += [int(t.steps.max()) for t in family_tables if len(t.steps)]
                     if family == "scalars":
                         curves[str(rank)] = report_data.curves(family_tables, 2 * max_columns)
                     else:
-                        read_metrics.update(metric for table in family_tables for metric in table.metrics)
                         heatmaps += report_data.heatmaps(family, family_tables, rank, max_columns, metrics=metrics)
                 if rank in probe:
                     table = report_data.read_probe_table(probe[rank])
                     probe_maps += report_data.heatmaps("grad_probe", [table], rank, max_columns,
                                                        scales=report_data.PROBE_METRICS)
                     bar.advance()
-    except CsvFormatError as exc:
+    except (CsvFormatError, StoreError) as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(describe_os_error(exc)) from None
@@ -182,20 +190,21 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
         write_atomic(output, text, root=output.parent)
     except OSError as exc:
         raise UsageError(f"cannot write {output}: {exc.strerror or exc}") from None
-    return {"files": len(files) + len(probe), "ranks": chosen, "anomaly_files": anomalies.get("files", 0),
+    return {"files": len(files) + len(probe), "store_tables": sum(isinstance(f, StoreFamily) for f in files),
+            "ranks": chosen, "anomaly_files": anomalies.get("files", 0),
             "heatmaps": len(heatmaps) + len(probe_maps), "curves": sum(len(c) for c in curves.values()),
             "events": anomaly_count, "bytes": len(text), "seconds": time.perf_counter() - start,
             "warnings": warnings}
 
 
-def _check_families(run_dir: Path, families: list[str] | None, files: list[Path]) -> None:
+def _check_families(run_dir: Path, families: list[str] | None, files: list[Source]) -> None:
     """Raise unless every ``--families`` name is a family of the chosen ranks' CSV files (a typo would
     otherwise give an empty page, written over the last report).
 
     Raises:
         UsageError: a name that is no family of those files (naming the families there are).
     """
-    _check_choice("--families", families, {family_of(path) for path in files}, run_dir, "family")
+    _check_choice("--families", families, {source_family(source) for source in files}, run_dir, "family")
 
 
 def _check_choice(option: str, given: list[str] | None, present: set[str], run_dir: Path, what: str) -> None:

@@ -1,7 +1,8 @@
 """What ``trainmon report`` shows, as one compact JSON-able dict (framework-free).
 
 Read with the CSV readers (:func:`trainmon.tools.readers.read_table`, the CSV files of trainmon or
-msprobe) and ``analyse`` (:func:`trainmon.anomaly.merge.analyse_run`, every rank's ``anomalies.jsonl``).
+msprobe; a family without CSV files from the run's store: :mod:`trainmon.tools.store_reader`) and ``analyse``
+(:func:`trainmon.anomaly.merge.analyse_run`, every rank's ``anomalies.jsonl``).
 
 Heatmaps are module x step grids, one per (rank, family, metric), with at most ``max_columns``
 columns: when a run has more collected steps, each column is a bin of consecutive collected steps
@@ -27,7 +28,8 @@ import numpy.typing as npt
 
 from trainmon.base.inputs import open_regular
 from trainmon.tools.csv2tb import rank_dirs
-from trainmon.tools.readers import CsvFormatError, Table, family_of, read_table
+from trainmon.tools.readers import CsvFormatError, Table
+from trainmon.tools.store_reader import Source, read_source, source_family, with_store
 
 Ints: TypeAlias = "npt.NDArray[np.int64]"
 """Steps, bins and flat cell indices."""
@@ -48,16 +50,18 @@ def rank_of(folder: Path, default: int) -> int:
     return int(match.group(1)) if match else default
 
 
-def csv_files(run_dir: Path) -> dict[int, list[Path]]:
-    """``rank -> CSV files`` of a run (trainmon or msprobe layout; see :func:`trainmon.tools.csv2tb.rank_dirs`).
+def sources(run_dir: Path) -> dict[int, list[Source]]:
+    """``rank -> CSV files`` of a run (trainmon or msprobe layout; see :func:`trainmon.tools.csv2tb.rank_dirs`),
+    with the families of the run's store that have no CSV file (:func:`trainmon.tools.store_reader.with_store`).
 
     Raises:
         FileNotFoundError: not a run directory.
+        StoreError: the store cannot be listed.
     """
     out: dict[int, list[Path]] = {}
     for i, folder in enumerate(rank_dirs(run_dir)):
         out.setdefault(rank_of(folder, i), []).extend(sorted(folder.glob("*.csv")))
-    return out
+    return with_store(run_dir, out)
 
 
 def probe_files(run_dir: Path, ranks: list[int]) -> dict[int, Path]:
@@ -240,15 +244,25 @@ def markers(events: list[dict[str, Any]], limit: int = 2000) -> list[dict[str, A
             for e in events[::every]]
 
 
-def read_families(files: list[Path], families: list[str] | None, on_file: Callable[[], None]) -> dict[str, list[Table]]:
-    """``family -> tables`` of one rank's CSV files (``scalars`` included), advancing ``on_file`` per file."""
+def read_families(files: list[Source], families: list[str] | None, on_file: Callable[[], None],
+                  metrics: list[str] | None = None) -> tuple[dict[str, list[Table]], set[str]]:
+    """``family -> tables`` of one rank's CSV files and store families (``scalars`` included), advancing
+    ``on_file`` per source; and the metrics the families other than ``scalars`` hold.
+
+    Args:
+        metrics: only these metric columns are read from a store family (a CSV file is read whole).
+    """
     out: dict[str, list[Table]] = {}
-    for path in files:
-        family = family_of(path)
+    held: set[str] = set()
+    for source in files:
+        family = source_family(source)
         if families is None or family in families or family == "scalars":
-            out.setdefault(family, []).append(read_table(path))
+            tables, present = read_source(source, None if family == "scalars" else metrics)
+            out.setdefault(family, []).extend(tables)
+            if family != "scalars":
+                held |= present
         on_file()
-    return out
+    return out, held
 
 
 def read_probe_table(path: Path) -> Table:
