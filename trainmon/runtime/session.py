@@ -255,7 +255,9 @@ class Session:
         for name, action in self.actions.items():
             guard.run(name, action.end_step)
         record, error = None, None
-        if loss is not None:
+        # an uncollected step's scalars go to the detectors on a rank that writes (nothing is made for them elsewhere)
+        checked = self.writes and self.config.enabled and not guard.off("loss")
+        if loss is not None and (ctx.collecting or checked):
             scalars = {"loss": loss if not hasattr(loss, "detach") else loss.detach().float().mean(), **scalars}
         if ctx.collecting:
             buffer = ctx.buffer
@@ -280,7 +282,7 @@ class Session:
                 record, late = self._finish(ctx.step, host)
                 error = error or late
         else:
-            if scalars and self.writes and self.config.enabled and not guard.off("loss"):
+            if scalars and checked:
                 guard.run("loss", self.pending.add, ctx.step, scalars)  # to the detectors without a sync
             if self.in_flight is not None:
                 record, error = self.finish_in_flight()
