@@ -10,7 +10,6 @@ NaN first appeared, instead of the hundreds of downstream NaNs.
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import math
 import sys
@@ -23,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_gpt import TinyGPT, gpt_loss, make_batch
 
 from trainmon import TrainerMonitor
+from trainmon.tools.store import open_run
 
 COUNTS = ("nans", "infs")  # metrics that count elements: printed as integers
 
@@ -77,21 +77,29 @@ def main() -> int:
     bug_handle.remove()
     elapsed = time.perf_counter() - start
     print(f"\ntrained {args.steps} steps in {elapsed:.1f} s; monitor output in {run_dir}")
+    store = run_dir / "store"
+    tables = sorted(path.name for path in store.iterdir() if path.is_dir()) if store.is_dir() else []
+    print(f"  store/ (Parquet, one table per family): {', '.join(tables)}")
     for path in sorted((run_dir / "rank0").iterdir()):
         print(f"  {path.relative_to(run_dir)}")
-    _summary(run_dir / "rank0", events)
+    _summary(run_dir, events)
     print(f"\ncross-rank analysis: trainmon analyse {run_dir}")
+    print(f"SQL over the store:   trainmon query {run_dir} \"SELECT step, value FROM scalars WHERE name = 'loss'\"")
     print(f"monitor output (monitor.run_dir): {run_dir}")
     print(f"look at it in TensorBoard:        tensorboard --logdir {run_dir}")
     return 0
 
 
-def _summary(rank_dir: Path, events: list) -> None:
-    with open(rank_dir / "grad_reduced.csv", newline="") as handle:
-        first = [row for row in csv.DictReader(handle) if row["step"] == "0"]
+def _summary(run_dir: Path, events: list) -> None:
+    connection = open_run(run_dir)  # the run store as DuckDB views, one per family
+    try:
+        largest = connection.sql("SELECT name, norm FROM grad_reduced WHERE step = 0 "
+                                 "ORDER BY norm DESC LIMIT 3").fetchall()
+    finally:
+        connection.close()
     print("\nlargest gradient norms at step 0:")
-    for row in sorted(first, key=lambda row: float(row["norm"]), reverse=True)[:3]:
-        print(f"  {row['name']:<28} {float(row['norm']):.4g}")
+    for name, norm in largest:
+        print(f"  {name:<28} {norm:.4g}")
     if not events:
         print("\nno anomaly found")
         return

@@ -8,7 +8,6 @@ recorded losses is the script's own log (``loss.item()`` printed per step), not 
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import re
@@ -34,8 +33,16 @@ def _events(run_dir: Path) -> list[dict]:
 
 
 def _scalars(run_dir: Path, name: str) -> dict[int, float]:
-    with open(run_dir / "rank0" / "scalars.csv", newline="") as handle:
-        return {int(row["step"]): float(row["value"]) for row in csv.DictReader(handle) if row["name"] == name}
+    """Rank 0's scalar ``name`` by step, from the run store (the default output) as a user queries it."""
+    from trainmon.tools.store import open_run
+
+    connection = open_run(run_dir)
+    try:
+        rows = connection.execute("SELECT step, value FROM scalars WHERE rank = 0 AND name = ? ORDER BY step",
+                                  [name]).fetchall()
+    finally:
+        connection.close()
+    return {int(step): float(value) for step, value in rows}
 
 
 @pytest.mark.parametrize("bad_step", [60, -1])
@@ -129,8 +136,14 @@ def test_a_model_without_submodules_and_without_optimizer_with_the_sample_config
     monitor.close()
     run_dir = monitor.run_dir
     assert _scalars(run_dir, "loss") == pytest.approx(losses, rel=1e-6)
-    with open(run_dir / "rank0" / "actv.csv", newline="") as handle:
-        rows = {(int(r["step"]), r["name"]): r for r in csv.DictReader(handle)}
+    from trainmon.tools.store import open_run
+
+    connection = open_run(run_dir)
+    try:
+        frame = connection.sql("SELECT * FROM actv WHERE rank = 0").df()
+    finally:
+        connection.close()
+    rows = {(int(r["step"]), r["name"]): r for _, r in frame.iterrows()}
     assert sorted({step for step, _ in rows}) == [0, 10, 20]
     for step in (0, 10, 20):
         assert float(rows[step, ".input"]["norm"]) == pytest.approx(float(np.linalg.norm(inputs[step])), rel=1e-6)

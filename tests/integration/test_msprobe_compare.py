@@ -323,7 +323,7 @@ def test_mg_direction_counts_a_zero_sign_as_one_half_and_is_one_at_step_0(tmp_pa
     grads = [torch.tensor([1.0, -1.0, 0.0, 2.0]), torch.tensor([1.0, 1.0, -1.0, 0.0])]
     momenta = [None, torch.tensor([1.0, 1.0, 1.0, 1.0])]  # what "exp_avg" holds when the step starts
     config = {"output_dir": str(tmp_path), "run_name": "r", "weight_grads": {"enabled": False},
-              "optimizer_states": {"enabled": False},
+              "optimizer_states": {"enabled": False}, "sinks": ["csv"],
               "grad_probe": {"enabled": True, "level": "L0", "mg_direction": True, "scalars": "param"}}
     with TrainerMonitor(config) as monitor:
         model = torch.nn.Module()

@@ -294,7 +294,7 @@ class MonitorConfig:
     """Directory that receives ``{run_name}/``."""
     run_name: str | None = setting(None, check=_directory_name)
     """Run directory name; default a UTC timestamp (shared by all ranks)."""
-    sinks: list[str] = setting(["csv", "tensorboard"], choices=SINKS, unique=True)
+    sinks: list[str] = setting(["parquet", "tensorboard"], choices=SINKS, unique=True)
     """Outputs: csv, tensorboard, parquet (the run store: docs/store.md)."""
     ranks: list[int] | None = setting(None, minimum=0, unique=True, check=_some_rank)
     """Ranks that collect and write (distinct, each below the world size: checked at ``attach``); null means
