@@ -2,7 +2,10 @@
 
 Usage: ``python benchmarks/store_scale.py [--ranks 64] [--tensors 292] [--steps 536] [--dir DIR] [--keep]``
 (the defaults make 10^7 rows: 64 ranks x 292 rows per step x 536 steps); ``--real-steps N``: instead, bytes per
-row of a real torch run (a small transformer with the default config), Parquet beside CSV.
+row of a real torch run (a small transformer with the default config), Parquet beside CSV. ``--replicate K``:
+after the run is written, each rank's folders are copied K - 1 times as further ranks (``rank=R + i x ranks``),
+so a 10^9-row run is queried without writing 10^9 rows through the writer on this machine (~70 min): the
+files are the writer's own, byte for byte, and the copies are real files (no links, no shared page cache).
 
 Each rank gets its own :class:`~trainmon.sinks.parquet.ParquetSink`, fed :class:`StepRecord` s as the writer
 thread feeds it, with a clock that advances ``--step-seconds`` per step (2 s: every step rolls a file, the worst
@@ -103,6 +106,20 @@ def write_run(run_dir: Path, ranks: int, tensors: int, steps: int, step_seconds:
     return rows, sink_seconds, nan_at
 
 
+def replicate(run_dir: Path, ranks: int, copies: int) -> int:
+    """Copy every ``rank=R`` folder of every table as ``rank=R + i * ranks`` for i in 1..copies-1; returns the files
+    made. A copy of the NaN rank holds the NaN at the same step and order, but a higher rank: the first origin
+    (ties broken by rank) stays the written one."""
+    made = 0
+    for table in (run_dir / "store").iterdir():
+        for rank in range(ranks):
+            source = table / f"rank={rank}"
+            for i in range(1, copies):
+                shutil.copytree(source, table / f"rank={rank + i * ranks}")
+                made += sum(1 for _ in source.iterdir())
+    return made
+
+
 def real_run(out: Path, steps: int) -> None:
     """Bytes per row on disk of a real torch run (a small transformer, AdamW, the default config's families and
     metrics), Parquet beside CSV: the same rows in both."""
@@ -145,6 +162,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to write the run (default: a temp folder)")
     parser.add_argument("--keep", action="store_true", help="keep the run")
     parser.add_argument("--real-steps", type=int, default=0, help="instead: a real torch run of this many steps")
+    parser.add_argument("--replicate", type=int, default=1, help="copy the ranks' files K - 1 times as more ranks")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(dir=args.dir))
     run_dir = root / "run"
@@ -163,6 +181,12 @@ def main() -> None:
               f"({rows / sink_seconds:,.0f} rows/s) per process")
         print(f"store: {row_bytes / rows:.2f} bytes per row ({row_bytes / 1e6:.1f} MB of row tables), "
               f"{len(files)} files = {len(files) / (len(tables) * args.ranks):.1f} per table and rank")
+        if args.replicate > 1:
+            start = time.perf_counter()
+            made = replicate(run_dir, args.ranks, args.replicate)
+            rows *= args.replicate
+            print(f"copied the {args.ranks} ranks' files {args.replicate - 1} times ({made:,} files, "
+                  f"{time.perf_counter() - start:.0f} s): {args.ranks * args.replicate} ranks, {rows:,} rows")
         con = open_run(run_dir)
         for label, sql in (("first non-finite origin", FIRST_NONFINITE), ("cross-rank aggregate", CROSS_RANK)):
             timings = []
