@@ -100,6 +100,7 @@ def test_same_config_gives_same_headers_and_rows_as_torch(tmp_path: Path, monkey
         "output_dir: out\n"  # relative: each framework runs in its own working directory
         "run_name: run\n"
         "sinks: [csv, tensorboard]\n"
+        "tensorboard: {per_tensor: true}\n"
         "activations: {enabled: true, metrics: [max, norm, nans]}\n"
         "params: {enabled: true}\n"
         "targets: {modules: ['fc*', act], params: ['*']}\n"
