@@ -252,9 +252,9 @@ class Overview:
             by_family.setdefault(row.key.family, []).append(row)
         blocks = []
         for family, own in by_family.items():
-            if not self.selection.family(family):
-                continue
             metrics = list(own[0].values)
+            if not metrics or not self.selection.family(family):
+                continue
             pick = itemgetter(*metrics)  # in C, by name
             try:
                 values = np.array([pick(row.values) for row in own], dtype=np.float64).reshape(len(own), len(metrics))
@@ -358,7 +358,7 @@ def summarise(columns: dict[str, npt.NDArray[np.float64]], starts: npt.NDArray[n
                 elif stat == "sum":
                     out[f"{metric}_sum"] = np.add.reduceat(column, starts)
                 elif stat == "median":
-                    out[f"{metric}_median"] = _medians(column, starts, sizes, group)
+                    out[f"{metric}_median"] = _medians(column, starts, group)
                 elif stat == "argmax" and index is not None:
                     largest = np.maximum.reduceat(column, starts)[group]
                     holds = (column == largest) | (np.isnan(column) & np.isnan(largest))
@@ -376,7 +376,7 @@ def summarise(columns: dict[str, npt.NDArray[np.float64]], starts: npt.NDArray[n
     return out
 
 
-def _medians(column: npt.NDArray[np.float64], starts: npt.NDArray[np.int64], sizes: npt.NDArray[np.int64],
+def _medians(column: npt.NDArray[np.float64], starts: npt.NDArray[np.int64],
              group: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
     """The median of the non-NaN values of each group, as ``np.nanmedian`` computes it (NaN for none)."""
     ordered = column[np.lexsort((column, group))]  # NaN sorts last within its group
