@@ -40,8 +40,10 @@ LARGE_RUN: dict[str, Any] = {
 """The large-run config of docs/sizing.md (keep the two in step)."""
 BLOCK_OUTPUTS = {"enabled": True, "inputs": False, "backward": False, "metrics": ["norm", "max", "nans"]}
 
+PER_TENSOR = {"tensorboard": {"per_tensor": True}}
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
+    "default, TensorBoard per tensor": PER_TENSOR,
     "default + activations": {"activations": {"enabled": True}},
     "default, sinks [parquet]": {"sinks": ["parquet"]},
     "large-run": LARGE_RUN,
@@ -85,13 +87,14 @@ def sizing_of(model: torch.nn.Module, config: dict[str, Any], out: Path) -> Sizi
     sizing, resolved = info["sizing"], info["config"]
     families = tuple(FamilySize(family, rows, family in sizing["estimated"], sizing["bytes_per_row"][family])
                      for family, rows in sizing["rows_per_collected_step"].items())
-    return Sizing(families, tuple(resolved["sinks"]), resolved["step_interval"], resolved["collect_times"])
+    return Sizing(families, tuple(resolved["sinks"]), resolved["step_interval"], resolved["collect_times"],
+                  overview_bytes=sizing["tensorboard_overview_bytes_per_collected_step"])
 
 
 def stored_once(sizing: Sizing, steps: int, ranks: int) -> float:
     """Bytes of a run whose DP-replicated families are written by one rank (pure data parallelism)."""
-    total = 0.0
-    for family in sizing.families:
+    total = (sizing.bytes_per_step - sum(family.bytes(sizing.sinks) for family in sizing.families)) * ranks
+    for family in sizing.families:  # the overview above: every rank writes its own
         writers = 1 if family.family in REPLICATED_FAMILIES else ranks
         total += family.bytes(sizing.sinks) * writers
     return total * sizing.collected(steps)
@@ -121,12 +124,16 @@ def main() -> None:
                 for ranks in args.ranks:
                     cells += [human_bytes(per_rank * ranks), human_bytes(stored_once(sizing, args.steps, ranks))]
                 print("| " + " | ".join(cells) + " |", flush=True)
-        print("\nPer family, 7B shape, default config + activations (bytes per row; TensorBoard: its 7 points):")
+        print("\nPer family, 7B shape, default config + activations, TensorBoard per tensor (bytes per row; "
+              "TensorBoard: its 7 points):")
         print("\n| family | rows / collected step | CSV | TensorBoard | Parquet |\n|---|---|---|---|---|")
-        for family in sizing_of(MODELS["7B shape"](), CONFIGS["default + activations"], Path(tmp)).families:
+        detail = sizing_of(MODELS["7B shape"](), {**CONFIGS["default + activations"], **PER_TENSOR}, Path(tmp))
+        for family in detail.families:
             sizes = family.bytes_per_row
             print(f"| {family.family} | {'~' if family.estimated else ''}{family.rows:,} | {sizes['csv']:.0f} | "
                   f"{sizes['tensorboard']:.0f} | {sizes['parquet']:.0f} |")
+        print(f"\nTensorBoard's overview, 7B shape, default config + activations: {detail.overview_bytes:,.0f} bytes "
+              "per collected step (whatever the model)")
 
 
 if __name__ == "__main__":

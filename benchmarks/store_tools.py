@@ -1,4 +1,5 @@
-"""Benchmark ``trainmon report`` and ``trainmon csv2tb`` on a run's CSV files and on its store (docs/store.md).
+"""Benchmark ``trainmon report`` and ``trainmon csv2tb`` (its overview, and ``--per-tensor``) on a run's CSV files
+and on its store (docs/store.md).
 
 Usage: ``python benchmarks/store_tools.py [--tensors 292] [--steps 2000] [--dir DIR]``
 
@@ -81,7 +82,9 @@ def main() -> None:
         for name, argv in (("report", ["report", str(run), "-o", str(base / f"{label}.html")]),
                            ("report --metrics norm", ["report", str(run), "-o", str(base / f"{label}-norm.html"),
                                                       "--metrics", "norm"]),
-                           ("csv2tb", ["csv2tb", str(run), "-o", str(base / f"tb-{label}")])):
+                           ("csv2tb", ["csv2tb", str(run), "-o", str(base / f"tb-{label}")]),
+                           ("csv2tb --per-tensor", ["csv2tb", str(run), "-o", str(base / f"tb-{label}-all"),
+                                                    "--per-tensor"])):
             seconds, peak = measure(argv)
             print(f"{'CSV' if label == 'run' else 'store'} {name}: {seconds:.2f} s, peak {peak:.0f} MB")
     if args.dir is None:

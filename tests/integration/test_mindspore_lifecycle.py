@@ -100,6 +100,7 @@ def test_same_config_gives_same_headers_and_rows_as_torch(tmp_path: Path, monkey
         "output_dir: out\n"  # relative: each framework runs in its own working directory
         "run_name: run\n"
         "sinks: [csv, tensorboard]\n"
+        "tensorboard: {per_tensor: true}\n"
         "activations: {enabled: true, metrics: [max, norm, nans]}\n"
         "params: {enabled: true}\n"
         "targets: {modules: ['fc*', act], params: ['*']}\n"
@@ -162,7 +163,8 @@ def test_same_config_gives_same_headers_and_rows_as_torch(tmp_path: Path, monkey
         (steps_t, values_t), (steps_m, values_m) = ([[e.step for e in s], [e.value for e in s]]
                                                     for s in (board.Scalars(tag) for board in boards))
         assert steps_t == steps_m == list(range(steps)), tag
-        norm_tag = tag.rsplit("/", 1)[0] + "/norm"
+        family, _, rest = tag.partition("/")  # an overview summary {family}/{metric}_{stat}: its family's norm_max
+        norm_tag = f"{family}/norm_max" if "/" not in rest else tag.rsplit("/", 1)[0] + "/norm"
         norms = np.array([e.value for e in boards[0].Scalars(norm_tag)]) if norm_tag in tags else np.zeros(steps)
         _assert_same_values(np.array(values_t)[:, None], np.array(values_m)[:, None], norms, tag)
     # anomalies.jsonl: the same events with the same fields, in the same order (only the wall time differs)

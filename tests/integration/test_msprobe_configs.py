@@ -226,7 +226,8 @@ def _rows(rank_dir: Path) -> set[tuple[str, str]]:
         accumulator.Reload()
         for tag in accumulator.Tags()["scalars"]:
             family, _, rest = tag.partition("/")
-            found.add((family, rest if family == "scalars" else rest.rpartition("/")[0]))
+            if family == "scalars" or "/" in rest:  # not the overview's {family}/{metric}_{stat}
+                found.add((family, rest if family == "scalars" else rest.rpartition("/")[0]))
     return found
 
 

@@ -54,7 +54,8 @@ def _logged(caplog) -> str:
 
 
 def test_projection_matches_a_real_run(tmp_path, caplog):
-    config = {"sinks": ["csv", "tensorboard"], "activations": {"enabled": True}, "params": {"enabled": True}}
+    config = {"sinks": ["csv", "tensorboard"], "activations": {"enabled": True}, "params": {"enabled": True},
+              "tensorboard": {"per_tensor": True}}
     run = _train(tmp_path, lambda params: torch.optim.AdamW(params, lr=1e-3), config)
     sizing = json.loads((run / "run.json").read_text())["sizing"]
     projected = sizing["rows_per_collected_step"]
@@ -77,9 +78,23 @@ def test_projection_matches_a_real_run(tmp_path, caplog):
     projected_csv = sum(projected[f] * per_row[f]["csv"] for f in projected) * STEPS
     assert csv_bytes == pytest.approx(projected_csv, rel=BYTES_TOLERANCE)
     events = sum(p.stat().st_size for p in (run / "rank0").glob("events.out.tfevents.*"))
-    projected_tb = sum(projected[f] * per_row[f]["tensorboard"] for f in projected) * STEPS
+    overview = sizing["tensorboard_overview_bytes_per_collected_step"]
+    projected_tb = (sum(projected[f] * per_row[f]["tensorboard"] for f in projected) + overview) * STEPS
     assert events == pytest.approx(projected_tb, rel=BYTES_TOLERANCE)
     assert sizing["bytes_per_collected_step"] == pytest.approx((projected_csv + projected_tb) / STEPS, rel=1e-3)
+
+
+def test_tensorboard_overview_projection_is_a_constant_per_step(tmp_path):
+    """The default TensorBoard output: the overview's summaries per collected step (the projection counts them
+    alone: the scalars, the tables of tensors and the layout are the rest of the file, up to half as much again
+    on this 12-step run)."""
+    config = {"sinks": ["tensorboard"], "activations": {"enabled": True}, "params": {"enabled": True}}
+    run = _train(tmp_path, lambda params: torch.optim.AdamW(params, lr=1e-3), config)
+    sizing = json.loads((run / "run.json").read_text())["sizing"]
+    assert {row["tensorboard"] for row in sizing["bytes_per_row"].values()} == {0.0}
+    projected = sizing["tensorboard_overview_bytes_per_collected_step"] * STEPS
+    events = sum(p.stat().st_size for p in (run / "rank0").glob("events.out.tfevents.*"))
+    assert projected <= events <= 1.5 * projected
 
 
 def test_projection_follows_the_optimizer_and_the_schedule(tmp_path, caplog):

@@ -105,16 +105,18 @@ def test_report_equals_the_csv_report(runs, tmp_path, capsys, options):
     assert from_store == from_csv
 
 
-def test_csv2tb_equals_the_csv_conversion(runs, tmp_path, capsys):
+@pytest.mark.parametrize("options", [[], ["--per-tensor"]])
+def test_csv2tb_equals_the_csv_conversion(runs, tmp_path, capsys, options):
     run_dir, store_only = runs
-    assert main(["csv2tb", str(run_dir), "-o", str(tmp_path / "csv")]) == 0
+    assert main(["csv2tb", str(run_dir), "-o", str(tmp_path / "csv"), *options]) == 0
     csv_out = capsys.readouterr().out
-    assert main(["csv2tb", str(store_only), "-o", str(tmp_path / "store")]) == 0
+    assert main(["csv2tb", str(store_only), "-o", str(tmp_path / "store"), *options]) == 0
     store_out = capsys.readouterr().out
     assert "read trainmon store" in store_out and "msprobe" not in store_out
     assert csv_out.splitlines()[-1].split(" to ")[0] == store_out.splitlines()[-1].split(" to ")[0]  # wrote N scalars
     from_csv, from_store = tags_and_points(tmp_path / "csv" / "rank0"), tags_and_points(tmp_path / "store" / "rank0")
-    assert set(from_store) == set(from_csv) and len(from_csv) > 100
+    assert set(from_store) == set(from_csv) and len(from_csv) > (100 if options else 20)
+    assert ("grad_reduced/head.weight/norm/micro1" in from_csv) == bool(options) and "grad_reduced/norm_max" in from_csv
     for tag, points in from_csv.items():
         other = from_store[tag]
         assert [s for s, _ in other] == [s for s, _ in points], tag

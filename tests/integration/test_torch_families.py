@@ -46,6 +46,7 @@ def test_every_family_matches_numpy(tmp_path):
         model.layers[0].fc1.bias.zero_()  # exact zeros: exercises `zeros` and the ratio's param == 0 rule
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     config = {"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv", "tensorboard"],
+              "tensorboard": {"per_tensor": True},
               "activations": ALL, "weight_grads": ALL, "params": ALL,
               "optimizer_states": {"metrics": METRICS, "states": ["exp_avg", "exp_avg_sq", "update", "ratio"]}}
     acts: dict[str, list[np.ndarray]] = {}
@@ -121,6 +122,9 @@ def test_every_family_matches_numpy(tmp_path):
     tb = [e.value for e in events.Scalars("grad_reduced/layers.0.fc1.weight/norm")]
     csv_norms = read_family(rank_dir, "grad_reduced").query("name == 'layers.0.fc1.weight'")["norm"].tolist()
     np.testing.assert_allclose(tb, csv_norms, rtol=1e-6)
+    # the overview beside them (tests/integration/test_tensorboard_overview.py checks it against numpy)
+    tb_max = [e.value for e in events.Scalars("grad_reduced/norm_max")]
+    np.testing.assert_allclose(tb_max, read_family(rank_dir, "grad_reduced").groupby("step")["norm"].max(), rtol=1e-6)
     assert (tmp_path / "run" / "run.json").exists()
 
 

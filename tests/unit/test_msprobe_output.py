@@ -126,7 +126,7 @@ def _scalars(events_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 def test_csv2tb_reads_both_msprobe_layouts(output_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (rank_folder,) = [p for p in output_dir.iterdir() if "-rank0-" in p.name]
-    assert main(["csv2tb", str(output_dir)]) == 0
+    assert main(["csv2tb", str(output_dir), "--per-tensor"]) == 0
     out = capsys.readouterr().out
     layout = "msprobe 1.2 CSV" if output_dir.name == "msprobe-1.2.1" else "msprobe 8.x-26.x CSV"
     assert f"read {layout}" in out
@@ -143,6 +143,7 @@ def test_csv2tb_reads_both_msprobe_layouts(output_dir: Path, capsys: pytest.Capt
     name_column = "param_name" if "param_name" in grads else "name"
     first = grads.iloc[0]
     assert scalars[f"grad_reduced/{first[name_column]}/max"] == [(0, pytest.approx(float(first['max']), rel=1e-6))]
+    assert scalars["grad_reduced/max_max"] == [(0, pytest.approx(float(grads["max"].max()), rel=1e-6))]
     # Only some families; and nothing msprobe wrote is touched.
     assert main(["csv2tb", str(rank_folder), "--families", "other"]) == 0
     tags = _scalars(rank_folder / "tensorboard" / rank_folder.name)

@@ -171,6 +171,16 @@ def test_output_dir_is_msprobes(tmp_path: Path) -> None:
     assert _translate(tmp_path, {}, MONITOR_OUTPUT_DIR="/data/mon")["output_dir"] == "/data/mon"
 
 
+def test_format_tensorboard_keeps_msprobes_tag_per_tensor(tmp_path: Path) -> None:
+    """msprobe's TensorBoard output has a tag per tensor and op (``0:{name}/rank{R}/{tag}_{op}``): a config that asks
+    for it gets trainmon's per-tensor tags beside the overview; without ``format`` (trainmon writes both CSV and
+    TensorBoard) and with ``csv`` the TensorBoard output stays the bounded overview."""
+    assert _translate(tmp_path, {"format": "tensorboard"})["tensorboard"] == {"per_tensor": True}
+    assert load_config(_translate(tmp_path, {"format": "tensorboard"})).sinks == ["tensorboard"]
+    assert "tensorboard" not in _translate(tmp_path, {"format": "csv"})
+    assert "tensorboard" not in _translate(tmp_path, {})
+
+
 def test_mg_direction_mbs_grad_and_schedule(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     out = _translate(tmp_path, {"mg_direction": True, "wg_distribution": True, "monitor_mbs_grad": True,
                                 "module_ranks": [1, 1, 3], "collect_times": 5, "start_step": 2, "step_interval": 3,

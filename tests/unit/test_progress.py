@@ -58,7 +58,7 @@ def test_csv2tb_advances_per_file_with_rate_and_eta(tmp_path):
     files = len(list(run_dir.glob("rank*/*.csv")))
     assert files == 14  # 6 families + scalars, 2 ranks
     code, out, err = _trainmon(["csv2tb", str(run_dir)], tty=True)
-    assert code == 0 and f"wrote 96 scalars to {run_dir / 'tensorboard'}" in out
+    assert code == 0 and f"wrote 192 scalars to {run_dir / 'tensorboard'}" in out  # 2 ranks x 96
     bar = _last_bar(err)
     assert bar.startswith("csv2tb: 100%") and f"{files}/{files}" in bar, err
     assert re.search(r"\[\d\d:\d\d<\d\d:\d\d, +([\d.]+file/s|[\d.]+s/file)\]$", bar), bar  # elapsed<ETA, rate

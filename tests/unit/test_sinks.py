@@ -12,6 +12,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from trainmon.base.records import Row, RowKey, StepRecord
 from trainmon.sinks.csv import CsvSink
 from trainmon.sinks.tensorboard import TensorBoardSink
+from trainmon.sinks.tensorboard_overview import TagSelection
+
+PER_TENSOR = TagSelection(per_tensor=True)
 
 
 def _record(step: int) -> StepRecord:
@@ -21,7 +24,7 @@ def _record(step: int) -> StepRecord:
 
 
 def test_csv_and_tensorboard_round_trip_with_nan(tmp_path):
-    sinks = [CsvSink(tmp_path), TensorBoardSink(tmp_path)]
+    sinks = [CsvSink(tmp_path), TensorBoardSink(tmp_path, selection=PER_TENSOR)]
     for step in (0, 1):
         for sink in sinks:
             sink.write(_record(step))
@@ -35,6 +38,22 @@ def test_csv_and_tensorboard_round_trip_with_nan(tmp_path):
     assert [e.value for e in events.Scalars("grad_reduced/fc.weight/norm")] == [0.0, 1.5]
     assert math.isnan(events.Scalars("actv/fc.output/norm")[0].value)
     assert [round(e.value, 6) for e in events.Scalars("scalars/loss")] == [2.0, 1.0]
+    # the overview beside the per-tensor tags: one tensor per family, so its values are the tensor's
+    assert [e.value for e in events.Scalars("grad_reduced/norm_max")] == [0.0, 1.5]
+    assert [e.value for e in events.Scalars("actv/nonfinite_tensors")] == [1.0, 1.0]
+    assert math.isnan(events.Scalars("actv/norm_max")[0].value)
+
+
+def test_tensorboard_writes_no_per_tensor_tag_by_default(tmp_path):
+    sink = TensorBoardSink(tmp_path)
+    for step in (0, 1):
+        sink.write(_record(step))
+    sink.close()
+    tags = EventAccumulator(str(tmp_path)).Reload().Tags()["scalars"]
+    assert sorted(tags) == ["0_overview/loss", "actv/nans_sum", "actv/nonfinite_tensors", "actv/norm_argmax",
+                            "actv/norm_max", "actv/norm_median", "grad_reduced/nans_sum",
+                            "grad_reduced/nonfinite_tensors", "grad_reduced/norm_argmax", "grad_reduced/norm_max",
+                            "grad_reduced/norm_median", "scalars/loss"]
 
 
 def test_tensorboard_sink_warns_without_native_crc32c(tmp_path, monkeypatch):
@@ -108,7 +127,7 @@ def test_tensorboard_overview_micro_steps_anomaly_text_and_layout(tmp_path):
 
     old = {"step": 0, "detector": "nonfinite", "message": "from an earlier attach"}
     (tmp_path / "anomalies.jsonl").write_text(json.dumps(old) + "\n")
-    sink = TensorBoardSink(tmp_path)
+    sink = TensorBoardSink(tmp_path, selection=PER_TENSOR)
     for step in (0, 1, 2):
         rows = [Row(RowKey("actv", "fc.output", micro, vpp, micro), step, {"norm": 10.0 * micro + step}, False)
                 for vpp in (0, 1) for micro in (0, 1)]
@@ -141,4 +160,11 @@ def test_tensorboard_overview_micro_steps_anomaly_text_and_layout(tmp_path):
     layout = layout_pb2.Layout.FromString(config.tensor_proto.string_val[0])
     charts = {(c.title, ch.title): list(ch.multiline.tag) for c in layout.category for ch in c.chart}
     assert charts[("actv", "norm")] == [r"^actv/.*/norm(/vpp\d+)?(/micro\d+)?$"]
+    assert charts[("actv", "norm over tensors: max, median")] == [r"^actv/norm_(max|median)$"]
     assert ("overview", "loss") in charts
+    # the overview spans every micro-step and VPP chunk: 4 tensors, the largest norm is micro-step 1's
+    assert [e.value for e in events.Scalars("actv/norm_max")] == [10.0 + s for s in (0, 1, 2)]
+    (table,) = events.Tensors("actv/tensors/text_summary")
+    assert table.tensor_proto.string_val[0].decode().splitlines()[-4:] == [
+        "| 0 | fc.output |", "| 1 | fc.output/micro1 |", "| 2 | fc.output/vpp1 |", "| 3 | fc.output/vpp1/micro1 |"]
+    assert [e.value for e in events.Scalars("actv/norm_argmax")] == [1.0] * 3

@@ -17,11 +17,19 @@ LLAMA_7B = ["model.embed_tokens.weight", *(f"model.layers.{i}.{n}" for i in rang
             "model.norm.weight", "lm_head.weight"]
 
 
+<<<<<<< HEAD
 def test_the_7b_shape_with_the_former_default_config():
     """Issue 31: with the former default sinks (CSV and per-tensor TensorBoard), ~1.0 MB per collected step per rank,
     ~650 GB for 10,000 steps x 64 ranks."""
     sizing = project(Measured(params=LLAMA_7B, optimizer_states=None), load_config({"sinks": ["csv", "tensorboard"]}),
                      world_size=64)
+=======
+def test_the_7b_shape_with_the_default_config():
+    """Issue 31: ~1.0 MB per collected step per rank, ~650 GB for 10,000 steps x 64 ranks, with a TensorBoard tag per
+    tensor (``tensorboard.per_tensor``); TensorBoard's overview instead (the default) leaves CSV's ~270 kB."""
+    config = load_config({"tensorboard": {"per_tensor": True}})
+    sizing = project(Measured(params=LLAMA_7B, optimizer_states=None), config, world_size=64)
+>>>>>>> tboverview
     assert len(LLAMA_7B) == 291
     assert {f.family: f.rows for f in sizing.families} == {
         f: 291 for f in ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "update", "ratio")}
@@ -32,6 +40,33 @@ def test_the_7b_shape_with_the_former_default_config():
     assert line.startswith("trainmon: 1,746 rows per collected step (grad_unreduced 291, grad_reduced 291, ")
     assert "with sinks [csv, tensorboard] 1.0 MB per collected step per rank, 1.0 GB per 1,000 steps (x64 ranks: " \
            "67 GB)" in line
+    default = project(Measured(params=LLAMA_7B, optimizer_states=None), load_config({}), world_size=64)
+    csv_only = project(Measured(params=LLAMA_7B, optimizer_states=None), load_config({"sinks": ["csv"]}))
+    assert default.bytes_per_step == csv_only.bytes_per_step + default.overview_bytes
+    assert "272 kB per collected step per rank" in default.line()
+
+
+def test_tensorboard_overview_is_a_constant_per_step_and_per_tensor_follows_the_filter():
+    """The overview's bytes do not grow with the model; per-tensor bytes count only the tensors, families and
+    metrics selected."""
+    small, big = (project(Measured(params=[f"layers.{i}.weight" for i in range(n)]), load_config({}))
+                  for n in (3, 3000))
+    assert small.overview_bytes == big.overview_bytes > 0
+    # 6 families x 10 tags (7 metrics: 9 summaries and nonfinite_tensors), each its text + 10
+    tags = [f"{stat}" for stat in ("norm_max", "norm_median", "norm_argmax", "min_min", "max_max", "mean_median",
+                                   "zeros_max", "nans_sum", "infs_sum", "nonfinite_tensors")]
+    families = ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "update", "ratio")
+    assert small.overview_bytes == sum(len(f"{f}/{t}") + 10 for f in families for t in tags)
+    assert {f.bytes_per_row["tensorboard"] for f in big.families} == {0.0}
+    config = load_config({"weight_grads": {"metrics": ["norm", "nans"]}, "optimizer_states": {"enabled": False},
+                          "tensorboard": {"per_tensor": True, "tensors": ["layers.1.*"], "families": ["grad_reduced"],
+                                          "metrics": ["norm"]}})
+    sizing = project(Measured(params=["layers.0.weight", "layers.1.weight"]), config)
+    per_row = {f.family: f.bytes_per_row["tensorboard"] for f in sizing.families}
+    assert per_row == {"grad_unreduced": 0.0, "grad_reduced": (len("grad_reduced/layers.1.weight/norm") + 10) / 2}
+    overview = ["grad_reduced/norm_max", "grad_reduced/norm_median", "grad_reduced/norm_argmax",
+                "grad_reduced/nonfinite_tensors"]
+    assert sizing.overview_bytes == sum(len(tag) + 10 for tag in overview)
 
 
 def test_the_schedule_thins_and_caps_the_steps():
@@ -59,7 +94,7 @@ def test_families_follow_the_optimizer_and_the_config():
 
 def test_bytes_per_row_per_sink():
     config = load_config({"sinks": ["csv", "tensorboard", "parquet"], "weight_grads": {"metrics": ["norm", "nans"]},
-                          "optimizer_states": {"enabled": False}})
+                          "optimizer_states": {"enabled": False}, "tensorboard": {"per_tensor": True}})
     (family, _) = project(Measured(params=["fc.weight"]), config).families
     # 0,fc.weight,12345,0,<20 chars>,<3 chars>\r\n
     assert family.bytes_per_row["csv"] == len("0,fc.weight,12345,0,") + 20 + 1 + 3 + 2

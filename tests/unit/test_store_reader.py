@@ -148,13 +148,24 @@ def tags_and_points(directory: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def test_csv2tb_of_a_resumed_store_run_equals_the_csv_conversion(tmp_path):
+@pytest.mark.parametrize("batch", [None, 4])
+def test_csv2tb_of_a_resumed_store_run_equals_the_csv_conversion(tmp_path, monkeypatch, batch):
+    """Also when the store is read in batches of 4 rows: a step's 6 rows come in two batches, joined again for the
+    overview's summaries."""
+    from trainmon.tools import store_reader
+
+    if batch is not None:
+        monkeypatch.setattr(store_reader, "_BATCH", batch)
     run_dir, store_only = _resumed_run(tmp_path)
-    assert main(["csv2tb", str(run_dir), "-o", str(tmp_path / "csv")]) == 0
-    assert main(["csv2tb", str(store_only), "-o", str(tmp_path / "store")]) == 0
-    from_csv = tags_and_points(tmp_path / "csv" / "rank0")
-    from_store = tags_and_points(tmp_path / "store" / "rank0")
-    assert from_csv and str(from_store) == str(from_csv)  # str: NaN equals NaN
+    for options in ([], ["--per-tensor"]):
+        assert main(["csv2tb", str(run_dir), "-o", str(tmp_path / "csv"), *options]) == 0
+        assert main(["csv2tb", str(store_only), "-o", str(tmp_path / "store"), *options]) == 0
+        from_csv = tags_and_points(tmp_path / "csv" / "rank0")
+        from_store = tags_and_points(tmp_path / "store" / "rank0")
+        assert from_csv and str(from_store) == str(from_csv)  # str: NaN equals NaN
+        assert ("actv/a.output/norm" in from_csv) == bool(options) and "actv/norm_max" in from_csv
+        shutil.rmtree(tmp_path / "csv")
+        shutil.rmtree(tmp_path / "store")
 
 
 @pytest.mark.parametrize("damage", ["truncated", "foreign"])
@@ -179,7 +190,8 @@ def test_a_store_without_rank_folders_and_a_rank_folder_alone(tmp_path, capsys, 
     _write(run_dir, range(3))
     shutil.rmtree(store_only_copy(run_dir, tmp_path / "bare") / "rank0")
     assert main([command, str(tmp_path / "bare"), "-o", str(tmp_path / "out.html" if command == "report" else
-                                                            tmp_path / "tb")]) == 0
+                                                            tmp_path / "tb"),
+                 *(["--per-tensor"] if command == "csv2tb" else [])]) == 0
     if command == "csv2tb":
         assert tags_and_points(tmp_path / "tb" / "rank0")["actv/a.output/norm/vpp1"][0] == (0, pytest.approx(1.01))
     capsys.readouterr()

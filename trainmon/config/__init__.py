@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from trainmon.anomaly.detectors import check_specs
-from trainmon.base.records import METRICS
+from trainmon.base.records import FAMILIES, METRICS
 from trainmon.base.schema import each, load, setting, short
-from trainmon.base.targets import check_pattern
+from trainmon.base.targets import check_pattern, compile_pattern
 from trainmon.config import reference
 from trainmon.config.files import read_config_file
 from trainmon.errors import ConfigError
@@ -63,6 +63,10 @@ def _patterns(default: list[str]) -> Any:
 
 def _regex(value: str, path: str) -> None:
     check_pattern("re:" + value, path)
+
+
+def _tensor_pattern(value: str, path: str) -> None:
+    compile_pattern(value, path)
 
 
 def _increasing(bounds: list[float], path: str) -> None:
@@ -211,6 +215,34 @@ class GradProbeConfig:
 
 
 @dataclass
+class TensorBoardConfig:
+    """What the ``tensorboard`` sink writes: by default an overview of < 200 tags whatever the model size."""
+
+    per_tensor: bool = False
+    """The overview (docs/tensorboard.md) holds the run-level scalars and anomaly counts (``0_overview/``) and, per
+    family and metric, summaries over all the tensors of the step (``grad_reduced/norm_max``, ``norm_median``,
+    ``norm_argmax``, ..., ``nonfinite_tensors``), computed on the sink's writer thread. ``true``: also write one tag
+    per tensor and metric, ``{family}/{name}/{metric}`` (with ``/vpp{v}``, ``/micro{m}`` when not 0), for the tensors
+    that ``tensors`` selects, and every scalar (the per-parameter grad-probe scalars of those tensors, every
+    ``lr/group{i}``). About 12,000 tags per rank at a 7B shape, which TensorBoard takes minutes to load: narrow them
+    with ``tensors``, ``families`` and ``metrics``. Set by msprobe configs with ``format: tensorboard`` (msprobe
+    writes a tag per tensor)."""
+    tensors: list[str] = setting(["*"], check=each(_tensor_pattern))
+    """The tensors whose per-tensor tags are written, by row name (``layers.0.mlp.fc1.weight``,
+    ``layers.0.mlp.output``): exact names, globs (``layers.0.*``) or regexes (``re:^layers\\.(0|31)\\.``).
+    Needs ``per_tensor: true``."""
+    families: list[str] | None = setting(None, choices=FAMILIES, unique=True)
+    """The families written to TensorBoard (summaries and per-tensor tags); null: every family collected."""
+    metrics: list[str] | None = setting(None, choices=METRICS, unique=True)
+    """The metrics written to TensorBoard (their summaries and per-tensor tags); null: every metric collected."""
+
+    def cross_check(self, path: str) -> None:
+        """A tensor filter without per-tensor tags would select nothing: a mistake, not a choice."""
+        if self.tensors != ["*"] and not self.per_tensor:
+            raise ConfigError(f"{path}.tensors", "selects the per-tensor tags: set per_tensor: true as well")
+
+
+@dataclass
 class AnomalyConfig:
     """Anomaly detectors and what happens when they fire."""
 
@@ -295,7 +327,7 @@ class MonitorConfig:
     run_name: str | None = setting(None, check=_directory_name)
     """Run directory name; default a UTC timestamp (shared by all ranks)."""
     sinks: list[str] = setting(["parquet", "tensorboard"], choices=SINKS, unique=True)
-    """Outputs: csv, tensorboard, parquet (the run store: docs/store.md)."""
+    """Outputs: parquet (the run store: docs/store.md), tensorboard (what it writes: ``tensorboard``), csv."""
     ranks: list[int] | None = setting(None, minimum=0, unique=True, check=_some_rank)
     """Ranks that collect and write (distinct, each below the world size: checked at ``attach``); null means
     every rank."""
@@ -333,6 +365,8 @@ class MonitorConfig:
     """Collective-communication statistics."""
     grad_probe: GradProbeConfig = field(default_factory=GradProbeConfig)
     """Grad probe."""
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
+    """What the TensorBoard sink writes."""
     anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
     """Anomaly detection."""
     dump: DumpConfig = field(default_factory=DumpConfig)

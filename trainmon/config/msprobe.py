@@ -282,6 +282,8 @@ class _Translation:
             return  # msprobe's default is tensorboard (1.2.1) or csv (8.x and later): trainmon writes both
         if fmt in ("csv", "tensorboard"):
             self.out["sinks"] = [fmt]
+            if fmt == "tensorboard":  # msprobe writes a tag per tensor and op: so does trainmon, beside its overview
+                self.out["tensorboard"] = {"per_tensor": True}
         elif fmt == "api":
             self.out["sinks"] = []
             self._differs("format", "'api' writes no file, as in msprobe; read the values from the StepRecord "

@@ -31,6 +31,7 @@ from trainmon.runtime.rundir import (
 from trainmon.runtime.schedule import StepSchedule
 from trainmon.runtime.sizing import log_sizing
 from trainmon.sinks import SinkWriter, build_sinks
+from trainmon.sinks.tensorboard_overview import TagSelection
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -104,7 +105,9 @@ class Session:
                 logger.warning("trainmon: dynamic.watch needs a config file (TrainerMonitor(path)); "
                                "this monitor was built from a dict and is not watched")
             # The writer last: an attach that failed above wrote no file (no run.json, no writer_stats.json).
-            sinks = build_sinks(config.sinks, self.rank_dir, config.flush_seconds) if self.rank_dir else []
+            board = config.tensorboard
+            selection = TagSelection(board.per_tensor, board.tensors, board.families, board.metrics)
+            sinks = build_sinks(config.sinks, self.rank_dir, config.flush_seconds, selection) if self.rank_dir else []
             self.writer = SinkWriter(sinks, config.flush_seconds, root=self.run_dir,
                                      stats_path=self.rank_dir / "writer_stats.json" if self.rank_dir else None)
             if writes_run_json:

@@ -7,7 +7,10 @@ The projection is plain arithmetic over what the attachment measures and what th
   have a forward of their own x (input + output) x micro-steps (a tuple input or output, a module called twice in
   a micro-step, an integer input writing no row make the real count differ);
 - **bytes per row**, per sink: CSV from the row's text (the names, the step, one value per configured metric),
-  TensorBoard per metric point from its tag, Parquet a measured constant (docs/store.md);
+  TensorBoard per metric point from its tag (only with ``tensorboard.per_tensor``, for the tensors it selects),
+  Parquet a measured constant (docs/store.md);
+- **TensorBoard's overview**: a constant per collected step, its summaries of each family (their tags' text and
+  a point each), whatever the model size;
 - **per run**: collected steps (``step_interval``, ``collect_times``) x ranks.
 
 Only the rows of the row families are counted: ``scalars`` (a few per step), ``comm`` (depends on the
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trainmon.config import family_metrics
+from trainmon.sinks.tensorboard_overview import NONFINITE, TagSelection, overview_tags
 
 if TYPE_CHECKING:
     from trainmon.config import MonitorConfig
@@ -88,6 +92,8 @@ class Sizing:
     world_size: int = 1
     not_counted: tuple[str, ...] = field(default=())
     """Families turned on whose rows are not projected (``comm``)."""
+    overview_bytes: float = 0.0
+    """TensorBoard's overview: bytes per collected step (with the tensorboard sink), whatever the rows."""
 
     @property
     def rows_per_step(self) -> int:
@@ -102,7 +108,8 @@ class Sizing:
     @property
     def bytes_per_step(self) -> float:
         """Bytes per collected step on one rank, in every configured sink together."""
-        return sum(f.bytes(self.sinks) for f in self.families)
+        overview = self.overview_bytes if "tensorboard" in self.sinks else 0.0
+        return sum(f.bytes(self.sinks) for f in self.families) + overview
 
     def collected(self, steps: int) -> int:
         """Collected steps among ``steps`` steps from the first collected one."""
@@ -131,6 +138,7 @@ class Sizing:
         return {"rows_per_collected_step": {f.family: f.rows for f in self.families},
                 "estimated": [f.family for f in self.families if f.estimated],
                 "bytes_per_row": {f.family: f.bytes_per_row for f in self.families},
+                "tensorboard_overview_bytes_per_collected_step": round(self.overview_bytes),
                 "bytes_per_collected_step": round(self.bytes_per_step),
                 "bytes_per_1000_steps": round(self.bytes_per_steps(1000)),
                 "not_counted": list(self.not_counted)}
@@ -175,6 +183,9 @@ def project(measured: Measured, config: MonitorConfig, *, grad_acc_steps: int = 
     """
     families: list[FamilySize] = []
     not_counted: list[str] = []
+    board = config.tensorboard
+    selection = TagSelection(board.per_tensor, board.tensors, board.families, board.metrics)
+    overview = 0.0
     for family, metrics in family_metrics(config).items():
         names = _row_names(family, measured, config)
         if names is None:
@@ -183,9 +194,10 @@ def project(measured: Measured, config: MonitorConfig, *, grad_acc_steps: int = 
         repeat = grad_acc_steps if family in ACTIVATION_FAMILIES or (
             family == "grad_unreduced" and config.weight_grads.per_micro_step) else 1
         families.append(FamilySize(family, len(names) * repeat, family in ACTIVATION_FAMILIES,
-                                   _bytes_per_row(family, names, metrics)))
+                                   _bytes_per_row(family, names, metrics, selection)))
+        overview += _overview_bytes(family, metrics, selection) if names else 0.0
     return Sizing(tuple(families), tuple(config.sinks), config.step_interval, config.collect_times, world_size,
-                  tuple(not_counted))
+                  tuple(not_counted), overview)
 
 
 def _row_names(family: str, measured: Measured, config: MonitorConfig) -> list[str] | None:
@@ -206,16 +218,31 @@ def _row_names(family: str, measured: Measured, config: MonitorConfig) -> list[s
     return measured.params if family in measured.optimizer_states else []
 
 
-def _bytes_per_row(family: str, names: Sequence[str], metrics: Sequence[str]) -> dict[str, float]:
+def _bytes_per_row(family: str, names: Sequence[str], metrics: Sequence[str],
+                   selection: TagSelection) -> dict[str, float]:
     if not names:
         return {"csv": 0.0, "tensorboard": 0.0, "parquet": 0.0}
     name_chars = sum(len(name) for name in names) / len(names)
     # vpp_stage,name,step,micro_step,<metric>...\r\n (csv.writer ends rows with \r\n)
     csv_row = 2 + name_chars + 1 + CSV_STEP_DIGITS + 1 + 2 + sum(CSV_VALUE_CHARS[m] + 1 for m in metrics) - 1 + 2
-    # one point per metric, tagged {family}/{name}/{metric}
-    tags = sum(len(family) + 1 + name_chars + 1 + len(metric) + TENSORBOARD_BYTES_PER_POINT for metric in metrics)
+    # per_tensor: one point per selected tensor and metric, tagged {family}/{name}/{metric}; spread over every row
+    chosen = [name for name in names if selection.family(family) and selection.tensor(name)]
+    chosen_chars = sum(len(name) for name in chosen)
+    tags = sum(len(chosen) * (len(family) + 1 + 1 + len(metric) + TENSORBOARD_BYTES_PER_POINT) + chosen_chars
+               for metric in metrics if selection.metric(metric)) / len(names)
     return {"csv": round(csv_row, 1), "tensorboard": round(tags, 1),
             "parquet": PARQUET_BYTES_FIXED + PARQUET_BYTES_PER_METRIC * len(metrics)}
+
+
+def _overview_bytes(family: str, metrics: Sequence[str], selection: TagSelection) -> float:
+    """TensorBoard's overview of ``family`` per collected step: one point per summary, as a per-tensor point."""
+    if not selection.family(family):
+        return 0.0
+    tags = overview_tags(family, [metric for metric in metrics if selection.metric(metric)])
+    nonfinite = f"{family}/{NONFINITE}"
+    if nonfinite not in tags and {"norm", "nans", "infs"} & set(metrics):  # counted from every metric collected
+        tags.append(nonfinite)
+    return float(sum(len(tag) + TENSORBOARD_BYTES_PER_POINT for tag in tags))
 
 
 def measured_by(attachment: Attachment) -> Measured:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainmon.sinks.base import Sink, SinkWriter
 
+if TYPE_CHECKING:
+    from trainmon.sinks.tensorboard_overview import TagSelection
 
-def build_sinks(names: list[str], rank_dir: Path, flush_seconds: float = 2.0) -> list[Sink]:
+
+def build_sinks(names: list[str], rank_dir: Path, flush_seconds: float = 2.0,
+                tensorboard: TagSelection | None = None) -> list[Sink]:
     """Instantiate the configured sinks for one rank directory (``flush_seconds``: the Parquet sink's roll
-    interval, what a ``kill -9`` may lose)."""
+    interval, what a ``kill -9`` may lose; ``tensorboard``: what the TensorBoard sink writes beyond its overview)."""
     sinks: list[Sink] = []
     for name in names:
         if name == "csv":
@@ -19,7 +24,7 @@ def build_sinks(names: list[str], rank_dir: Path, flush_seconds: float = 2.0) ->
         elif name == "tensorboard":
             from trainmon.sinks.tensorboard import TensorBoardSink
 
-            sinks.append(TensorBoardSink(rank_dir))
+            sinks.append(TensorBoardSink(rank_dir, selection=tensorboard))
         elif name == "parquet":
             from trainmon.sinks.parquet import ParquetSink
 

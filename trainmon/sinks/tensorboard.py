@@ -1,21 +1,29 @@
 """TensorBoard sink (tensorboardX protos).
 
-Tags (shared with ``trainmon csv2tb`` through :func:`~trainmon.base.records.row_tag` and :func:`scalar_tags`):
+Tags (shared with ``trainmon csv2tb`` through :mod:`trainmon.sinks.tensorboard_overview`,
+:func:`~trainmon.base.records.row_tag` and :func:`scalar_tags`; docs/tensorboard.md):
 
 - ``0_overview/{loss, grad_norm, lr/group{i}, loss_scale, step_skipped}``: the run at a glance, in the
   group TensorBoard lists first (also written as ``scalars/{name}``, the tag earlier versions used);
 - ``0_overview/anomalies/{detector}``: anomaly events per step and detector, with the events' messages as
   text at their step (tag ``anomalies/{detector}/text_summary`` as ``add_text`` names it, Text tab), read from
   ``anomalies.jsonl``;
-- ``{family}/{name}/{metric}``, with ``/vpp{v}`` and ``/micro{m}`` appended only when not 0, so each tag
-  has one value per step under gradient accumulation and virtual pipelining;
+- ``{family}/{metric}_{stat}``: per family and metric, summaries over all the tensors of the step
+  (``norm_max``, ``norm_median``, ``norm_argmax``, ...; ``{family}/nonfinite_tensors``), and the table of
+  ``norm_argmax`` indices as text (``{family}/tensors``): a bounded overview, < 200 tags whatever the model size;
+- with ``tensorboard.per_tensor``: ``{family}/{name}/{metric}`` of the selected tensors, with ``/vpp{v}`` and
+  ``/micro{m}`` appended only when not 0, so each tag has one value per step under gradient accumulation and
+  virtual pipelining;
 - ``scalars/{name}`` for the other scalars;
-- a custom-scalars layout (Custom Scalars tab): one multi-line chart per family and metric, across modules.
+- a custom-scalars layout (Custom Scalars tab): the overview, per family the norm's max and median and the
+  values' range on one chart each, and with ``per_tensor`` one multi-line chart per family and metric, across
+  tensors.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -30,12 +38,14 @@ from typing import IO, Any
 from trainmon.base.inputs import open_regular
 from trainmon.base.records import StepRecord, row_tag, split_row_tag
 from trainmon.base.safe_io import open_output
+from trainmon.sinks.tensorboard_overview import RUN_SCALARS, SCALAR_TAGS, Block, Overview, TagSelection
+
+logger = logging.getLogger("trainmon")
 
 _MAX_NAMES = 100  # event files tried per second before giving up (another writer in the same directory)
 
 OVERVIEW = "0_overview"
 """Tag group of the run-level series; ``0`` so that TensorBoard, which sorts groups by name, lists it first."""
-_OVERVIEW_SCALARS = frozenset({"loss", "grad_norm", "loss_scale", "step_skipped"})
 _OVERVIEW_PREFIXES = ("lr/", "loss/micro")
 
 
@@ -46,7 +56,7 @@ def scalar_tags(name: str) -> list[str]:
         >>> scalar_tags("loss"), scalar_tags("lr/group0"), scalar_tags("tokens")
         (['0_overview/loss', 'scalars/loss'], ['0_overview/lr/group0', 'scalars/lr/group0'], ['scalars/tokens'])
     """
-    if name in _OVERVIEW_SCALARS or name.startswith(_OVERVIEW_PREFIXES):
+    if name in RUN_SCALARS or name.startswith(_OVERVIEW_PREFIXES):
         return [f"{OVERVIEW}/{name}", f"scalars/{name}"]
     return [f"scalars/{name}"]
 
@@ -99,21 +109,39 @@ def read_anomaly_lines(data: bytes) -> list[dict[str, Any]]:
 
 
 def custom_scalar_layout(tags: Iterable[str]) -> dict[str, dict[str, list[Any]]]:
-    """tensorboardX ``custom_scalars`` layout: the overview, then one chart per family and metric (a regex over
-    the modules)."""
+    """tensorboardX ``custom_scalars`` layout: the overview; per family the norm's max and median on one chart and
+    the values' range (``max_max``, ``min_min``) on another; with per-tensor tags, one chart per family and metric
+    (a regex over the tensors)."""
     layout: dict[str, dict[str, list[Any]]] = {
         "overview": {"loss": ["Multiline", [f"^{OVERVIEW}/loss($|/)"]],
                      "grad_norm": ["Multiline", [f"^{OVERVIEW}/grad_norm$"]],
                      "lr": ["Multiline", [f"^{OVERVIEW}/lr/"]],
                      "anomalies": ["Multiline", [f"^{OVERVIEW}/anomalies/"]]}}
     for tag in tags:
+        family, _, summary = tag.partition("/")
+        if family in (OVERVIEW, "scalars"):
+            continue
+        if summary in ("norm_max", "norm_median"):
+            layout.setdefault(family, {})["norm over tensors: max, median"] = [
+                "Multiline", [f"^{re.escape(family)}/norm_(max|median)$"]]
+        elif summary in ("max_max", "min_min"):
+            layout.setdefault(family, {})["values over tensors: max, min"] = [
+                "Multiline", [f"^{re.escape(family)}/(max_max|min_min)$"]]
         row = split_row_tag(tag)
-        if row is None or row[0] in (OVERVIEW, "scalars"):
+        if row is None:
             continue
         family, _, metric, _, _ = row
         layout.setdefault(family, {})[metric] = [
             "Multiline", [f"^{re.escape(family)}/.*/{re.escape(metric)}(/vpp\\d+)?(/micro\\d+)?$"]]
     return layout
+
+
+def text_summary(texts: dict[str, str]) -> Any:
+    """One ``Summary`` of ``add_text`` records (tags ``{tag}/text_summary``)."""
+    from tensorboardX.proto.summary_pb2 import Summary
+    from tensorboardX.summary import text
+
+    return Summary(value=[value for tag, body in texts.items() for value in text(tag, body).value])
 
 
 class EventFile:
@@ -197,17 +225,18 @@ class TensorBoardSink(EventFile):
 
     All values of a step go into one ``Summary`` event (tensorboardX's ``add_scalar`` would write
     one event per value and log a warning for every NaN, which is exactly what a monitor must
-    report quietly). A full disk raises in :class:`EventFile`'s write, where the writer disables the
-    sink with one warning.
+    report quietly). The overview's summaries are computed here, on the writer thread, never on the training
+    thread. A full disk raises in :class:`EventFile`'s write, where the writer disables the sink with one warning.
 
     Args:
         rank_dir: ``{output_dir}/{run_name}/rank{R}``.
         root: the directory below which no symlink is followed (default: ``rank_dir``'s parent).
+        selection: what is written beyond the overview (config ``tensorboard``); default the overview alone.
     """
 
     name = "tensorboard"
 
-    def __init__(self, rank_dir: Path, root: Path | None = None) -> None:
+    def __init__(self, rank_dir: Path, root: Path | None = None, selection: TagSelection | None = None) -> None:
         super().__init__(rank_dir, root)
         from tensorboardX import crc32c
 
@@ -218,6 +247,7 @@ class TensorBoardSink(EventFile):
         from tensorboardX.summary import custom_scalars
 
         self._custom_scalars = custom_scalars
+        self.overview = Overview(selection, on_dropped=_warn_dropped)
         # Anomalies of earlier attaches (a resumed run) are in earlier event files: start at the current end.
         self._anomalies = self.rank_dir / ANOMALIES_FILE
         self._anomaly_offset = _size(self._anomalies)
@@ -227,14 +257,27 @@ class TensorBoardSink(EventFile):
         if first:
             self.open()
         value = self._summary.Value
-        values = [value(tag=row_tag(row.family, row.name, metric, row.key.micro_step, row.key.vpp_stage),
-                        simple_value=v)
-                  for row in record.rows for metric, v in row.values.items()]
-        values += [value(tag=tag, simple_value=v) for name, v in record.scalars.items() for tag in scalar_tags(name)]
+        selection = self.overview.selection
+        blocks = self.overview.record_blocks(record.step, record.rows)
+        values = [value(tag=tag, simple_value=v) for _, numbers, _ in blocks for tag, v in numbers.items()]
+        if selection.per_tensor:
+            values += [value(tag=row_tag(row.family, row.name, metric, row.key.micro_step, row.key.vpp_stage),
+                             simple_value=v)
+                       for row in record.rows if selection.family(row.family) and selection.tensor(row.name)
+                       for metric, v in row.values.items() if selection.metric(metric)]
+        values += [value(tag=tag, simple_value=v) for name, v in record.scalars.items()
+                   for tag in self.overview.scalar_tags(name, scalar_tags)]
         if first:  # the Custom Scalars tab's charts, from the tags of the first step
             self.write_summary(0, self._custom_scalars(custom_scalar_layout(v.tag for v in values)))
         self.write_summary(record.step, self._summary(value=values))
+        self._write_texts(blocks)
         self._write_anomalies()
+
+    def _write_texts(self, blocks: list[Block]) -> None:
+        """The tables of ``norm_argmax`` indices due in ``blocks``, at their step."""
+        for step, _, texts in blocks:
+            if texts:
+                self.write_summary(step, text_summary(texts))
 
     def _write_anomalies(self) -> None:
         """Anomaly events appended to ``anomalies.jsonl`` since the last call (complete lines only): per step, a
@@ -256,9 +299,16 @@ class TensorBoardSink(EventFile):
     def close(self) -> None:
         try:
             if self._file is not None:
+                self._write_texts(self.overview.finish())
                 self._write_anomalies()
         finally:
             super().close()
+
+
+def _warn_dropped(name: str) -> None:
+    logger.warning("trainmon: tensorboard: the overview writes at most %d scalar tags; %r and any later new scalar "
+                   "are not written to TensorBoard (they are in scalars.csv or the store); tensorboard.per_tensor: "
+                   "true writes every scalar", SCALAR_TAGS, name)
 
 
 ANOMALIES_FILE = "anomalies.jsonl"

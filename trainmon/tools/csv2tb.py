@@ -1,7 +1,11 @@
-"""``trainmon csv2tb``: convert a run's CSV files to TensorBoard event files (framework-free).
+"""``trainmon csv2tb``: export a run's statistics (its store, or its CSV files) to TensorBoard event files
+(framework-free).
 
-A run written with ``sinks: [parquet]`` is read from its store where a family has no CSV file
-(:mod:`trainmon.tools.store_reader`): the event files are the same as from that run's CSV files.
+The tags are the TensorBoard sink's, with the same choices (:mod:`trainmon.sinks.tensorboard_overview`): by default
+the bounded overview (summaries over the tensors of each step, computed from the rows read back, and the
+scalars); ``--per-tensor`` adds the per-tensor tags of the tensors ``--tensors`` selects; ``--families`` and
+``--metrics`` narrow both. A run written with ``sinks: [parquet]`` is read from its store where a family has no CSV
+file (:mod:`trainmon.tools.store_reader`): the event files are the same as from that run's CSV files.
 
 Also reads msprobe's CSV output (``$MONITOR_OUTPUT_DIR/{time}-rank{R}-{id}/{family}_{a}-{b}.csv``, msprobe
 1.2 and 8.x-26.x layouts, see :mod:`trainmon.tools.msprobe_output`) and says which layout it read. This module
@@ -20,19 +24,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+import numpy as np
+
 from trainmon.base.inputs import describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
 from trainmon.base.progress import Bar
-from trainmon.base.records import FAMILIES
-from trainmon.errors import UsageError
+from trainmon.base.records import FAMILIES, METRICS, split_row_tag
+from trainmon.errors import ConfigError, UsageError
 from trainmon.sinks import tensorboard as board
+from trainmon.sinks.tensorboard_overview import SCALAR_TAGS, Block, Overview, TagSelection
 from trainmon.tools.msprobe_output import ANOMALY_FOLDER, rank_folders
-from trainmon.tools.readers import CsvFormatError
+from trainmon.tools.readers import CsvFormatError, read_scalars_noting_layout
 from trainmon.tools.store_reader import (
     STORE_LAYOUT,
     Source,
     StoreError,
+    StoreFamily,
     source_family,
     source_scalars,
+    source_tables,
     store_families,
     with_store,
 )
@@ -44,25 +53,50 @@ _MSPROBE_FAMILIES = ("other", "param_origin", "param_updated")
 
 
 def add_parser(sub: Subparsers) -> None:
-    parser = sub.add_parser("csv2tb", help="convert CSV output to TensorBoard event files",
-                            description="Convert every rank's CSV files of a run to TensorBoard event files "
-                                        "at full resolution (tags 0_overview/{loss,grad_norm,lr,...}, "
-                                        "{family}/{name}/{metric}[/vpp{v}][/micro{m}], anomalies as text). "
-                                        "A run written with sinks: [parquet] is read from its store/ where it "
-                                        "has no CSV files (the same event files). Also reads msprobe's "
-                                        "CSV output (MONITOR_OUTPUT_DIR or one of its {time}-rank{R}-{id} folders).")
-    parser.add_argument("run_dir", help="a run directory (with rank*/ folders), one rank directory, "
+    parser = sub.add_parser("csv2tb", help="export a run's statistics to TensorBoard event files",
+                            description="Export every rank's statistics of a run (its store/ or its CSV files) to "
+                                        "TensorBoard event files, with the TensorBoard sink's tags: "
+                                        "0_overview/{loss,grad_norm,lr,...}, anomalies as counts and text, and per "
+                                        "family and metric summaries over the tensors of each step "
+                                        "({family}/norm_max, norm_median, norm_argmax, ...: fewer than 200 tags "
+                                        "whatever the model size); --per-tensor adds "
+                                        "{family}/{name}/{metric}[/vpp{v}][/micro{m}] at full resolution. Also reads "
+                                        "msprobe's CSV output (MONITOR_OUTPUT_DIR or one of its {time}-rank{R}-{id} "
+                                        "folders).")
+    parser.add_argument("run_dir", help="a run directory (with rank*/ folders or store/), one rank directory, "
                                         "or msprobe's output folder")
     parser.add_argument("-o", "--output", help="output directory (default: RUN_DIR/tensorboard)")
     parser.add_argument("--families", nargs="+", choices=[*FAMILIES, "scalars", *_MSPROBE_FAMILIES],
-                        help="only these families")
+                        help="only these families (summaries and per-tensor tags; scalars: the step's scalars)")
+    parser.add_argument("--metrics", nargs="+", choices=METRICS, help="only these metrics")
+    parser.add_argument("--per-tensor", action="store_true",
+                        help="also one tag per tensor and metric (thousands of tags on a large model: TensorBoard "
+                             "loads them slowly; narrow them with --tensors)")
+    parser.add_argument("--tensors", nargs="+", metavar="PATTERN",
+                        help="with --per-tensor: only these tensors, by row name: exact names, globs "
+                             "(layers.0.*) or re:REGEX (as the config's tensorboard.tensors)")
     parser.add_argument("--workers", type=int, default=2, help="ranks converted in parallel (default 2)")
     parser.set_defaults(func=_main)
+
+
+def selection_of(per_tensor: bool, tensors: list[str] | None, metrics: list[str] | None) -> TagSelection:
+    """The :class:`TagSelection` of the command's options.
+
+    Raises:
+        UsageError: ``--tensors`` without ``--per-tensor``, or a pattern that is empty or an invalid regex.
+    """
+    if tensors is not None and not per_tensor:
+        raise UsageError("--tensors selects the per-tensor tags: add --per-tensor")
+    try:
+        return TagSelection(per_tensor, tensors or ["*"], None, metrics)
+    except ConfigError as exc:
+        raise UsageError(str(exc).replace("tensorboard.tensors", "--tensors", 1)) from None
 
 
 def _main(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    selection = selection_of(args.per_tensor, args.tensors, args.metrics)
     run_dir = Path(args.run_dir)
     output = Path(args.output) if args.output else None
     jobs = [(run_dir, output)]
@@ -77,7 +111,7 @@ def _main(args: argparse.Namespace) -> int:
     written, skipped = 0, []
     for run, out in jobs:
         try:
-            count, layouts, notes = _convert(run, out, args.families, args.workers)
+            count, layouts, notes = _convert(run, out, args.families, args.workers, selection)
             written += count
         except NothingToConvert as exc:
             if len(jobs) == 1:
@@ -145,10 +179,12 @@ def rank_dirs(run_dir: Path) -> list[Path]:
     return ranks
 
 
-def convert(run_dir: Path, output: Path | None = None, families: list[str] | None = None, workers: int = 2) -> int:
-    """Convert CSVs to ``{output}/{rank dir}/events.out.tfevents.*``; returns the number of scalars.
+def convert(run_dir: Path, output: Path | None = None, families: list[str] | None = None, workers: int = 2,
+            selection: TagSelection | None = None) -> int:
+    """Export a run to ``{output}/{rank dir}/events.out.tfevents.*``; returns the number of scalars written.
 
     ``run_dir`` may also be msprobe's output folder or one of its rank folders (msprobe's CSV layouts).
+    ``selection``: what is written beyond the overview (default: the overview alone, as the TensorBoard sink).
 
     Raises:
         FileNotFoundError: ``run_dir`` has no rank directories or CSV files.
@@ -156,16 +192,16 @@ def convert(run_dir: Path, output: Path | None = None, families: list[str] | Non
         StoreError: an unreadable part of the run's store (the file in the message).
         OutputError: the output cannot be written (a full disk, a read-only folder).
     """
-    return _convert(run_dir, output, families, workers)[0]
+    return _convert(run_dir, output, families, workers, selection)[0]
 
 
 def _convert(run_dir: Path, output: Path | None, families: list[str] | None,
-             workers: int) -> tuple[int, set[str], list[str]]:
+             workers: int, selection: TagSelection | None = None) -> tuple[int, set[str], list[str]]:
     """:func:`convert`, also returning the layouts read (``trainmon CSV``, ``msprobe 1.2 CSV``, ...) and a
     note per rank folder skipped because it holds nothing to convert."""
-    from tensorboardX.proto.summary_pb2 import Summary
     from tensorboardX.summary import custom_scalars
 
+    selection = selection or TagSelection()
     output = output or run_dir / "tensorboard"
     csv_files = _sources(run_dir)
     ranks = list(csv_files)
@@ -185,45 +221,107 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None,
     layouts: set[str] = set()
     wanted_files = {rank_dir: [f for f in files if families is None or source_family(f) in families]
                     for rank_dir, files in csv_files.items()}
+    dropped: list[str] = []
 
     def one(rank_dir: Path) -> int:
-        wanted = wanted_files[rank_dir]
         # One Summary per (file, step), as the TensorBoard sink writes them: no per-value event, and
         # no warning per NaN (tensorboardX's add_scalar logs one; a monitor reports NaN quietly).
-        writer = _EventOutput(output / rank_dir.name, root=output)
+        writer = _Export(output / rank_dir.name, root=output)
         writer.open()
-        count = 0
-        tags: set[str] = set()
+        overview = Overview(TagSelection(selection.per_tensor, selection.tensors, None, selection.metrics),
+                            on_dropped=lambda name: dropped.append(f"{rank_dir.name}: {name!r}"))
         try:
-            for path in wanted:
-                values: list[Any] = []
-                current = 0
-                for tag, value, step in source_scalars(path, layouts):
-                    if step != current and values:
-                        writer.write_summary(current, Summary(value=values))
-                        values = []
-                    current = step
-                    # a run-level scalar also goes to 0_overview/, as the TensorBoard sink writes it
-                    for alias in board.scalar_tags(tag[8:]) if tag.startswith("scalars/") else [tag]:
-                        values.append(Summary.Value(tag=alias, simple_value=value))
-                        tags.add(alias)
-                        count += 1
-                if values:
-                    writer.write_summary(current, Summary(value=values))
+            for source in wanted_files[rank_dir]:
+                family = source_family(source)
+                if family == "scalars":
+                    writer.stream(source_scalars(source, layouts), lambda tag: overview.scalar_tags(
+                        tag[8:], board.scalar_tags))
+                    bar.advance()
+                    continue
+                if selection.per_tensor:
+                    writer.stream(source_scalars(source, layouts), _per_tensor(selection))
+                else:
+                    layouts.update(_layouts_of(source))
+                for table in _complete_steps(source_tables(source)):
+                    writer.blocks(overview.blocks(family, table.metrics, table.keys, table.rows, table.micro_steps,
+                                                  table.steps, table.values))
                 bar.advance()
+            writer.blocks(overview.finish())
             if families is None:  # anomalies as the TensorBoard sink writes them: counts and text at their step
                 for step, (counts, texts) in board.anomaly_summaries(_anomaly_events(rank_dir)).items():
                     writer.write_summary(step, board.anomaly_summary(counts, texts))
-                    count += len(counts)
-            if tags:
-                writer.write_summary(0, custom_scalars(board.custom_scalar_layout(sorted(tags))))
+                    writer.count += len(counts)
+            if writer.tags:
+                writer.write_summary(0, custom_scalars(board.custom_scalar_layout(sorted(writer.tags))))
         finally:
             writer.close()
-        return count
+        return writer.count
 
     with Bar(sum(map(len, wanted_files.values())), "csv2tb") as bar, \
             ThreadPoolExecutor(max_workers=min(workers, len(ranks))) as pool:
-        return sum(pool.map(one, ranks)), layouts, notes
+        count = sum(pool.map(one, ranks))
+    if dropped:
+        notes.append(f"the overview writes at most {SCALAR_TAGS} scalar tags per rank: {dropped[0]} and later new "
+                     f"scalars were left out ({len(dropped)} rank{'s' if len(dropped) > 1 else ''}); "
+                     "--per-tensor writes every scalar")
+    return count, layouts, notes
+
+
+def _per_tensor(selection: TagSelection) -> Any:
+    """``tag -> [tag]`` when the per-tensor tag is selected, else ``[]`` (remembered per tag)."""
+    chosen: dict[str, list[str]] = {}
+
+    def tags(tag: str) -> list[str]:
+        found = chosen.get(tag)
+        if found is None:
+            row = split_row_tag(tag)
+            found = chosen[tag] = [tag] if row is not None and selection.tensor_tag(row[0], row[1], row[2]) else []
+        return found
+
+    return tags
+
+
+def _layouts_of(source: Source) -> set[str]:
+    """The layout of a source, as :func:`source_scalars` notes it (a CSV file's from its header)."""
+    if isinstance(source, StoreFamily):
+        return {STORE_LAYOUT}
+    layouts: set[str] = set()
+    rows = read_scalars_noting_layout(source, layouts)
+    try:
+        next(rows, None)
+    finally:
+        rows.close()
+    return layouts
+
+
+def _complete_steps(tables: Iterator[Any]) -> Iterator[Any]:
+    """``tables`` (a source's, in the order written) as tables that each end with a whole step: the rows of a step
+    split between two batches of a store part are joined (row ids made common to the tables given)."""
+    from trainmon.tools.readers import Table
+
+    keys: dict[tuple[int, str], int] = {}
+    held: Any = None
+    for table in tables:
+        if not len(table.steps):
+            continue
+        lookup = np.fromiter((keys.setdefault(key, len(keys)) for key in table.keys), np.int64, len(table.keys))
+        rows = lookup[table.rows]
+        if held is not None and held.metrics == table.metrics:
+            rows = np.concatenate((held.rows, rows))
+            steps, micro = np.concatenate((held.steps, table.steps)), np.concatenate((held.micro_steps,
+                                                                                     table.micro_steps))
+            values = np.concatenate((held.values, table.values))
+        else:
+            if held is not None:
+                yield held
+            steps, micro, values = table.steps, table.micro_steps, table.values
+        last = len(steps) - int(np.argmax(steps[::-1] != steps[-1])) if (steps != steps[-1]).any() else 0
+        names = list(keys)
+        if last:
+            yield Table(table.family, table.metrics, names, rows[:last], steps[:last], micro[:last], values[:last])
+        held = Table(table.family, table.metrics, names, rows[last:], steps[last:], micro[last:], values[last:])
+    if held is not None:
+        yield held
 
 
 def _sources(run_dir: Path) -> dict[Path, list[Source]]:
@@ -268,6 +366,45 @@ class _EventOutput(board.EventFile):
             yield
         except OSError as exc:
             raise OutputError(exc.errno, exc.strerror or str(exc), str(self.rank_dir)) from None
+
+
+class _Export(_EventOutput):
+    """One rank's event file of the export: one ``Summary`` per source and step, the tags written and their count."""
+
+    def __init__(self, directory: Path, root: Path | None = None) -> None:
+        super().__init__(directory, root)
+        self.tags: set[str] = set()
+        self.count = 0
+
+    def stream(self, rows: Iterator[tuple[str, float, int]], tags_of: Any) -> None:
+        """``(tag, value, step)`` rows, each under the tags ``tags_of(tag)`` gives, one ``Summary`` per run of rows
+        of one step."""
+        value_of = self._summary.Value
+        values: list[Any] = []
+        current = 0
+        for tag, value, step in rows:
+            if step != current and values:
+                self.write_summary(current, self._summary(value=values))
+                values = []
+            current = step
+            for alias in tags_of(tag):
+                values.append(value_of(tag=alias, simple_value=value))
+                self.tags.add(alias)
+                self.count += 1
+        if values:
+            self.write_summary(current, self._summary(value=values))
+
+    def blocks(self, blocks: list[Block]) -> None:
+        """The overview's blocks: the values of each step as one ``Summary``, the tables as text."""
+        value_of = self._summary.Value
+        for step, numbers, texts in blocks:
+            if numbers:
+                self.write_summary(step, self._summary(value=[value_of(tag=tag, simple_value=value)
+                                                              for tag, value in numbers.items()]))
+                self.tags.update(numbers)
+                self.count += len(numbers)
+            if texts:
+                self.write_summary(step, board.text_summary(texts))
 
 
 def _anomaly_events(rank_dir: Path) -> list[dict[str, Any]]:

@@ -301,5 +301,19 @@ def _ints(table: pa.RecordBatch, column: str, path: Path) -> Any:
     return values
 
 
+def source_tables(source: Source) -> Iterator[Table]:
+    """The rows of a CSV file (one :class:`~trainmon.tools.readers.Table`) or of a store family (a table per batch
+    of a part, each with row ids of its own), in the order written.
+
+    Raises:
+        CsvFormatError: a malformed CSV file.
+        StoreError: an unreadable part.
+    """
+    if isinstance(source, StoreFamily):
+        yield from _streamed(source)
+    else:
+        yield read_table(source)
+
+
 __all__ = ["STORE_LAYOUT", "Source", "StoreError", "StoreFamily", "read_source", "source_family",
-           "source_scalars", "store_families", "with_store"]
+           "source_scalars", "source_tables", "store_families", "with_store"]
