@@ -17,19 +17,11 @@ LLAMA_7B = ["model.embed_tokens.weight", *(f"model.layers.{i}.{n}" for i in rang
             "model.norm.weight", "lm_head.weight"]
 
 
-<<<<<<< HEAD
 def test_the_7b_shape_with_the_former_default_config():
-    """Issue 31: with the former default sinks (CSV and per-tensor TensorBoard), ~1.0 MB per collected step per rank,
-    ~650 GB for 10,000 steps x 64 ranks."""
-    sizing = project(Measured(params=LLAMA_7B, optimizer_states=None), load_config({"sinks": ["csv", "tensorboard"]}),
-                     world_size=64)
-=======
-def test_the_7b_shape_with_the_default_config():
-    """Issue 31: ~1.0 MB per collected step per rank, ~650 GB for 10,000 steps x 64 ranks, with a TensorBoard tag per
-    tensor (``tensorboard.per_tensor``); TensorBoard's overview instead (the default) leaves CSV's ~270 kB."""
-    config = load_config({"tensorboard": {"per_tensor": True}})
+    """Issue 31: with the former defaults (CSV, and a TensorBoard tag per tensor), ~1.0 MB per collected step per
+    rank, ~650 GB for 10,000 steps x 64 ranks; the default now (the store and TensorBoard's overview) is ~35 kB."""
+    config = load_config({"sinks": ["csv", "tensorboard"], "tensorboard": {"per_tensor": True}})
     sizing = project(Measured(params=LLAMA_7B, optimizer_states=None), config, world_size=64)
->>>>>>> tboverview
     assert len(LLAMA_7B) == 291
     assert {f.family: f.rows for f in sizing.families} == {
         f: 291 for f in ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "update", "ratio")}
@@ -41,9 +33,10 @@ def test_the_7b_shape_with_the_default_config():
     assert "with sinks [csv, tensorboard] 1.0 MB per collected step per rank, 1.0 GB per 1,000 steps (x64 ranks: " \
            "67 GB)" in line
     default = project(Measured(params=LLAMA_7B, optimizer_states=None), load_config({}), world_size=64)
-    csv_only = project(Measured(params=LLAMA_7B, optimizer_states=None), load_config({"sinks": ["csv"]}))
-    assert default.bytes_per_step == csv_only.bytes_per_step + default.overview_bytes
-    assert "272 kB per collected step per rank" in default.line()
+    store_only = project(Measured(params=LLAMA_7B, optimizer_states=None), load_config({"sinks": ["parquet"]}))
+    assert store_only.bytes_per_step == 1746 * 16  # 2 + 2 per metric, 7 metrics
+    assert default.bytes_per_step == store_only.bytes_per_step + default.overview_bytes
+    assert "with sinks [parquet, tensorboard] 30 kB per collected step per rank" in default.line()
 
 
 def test_tensorboard_overview_is_a_constant_per_step_and_per_tensor_follows_the_filter():
