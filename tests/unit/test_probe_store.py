@@ -94,6 +94,20 @@ def test_bits_roll_by_bytes_and_large_parts_are_not_rewritten(tmp_path):
         np.testing.assert_array_equal(np.unpackbits(stored, bitorder="little")[: size[0]], signs[0])
 
 
+def test_a_step_of_many_bits_rolls_within_the_step(tmp_path):
+    """roll_bytes is checked after each parameter: a step's bits never wait whole in the store's memory."""
+    store = ProbeStore(tmp_path, 0, "L1", [], roll_seconds=3600.0, roll_bytes=150, merge_bytes=1 << 20)
+    metas, stats, bits, signs = step_data(0, [800, 800, 800])  # 100 bytes of bits each
+    store.write_step(0, metas, stats, None, bits)
+    (part,) = files(tmp_path, GRAD_DIRECTIONS)  # p0 and p1; p2 is in memory
+    with open(part, "rb") as handle:
+        assert pq.read_table(handle, columns=["name"]).column(0).to_pylist() == ["p0", "p1"]
+    store.close()
+    entries = scan_directions(tmp_path)[0][0]
+    for i in range(3):
+        np.testing.assert_array_equal(np.unpackbits(entries[(0, f"p{i}")].bits(), bitorder="little"), signs[i])
+
+
 def test_fan_in_merges_small_parts(tmp_path):
     clock = Clock()
     store = ProbeStore(tmp_path, 0, "L0", [], clock=clock, fan_in=4)
@@ -217,3 +231,32 @@ def test_table_parts_merge_bytes(tmp_path):
                                                                                                    (6, 6)]
     parts.close()
     assert len(list(folder.glob("*.parquet"))) == 3  # a lone small part is left as it is
+
+
+def test_writing_imports_no_pandas(tmp_path):
+    """The writer builds its columns from buffers and merges without ``pq.read_table``: pyarrow would import pandas
+    (~0.5 s on the probe's writer thread, whose queue holds 4 steps) at its first ``pa.array``."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        from pathlib import Path
+        from trainmon.probe.store import ProbeStore
+        store = ProbeStore(Path({str(tmp_path)!r}), 0, "L2", [-1.0, 0.0, 1.0], roll_seconds=0.0, fan_in=2)
+        for step in range(3):
+            meta = {{"name": "w", "vpp_stage": 0, "shape": [100], "numel": 100, "dtype": "float32", "count": 10,
+                     "sample": {{"method": "stratified", "seed": 0, "elements": 10}}}}
+            store.write_step(step, [meta], np.zeros((1, 12), np.float32), None, [np.zeros(2, np.uint8)])
+            store.flush()
+        store.close()
+        assert "pandas" not in sys.modules, "pandas imported"
+    """)
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=120,
+                            env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(scan_directions(tmp_path)[0]) == 3

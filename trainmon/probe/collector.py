@@ -124,21 +124,19 @@ class GradProbe(HookedCollector):
 
         rank_dir = Path(rank_dir)
         root = rank_dir.parent  # the run directory: no symlink below it is followed
-        output: ProbeFiles | ProbeStore
+        store: ProbeStore | None = None
         if self._to_store:
             from trainmon.probe.store import ProbeStore
 
             digits = rank_dir.name.removeprefix("rank")
-            output = ProbeStore(root, int(digits) if digits.isdigit() else 0, self.level, self.bounds,
-                                roll_seconds=self._flush_seconds)
-        else:
-            output = ProbeFiles(rank_dir / PROBE_DIR, self.level, self.bounds, root)
-        self._output = output
+            store = ProbeStore(root, int(digits) if digits.isdigit() else 0, self.level, self.bounds,
+                               roll_seconds=self._flush_seconds)
+        output = self._output = store or ProbeFiles(rank_dir / PROBE_DIR, self.level, self.bounds, root)
         # Few pending steps: a queued step may hold every parameter's bits in host memory. The
         # output is closed on the writer thread, after the last queued step; the store writes
         # what it holds when the thread idles (a pause of training).
         self._writer = OutputThread("grad_probe", _run_job, flush=output.flush, close=output.close,
-                                    idle=getattr(output, "idle", None),
+                                    idle=store.idle if store is not None else None,
                                     flush_seconds=self._flush_seconds, max_pending=4, disable_on_error=False)
 
     HOOK_GROUPS = (_GROUP,)

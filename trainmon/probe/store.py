@@ -7,9 +7,10 @@ packed gradient signs of L1 and L2, one row per parameter per collected step (:d
 parameter of more than :data:`CHUNK_ELEMENTS` stored elements takes one row per chunk, ``first`` its first element).
 
 :class:`ProbeStore` writes them on the probe's writer thread through :class:`~trainmon.sinks.store_parts.TableParts`:
-rows stay in memory at most ``roll_seconds`` (or ``roll_bytes`` of bits), then each table gets one small part
-(written whole and renamed: a ``kill -9`` leaves readable files); runs of 64 small parts, or of ``merge_bytes`` of
-bits, are merged into one, so the files of a rank do not depend on the number of parameters.
+rows stay in memory at most ``roll_seconds`` (or ``roll_bytes``, 256 MiB, of bits), then each table gets one small
+part (written whole and renamed: a ``kill -9`` leaves readable files); runs of 64 small parts, or of ``merge_bytes``
+(256 MiB) of bits, are merged into one, and a part of 256 MiB or more is kept as it is. The files of a rank do not
+depend on the number of parameters: per table at most one per 64 rolls or per 256 MiB of bits, plus 63 small ones.
 :func:`scan_directions` and :func:`read_summary` read them back (``trainmon grad-compare``, ``trainmon report``).
 """
 
@@ -87,16 +88,16 @@ class ProbeStore:
         rank: the rank's partition (``rank={R}``).
         level, bounds: the probe's level and L2 bounds (the columns).
         roll_seconds: the longest time rows stay in memory only (what a ``kill -9`` can lose).
-        roll_bytes: bits kept in memory before they are written whatever the time.
+        roll_bytes: bits kept in memory before they are written whatever the time (checked after each parameter).
         max_rows: summary rows kept in memory before they are written whatever the time.
         fan_in: small parts merged into one as soon as there are this many.
         merge_bytes: small ``grad_directions`` parts merged as soon as they hold this many bytes (a part this
-            large alone is kept as it is): bounds a merge's memory and the bytes it writes again.
+            large alone is kept as it is, never written again): bounds a merge's memory and the bytes it rewrites.
         clock: the time source (tests replace it).
     """
 
     def __init__(self, run_dir: Path, rank: int, level: str, bounds: Sequence[float], *, roll_seconds: float = 2.0,
-                 roll_bytes: int = 64 << 20, max_rows: int = 1 << 18, fan_in: int = 64,
+                 roll_bytes: int = 256 << 20, max_rows: int = 1 << 18, fan_in: int = 64,
                  merge_bytes: int = 256 << 20, clock: Callable[[], float] = time.monotonic) -> None:
         self.level = level
         self.columns = store_columns(level, bounds)
@@ -110,6 +111,7 @@ class ProbeStore:
                                            fan_in=fan_in, merge_bytes=merge_bytes, encode=_encode_directions)
         self._summary: list[pa.Table] = []
         self._summary_rows = 0
+        self._summary_steps: list[int] = []
         self._directions: list[tuple[Any, ...]] = []
         self._bits_bytes = 0
         self._meta = {"trainmon.grad_probe": json.dumps({"level": level, "bounds": list(bounds)})}
@@ -118,32 +120,36 @@ class ProbeStore:
                    hashes: Sequence[str] | None, bits: Sequence[npt.NDArray[np.uint8]]) -> None:
         """Add one collected step: ``metas[j]`` (name, vpp_stage, shape, numel, dtype, count, sample), ``stats[j]``
         (the float32 statistics vector), ``hashes[j]`` (L0) or ``bits[j]`` (L1, L2: packed signs)."""
-        columns: dict[str, Any] = {
-            "step": pa.array(np.full(len(metas), step, np.int64)),
-            "vpp_stage": pa.array([m["vpp_stage"] for m in metas], pa.int32()),
-            "name": pa.array([m["name"] for m in metas], pa.string()),
-            "shape": pa.array([str(m["shape"]) for m in metas], pa.string()),
-            "numel": pa.array([m["numel"] for m in metas], pa.int64()),
+        columns: dict[str, pa.Array] = {
+            "step": _numbers(np.full(len(metas), step, np.int64)),
+            "vpp_stage": _numbers(np.array([m["vpp_stage"] for m in metas], np.int32)),
+            "name": _strings([m["name"] for m in metas]),
+            "shape": _strings([str(m["shape"]) for m in metas]),
+            "numel": _numbers(np.array([m["numel"] for m in metas], np.int64)),
         }
         values = self.columns[5:]
         if hashes is not None:
             values = values[:-1]
         for i, name in enumerate(values):
-            columns[name] = pa.array(np.ascontiguousarray(stats[:, i], dtype=np.float32))
+            columns[name] = _numbers(stats[:, i].astype(np.float32))
         if hashes is not None:
-            columns["hash"] = pa.array(list(hashes), pa.string())
+            columns["hash"] = _strings(hashes)
         self._summary.append(pa.table(columns))
         self._summary_rows += len(metas)
+        self._summary_steps.append(step)
         for meta, packed in zip(metas, bits):
             count = int(meta["count"])
             sample = meta["sample"]
             text = None if sample is None else json.dumps(sample, separators=(",", ":"))
             for first in range(0, max(count, 1), CHUNK_ELEMENTS):
-                chunk = packed[first // 8: (min(first + CHUNK_ELEMENTS, count) + 7) // 8]
+                # a copy: the step's host buffers (pinned memory on CUDA) are released when its job ends
+                chunk = packed[first // 8: (min(first + CHUNK_ELEMENTS, count) + 7) // 8].copy()
                 self._directions.append((step, meta["vpp_stage"], meta["name"], str(meta["shape"]), meta["numel"],
                                          meta["dtype"], count, text, first, chunk))
                 self._bits_bytes += chunk.size
-        if self._bits_bytes >= self.roll_bytes or self._summary_rows >= self.max_rows:
+            if self._bits_bytes >= self.roll_bytes:  # within a step too: bounds the memory a roll takes
+                self._roll_directions()
+        if self._summary_rows >= self.max_rows:
             self.roll()
 
     def flush(self) -> None:
@@ -159,11 +165,14 @@ class ProbeStore:
         """Write each table's rows in memory as one small part."""
         self._last_roll = self._clock()
         summary, self._summary, self._summary_rows = self._summary, [], 0
-        directions, self._directions, self._bits_bytes = self._directions, [], 0
+        steps, self._summary_steps = self._summary_steps, []
         if summary:
             table = pa.concat_tables(summary).replace_schema_metadata(self._meta)
-            steps = table.column("step")
-            self._summary_parts.add(table, int(steps[0].as_py()), int(steps[-1].as_py()))
+            self._summary_parts.add(table, steps[0], steps[-1])
+        self._roll_directions()
+
+    def _roll_directions(self) -> None:
+        directions, self._directions, self._bits_bytes = self._directions, [], 0
         if directions:
             self._direction_parts.add(_directions_table(directions), int(directions[0][0]), int(directions[-1][0]))
 
@@ -174,18 +183,36 @@ class ProbeStore:
         self._direction_parts.close()
 
 
+def _numbers(values: npt.NDArray[Any]) -> pa.Array:
+    """A numpy vector as an Arrow array over its buffer. The writer builds every column from buffers: ``pa.array``
+    imports pandas (where installed) at its first call, ~0.5 s that the probe's short queue cannot wait."""
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
+
+
+def _strings(values: Sequence[str | None]) -> pa.Array:
+    """Strings (None: null) as an Arrow string array over one UTF-8 buffer (see :func:`_numbers`)."""
+    encoded = [b"" if value is None else value.encode() for value in values]
+    offsets = np.zeros(len(encoded) + 1, np.int32)  # a roll's names and shapes: far below 2 GiB
+    np.cumsum([len(item) for item in encoded], out=offsets[1:])
+    valid = None
+    if any(value is None for value in values):
+        valid = pa.py_buffer(np.packbits([value is not None for value in values], bitorder="little"))
+    return pa.Array.from_buffers(pa.string(), len(encoded), [valid, pa.py_buffer(offsets),
+                                                             pa.py_buffer(b"".join(encoded))])
+
+
 def _directions_table(rows: list[tuple[Any, ...]]) -> pa.Table:
     """The ``grad_directions`` rows as a table; the bits joined into one buffer (one copy) under 64-bit offsets."""
-    columns = list(zip(*rows))
-    chunks: Sequence[npt.NDArray[np.uint8]] = columns[-1]
+    step, vpp_stage, name, shape, numel, dtype, count, sample, first, chunks = zip(*rows)
     offsets = np.zeros(len(chunks) + 1, np.int64)
     np.cumsum([c.size for c in chunks], out=offsets[1:])
     data = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
     bits = pa.Array.from_buffers(pa.large_binary(), len(chunks), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
-    types = (pa.int64(), pa.int32(), pa.string(), pa.string(), pa.int64(), pa.string(), pa.int64(), pa.string(),
-             pa.int64())
-    arrays = [pa.array(values, kind) for values, kind in zip(columns, types)]
-    return pa.table([*arrays, bits], names=list(DIRECTION_COLUMNS),
+    arrays = [_numbers(np.array(step, np.int64)), _numbers(np.array(vpp_stage, np.int32)), _strings(name),
+              _strings(shape), _numbers(np.array(numel, np.int64)), _strings(dtype),
+              _numbers(np.array(count, np.int64)), _strings(sample), _numbers(np.array(first, np.int64)), bits]
+    return pa.table(arrays, names=list(DIRECTION_COLUMNS),
                     metadata={"trainmon.grad_directions": json.dumps(_BIT_LAYOUT)})
 
 
@@ -336,22 +363,27 @@ def _scan_part(path: Path) -> dict[tuple[int, int, str], tuple[dict[str, Any], l
     import pyarrow.parquet as pq
 
     found: dict[tuple[int, int, str], tuple[dict[str, Any], list[tuple[int, int, int]]]] = {}
+    parsed: dict[str | None, Any] = {None: None}  # shapes and samples repeat: each text is parsed once
     try:
         with open_regular(path) as handle:
             file = pq.ParquetFile(handle)
-            groups = [file.read_row_group(i, columns=_KEYS).to_pydict() for i in range(file.num_row_groups)]
-        for group, data in enumerate(groups):
+            groups = [file.read_row_group(i, columns=_KEYS) for i in range(file.num_row_groups)]
+        for group, table in enumerate(groups):
+            for column in ("step", "vpp_stage", "name", "shape", "numel", "count", "first"):
+                values = table.column(column)
+                if values.null_count or (column not in ("name", "shape") and (values.to_numpy() < 0).any()):
+                    raise ValueError(f"row group {group}: a null or negative {column}")
+            data = table.to_pydict()
             for row, values in enumerate(zip(*(data[c] for c in _KEYS))):
                 step, vpp, name, shape, numel, dtype, count, sample, first = values
-                if not (isinstance(name, str) and all(type(v) is int and v >= 0 for v in (step, vpp, numel, count,
-                                                                                         first))):
-                    raise ValueError(f"row {row} of row group {group}: a null or negative key")
                 entry = found.get((step, vpp, name))
                 if entry is None:
-                    header = {"name": name, "vpp_stage": vpp, "step": step, "shape": json.loads(shape),
+                    for text in (shape, sample):
+                        if text not in parsed:
+                            parsed[text] = json.loads(text)
+                    header = {"name": name, "vpp_stage": vpp, "step": step, "shape": list(parsed[shape]),
                               "numel": numel, "count": count, "dtype": dtype, "sign": _BIT_LAYOUT["sign"],
-                              "bitorder": _BIT_LAYOUT["bitorder"], "sample": None if sample is None else
-                              json.loads(sample)}
+                              "bitorder": _BIT_LAYOUT["bitorder"], "sample": parsed[sample]}
                     entry = found[(step, vpp, name)] = (header, [])
                 entry[1].append((first, group, row))
     except (OSError, ValueError, TypeError, KeyError, pa.ArrowException) as exc:  # ArrowInvalid is a ValueError
