@@ -165,6 +165,8 @@ def test_report_reads_the_probe_from_the_store(tmp_path):
     assert maps[0] == maps[1] and len(maps[0]) == 4
     built = build(tmp_path / "store", tmp_path / "report.html", progress=False)
     assert built["heatmaps"] == 4 and built["files"] == 2  # the scalars table and the probe's
+    # csv2tb converts the families and scalars of a store: the probe's tables are none of them
+    assert cli_main(["csv2tb", str(tmp_path / "store"), "-o", str(tmp_path / "tb")]) == 0
 
 
 def test_query_sees_the_probe_tables(tmp_path, capsys):
