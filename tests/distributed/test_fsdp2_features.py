@@ -8,7 +8,8 @@ must read them; the free benchmark must re-run FSDP modules on their unsharded p
 both ranks, the module whose nested FSDP module is resharded when it returns. The grad probe of the
 sharded model (``Shard(0)`` and ``Shard(1)``) must equal float64 statistics of the full gradients the optimizer
 stepped with (``full_tensor()`` in the test's own optimizer hook) and the probe of an unsharded single-process
-run on both ranks' data, with one extra collective per collected step.
+run on both ranks' data, with one extra collective per collected step; written into the run store
+(``sinks: [parquet]``) it holds the same rows and bits, once (rank 0's partition).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2_features")
     servers = RankServers(2, PRELOAD, out / "_logs")
     try:
-        ok, output = servers.run([SCRIPT, out, "actions", *PROBE_CASES, "probe_l0"], out / "_logs" / "run",
+        ok, output = servers.run([SCRIPT, out, "actions", *PROBE_CASES, "probe_l0", "probe_dim1_store"],
+                                 out / "_logs" / "run",
                                  timeout=300.0)
     finally:
         servers.close()
@@ -246,3 +248,34 @@ def test_grad_probe_adds_one_gather_per_collected_step_written_by_the_lowest_ran
         assert info["warnings"] == []
     if case != "probe_hsdp_2x1":
         assert not (runs / case / "rank1" / "grad_probe").exists()  # the combined files are written once
+
+
+def test_grad_probe_of_a_sharded_run_in_the_store_holds_the_same_rows_and_bits_once(runs: Path, tmp_path: Path) -> None:
+    """``probe_dim1`` written into the run store: the rows of its grad_summary.csv (float32, exactly), the bits of
+    the whole gradients (``packbits(full > 0)``), in rank 0's partition only, and still one gather per step."""
+    from trainmon.probe.storage import interval_labels
+    from trainmon.probe.store import interval_names, read_summary, stored_ranks
+    from trainmon.tools.grad_compare import scan_run
+
+    run = runs / "probe_dim1_store"
+    assert not (run / "rank0" / "grad_probe").exists() and not (run / "rank1" / "grad_probe").exists()
+    assert list(stored_ranks(run, "grad_probe")) == list(stored_ranks(run, "grad_directions")) == [0]
+    stored = read_summary(stored_ranks(run, "grad_probe")[0]).to_pandas()
+    files = _summary(runs, "probe_dim1").rename(columns=dict(zip(interval_labels(BOUNDS), interval_names(BOUNDS))))
+    assert len(stored) == len(files) == 3 * 16
+    merged = files.merge(stored, on=["step", "name"], suffixes=("", "_store"))
+    for column in [c for c in stored.columns if stored[c].dtype.kind == "f"]:
+        np.testing.assert_array_equal(merged[column].to_numpy(np.float32), merged[f"{column}_store"].to_numpy(),
+                                      err_msg=column)
+    refs = _refs(runs, 0, "probe_dim1_store")
+    tree = scan_run(run)[0]
+    assert sorted(tree) == list(PROBE_COLLECTED)
+    for step, entries in tree.items():
+        for (_, name), entry in entries.items():
+            grad = refs[f"{step}|grad|{name}"]
+            assert entry.header["count"] == grad.size and entry.header["shape"] == list(grad.shape)
+            np.testing.assert_array_equal(entry.bits(), np.packbits(grad.ravel() > 0, bitorder="little"))
+    for rank in range(2):
+        info = json.loads((run / f"info_rank{rank}.json").read_text())
+        assert info["collectives"] == [1 if step in PROBE_COLLECTED else 0 for step in range(5)]
+        assert info["warnings"] == []

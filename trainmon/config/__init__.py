@@ -193,7 +193,7 @@ class CommunicationConfig:
 
 @dataclass
 class GradProbeConfig:
-    """Gradient distributions and direction similarity (``rank{R}/grad_probe/``)."""
+    """Gradient distributions and direction similarity (``rank{R}/grad_probe/``; the run store with ``parquet``)."""
 
     enabled: bool = False
     """Run the grad probe on collected steps."""

@@ -33,24 +33,14 @@ import torch
 from trainmon.collect.buffer import copy_done, events_module
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.probe import device as dev
-from trainmon.probe.storage import (
-    AGREE_PREV,
-    PROBE_DIR,
-    SIMILARITIES,
-    GradSummaryCsv,
-    content_hash,
-    direction_path,
-    format_value,
-    summary_columns,
-    vector_width,
-    write_direction_file,
-)
+from trainmon.probe.storage import AGREE_PREV, PROBE_DIR, SIMILARITIES, ProbeFiles, content_hash, vector_width
 
 if TYPE_CHECKING:
     from trainmon.base.threads import OutputThread
     from trainmon.base.types import Optimizer
     from trainmon.collect.context import StepContext
     from trainmon.config import MonitorConfig
+    from trainmon.probe.store import ProbeStore
 
 logger = logging.getLogger("trainmon")
 _GROUP = "grad_probe"
@@ -115,15 +105,14 @@ class GradProbe(HookedCollector):
         self.bounds = list(self.settings.bounds)
         self.width = vector_width(self.level, self.bounds)
         self._flush_seconds = config.flush_seconds
+        self._to_store = "parquet" in config.sinks  # the run store (probe/store.py), else the per-file layout
         self._hookable = optimizer is not None and hasattr(optimizer, "register_step_pre_hook")
         self._prev_bits: dict[int, torch.Tensor] = {}
         self._prev_sample: dict[int, torch.Tensor] = {}
         self._samples: dict[int, torch.Tensor] = {}
         self._measured_step: int | None = None
-        self._probe_dir: Path | None = None
-        self._root: Path | None = None
         self._writer: OutputThread | None = None
-        self._summary: GradSummaryCsv | None = None
+        self._output: ProbeFiles | ProbeStore | None = None
         self.bind_output(rank_dir)
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -133,12 +122,21 @@ class GradProbe(HookedCollector):
             return
         from trainmon.base.threads import OutputThread
 
-        self._probe_dir = Path(rank_dir) / PROBE_DIR
-        self._root = Path(rank_dir).parent  # the run directory: no symlink below it is followed
-        self._summary = GradSummaryCsv(self._probe_dir, summary_columns(self.level, self.bounds), self._root)
+        rank_dir = Path(rank_dir)
+        root = rank_dir.parent  # the run directory: no symlink below it is followed
+        store: ProbeStore | None = None
+        if self._to_store:
+            from trainmon.probe.store import ProbeStore
+
+            digits = rank_dir.name.removeprefix("rank")
+            store = ProbeStore(root, int(digits) if digits.isdigit() else 0, self.level, self.bounds,
+                               roll_seconds=self._flush_seconds)
+        output = self._output = store or ProbeFiles(rank_dir / PROBE_DIR, self.level, self.bounds, root)
         # Few pending steps: a queued step may hold every parameter's bits in host memory. The
-        # summary file is closed on the writer thread, after the last queued step.
-        self._writer = OutputThread("grad_probe", _run_job, close=self._summary.close,
+        # output is closed on the writer thread, after the last queued step; the store writes
+        # what it holds when the thread idles (a pause of training).
+        self._writer = OutputThread("grad_probe", _run_job, flush=output.flush, close=output.close,
+                                    idle=store.idle if store is not None else None,
                                     flush_seconds=self._flush_seconds, max_pending=4, disable_on_error=False)
 
     HOOK_GROUPS = (_GROUP,)
@@ -353,28 +351,18 @@ class GradProbe(HookedCollector):
     # ----------------------------------------------------------------------------- writer thread
     def _write(self, step: int, metas: list[dict[str, Any]], host_stats: torch.Tensor,
                host_checksums: torch.Tensor | None, host_bits: list[torch.Tensor], event: Any) -> None:
-        """Runs on the writer thread: wait for the copies, write the CSV rows and direction files."""
+        """Runs on the writer thread: wait for the copies, hand the step to the output (files or the store)."""
         if event is not None:
             event.synchronize()  # waits on this thread only; the step's transfer has usually completed it
-        assert self._probe_dir is not None and self._summary is not None
+        assert self._output is not None
         stats = host_stats.numpy()  # host copies on the writer thread: no sync
-        checksums = host_checksums.numpy() if host_checksums is not None else None  # host copy: no sync
-        rows = []
-        for j, meta in enumerate(metas):
-            values = stats[j]
-            row: list[object] = [meta["vpp_stage"], meta["name"], step, str(meta["shape"]), meta["numel"],
-                                 *map(format_value, values[:3])]
-            if checksums is not None:
-                row.append(content_hash(meta["dtype"], meta["shape"], values[:3], *checksums[j]))
-            else:
-                row += map(format_value, values[3:])
-                header = {"name": meta["name"], "vpp_stage": meta["vpp_stage"], "step": step,
-                          "shape": meta["shape"], "numel": meta["numel"], "count": meta["count"],
-                          "dtype": meta["dtype"], "sign": "x > 0", "bitorder": "little",
-                          "sample": None if meta["count"] == meta["numel"] else
-                          {"method": "stratified", "seed": dev.SAMPLE_SEED, "elements": meta["count"]}}
-                path = direction_path(self._probe_dir, step, meta["name"], meta["vpp_stage"])
-                bits = host_bits[j].numpy()  # host copy, writer thread: no sync
-                write_direction_file(path, header, bits, self._root)
-            rows.append(row)
-        self._summary.write_rows(rows, step)
+        hashes = None
+        if host_checksums is not None:
+            checksums = host_checksums.numpy()  # host copy: no sync
+            hashes = [content_hash(meta["dtype"], meta["shape"], stats[j][:3], *checksums[j])
+                      for j, meta in enumerate(metas)]
+        for meta in metas:
+            if "count" in meta:
+                meta["sample"] = None if meta["count"] == meta["numel"] else \
+                    {"method": "stratified", "seed": dev.SAMPLE_SEED, "elements": meta["count"]}
+        self._output.write_step(step, metas, stats, hashes, [bits.numpy() for bits in host_bits])  # host copies

@@ -5,8 +5,8 @@ checksum shares; :mod:`trainmon.probe.shards`), and at the end of the step ONE `
 group of ranks holding the pieces brings every rank's bytes to the *writer* (the lowest rank of
 the group that ``ranks`` selects). The writer combines the partials on its device into the rows
 of the whole parameter, and its writer thread places the pieces' sign bits at their positions in
-the whole parameter and writes one direction file per parameter, as an unsharded run does. The
-other ranks write nothing of the probe. Bits are 1/32 of a float32 gradient: the writer receives
+the whole parameter and writes one direction per parameter (a file, or a row of the run store), as an
+unsharded run does. The other ranks write nothing of the probe. Bits are 1/32 of a float32 gradient: the writer receives
 the direction of the whole model, never a gradient.
 """
 

@@ -1,6 +1,7 @@
 """Grad-probe files on the host (framework-free): ``grad_summary.csv`` and packed direction files.
 
-Layout under a rank directory::
+This is the probe's layout when the run's sinks do not include ``parquet`` (:class:`ProbeFiles`); with it the
+probe writes into the run store instead (:mod:`trainmon.probe.store`). Layout under a rank directory::
 
     grad_probe/grad_summary.csv                 one row per target parameter per collected step
     grad_probe/step{S}/{name}.bits              packed gradient signs (L1, L2); vpp{v}.{name}.bits
@@ -21,7 +22,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -106,6 +107,22 @@ def write_direction_file(path: Path, header: dict[str, Any], bits: npt.NDArray[n
     assert data.size == nbytes, (data.size, nbytes)
     blob = json.dumps(header, separators=(",", ":")).encode()
     write_atomic(path, b"".join((_PREFIX.pack(MAGIC, FORMAT_VERSION, len(blob)), blob, data.tobytes())), root)
+
+
+class Direction(Protocol):
+    """One parameter's stored direction at one step: a :class:`DirectionFile`, or a row of the run store
+    (:class:`trainmon.probe.store.StoredDirection`)."""
+
+    @property
+    def header(self) -> dict[str, Any]:
+        """``name, vpp_stage, step, shape, numel, count, dtype, sign, bitorder, sample``."""
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """``(vpp_stage, name)``."""
+
+    def bits(self) -> npt.NDArray[np.uint8]:
+        """The packed bits, ``ceil(count / 8)`` bytes (DirectionFormatError when they cannot be read)."""
 
 
 _REQUIRED = ("name", "step", "shape", "count")
@@ -238,3 +255,45 @@ class GradSummaryCsv:
         handle, self._handle = self._handle, None
         if handle is not None:
             handle.close()
+
+
+class ProbeFiles:
+    """The probe's per-file layout (sinks without ``parquet``): ``grad_summary.csv`` and, at L1 and L2, one
+    direction file per parameter per step. Used on the probe's writer thread only.
+
+    Args:
+        probe_dir: ``{rank_dir}/grad_probe``.
+        level, bounds: the probe's level and L2 bounds (the columns).
+        root: the run directory, below which no symlink is followed.
+    """
+
+    def __init__(self, probe_dir: Path, level: str, bounds: Sequence[float], root: Path) -> None:
+        self.probe_dir, self.root = Path(probe_dir), Path(root)
+        self._summary = GradSummaryCsv(self.probe_dir, summary_columns(level, bounds), self.root)
+
+    def write_step(self, step: int, metas: Sequence[dict[str, Any]], stats: npt.NDArray[np.float32],
+                   hashes: Sequence[str] | None, bits: Sequence[npt.NDArray[np.uint8]]) -> None:
+        """Write one collected step: ``metas[j]`` (name, vpp_stage, shape, numel, dtype, count, sample),
+        ``stats[j]`` (the float32 statistics vector), ``hashes[j]`` (L0) or ``bits[j]`` (L1, L2)."""
+        rows = []
+        for j, meta in enumerate(metas):
+            values = stats[j]
+            row: list[object] = [meta["vpp_stage"], meta["name"], step, str(meta["shape"]), meta["numel"],
+                                 *map(format_value, values[:3])]
+            if hashes is not None:
+                row.append(hashes[j])
+            else:
+                row += map(format_value, values[3:])
+                header = {"name": meta["name"], "vpp_stage": meta["vpp_stage"], "step": step,
+                          "shape": meta["shape"], "numel": meta["numel"], "count": meta["count"],
+                          "dtype": meta["dtype"], "sign": "x > 0", "bitorder": "little", "sample": meta["sample"]}
+                path = direction_path(self.probe_dir, step, meta["name"], meta["vpp_stage"])
+                write_direction_file(path, header, bits[j], self.root)
+            rows.append(row)
+        self._summary.write_rows(rows, step)
+
+    def flush(self) -> None:
+        """Nothing to do: each step's rows are flushed as they are written."""
+
+    def close(self) -> None:
+        self._summary.close()

@@ -1,4 +1,5 @@
-"""Parquet sink: the run store (``{run}/store/{table}/rank={R}/part-*.parquet``; layout in :mod:`.store_layout`).
+"""Parquet sink: the run store (``{run}/store/{table}/rank={R}/part-*.parquet``; layout in :mod:`.store_layout`, files
+rolled and merged by :mod:`.store_parts`).
 
 Rows are kept in memory per table on the writer thread and rolled into a small Parquet file at most every
 ``roll_seconds`` (when the :class:`~trainmon.base.threads.OutputThread` flushes), every ``max_rows`` rows, and
@@ -19,6 +20,7 @@ The ``scalars`` table is ``step`` (int64), ``name`` (dictionary), ``value`` (flo
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -29,12 +31,11 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from trainmon.base.records import Row, StepRecord
-from trainmon.base.safe_io import make_dirs, open_output, remove_file, write_atomic
 from trainmon.sinks.store_events import store_events
-from trainmon.sinks.store_layout import SCALARS, Part, live_parts, parquet_bytes, parse_part, part_name, table_dir
+from trainmon.sinks.store_layout import SCALARS, table_dir
+from trainmon.sinks.store_parts import TableParts
 
 logger = logging.getLogger("trainmon")
 
@@ -106,10 +107,8 @@ class ParquetSink:
         self._last_roll = clock()
         self._rank: int | None = None
         self._tables: dict[str, _Table] = {}
-        self._small: dict[str, list[Part]] = {}  # per table: this writer's small files not merged yet
-        self._small_rows: dict[str, int] = {}  # and the rows they hold
-        self._seq = 0
-        self._repaired: set[str] = set()
+        self._parts: dict[str, TableParts] = {}  # per table: this writer's files (small ones not merged yet)
+        self._sequence = itertools.count().__next__  # sequence numbers count every table's files
 
     # --------------------------------------------------------------------------- writer thread
     def write(self, record: StepRecord) -> None:
@@ -155,9 +154,8 @@ class ParquetSink:
         """Roll what is in memory, merge each table's small files into one part, and store the rank's anomaly
         events not stored yet (``anomalies.jsonl`` is complete by now: the anomaly engine closes first)."""
         self._roll_all()
-        for name in list(self._small):
-            if len(self._small[name]) > 1:
-                self._merge(name)
+        for parts in self._parts.values():
+            parts.close()
         if self._rank is not None:
             store_events(self.rank_dir, self._rank, self.root)
 
@@ -172,43 +170,9 @@ class ParquetSink:
             return
         self._tables[name] = _Table(table.metrics)
         assert self._rank is not None, "rows come with a record, which names the rank"
-        directory = table_dir(self.root, name, self._rank)
-        if name not in self._repaired:
-            self._repair(directory)
-            self._repaired.add(name)
-        seq, self._seq = self._seq, self._seq + 1
-        first, last = table.step_range()
-        path = directory / part_name(first, last, self.writer_token, seq, seq)
-        write_atomic(path, parquet_bytes(table.arrow(), compression_level=1), root=self.root, exclusive=True)
-        small = self._small.setdefault(name, [])
-        small.append(Part(path, first, last, self.writer_token, seq, seq))
-        self._small_rows[name] = self._small_rows.get(name, 0) + len(table)
-        if len(small) >= self.fan_in or self._small_rows[name] >= self.merge_rows:
-            self._merge(name)
-
-    def _merge(self, name: str) -> None:
-        """Merge this writer's small files of ``name`` into one part: the part is renamed into place first,
-        its inputs removed after (a crash in between leaves parts that :func:`live_parts` skips)."""
-        small, self._small[name], self._small_rows[name] = self._small[name], [], 0
-        if len(small) < 2:
-            return
-        tables = []
-        for part in small:
-            with open_output(part.path, "rb", self.root) as handle:
-                tables.append(pq.read_table(handle))
-        merged = pa.concat_tables(tables, promote_options="default")
-        first, last = min(p.first_step for p in small), max(p.last_step for p in small)
-        path = small[0].path.parent / part_name(first, last, self.writer_token, small[0].lo, small[-1].hi)
-        write_atomic(path, parquet_bytes(merged), root=self.root, exclusive=True)
-        for part in small:
-            remove_file(part.path, self.root)
-
-    def _repair(self, directory: Path) -> None:
-        """Remove the parts a merge superseded before a crash could remove them (an earlier run's)."""
-        make_dirs(directory, self.root)
-        paths = [directory / entry for entry in os.listdir(directory)]
-        live = {part.path for part in live_parts(paths)}
-        for part in filter(None, map(parse_part, paths)):
-            if part.path not in live:
-                logger.info("trainmon: removing %s (merged into a larger part before a crash)", part.path)
-                remove_file(part.path, self.root)
+        parts = self._parts.get(name)
+        if parts is None:
+            parts = self._parts[name] = TableParts(table_dir(self.root, name, self._rank), self.root,
+                                                   self.writer_token, self._sequence, fan_in=self.fan_in,
+                                                   merge_rows=self.merge_rows)
+        parts.add(table.arrow(), *table.step_range())

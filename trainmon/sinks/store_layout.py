@@ -34,10 +34,16 @@ ANOMALIES = "anomalies"
 """The table of anomaly events (``events-*.parquet`` files: :mod:`trainmon.sinks.store_events`)."""
 SCALARS = "scalars"
 """The table of ``step, name, value`` scalars (loss, grad_norm, lr/group0, ...)."""
+GRAD_PROBE = "grad_probe"
+"""The grad probe's summary table (one row per target parameter per collected step: :mod:`trainmon.probe.store`)."""
+GRAD_DIRECTIONS = "grad_directions"
+"""The grad probe's packed gradient signs (one row per parameter per collected step: :mod:`trainmon.probe.store`)."""
+NOT_FAMILIES: tuple[str, ...] = (ANOMALIES, GRAD_PROBE, GRAD_DIRECTIONS)
+"""Tables of the store that are not row families (readers of families skip them; ``open_run`` makes their views)."""
 KEY_COLUMNS: tuple[str, ...] = ("step", "micro_step", "vpp_stage", "pp_stage", "order", "phase", "name", "nonfinite")
 """The columns of a row table before its metric columns (one DOUBLE column per configured metric)."""
 
-_DICTIONARY = ("name", "phase", "family", "metric", "detector")
+_DICTIONARY = ("name", "phase", "family", "metric", "detector", "shape", "dtype", "sample")
 _PART = re.compile(r"^part-(\d+)-(\d+)-([0-9a-f]+)-(\d+)-(\d+)\.parquet$")
 
 
@@ -115,15 +121,19 @@ def table_dir(run_dir: Path, table: str, rank: int) -> Path:
     return Path(run_dir) / STORE_DIR / table / f"rank={rank}"
 
 
-def parquet_bytes(table: pa.Table, compression_level: int = 3) -> bytes:
+def parquet_bytes(table: pa.Table, compression_level: int = 3, row_group_bytes: int | None = None) -> bytes:
     """``table`` as a Parquet file: zstd, dictionary-encoded names, BYTE_STREAM_SPLIT floats (their zero low
-    mantissa bytes compress away), statistics for step-range pruning."""
+    mantissa bytes compress away), statistics for step-range pruning; with ``row_group_bytes``, row groups of
+    about that many bytes of data (a reader decodes a row group's column whole: large binary values need it)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
+    rows = None
+    if row_group_bytes is not None and table.num_rows:
+        rows = max(1, row_group_bytes * table.num_rows // max(table.nbytes, 1))
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd", compression_level=compression_level,
                    use_dictionary=[c for c in _DICTIONARY if c in table.column_names],
-                   use_byte_stream_split=floats or False, write_statistics=True)
+                   use_byte_stream_split=floats or False, write_statistics=True, row_group_size=rows)
     return bytes(sink.getvalue())

@@ -1,5 +1,7 @@
 """``trainmon grad-compare RUN_A RUN_B -o OUT``: gradient-direction similarity of two runs (framework-free).
 
+A run's directions are read from its direction files (``rank*/grad_probe/step*/*.bits``) and from its store's
+``grad_directions`` table (:mod:`trainmon.probe.store`), so a run of either layout compares with one of the other.
 Ranks, steps and parameters are matched by their numbers and names; the similarity of a
 parameter at a step is the fraction of its stored elements whose gradient signs (``x > 0``)
 are equal in both runs. Mismatches (a rank, step or parameter in one run only, different
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import re
 import sys
 import warnings
 from collections.abc import Sequence
@@ -25,7 +28,9 @@ import numpy.typing as npt
 from trainmon.base.inputs import find_runs, is_dir, rank_dirs_of, runs_hint
 from trainmon.base.progress import progress
 from trainmon.errors import UsageError
-from trainmon.probe.storage import PROBE_DIR, DirectionFile, DirectionFormatError, read_direction_header
+from trainmon.probe.storage import PROBE_DIR, Direction, DirectionFormatError, read_direction_header
+from trainmon.probe.store import scan_directions
+from trainmon.sinks.store_layout import GRAD_DIRECTIONS, STORE_DIR
 
 if TYPE_CHECKING:
     from trainmon.tools.command import Subparsers
@@ -35,7 +40,7 @@ _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
 SIMILARITY_COLUMNS = ("kind", "rank", "step", "vpp_stage", "name", "count", "similarity")
 """``kind`` is ``param``, or ``element_weighted`` / ``param_averaged`` for a step's summary rows."""
 
-Tree = dict[int, dict[int, dict[tuple[int, str], DirectionFile]]]
+Tree = dict[int, dict[int, dict[tuple[int, str], Direction]]]
 
 
 @dataclass
@@ -53,7 +58,7 @@ def add_parser(sub: Subparsers) -> None:
         description="Match ranks, steps and parameters of two runs' grad-probe direction files (level L1 or L2) "
                     "and write OUT/similarities.csv (fraction of equal gradient signs per parameter per step, "
                     "plus element-weighted and parameter-averaged rows per step) and PNG plots.")
-    parser.add_argument("run_a", help="first run directory (with rank*/grad_probe/)")
+    parser.add_argument("run_a", help="first run directory (with rank*/grad_probe/ or store/grad_directions/)")
     parser.add_argument("run_b", help="second run directory")
     parser.add_argument("-o", "--output", required=True, help="output directory")
     parser.add_argument("--no-plots", action="store_true", help="write only similarities.csv")
@@ -94,24 +99,29 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def scan_run(run_dir: Path, problems: list[str] | None = None) -> Tree:
-    """``rank -> step -> (vpp_stage, name) -> DirectionFile`` of a run (or of one rank directory).
+    """``rank -> step -> (vpp_stage, name) -> Direction`` of a run (or of one rank directory): its direction
+    files and the rows of its store's ``grad_directions`` table (a step of a parameter in both: the file's).
 
     Args:
-        run_dir: the run (``rank*/grad_probe/``) or one rank directory.
-        problems: when given, a ``.bits`` file whose header cannot be read is described here and
-            skipped; when None, it raises.
+        run_dir: the run (``rank*/grad_probe/``, ``store/grad_directions/``) or one rank directory.
+        problems: when given, a ``.bits`` file whose header cannot be read, or a store part that cannot be
+            read, is described here and skipped; when None, it raises.
 
     Raises:
-        FileNotFoundError: no such directory, or no readable direction file in it (a folder of
+        FileNotFoundError: no such directory, or no readable direction in it (a folder of
             runs is named as such, with its runs).
-        DirectionFormatError: a ``.bits`` file is not a direction file (only when ``problems`` is None).
+        DirectionFormatError: a ``.bits`` file is not a direction file, or a store part not readable (only when
+            ``problems`` is None).
     """
     if not is_dir(run_dir):
         raise FileNotFoundError(f"{run_dir}: {'not a directory' if os.path.lexists(run_dir) else 'no such directory'}")
+    store_run, store_ranks = run_dir, None
     if is_dir(run_dir / PROBE_DIR):
         rank_dirs = [(_rank_number(run_dir.name), run_dir)]
     else:
         rank_dirs = [(_rank_number(p.name), p) for p in rank_dirs_of(run_dir) if is_dir(p / PROBE_DIR)]
+    if not rank_dirs_of(run_dir) and re.fullmatch(r"rank\d+", run_dir.name):  # a rank folder: its run's store
+        store_run, store_ranks = run_dir.parent, {_rank_number(run_dir.name)}
     tree: Tree = {}
     for rank, rank_dir in rank_dirs:
         for path in sorted((rank_dir / PROBE_DIR).glob("step*/*.bits")):
@@ -123,12 +133,25 @@ def scan_run(run_dir: Path, problems: list[str] | None = None) -> Tree:
                 problems.append(f"unreadable direction file, skipped: {exc}")
                 continue
             tree.setdefault(rank, {}).setdefault(int(info.header["step"]), {})[info.key] = info
+    try:
+        stored = scan_directions(store_run, store_ranks, problems)
+    except OSError as exc:
+        if problems is None:
+            raise
+        problems.append(f"{store_run / STORE_DIR}: cannot list the store, skipped ({exc.strerror or exc})")
+        stored = {}
+    for rank, steps in stored.items():
+        for step, entries in steps.items():
+            known = tree.setdefault(rank, {}).setdefault(step, {})
+            for key, entry in entries.items():
+                known.setdefault(key, entry)
     if not tree:
         runs = [] if rank_dirs_of(run_dir) else find_runs(run_dir)
         if runs:
             raise FileNotFoundError(runs_hint(run_dir, runs, "grad-compare"))
         raise FileNotFoundError(f"{run_dir}: no grad-probe direction files (rank*/{PROBE_DIR}/step*/*.bits; "
-                                "they are written at grad_probe level L1 or L2)")
+                                f"{STORE_DIR}/{GRAD_DIRECTIONS}/ with sinks: [parquet]; they are written at grad_probe "
+                                "level L1 or L2)")
     return tree
 
 
@@ -143,7 +166,7 @@ def sign_similarity(bits_a: npt.NDArray[np.uint8], bits_b: npt.NDArray[np.uint8]
     return (count - differing) / count if count else float("nan")
 
 
-def _layout(info: DirectionFile) -> tuple[Any, ...]:
+def _layout(info: Direction) -> tuple[Any, ...]:
     h = info.header
     return tuple(h["shape"]), int(h["count"]), json_key(h.get("sample"))
 

@@ -57,10 +57,18 @@ def _check_sql(sql: str) -> None:
         raise UsageError(f"SQL: only a SELECT is run (a query never writes), got {statements[0].type.name}")
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, whole: bool = True) -> str:
+    """A value as text; binary values (grad_directions' bits) in hex, or only their size when not ``whole``."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex() if whole else f"<{len(value)} bytes>"
     if isinstance(value, float):
         return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else "inf" if value > 0 else "-inf")
     return "" if value is None else str(value)
+
+
+def _not_json(value: Any) -> bool:
+    """NaN, Inf and binary values are written as :func:`_cell`'s text in JSON."""
+    return isinstance(value, bytes) or (isinstance(value, float) and not math.isfinite(value))
 
 
 def _print(columns: list[str], rows: list[tuple[Any, ...]], fmt: str, more: bool) -> None:
@@ -71,10 +79,9 @@ def _print(columns: list[str], rows: list[tuple[Any, ...]], fmt: str, more: bool
         return
     if fmt == "jsonl":
         for row in rows:
-            print(json.dumps({c: (_cell(v) if isinstance(v, float) and not math.isfinite(v) else v)
-                              for c, v in zip(columns, row)}, default=str))
+            print(json.dumps({c: (_cell(v) if _not_json(v) else v) for c, v in zip(columns, row)}, default=str))
         return
-    cells: list[list[str]] = [columns] + [[_cell(v) for v in row] for row in rows]
+    cells: list[list[str]] = [columns] + [[_cell(v, whole=False) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     for line in cells:
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())

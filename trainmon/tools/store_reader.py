@@ -22,7 +22,7 @@ import numpy as np
 
 from trainmon.base.inputs import is_dir, open_regular
 from trainmon.base.records import row_tag
-from trainmon.sinks.store_layout import ANOMALIES, KEY_COLUMNS, SCALARS, STORE_DIR, Part, live_parts
+from trainmon.sinks.store_layout import KEY_COLUMNS, NOT_FAMILIES, SCALARS, STORE_DIR, Part, live_parts
 from trainmon.tools.readers import Table, family_of, read_scalars_noting_layout, read_table
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def store_families(run_dir: Path) -> dict[int, list[StoreFamily]]:
         return out
     try:
         for table in sorted(store.iterdir()):
-            if not is_dir(table) or table.name.startswith((".", "_")) or table.name == ANOMALIES:
+            if not is_dir(table) or table.name.startswith((".", "_")) or table.name in NOT_FAMILIES:
                 continue
             for rank_dir in sorted(table.glob("rank=*")):
                 if not (rank_dir.name[5:].isdigit() and is_dir(rank_dir)):

@@ -206,7 +206,8 @@ def _train_probe(net: nn.Module, monitor: TrainerMonitor, batches, refs: dict[st
 
 def run_probe(out: Path, warnings: Warnings, case: str, counter: fsdp2_train.CollectiveCounter) -> None:
     """FSDP2 (``probe``: ``Shard(0)``, every weight family on; ``probe_dim1``: matrices ``Shard(1)``, grad probe
-    only; ``probe_l0``: ``Shard(0)``, level L0; ``probe_hsdp_2x1``: HSDP, 2 replicas of 1 shard) on each rank's
+    only; ``probe_dim1_store``: the same into the run store (``sinks: [parquet]``); ``probe_l0``: ``Shard(0)``,
+    level L0; ``probe_hsdp_2x1``: HSDP, 2 replicas of 1 shard) on each rank's
     5 rows; then, on rank 0, ``probe_plain``: the
     unsharded model on both ranks' 10 rows (L2)."""
     rank = dist.get_rank()
@@ -216,12 +217,13 @@ def run_probe(out: Path, warnings: Warnings, case: str, counter: fsdp2_train.Col
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     net = fsdp2_train.Net()
-    placement = (lambda p: Shard(1) if p.ndim == 2 else None) if case == "probe_dim1" else None
+    placement = (lambda p: Shard(1) if p.ndim == 2 else None) if case.startswith("probe_dim1") else None
     for block in net.blocks:
         fully_shard(block, mesh=mesh, shard_placement_fn=placement)
     fully_shard(net, mesh=mesh, shard_placement_fn=placement)
     weights = case == "probe"
-    config = {"output_dir": str(out), "run_name": case, "sinks": ["csv"], "step_interval": PROBE_INTERVAL,
+    sinks = ["parquet"] if case.endswith("_store") else ["csv"]  # the run store, or the per-file layout
+    config = {"output_dir": str(out), "run_name": case, "sinks": sinks, "step_interval": PROBE_INTERVAL,
               "grad_probe": {"enabled": True, **PROBE_CONFIG, "level": "L0" if case == "probe_l0" else "L2"},
               "weight_grads": {"enabled": weights},
               "optimizer_states": {"enabled": weights}, "anomaly": {"actions": []}}
@@ -231,7 +233,7 @@ def run_probe(out: Path, warnings: Warnings, case: str, counter: fsdp2_train.Col
     np.savez(case_dir / f"refs_rank{rank}.npz", **refs)
     (case_dir / f"info_rank{rank}.json").write_text(json.dumps({"collectives": collectives,
                                                                  "warnings": warnings.messages}))
-    if rank == 0 and case != "probe_l0" and not (out / "probe_plain").exists():
+    if rank == 0 and case not in ("probe_l0", "probe_dim1_store") and not (out / "probe_plain").exists():
         torch.manual_seed(0)
         plain = fsdp2_train.Net()
 

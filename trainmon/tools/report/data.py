@@ -29,7 +29,7 @@ import numpy.typing as npt
 from trainmon.base.inputs import open_regular
 from trainmon.tools.csv2tb import rank_dirs
 from trainmon.tools.readers import CsvFormatError, Table
-from trainmon.tools.store_reader import Source, read_source, source_family, with_store
+from trainmon.tools.store_reader import Source, StoreError, read_source, source_family, with_store
 
 Ints: TypeAlias = "npt.NDArray[np.int64]"
 """Steps, bins and flat cell indices."""
@@ -65,7 +65,8 @@ def sources(run_dir: Path) -> dict[int, list[Source]]:
 
 
 def probe_files(run_dir: Path, ranks: list[int]) -> dict[int, Path]:
-    """``rank -> rank{R}/grad_probe/grad_summary.csv`` where it exists (``grad_probe/`` of a rank directory)."""
+    """``rank -> rank{R}/grad_probe/grad_summary.csv`` where it exists (``grad_probe/`` of a rank directory), else
+    the rank's folder of the store's ``grad_probe`` table (:func:`probe_store_folders`)."""
     found = {}
     for rank in ranks:
         for folder in (run_dir / f"rank{rank}", run_dir):  # a run, or one rank directory
@@ -73,7 +74,46 @@ def probe_files(run_dir: Path, ranks: list[int]) -> dict[int, Path]:
             if path.is_file() and (folder != run_dir or rank_of(run_dir, -1) == rank):
                 found[rank] = path
                 break
-    return found
+    return {**probe_store_folders(run_dir, [rank for rank in ranks if rank not in found]), **found}
+
+
+def probe_store_folders(run_dir: Path, ranks: list[int]) -> dict[int, Path]:
+    """``rank -> store/grad_probe/rank={R}`` of the ranks whose grad probe wrote into the run store."""
+    from trainmon.probe.store import stored_ranks
+    from trainmon.sinks.store_layout import GRAD_PROBE, table_dir
+
+    try:
+        stored = stored_ranks(run_dir, GRAD_PROBE)
+    except OSError as exc:
+        raise StoreError(f"{run_dir}: cannot list the store ({exc.strerror or exc})") from None
+    return {rank: table_dir(run_dir, GRAD_PROBE, rank) for rank in ranks if rank in stored}
+
+
+def read_probe_store(folder: Path) -> Table:
+    """A rank's ``grad_probe`` store table (``store/grad_probe/rank={R}``) as :func:`read_probe_table` reads
+    ``grad_summary.csv``: a :class:`~trainmon.tools.readers.Table` of its similarity columns.
+
+    Raises:
+        StoreError: a part that is not a readable grad-probe part (the file in the message).
+    """
+    from trainmon.base.inputs import is_dir
+    from trainmon.probe.storage import SIMILARITIES, DirectionFormatError
+    from trainmon.probe.store import read_summary
+    from trainmon.sinks.store_layout import live_parts
+
+    try:
+        parts = [part.path for part in live_parts(sorted(folder.iterdir()))] if is_dir(folder) else []
+        table = read_summary(parts, ["vpp_stage", "name", "step", *PROBE_METRICS])
+    except DirectionFormatError as exc:
+        raise StoreError(str(exc)) from None
+    metrics = [name for name in SIMILARITIES if name in PROBE_METRICS and name in table.column_names]  # CSV order
+    index: dict[tuple[int, str], int] = {}
+    rows = [index.setdefault(key, len(index)) for key in zip(table.column("vpp_stage").to_pylist(),
+                                                              table.column("name").to_pylist())]
+    values = [table.column(name).to_numpy(zero_copy_only=False).astype(np.float64) for name in metrics]
+    return Table("grad_probe", metrics, list(index), np.array(rows, dtype=np.int32),
+                 table.column("step").to_numpy(zero_copy_only=False).astype(np.int64), np.zeros(len(rows), np.int32),
+                 np.stack(values, axis=1) if values else np.zeros((len(rows), 0)))
 
 
 def step_bins(steps: Ints, max_columns: int) -> tuple[Ints, Ints, int]:
@@ -266,7 +306,10 @@ def read_families(files: list[Source], families: list[str] | None, on_file: Call
 
 
 def read_probe_table(path: Path) -> Table:
-    """``grad_probe/grad_summary.csv`` as a :class:`~trainmon.tools.readers.Table` of its similarity columns."""
+    """``grad_probe/grad_summary.csv`` as a :class:`~trainmon.tools.readers.Table` of its similarity columns (a
+    folder of the store: :func:`read_probe_store`)."""
+    if path.is_dir():
+        return read_probe_store(path)
     try:
         with open_regular(path, text=True, newline="") as handle:
             reader = csv.reader(handle)
