@@ -217,9 +217,12 @@ def _analyse_events(con: duckdb.DuckDBPyConnection, root: Path, top: int, steps:
             by_detector[detector] = count
     key = f"{ORDER_KEY}, seq"
     top_ids = con.execute(f"SELECT rank, seq FROM {selected} ORDER BY {key} LIMIT {int(top)}", params).fetchall()
-    firsts = con.execute(f"SELECT {_NONFINITE} AS nonfinite, arg_min(struct_pack(rank, seq), row({key})) "
-                         f"FROM {selected} GROUP BY ALL", params).fetchall()
-    first_of = {bool(nonfinite): (found["rank"], found["seq"]) for nonfinite, found in firsts}
+    first_of = {}
+    for nonfinite in (True, False):  # two top-1 sorts: ~4x faster than one arg_min over (key, ...) rows
+        found = con.execute(f"SELECT rank, seq FROM {selected} WHERE {'' if nonfinite else 'NOT '}{_NONFINITE} "
+                            f"ORDER BY {key} LIMIT 1", params).fetchone()
+        if found is not None:
+            first_of[nonfinite] = (found[0], found[1])
     by_step_ids = con.execute(f"SELECT step, arg_min(struct_pack(rank, seq), row({key})) FROM {selected} "
                               "GROUP BY step ORDER BY step", params).fetchall()
     step_ids = [(found["rank"], found["seq"]) for _, found in by_step_ids]
@@ -314,45 +317,52 @@ def _number(value: Any) -> float | str | None:
 def _cross_rank(con: duckdb.DuckDBPyConnection, families: list[str], where: str,
                 top: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The spread groups and the deviating ranks (see the module), one family at a time (bounded memory)."""
-    con.execute("CREATE OR REPLACE TEMP TABLE _trainmon_groups (family VARCHAR, name VARCHAR, step BIGINT, "
+    con.execute("CREATE OR REPLACE TEMP TABLE _trainmon_groups (family VARCHAR, gid BIGINT, name VARCHAR, step BIGINT, "
                 "micro_step INTEGER, vpp_stage INTEGER, ranks BIGINT, lo DOUBLE, med DOUBLE, hi DOUBLE, "
                 "lo_rank BIGINT, hi_rank BIGINT, scale DOUBLE, far_rank BIGINT, far_z DOUBLE)")
     con.execute("CREATE OR REPLACE TEMP TABLE _trainmon_rank_z (rank BIGINT, groups BIGINT, sum_abs_z DOUBLE, "
-                "max_abs_z DOUBLE, worst STRUCT(family VARCHAR, name VARCHAR, step BIGINT, micro_step INTEGER, "
-                f"vpp_stage INTEGER, {METRIC} DOUBLE, median DOUBLE, z DOUBLE))")
+                "max_abs_z DOUBLE, family VARCHAR, gid BIGINT, x DOUBLE, z DOUBLE)")
     for family in families:
         rows = (f"SELECT rank, name, step, micro_step, vpp_stage, {METRIC} AS x FROM {_identifier(family)} "
                 f"WHERE isfinite({METRIC}) AND {where}")
-        # Per group, the norms as a list (ordered by rank: ties of the farthest rank go to the lowest rank), its
-        # median, the MAD (or the mean absolute deviation) scale, and the farthest rank.
+        # Three passes, each an aggregation that DuckDB streams: per group (numbered: the later passes group by the
+        # number, not by name and step) the median and extremes; then, the rows joined with them, the absolute
+        # deviations' median (the MAD) and mean, and the lowest rank at the minimum, at the maximum and farthest from
+        # the median (ties go to the lowest rank); then each rank's z scores. No list functions (DuckDB's
+        # list_median costs ~10x its median aggregate), no arg_min over (value, rank) pairs (~3x a min).
+        con.execute(f"""
+            CREATE OR REPLACE TEMP TABLE _trainmon_family AS
+            SELECT row_number() OVER () AS gid, * FROM (
+                SELECT name, step, micro_step, vpp_stage, count(*) AS ranks, min(x) AS lo, median(x) AS med,
+                       max(x) AS hi
+                FROM ({rows}) GROUP BY name, step, micro_step, vpp_stage HAVING count(*) >= 2)""")
         con.execute(f"""
             INSERT INTO _trainmon_groups
-            WITH lists AS (
-                SELECT name, step, micro_step, vpp_stage, count(*) AS ranks, min(x) AS lo, max(x) AS hi,
-                       arg_min(rank, row(x, rank)) AS lo_rank, arg_max(rank, row(x, -rank)) AS hi_rank,
-                       list(x ORDER BY rank) AS xs, list(rank ORDER BY rank) AS rs
-                FROM ({rows}) GROUP BY name, step, micro_step, vpp_stage HAVING count(*) >= 2),
-            medians AS (SELECT *, list_median(xs) AS med FROM lists),
-            deviations AS (SELECT *, list_transform(xs, lambda v: abs(v - med)) AS ds FROM medians),
-            spreads AS (
-                SELECT *, CASE WHEN ranks < {MIN_RANKS_Z} THEN NULL
-                               WHEN list_median(ds) > 0 THEN {_MAD_SCALE} * list_median(ds)
-                               WHEN list_avg(ds) > 0 THEN {_MEAN_AD_SCALE} * list_avg(ds) END AS robust
-                FROM deviations),
-            scaled AS (SELECT *, CASE WHEN robust IS NOT NULL THEN greatest(robust, {MIN_RELATIVE_SCALE} * abs(med))
-                                            END AS scale FROM spreads)
-            SELECT '{family}', name, step, micro_step, vpp_stage, ranks, lo, med, hi, lo_rank, hi_rank, scale,
-                   rs[list_position(ds, list_max(ds))], list_max(ds) / scale
-            FROM scaled""")
+            WITH deviations AS (
+                SELECT gid, median(d) AS mad, avg(d) AS mean_ad, min(rank) FILTER (WHERE x = lo) AS lo_rank,
+                       min(rank) FILTER (WHERE x = hi) AS hi_rank, min(rank) FILTER (WHERE d = far) AS far_rank
+                FROM (SELECT r.rank, r.x, g.gid, g.lo, g.hi, abs(r.x - g.med) AS d,
+                             greatest(g.hi - g.med, g.med - g.lo) AS far
+                      FROM ({rows}) r JOIN _trainmon_family g USING (name, step, micro_step, vpp_stage))
+                GROUP BY gid),
+            robust AS (
+                SELECT *, CASE WHEN ranks < {MIN_RANKS_Z} THEN NULL WHEN mad > 0 THEN {_MAD_SCALE} * mad
+                               WHEN mean_ad > 0 THEN {_MEAN_AD_SCALE} * mean_ad END AS robust,
+                       greatest(hi - med, med - lo) AS far
+                FROM _trainmon_family JOIN deviations USING (gid))
+            SELECT '{family}', gid, name, step, micro_step, vpp_stage, ranks, lo, med, hi, lo_rank, hi_rank,
+                   CASE WHEN robust IS NOT NULL THEN greatest(robust, {MIN_RELATIVE_SCALE} * abs(med)) END AS scale,
+                   far_rank, far / scale
+            FROM robust""")
         con.execute(f"""
             INSERT INTO _trainmon_rank_z
-            SELECT rank, count(*), sum(abs(z)), max(abs(z)),
-                   arg_max(struct_pack(family := '{family}', name, step, micro_step, vpp_stage, {METRIC} := x,
-                                       median := med, z), row(abs(z), -step))
-            FROM (SELECT r.*, g.med, (r.x - g.med) / g.scale AS z
-                  FROM ({rows}) r JOIN _trainmon_groups g USING (name, step, micro_step, vpp_stage)
-                  WHERE g.family = '{family}' AND g.scale IS NOT NULL)
-            GROUP BY rank""")
+            SELECT rank, groups, sum_abs_z, max_abs_z, '{family}', worst.gid, worst.x, worst.z FROM (
+                SELECT rank, count(*) AS groups, sum(abs(z)) AS sum_abs_z, max(abs(z)) AS max_abs_z,
+                       arg_max(struct_pack(gid, x, z), row(abs(z), -step)) AS worst
+                FROM (SELECT r.rank, r.x, r.step, g.gid, (r.x - g.med) / g.scale AS z
+                      FROM ({rows}) r JOIN (SELECT * FROM _trainmon_groups WHERE family = '{family}'
+                                            AND scale IS NOT NULL) g USING (name, step, micro_step, vpp_stage))
+                GROUP BY rank)""")
     spread = con.execute(f"""
         SELECT family, name, step, micro_step, vpp_stage, ranks, lo, med, hi, hi - lo AS spread,
                CASE WHEN med <> 0 THEN (hi - lo) / abs(med) WHEN hi > lo THEN 'inf'::DOUBLE ELSE 0 END AS relative,
@@ -368,8 +378,10 @@ def _cross_rank(con: duckdb.DuckDBPyConnection, families: list[str], where: str,
     ranked = con.execute(f"""
         WITH per_rank AS (
             SELECT rank, sum(groups) AS groups, sum(sum_abs_z) / sum(groups) AS mean_abs_z,
-                   max(max_abs_z) AS max_abs_z, arg_max(worst, row(max_abs_z, -worst.step)) AS worst
-            FROM _trainmon_rank_z GROUP BY rank),
+                   max(max_abs_z) AS max_abs_z,
+                   arg_max(struct_pack(family, name, step, micro_step, vpp_stage, {METRIC} := x, median := med, z),
+                           row(max_abs_z, -step)) AS worst
+            FROM _trainmon_rank_z JOIN _trainmon_groups USING (family, gid) GROUP BY rank),
         outliers AS (
             SELECT far_rank AS rank, count(*) AS outliers FROM _trainmon_groups
             WHERE scale IS NOT NULL AND far_z >= {Z_THRESHOLD} GROUP BY far_rank)
@@ -387,5 +399,5 @@ def _cross_rank(con: duckdb.DuckDBPyConnection, families: list[str], where: str,
     return groups, deviating
 
 
-__all__ = ["MIN_RANKS_Z", "MIN_RELATIVE_SCALE", "ORDER_KEY", "Z_THRESHOLD", "analyse_store", "connect", "row_families", "row_sections",
-           "store_rows"]
+__all__ = ["MIN_RANKS_Z", "MIN_RELATIVE_SCALE", "ORDER_KEY", "Z_THRESHOLD", "analyse_store", "connect",
+           "row_families", "row_sections", "store_rows"]
