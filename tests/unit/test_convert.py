@@ -168,6 +168,19 @@ def test_big_files_are_read_and_written_in_blocks(csv_run, monkeypatch):
             assert sum((t.column(column).to_pylist() for t in joined), []) == whole.column(column).to_pylist()
 
 
+def test_a_big_anomalies_file_is_stored_a_block_at_a_time(csv_run, monkeypatch):
+    lines = (csv_run / "rank0" / "anomalies.jsonl").read_bytes()
+    monkeypatch.setattr(convert, "EVENT_BYTES", 100)
+    assert main(["convert", str(csv_run)]) == 0
+    stored = sorted((csv_run / "store" / "anomalies" / "rank=0").iterdir())
+    ranges = [tuple(int(n) for n in p.stem.split("-")[1:]) for p in stored]
+    assert len(stored) == 3 and ranges[0][0] == 0 and ranges[-1][1] == lines.rfind(b"\n") + 1
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous byte ranges, each of whole lines
+    con = open_run(csv_run)
+    assert con.execute("SELECT count(*), count(DISTINCT seq) FROM anomalies").fetchall() == [(3, 3)]
+    con.close()
+
+
 def _msprobe_reference(folder: Path) -> dict[tuple[str, str, int, int, str], float]:
     """``(family, name, step, micro-step, metric) -> value`` of msprobe's CSV files, read with the csv module."""
     values = {}

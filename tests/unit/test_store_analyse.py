@@ -281,3 +281,14 @@ def test_no_duckdb_spill_folder_in_the_working_directory(store, tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     analyse_store(root)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_table_named_with_quotes_is_quoted(store, tmp_path):
+    """Table names are folder names: any text; SQL never takes one as code."""
+    root, _ = store
+    odd = tmp_path / "run"
+    shutil.copytree(root, odd)
+    (odd / "store" / "actv").rename(odd / "store" / "a'c\"tv")
+    got = analyse_store(odd)
+    assert got["first_nonfinite_row"]["family"] == "a'c\"tv"
+    assert "a'c\"tv" in {g["family"] for g in analyse_store(odd, top=1000)["spread"]}

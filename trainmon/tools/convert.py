@@ -7,8 +7,9 @@ or changed. Every table is written under a hidden ``RUN_DIR/.store-convert-*`` f
 
 - **A trainmon run** (``rank{R}/{family}.csv``, ``{family}_{n}.csv``, ``scalars.csv``): each file's rows become
   parts of ``store/{family}/rank={R}/`` (the same columns the Parquet sink writes), ``rank{R}/anomalies.jsonl``
-  becomes ``store/anomalies/rank={R}/events-0-{end}.parquet`` (its complete lines, as the sink stores them at
-  close). Other CSV files of a rank folder (``free_benchmark.csv``) are not rows of a family and are skipped.
+  becomes ``store/anomalies/rank={R}/events-{start}-{end}.parquet`` files (its complete lines, 64 MiB of them a
+  file, named by their byte range as the sink names them at close). Other CSV files of a rank folder
+  (``free_benchmark.csv``) are not rows of a family and are skipped.
 - **msprobe's output** (``$MONITOR_OUTPUT_DIR/{time}-rank{R}-{id}/{family}_{a}-{b}.csv``, msprobe 1.2 and 8.x-26.x
   layouts): rows get trainmon's names (as ``trainmon csv2tb`` names them), their micro-step (the
   ``micro_step`` column, or 1.2's ``{module}_{micro_step}``) and VPP stage; ``shape`` and ``dtype`` are left out.
@@ -45,7 +46,6 @@ from trainmon.base.inputs import (
     is_dir,
     open_regular,
     rank_dirs_of,
-    read_regular,
     runs_hint,
 )
 from trainmon.base.progress import Bar
@@ -62,6 +62,8 @@ if TYPE_CHECKING:
 
 PART_ROWS = 1 << 22
 """Rows of a CSV file read and written as one part at most (bounds the memory of a conversion)."""
+EVENT_BYTES = 1 << 26
+"""Bytes of an ``anomalies.jsonl`` stored as one events file at most (then up to the end of the line)."""
 MARKER = "_convert.json"
 """Written into the store it made: what was converted, from where, when (DuckDB, Dask and Spark skip ``_`` names)."""
 _TABLE_NAME = re.compile(r"[A-Za-z0-9_]{1,100}")
@@ -124,16 +126,25 @@ class _Writer:
         self.tables.add(table)
 
     def events(self, rank: int, jsonl: Path) -> int:
-        """The complete lines of a rank's ``anomalies.jsonl`` as its stored events; returns the events stored."""
-        text = read_regular(jsonl)
-        end = text.rfind(b"\n") + 1  # a last line without its newline was cut by a crash (or is being written)
-        if not end:
-            return 0
-        events = events_table(text[:end])
-        self.write(self.staging / ANOMALIES / f"rank={rank}" / f"events-{0:015d}-{end:015d}.parquet",
-                   parquet_bytes(events))
-        self.tables.add(ANOMALIES)
-        return int(events.num_rows)
+        """The complete lines of a rank's ``anomalies.jsonl`` as its stored events, :data:`EVENT_BYTES` of the file
+        at a time (one ``events-{start}-{end}.parquet`` each, named by its byte range as the sink names them);
+        returns the events stored. A last line without its newline (cut by a crash) is left to the file."""
+        stored, start, rest = 0, 0, b""
+        with open_regular(jsonl) as handle:
+            while True:
+                block = handle.read(EVENT_BYTES)
+                text = rest + block
+                end = text.rfind(b"\n") + 1
+                if end:
+                    events = events_table(text[:end])
+                    name = f"events-{start:015d}-{start + end:015d}.parquet"
+                    self.write(self.staging / ANOMALIES / f"rank={rank}" / name, parquet_bytes(events))
+                    self.tables.add(ANOMALIES)
+                    stored += events.num_rows
+                    start, text = start + end, text[end:]
+                rest = text
+                if not block:
+                    return stored
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -376,4 +387,4 @@ def _integer(text: str, column: str, largest: int) -> int:
     return int(digits)
 
 
-__all__ = ["MARKER", "PART_ROWS", "add_parser", "run_cli"]
+__all__ = ["EVENT_BYTES", "MARKER", "PART_ROWS", "add_parser", "run_cli"]

@@ -7,8 +7,8 @@ view that maps or expands rows serves this module too. Two kinds of answers:
   events, key for key: the earliest events (DESIGN.md's order: step, micro-step, phase, pipeline position
   ascending in the forward pass and descending in the backward pass, execution order, rank; then the order the
   rank wrote them), the first non-finite event, the first spike, the first event of each step, counts. DuckDB
-  reads only the columns a query needs from the Parquet files and keeps only the top K and the per-step firsts,
-  so 10^8 events take seconds, not the ~17 minutes of the JSON reader.
+  reads only the columns a query needs from the Parquet files and keeps only the top K and the per-step firsts;
+  the reported events alone are read whole (figures: docs/performance.md).
 - **The rows** (the family tables), which the events cannot give (:func:`row_sections`):
 
   - ``first_nonfinite_row``: the first row whose tensor held a NaN or Inf, over every family and rank, in the
@@ -81,6 +81,10 @@ def _identifier(text: str) -> str:
     return '"' + text.replace('"', '""') + '"'
 
 
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
 @contextmanager
 def connect() -> Iterator[duckdb.DuckDBPyConnection]:
     """An in-memory DuckDB connection that draws no progress bar and spills to a temporary folder of its own
@@ -89,7 +93,7 @@ def connect() -> Iterator[duckdb.DuckDBPyConnection]:
         con = duckdb.connect()
         try:
             con.execute("SET enable_progress_bar = false")
-            con.execute(f"SET temp_directory = '{spill.replace(chr(39), chr(39) * 2)}'")
+            con.execute(f"SET temp_directory = {_literal(spill)}")
             yield con
         finally:
             con.close()
@@ -203,8 +207,8 @@ def _analyse_events(con: duckdb.DuckDBPyConnection, root: Path, top: int, steps:
         where += " AND detector IN (SELECT unnest($detectors))"
     params = {"detectors": sorted(detectors)} if detectors is not None else {}
     selected = f"(SELECT * FROM {ANOMALIES} WHERE {where})"
-    by_rank: dict[str, int] = {}
-    by_step: dict[str, int] = {}
+    by_rank: dict[int, int] = {}
+    by_step: dict[int, int] = {}
     by_detector: dict[str, int] = {}
     counts = con.execute(f"SELECT rank, step, detector, count(*) FROM {selected} GROUP BY GROUPING SETS "
                          "((rank), (step), (detector))", params).fetchall()
@@ -282,7 +286,7 @@ def _first_nonfinite_row(con: duckdb.DuckDBPyConnection, families: dict[str, lis
                          where: str) -> tuple[dict[str, Any] | None, int, int]:
     if not families:
         return None, 0, 0
-    union = " UNION ALL ".join(f"SELECT '{family}' AS family, {_KEY_COLUMNS} FROM {_identifier(family)} "
+    union = " UNION ALL ".join(f"SELECT {_literal(family)} AS family, {_KEY_COLUMNS} FROM {_identifier(family)} "
                                f"WHERE nonfinite AND {where}" for family in families)
     found = con.execute(f"WITH nonfinite AS ({union}) SELECT (SELECT count(*) FROM nonfinite), "
                         "(SELECT count(DISTINCT rank) FROM nonfinite), * FROM nonfinite "
@@ -350,17 +354,17 @@ def _cross_rank(con: duckdb.DuckDBPyConnection, families: list[str], where: str,
                                WHEN mean_ad > 0 THEN {_MEAN_AD_SCALE} * mean_ad END AS robust,
                        greatest(hi - med, med - lo) AS far
                 FROM _trainmon_family JOIN deviations USING (gid))
-            SELECT '{family}', gid, name, step, micro_step, vpp_stage, ranks, lo, med, hi, lo_rank, hi_rank,
+            SELECT {_literal(family)}, gid, name, step, micro_step, vpp_stage, ranks, lo, med, hi, lo_rank, hi_rank,
                    CASE WHEN robust IS NOT NULL THEN greatest(robust, {MIN_RELATIVE_SCALE} * abs(med)) END AS scale,
                    far_rank, far / scale
             FROM robust""")
         con.execute(f"""
             INSERT INTO _trainmon_rank_z
-            SELECT rank, groups, sum_abs_z, max_abs_z, '{family}', worst.gid, worst.x, worst.z FROM (
+            SELECT rank, groups, sum_abs_z, max_abs_z, {_literal(family)}, worst.gid, worst.x, worst.z FROM (
                 SELECT rank, count(*) AS groups, sum(abs(z)) AS sum_abs_z, max(abs(z)) AS max_abs_z,
                        arg_max(struct_pack(gid, x, z), row(abs(z), -step)) AS worst
                 FROM (SELECT r.rank, r.x, r.step, g.gid, (r.x - g.med) / g.scale AS z
-                      FROM ({rows}) r JOIN (SELECT * FROM _trainmon_groups WHERE family = '{family}'
+                      FROM ({rows}) r JOIN (SELECT * FROM _trainmon_groups WHERE family = {_literal(family)}
                                             AND scale IS NOT NULL) g USING (name, step, micro_step, vpp_stage))
                 GROUP BY rank)""")
     spread = con.execute(f"""
