@@ -5,8 +5,9 @@ computes with the ordering of ``trainmon analyse`` (docs/scale.md) is the one ``
 The run: TinyNet under DistributedDataParallel on 2 gloo ranks, every row family on, a NaN written into one
 weight of rank 1 only before step 2. Its forward output is the first non-finite value; rank 0 sees the NaN
 only after the gradient all-reduce (``grad_reduced``), later in the step, although rank 0 sorts first among
-equal keys: the queries must order by phase before rank. ``trainmon analyse`` reads ``anomalies.jsonl`` (the
-events the ``nonfinite`` detector wrote during training), not the store: the engines are checked against it.
+equal keys: the queries must order by phase before rank. ``trainmon analyse``'s ``first_nonfinite`` is the event the
+``nonfinite`` detector wrote during training (from the store's ``anomalies``), not a query over the rows: the engines
+are checked against it.
 """
 
 from __future__ import annotations

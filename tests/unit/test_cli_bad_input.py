@@ -129,6 +129,20 @@ def parent_of_runs(tmp: Path, command: str) -> list[str]:
     return [command, str(tmp / "out")]
 
 
+def csv_dir_run(tmp: Path) -> Path:
+    run = csv_run(tmp)
+    (run / "rank0" / "actv.csv").mkdir()
+    return run
+
+
+def msprobe_run(tmp: Path, rows: str) -> Path:
+    """msprobe's output folder with one rank folder and one ``grad_reduced`` file (header and ``rows``)."""
+    folder = tmp / "monitor_output" / "Nov24_09-51-00-rank0-1130abab"
+    folder.mkdir(parents=True)
+    (folder / "grad_reduced_0-0.csv").write_text("vpp_stage,name,step,norm\n" + rows)
+    return folder.parent
+
+
 def store_run(tmp: Path, content: bytes | None = None) -> Path:
     """A run whose store holds one part of ``grad_reduced`` (a real one, or ``content``: a corrupt one)."""
     from trainmon.base.records import Row, RowKey, StepRecord
@@ -352,6 +366,28 @@ CASES: list[tuple[str, Callable[[Path], list[str]], set[int]]] = [
     ("query-empty-part", lambda tmp: ["query", str(store_run(tmp, b"")), "SELECT count(*) FROM grad_reduced"], BAD),
     ("query-nul-in-path", lambda tmp: ["query", str(tmp) + "/a\0b", "SELECT 1"], BAD),
     ("query-bad-format", lambda tmp: ["query", str(store_run(tmp)), "SELECT 1", "--format", "xml"], BAD),
+    # ---- analyse on a store: SQL
+    ("analyse-store-ok", lambda tmp: ["analyse", str(store_run(tmp))], OK),
+    ("analyse-store-corrupt-part", lambda tmp: ["analyse", str(store_run(tmp, b"PAR1 not parquet"))], BAD),
+    ("analyse-store-empty-part", lambda tmp: ["analyse", str(store_run(tmp, b""))], BAD),
+    ("analyse-store-unknown-detector", lambda tmp: ["analyse", str(store_run(tmp)), "--detector", "bogus"], BAD),
+    # ---- convert: runs, files, an existing store
+    ("convert-ok", lambda tmp: ["convert", str(csv_run(tmp))], OK),
+    ("convert-missing-run", lambda tmp: ["convert", str(tmp / "x")], BAD),
+    ("convert-run-is-file", lambda tmp: ["convert", str(afile(tmp))], BAD),
+    ("convert-empty-dir", lambda tmp: ["convert", str(tmp)], BAD),
+    ("convert-parent-of-runs", lambda tmp: ["convert", str(csv_run(tmp).parent)], BAD),
+    ("convert-rank-folder", lambda tmp: ["convert", str(csv_run(tmp) / "rank0")], BAD),
+    ("convert-store-exists", lambda tmp: ["convert", str(store_run(tmp))], BAD),
+    ("convert-bad-header", lambda tmp: ["convert", str(csv_run(tmp, {"actv.csv": "a,b\n1,2\n"}))], BAD),
+    ("convert-short-row", lambda tmp: ["convert", str(csv_run(tmp, {"actv.csv": CSV_HEADER + "0,x,1\n"}))], BAD),
+    ("convert-bad-value", lambda tmp: ["convert", str(csv_run(tmp, {"actv.csv": CSV_HEADER + "0,x,1,0,one\n"}))],
+     BAD),
+    ("convert-not-utf8", lambda tmp: ["convert", str(csv_run(tmp, {"actv.csv": b"\xff\xfe" + b"x" * 10}))], BAD),
+    ("convert-csv-is-dir", lambda tmp: ["convert", str(csv_dir_run(tmp))], BAD),
+    ("convert-nul-in-path", lambda tmp: ["convert", str(tmp) + "/a\0b"], BAD),
+    ("convert-msprobe-bad-step", lambda tmp: ["convert", str(msprobe_run(tmp, "0,w,x,1.0\n"))], BAD),
+    ("convert-msprobe-bad-value", lambda tmp: ["convert", str(msprobe_run(tmp, "0,w,1,one\n"))], BAD),
 ]
 
 
@@ -415,7 +451,10 @@ def _fifo_cases(tmp: Path) -> list[tuple[str, list[str]]]:
     bits_path = direction_path(tmp / "g" / "a" / "rank0" / "grad_probe", 0, "w", 0)
     bits_path.unlink()
     os.mkfifo(bits_path)
+    convert_run = csv_run(tmp / "v")
+    os.mkfifo(convert_run / "rank0" / "actv.csv")
     return [("csv2tb-fifo-csv", ["csv2tb", str(run)]),
+            ("convert-fifo-csv", ["convert", str(convert_run)]),
             ("csv2tb-fifo-run", ["csv2tb", str(tmp / "fifo_run")]),
             ("analyse-fifo-jsonl", ["analyse", str(arun)]),
             ("compare-fifo-bits", ["grad-compare", str(tmp / "g" / "a"), str(tmp / "g" / "b"), "-o",

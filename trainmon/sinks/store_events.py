@@ -106,6 +106,16 @@ def store_events(rank_dir: Path, rank: int, root: Path) -> None:
                  exclusive=True)
 
 
+def unstored_events(run_dir: Path, rank: int) -> tuple[int, pa.Table]:
+    """The events of one rank not in its stored files: the lines of its ``anomalies.jsonl`` after the last stored
+    byte (all of them for a run without a store), and the byte offset they start at."""
+    start = max((end for _, end, _ in stored_ranges(table_dir(run_dir, ANOMALIES, rank))), default=0)
+    jsonl = run_dir / f"rank{rank}" / EVENTS_FILE
+    if not jsonl.is_file():
+        return start, EVENT_SCHEMA.empty_table()
+    return start, events_table(_unstored(jsonl, start, run_dir)[0])
+
+
 def events_of_rank(run_dir: Path, rank: int) -> pa.Table:
     """Every event of one rank: its stored files and the lines of its ``anomalies.jsonl`` after them."""
     tables, start = [], 0

@@ -26,7 +26,8 @@ Subparsers: TypeAlias = "argparse._SubParsersAction[CommandParser]"
 
 
 class Subcommand(Protocol):
-    """A module of a ``trainmon`` subcommand (``csv2tb``, ``analyse``, ``grad-compare``, ``report``)."""
+    """A module of a ``trainmon`` subcommand (``csv2tb``, ``analyse``, ``grad-compare``, ``report``, ``query``,
+    ``convert``)."""
 
     def add_parser(self, sub: Subparsers) -> object:
         """Add the subcommand's parser to ``sub``; its ``func`` default runs it and returns the exit code."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import repeat
 from pathlib import Path
@@ -171,17 +172,30 @@ def read_table(path: Path) -> Table:
     Raises:
         CsvFormatError: a malformed or undecodable file (file and line in the message).
     """
+    (table,) = read_table_blocks(path, rows=None)
+    return table
+
+
+def read_table_blocks(path: Path, rows: int | None = 1 << 22) -> Iterator[Table]:
+    """:func:`read_table` a block of about ``rows`` lines at a time (None: the whole file as one block), so a big
+    file is read in bounded memory. Each block's ``keys`` are every key seen up to its end (row ids stay valid
+    from block to block); a file without data lines gives one empty block.
+
+    Raises:
+        CsvFormatError: a malformed or undecodable file (file and line in the message).
+    """
     family = family_of(path)
     try:
         with open_regular(path, text=True, newline="") as handle:
             first = handle.readline()
             header = _bounded(next(csv.reader([first]))) if first else None
             if header is not None and csv_family(path) is not None and layout_of(header) is not None:
-                return _table_of_tags(path, family)
+                yield _table_of_tags(path, family)
+                return
             scalars = _check_header(path, family, header) if header is not None else False
             metrics = ["value"] if scalars else (header or [])[4:]
             table = _TableBuilder(family, metrics)
-            line = 2
+            line, held, given = 2, 0, False
             while header is not None:
                 text = handle.read(_CHUNK)
                 if not text:
@@ -192,8 +206,13 @@ def read_table(path: Path) -> Table:
                     if not more:
                         break
                     text += more
-                line += table.add_text(path, line, header, text, scalars)
-            return table.build()
+                count = table.add_text(path, line, header, text, scalars)
+                line, held = line + count, held + count
+                if rows is not None and held >= rows:
+                    yield table.build()
+                    table.parts, held, given = [], 0, True
+            if held or not given:
+                yield table.build()
     except UnicodeDecodeError as exc:
         raise CsvFormatError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except csv.Error as exc:
@@ -344,4 +363,4 @@ def _step(text: str) -> int:
 
 
 __all__ = ["MAX_FIELD", "CsvFormatError", "Table", "family_of", "read_scalars", "read_scalars_noting_layout",
-           "read_table"]
+           "read_table", "read_table_blocks"]

@@ -6,7 +6,9 @@ Views (each with a ``rank`` column, from the ``rank={R}`` partition of its files
   ``step, micro_step, vpp_stage, pp_stage, order, phase, name, nonfinite`` and one DOUBLE column per metric;
 - ``scalars``: ``step, name, value``;
 - ``anomalies``: every rank's anomaly events (the fields of an ``AnomalyEvent``; NaN and Inf as DOUBLE values):
-  those stored at close and the lines of ``anomalies.jsonl`` written after them; empty when there is none.
+  those stored at close and the lines of ``anomalies.jsonl`` written after them; empty when there is none. The
+  stored files are read by DuckDB as a query needs them (never loaded whole); ``seq`` orders the events of a rank
+  as they were written (the byte offset of their stored file, or of the unstored lines, plus their row number).
 
 Example:
     >>> con = open_run("trainmon_output/run")  # doctest: +SKIP
@@ -19,11 +21,12 @@ import os
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from trainmon.base.inputs import is_dir, rank_dirs_of
-from trainmon.sinks.store_events import EVENT_SCHEMA, events_of_rank
-from trainmon.sinks.store_layout import ANOMALIES, STORE_DIR, live_parts
+from trainmon.sinks.store_events import EVENT_SCHEMA, events_of_rank, stored_ranges, unstored_events
+from trainmon.sinks.store_layout import ANOMALIES, STORE_DIR, live_parts, table_dir
 from trainmon.tools.store_reader import StoreError  # its home: report and csv2tb catch it without importing duckdb
 
 
@@ -60,17 +63,44 @@ def _identifier(text: str) -> str:
     return '"' + text.replace('"', '""') + '"'
 
 
+EVENT_COLUMNS: tuple[str, ...] = ("step", "micro_step", "rank", "phase", "pp_stage", "vpp_stage", "order", "detector",
+                                  "family", "name", "metric", "value", "baseline", "message", "time")
+"""The columns of the ``anomalies`` view before ``seq`` (those of :func:`read_anomalies`)."""
+UNSTORED_EVENTS = "_anomalies_unstored"
+"""The temporary table of the events not in the store's files (read from ``anomalies.jsonl``)."""
+
+
+def event_ranks(run_dir: Path) -> list[int]:
+    """The ranks with a ``rank{R}/`` folder or stored anomaly events."""
+    ranks = {int(p.name[4:]) for p in rank_dirs_of(run_dir)}
+    stored = run_dir / STORE_DIR / ANOMALIES
+    if is_dir(stored):
+        ranks |= {int(p.name[5:]) for p in stored.glob("rank=*") if p.name[5:].isdigit() and is_dir(p)}
+    return sorted(ranks)
+
+
+def anomaly_sources(run_dir: str | os.PathLike[str]) -> tuple[list[Path], pa.Table]:
+    """The stored event files of every rank (by rank, then byte range) and the events after them, read from each
+    rank's ``anomalies.jsonl``, as one Arrow table with ``rank`` and ``seq`` columns (the view's columns)."""
+    path = Path(run_dir)
+    files: list[Path] = []
+    tails = []
+    for rank in event_ranks(path):
+        files += [file for _, _, file in stored_ranges(table_dir(path, ANOMALIES, rank))]
+        start, events = unstored_events(path, rank)
+        events = events.add_column(2, "rank", pa.array(np.full(events.num_rows, rank, np.int64)))
+        tails.append(events.append_column("seq", pa.array(start + np.arange(events.num_rows, dtype=np.int64))))
+    schema = EVENT_SCHEMA.insert(2, pa.field("rank", pa.int64())).append(pa.field("seq", pa.int64()))
+    return files, pa.concat_tables(tails) if tails else schema.empty_table()
+
+
 def read_anomalies(run_dir: str | os.PathLike[str]) -> pa.Table:
     """Every rank's anomaly events as one Arrow table with a ``rank`` column: what the store holds and the
     lines of ``anomalies.jsonl`` written after it (a run still open or killed); see
-    :mod:`trainmon.sinks.store_events`."""
+    :mod:`trainmon.sinks.store_events`. Loads every event: ``open_run``'s ``anomalies`` view reads them lazily."""
     path = Path(run_dir)
-    ranks = {int(p.name[4:]) for p in rank_dirs_of(path)}
-    stored = path / STORE_DIR / ANOMALIES
-    if is_dir(stored):
-        ranks |= {int(p.name[5:]) for p in stored.glob("rank=*") if p.name[5:].isdigit() and is_dir(p)}
     tables = []
-    for rank in sorted(ranks):
+    for rank in event_ranks(path):
         events = events_of_rank(path, rank)
         tables.append(events.add_column(2, "rank", pa.array([rank] * events.num_rows, pa.int64())))
     if not tables:
@@ -98,21 +128,47 @@ def open_run(run_dir: str | os.PathLike[str],
         raise StoreError(f"run directory {run_dir} {what}")
     tables = table_files(path)
     try:
-        events = read_anomalies(path)
+        event_files, unstored = anomaly_sources(path)
     except (OSError, pa.ArrowException) as exc:
         raise StoreError(f"{path}: cannot read the anomaly events ({exc})") from None
+    # No progress bar: DuckDB draws it on stdout, inside the output of `trainmon query --format csv`.
     con = connection if connection is not None else duckdb.connect()
     try:
+        if connection is None:
+            con.execute("SET enable_progress_bar = false")
         for table, files in tables.items():
-            file_list = "[" + ", ".join(_literal(str(file)) for file in files) + "]"
-            con.execute(f"CREATE OR REPLACE VIEW {_identifier(table)} AS SELECT * FROM read_parquet({file_list}, "
+            con.execute(f"CREATE OR REPLACE VIEW {_identifier(table)} AS SELECT * FROM read_parquet({_list(files)}, "
                         "hive_partitioning = true, union_by_name = true)")
-        con.register(ANOMALIES, events)
+        _create_anomalies(con, event_files, unstored)
     except duckdb.Error as exc:
         if connection is None:
             con.close()
         raise StoreError(f"{path / STORE_DIR}: {str(exc).splitlines()[0]}") from None
     return con
+
+
+def _list(files: list[Path]) -> str:
+    return "[" + ", ".join(_literal(str(file)) for file in files) + "]"
+
+
+def _create_anomalies(con: duckdb.DuckDBPyConnection, files: list[Path], unstored: pa.Table) -> None:
+    """The ``anomalies`` view: the stored event files (read lazily) and the unstored events (a temporary table)."""
+    columns = ", ".join(_identifier(name) for name in (*EVENT_COLUMNS, "seq"))
+    con.register("_trainmon_unstored", unstored)
+    try:
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {UNSTORED_EVENTS} AS SELECT {columns} FROM _trainmon_unstored")
+    finally:
+        con.unregister("_trainmon_unstored")
+    parts = [f"SELECT {columns} FROM {UNSTORED_EVENTS}"]
+    if files:
+        stored = ", ".join("CAST(rank AS BIGINT) AS rank" if name == "rank" else _identifier(name)
+                           for name in EVENT_COLUMNS)
+        # seq: the byte offset the file starts at (its name) plus the row's number in it, so the events of a
+        # rank sort as they were written, the unstored ones (from the byte after the last stored file) last
+        parts.insert(0, f"SELECT {stored}, CAST(regexp_extract(filename, 'events-([0-9]+)-[0-9]+[.]parquet$', 1) "
+                        f"AS BIGINT) + file_row_number AS seq FROM read_parquet({_list(files)}, hive_partitioning = "
+                        "true, union_by_name = true, filename = true, file_row_number = true)")
+    con.execute(f"CREATE OR REPLACE TEMP VIEW {ANOMALIES} AS " + " UNION ALL ".join(parts))
 
 
 def views(connection: duckdb.DuckDBPyConnection) -> list[str]:
@@ -130,4 +186,5 @@ def describe(connection: duckdb.DuckDBPyConnection) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["describe", "open_run", "read_anomalies", "table_files", "views"]
+__all__ = ["EVENT_COLUMNS", "UNSTORED_EVENTS", "anomaly_sources", "describe", "event_ranks", "open_run",
+           "read_anomalies", "table_files", "views"]
