@@ -323,8 +323,15 @@ def test_example_trains_with_the_monitor(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, _worker_errors(proc)
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    for rank in (0, 1):
-        grads = pd.read_csv(run_dir / f"rank{rank}" / "grad_reduced.csv")
-        assert set(grads.step) == {0, 1} and np.isfinite(grads["norm"]).all()
-        assert set(pd.read_csv(run_dir / f"rank{rank}" / "actv.csv").micro_step) == {0, 1}
+    from trainmon.tools.store import open_run  # the example writes the default output: the run store
+
+    connection = open_run(run_dir)
+    try:
+        for rank in (0, 1):
+            grads = connection.execute("SELECT * FROM grad_reduced WHERE rank = ?", [rank]).df()
+            assert set(grads.step) == {0, 1} and np.isfinite(grads["norm"]).all()
+            actv = connection.execute("SELECT micro_step FROM actv WHERE rank = ?", [rank]).df()
+            assert set(actv.micro_step) == {0, 1}
+    finally:
+        connection.close()
 
