@@ -6,7 +6,11 @@ Views (each with a ``rank`` column, from the ``rank={R}`` partition of its files
   ``step, micro_step, vpp_stage, pp_stage, order, phase, name, nonfinite`` and one DOUBLE column per metric;
 - ``scalars``: ``step, name, value``;
 - ``anomalies``: every rank's anomaly events (the fields of an ``AnomalyEvent``; NaN and Inf as DOUBLE values):
-  those stored at close and the lines of ``anomalies.jsonl`` written after them; empty when there is none.
+  those stored at close and the lines of ``anomalies.jsonl`` written after them; empty when there is none;
+- ``replicas`` (only in a run that wrote rows once per data-parallel group, see
+  :mod:`trainmon.sinks.store_replicas`): ``family, rank, writer, first_step, last_step``. A family view gives
+  every rank of such a group its writer's rows (``rank`` is the rank they stand for), so ``WHERE rank = 1``
+  reads rank 1's rows whoever wrote them.
 
 Example:
     >>> con = open_run("trainmon_output/run")  # doctest: +SKIP
@@ -24,7 +28,13 @@ import pyarrow as pa
 from trainmon.base.inputs import is_dir, rank_dirs_of
 from trainmon.sinks.store_events import EVENT_SCHEMA, events_of_rank
 from trainmon.sinks.store_layout import ANOMALIES, STORE_DIR, live_parts
+from trainmon.sinks.store_replicas import ReplicaLayoutError, replica_layouts, replica_map
 from trainmon.tools.store_reader import StoreError  # its home: report and csv2tb catch it without importing duckdb
+
+REPLICAS = "replicas"
+"""The table of where each rank's rows of a family written once per data-parallel group are."""
+_REPLICA_SCHEMA = pa.schema([("family", pa.string()), ("rank", pa.int64()), ("writer", pa.int64()),
+                             ("first_step", pa.int64()), ("last_step", pa.int64())])
 
 
 def table_files(run_dir: str | os.PathLike[str]) -> dict[str, list[Path]]:
@@ -78,6 +88,31 @@ def read_anomalies(run_dir: str | os.PathLike[str]) -> pa.Table:
     return pa.concat_tables(tables)
 
 
+def read_replicas(run_dir: str | os.PathLike[str]) -> pa.Table:
+    """The ``replicas`` table of a run: ``family, rank, writer, first_step, last_step`` (from its ``run*.json``).
+
+    Raises:
+        StoreError: a ``run*.json`` that cannot be read.
+    """
+    try:
+        rows = replica_map(replica_layouts(run_dir))
+    except ReplicaLayoutError as exc:
+        raise StoreError(str(exc)) from None
+    return pa.Table.from_pylist([dict(zip(_REPLICA_SCHEMA.names, row)) for row in rows], schema=_REPLICA_SCHEMA)
+
+
+def _family_view(table: str, source: str, replicated: bool) -> str:
+    """The ``SELECT`` of a family's view: its stored rows, or, for a family written once per group, the rows of
+    the ranks that wrote their own and, for every rank of a group, its writer's rows under its own rank."""
+    if not replicated:
+        return f"SELECT * FROM {source}"
+    family = _literal(table)
+    within = "s.step BETWEEN r.first_step AND r.last_step"
+    return (f"WITH stored AS (SELECT * FROM {source}), map AS (SELECT * FROM {REPLICAS} WHERE family = {family}) "
+            f"SELECT s.* FROM stored s ANTI JOIN map r ON s.rank = r.rank AND {within} "
+            f"UNION ALL SELECT s.* REPLACE (r.rank AS rank) FROM stored s JOIN map r ON s.rank = r.writer AND {within}")
+
+
 def open_run(run_dir: str | os.PathLike[str],
              connection: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with a view per table of the run's store and ``anomalies``.
@@ -97,16 +132,21 @@ def open_run(run_dir: str | os.PathLike[str],
         what = "is not a directory" if os.path.lexists(path) else "does not exist"
         raise StoreError(f"run directory {run_dir} {what}")
     tables = table_files(path)
+    replicas = read_replicas(path)
     try:
         events = read_anomalies(path)
     except (OSError, pa.ArrowException) as exc:
         raise StoreError(f"{path}: cannot read the anomaly events ({exc})") from None
+    replicated = set(replicas.column("family").to_pylist())
     con = connection if connection is not None else duckdb.connect()
     try:
+        if replicas.num_rows:
+            con.register(REPLICAS, replicas)
         for table, files in tables.items():
             file_list = "[" + ", ".join(_literal(str(file)) for file in files) + "]"
-            con.execute(f"CREATE OR REPLACE VIEW {_identifier(table)} AS SELECT * FROM read_parquet({file_list}, "
-                        "hive_partitioning = true, union_by_name = true)")
+            source = f"read_parquet({file_list}, hive_partitioning = true, union_by_name = true)"
+            con.execute(f"CREATE OR REPLACE VIEW {_identifier(table)} AS "
+                        f"{_family_view(table, source, table in replicated)}")
         con.register(ANOMALIES, events)
     except duckdb.Error as exc:
         if connection is None:
@@ -130,4 +170,4 @@ def describe(connection: duckdb.DuckDBPyConnection) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["describe", "open_run", "read_anomalies", "table_files", "views"]
+__all__ = ["REPLICAS", "describe", "open_run", "read_anomalies", "read_replicas", "table_files", "views"]
