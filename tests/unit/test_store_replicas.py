@@ -220,3 +220,39 @@ def test_csv2tb_notes_whose_event_files_hold_the_families_written_once(tmp_path,
             "for ranks 0-1") in err
     assert main(["csv2tb", str(run), "--families", "grad_unreduced", "-o", str(tmp_path / "tb")]) == 0
     assert "written once" not in capsys.readouterr().err  # not about families it did not convert
+
+
+# ----------------------------------------------------------------------------- what the torch integration assumes
+def test_torch_replicas_are_ddps_group_or_the_dp_group_given(monkeypatch):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from tests.launch import free_port
+    from trainmon.integrations.base import REPLICATED_FAMILIES, AttachOptions
+    from trainmon.integrations.torch import replicated_families
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        ddp = torch.nn.parallel.DistributedDataParallel(net)
+        adam = torch.optim.Adam(net.parameters())
+        found = replicated_families(ddp, [adam], AttachOptions())
+        assert found is not None and found.families == REPLICATED_FAMILIES and found.group is ddp.process_group
+        compiled = torch.compile(ddp, backend="eager")  # a wrapper around DDP: DDP's group all the same
+        assert replicated_families(compiled, [adam], AttachOptions()) == found
+        # ZeroRedundancyOptimizer: each rank keeps the states of its own parameters, not the replicas' shared ones
+        zero = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam)
+        assert replicated_families(ddp, [zero], AttachOptions()).families == ("grad_reduced", "param")
+        # without DDP: only a dp_group given to attach says the gradients are averaged over it
+        assert replicated_families(net, [adam], AttachOptions()) is None
+        group = dist.new_group([0])
+        assert replicated_families(net, [adam], AttachOptions(dp_group=group)).group is group
+        # DDP that leaves parameters out of its reduction: nothing is assumed
+        ignored = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(ignored, ["0.bias"])
+        assert replicated_families(torch.nn.parallel.DistributedDataParallel(ignored), [adam], AttachOptions()) is None
+    finally:
+        dist.destroy_process_group()
