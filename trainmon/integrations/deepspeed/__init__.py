@@ -74,13 +74,6 @@ class DeepSpeedShardCollector(HookedCollector):
     ``write_replicated_once: false``); every rank still joins the collective.
     """
 
-    def replicated(self) -> Replicated | None:
-        """The rows written once per data-parallel group (under ZeRO-0 too: the averaged gradients and what the
-        optimizer makes of them are the same on every rank), or None with a group of one."""
-        if self.dp_world == 1:
-            return None
-        return Replicated(tuple(f for f in REPLICATED_FAMILIES if f != "momentum"), self.dp_group, combined=True)
-
     def __init__(self, ctx: StepContext, engine: Any, params: list[tuple[str, DeepSpeedParameter, int]],
                  config: MonitorConfig, hooks: StepWrapper, dp_group: Any = None, norm_group: Any = None) -> None:
         super().__init__(ctx)
@@ -102,6 +95,13 @@ class DeepSpeedShardCollector(HookedCollector):
 
     def reset(self) -> None:
         self._pending.clear()
+
+    def replicated(self) -> Replicated | None:
+        """The rows written once per data-parallel group (under ZeRO-0 too: the averaged gradients and what the
+        optimizer makes of them are the same on every rank), or None with a group of one."""
+        if self.dp_world == 1:
+            return None
+        return Replicated(tuple(f for f in REPLICATED_FAMILIES if f != "momentum"), self.dp_group, combined=True)
 
     # ------------------------------------------------------------------------- hooks
     def _measure(self, family: str, name: str, vpp_stage: int, tensor: torch.Tensor | None) -> None:
