@@ -9,10 +9,12 @@ Models: Llama-shaped models of ``transformers`` (7B: 32 layers, hidden 4096, 291
 layers, hidden 8192, 723 tensors) and the README demo's TinyGPT (``examples/tiny_gpt.py``).
 
 Prints a markdown table: rows and bytes per collected step per rank, and bytes for ``--steps`` steps on each
-``--ranks``; "stored once" is what the same run would write if the families identical on every data-parallel
-replica (``grad_reduced``, the optimizer states, ``param``) were written by one rank per data-parallel group
-(pure data parallelism: one group of all ranks). trainmon does not do that yet (issue 31), so the figure is a
-projection of that layout, not of today's.
+``--ranks``, twice: with every rank writing every family (``write_replicated_once: false``, or a set-up without a
+data-parallel group trainmon knows of), and as trainmon writes it by default under pure data parallelism (torch
+DDP or Megatron-Core over all ranks: one data-parallel group), where the families identical on every replica
+(``grad_reduced``, ``param``, the optimizer states) are written by one rank of the group. One process cannot
+make 64 ranks, so the second figure is the projection :class:`~trainmon.runtime.sizing.Sizing` makes at attach
+for such a run (its ``bytes_per_run``), fed the families measured here.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import logging
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainmon import TrainerMonitor
-from trainmon.runtime.sizing import REPLICATED_FAMILIES, FamilySize, Sizing, human_bytes
+from trainmon.integrations.base import REPLICATED_FAMILIES
+from trainmon.runtime.sizing import FamilySize, Sizing, human_bytes
 
 LARGE_RUN: dict[str, Any] = {
     "sinks": ["parquet"],
@@ -92,12 +96,9 @@ def sizing_of(model: torch.nn.Module, config: dict[str, Any], out: Path) -> Sizi
 
 
 def stored_once(sizing: Sizing, steps: int, ranks: int) -> float:
-    """Bytes of a run whose DP-replicated families are written by one rank (pure data parallelism)."""
-    total = (sizing.bytes_per_step - sum(family.bytes(sizing.sinks) for family in sizing.families)) * ranks
-    for family in sizing.families:  # the overview above: every rank writes its own
-        writers = 1 if family.family in REPLICATED_FAMILIES else ranks
-        total += family.bytes(sizing.sinks) * writers
-    return total * sizing.collected(steps)
+    """Bytes of a run on ``ranks`` ranks whose data-parallel replicated families are written by one rank (pure data
+    parallelism, ``write_replicated_once: true``): the projection made at attach for such a run."""
+    return replace(sizing, world_size=ranks, replicated=REPLICATED_FAMILIES, replica_writers=1).bytes_per_run(steps)
 
 
 def main() -> None:
@@ -108,7 +109,7 @@ def main() -> None:
     logging.getLogger("trainmon").setLevel(logging.WARNING)
     header = ["model", "config", "rows / collected step", "per collected step, rank", f"{args.steps:,} steps, rank"]
     for ranks in args.ranks:
-        header += [f"x{ranks:,} ranks", f"x{ranks:,}, stored once*"]
+        header += [f"x{ranks:,} ranks, every rank writes", f"x{ranks:,} ranks, DDP (once per group)*"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     with tempfile.TemporaryDirectory() as tmp:

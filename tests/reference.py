@@ -34,6 +34,20 @@ def read_family(rank_dir: Path, family: str) -> pd.DataFrame:
     return pd.read_csv(rank_dir / f"{family}.csv", keep_default_na=False, na_values=["nan"])
 
 
+def written_by(run_dir: Path, rank: int, family: str) -> int:
+    """The rank whose files hold ``rank``'s rows of ``family``: its data-parallel group's writer for a family written
+    once per group (``run.json``'s ``"replicated"``), else ``rank`` itself."""
+    import json
+
+    layout = json.loads((run_dir / "run.json").read_text()).get("replicated") or {}
+    return int(layout.get("writer", {}).get(str(rank), rank)) if family in layout.get("families", []) else rank
+
+
+def read_rank_family(run_dir: Path, rank: int, family: str) -> pd.DataFrame:
+    """``rank``'s rows of ``family`` from the CSV files of the rank that wrote them (:func:`written_by`)."""
+    return read_family(run_dir / f"rank{written_by(run_dir, rank, family)}", family)
+
+
 def assert_close(row: pd.Series, expected: dict[str, float], metrics: list[str], rtol: float = 1e-5,
                  atol: float = 1e-7, label: str = "") -> None:
     for metric in metrics:

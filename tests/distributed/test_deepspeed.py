@@ -96,6 +96,16 @@ def test_zero0_matches_numpy(runs):
                 assert np.isclose(row[metric], want[metric], rtol=1e-5, atol=atol), (family, row["name"], metric)
 
 
+@pytest.mark.parametrize("run", ["z0", "z3", "z0_rank1"])
+def test_run_json_records_the_rows_written_once(runs, run):
+    """ZeRO-0 (no collective: each rank has the whole averaged gradient) writes the rows once too, as ZeRO 1-3 do,
+    and run.json says whose they are (write_replicated_once); with ``ranks: [1]`` rank 1 writes its own."""
+    layout = json.loads((runs[run] / "run.json").read_text())["replicated"]
+    assert layout["groups"] == ([] if run == "z0_rank1" else [[0, 1]])
+    assert set(layout["families"]) == (set() if run == "z0_rank1" else set(FAMILIES)), layout
+    assert (runs[run] / "rank1" / "param.csv").exists() == (run == "z0_rank1")
+
+
 @pytest.mark.parametrize("run", ["z1", "z2", "z3"])
 def test_sharded_stages_equal_zero0(runs, run):
     for family in FAMILIES:

@@ -99,6 +99,16 @@ def test_shard_rows_equal_full_tensors_written_by_the_shard_groups_lowest_rank(r
                 assert_close(_row(frames["ratio"], name, step), np_stats(ratio), METRICS, label=f"{label} ratio")
 
 
+def test_run_json_records_whose_rows_the_writers_are(runs):
+    """The shard groups of two writing ranks are in run.json (write_replicated_once): readers give rank 1 rank 0's
+    rows. With ``ranks: [1]`` or shard groups of one, every writing rank wrote its own: nothing is recorded."""
+    groups = {"fsdp": [[0, 1]], "fsdp_nosync": [], "hsdp_1x2": [[0, 1]], "hsdp_2x1": []}
+    for case, expected in groups.items():
+        layout = json.loads((runs / case / "run.json").read_text())["replicated"]
+        assert layout["groups"] == expected, case
+        assert set(layout["families"]) == (set(SHARD_FAMILIES) | {"momentum"} if expected else set()), case
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_grad_norm_is_the_pre_clip_norm_of_the_full_reduced_gradient_on_every_rank(runs, case):
     local = [_refs(runs / case / f"ref_rank{rank}.npz") for rank in range(2)]

@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from tests.launch import child_env, torchrun
+from tests.reference import written_by
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,28 @@ def _worker_errors(proc: subprocess.CompletedProcess) -> str:
 
 
 def _read(runs: Path, case: str, rank: int, family: str) -> pd.DataFrame:
-    return pd.read_csv(runs / case / f"rank{rank}" / f"{family}.csv", keep_default_na=False, na_values=["nan"])
+    """``rank``'s rows of ``family``: from the files of its data-parallel group's writer for a family written once
+    per group (with DP=2 rank 0 writes the reduced gradients, parameters and Adam states for both ranks)."""
+    writer = written_by(runs / case, rank, family)
+    return pd.read_csv(runs / case / f"rank{writer}" / f"{family}.csv", keep_default_na=False, na_values=["nan"])
+
+
+DP2 = ("tp1", "tp1_distopt", "tp1_distopt_overlap", "tp1_bf16", "tp1_distopt_bf16", "tp1_bf16_grad16", "tp1_chained")
+"""The cases with two data-parallel ranks (the others have TP=2 or PP=2: DP=1)."""
+
+
+def test_dp2_writes_what_the_replicas_share_once(runs: Path) -> None:
+    """DP=2 (with and without the distributed optimizer): rank 1 writes no reduced gradient, parameter or Adam state
+    (rank 0's are its rows: test_rows_match_numpy_float64_reference checks them against rank 1's own references),
+    its own unreduced gradients yes; run.json says so. DP=1: every rank writes all it has."""
+    shared = ("grad_reduced", "param", "exp_avg", "exp_avg_sq", "update", "ratio")
+    for case in CASES:
+        layout = json.loads((runs / case / "run.json").read_text())["replicated"]
+        dp2 = case in DP2
+        assert (layout["groups"], set(layout["families"]) >= set(shared)) == (([[0, 1]], True) if dp2 else ([], False))
+        for family in shared:
+            assert (runs / case / "rank1" / f"{family}.csv").exists() == (not dp2), (case, family)
+        assert (runs / case / "rank1" / "grad_unreduced.csv").exists(), case
 
 
 def _refs(runs: Path, case: str, rank: int) -> dict:
@@ -179,8 +201,8 @@ def test_distributed_optimizer_equals_plain_ddp(runs: Path, case: str, plain_cas
                     for metric in METRICS:
                         assert _close(sharded.loc[name, metric], plain.loc[name, metric], 1e-5, scale, metric), (
                             family, rank, name, metric)
-    # Combined rows are identical on both DP ranks; unreduced ones differ (different data).
-    pd.testing.assert_frame_equal(_by_name(runs, case, 0, "exp_avg"), _by_name(runs, case, 1, "exp_avg"))
+    # Combined rows are identical on both DP ranks (written once, by rank 0); unreduced ones differ (different data).
+    assert not (runs / case / "rank1" / "exp_avg.csv").exists()
     assert not np.allclose(_by_name(runs, "tp1", 0, "grad_unreduced")["norm"],
                            _by_name(runs, "tp1", 1, "grad_unreduced")["norm"])
 

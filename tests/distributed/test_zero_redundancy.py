@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.launch import ROOT, run_ranks
-from tests.reference import read_family
+from tests.reference import read_family, read_rank_family
 
 SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "zero_redundancy_run.py"
 
@@ -19,12 +19,17 @@ SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "zero_redundancy_run.py"
 @pytest.mark.slow
 def test_zero_redundancy_optimizer_states_are_written_by_their_owner(tmp_path):
     run_ranks([SCRIPT, tmp_path], world_size=2, timeout=180)
+    # the reduced gradients and parameters are the same on every rank, the optimizer states each rank's own
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["replicated"]["families"] == ["grad_reduced",
+                                                                                                  "param"]
     owners: dict[str, int] = {}
     for rank in (0, 1):
         refs = json.loads((tmp_path / f"refs_rank{rank}.json").read_text())
         assert refs["identical"], f"rank {rank}: trainmon changed the training"
         rank_dir = tmp_path / "run" / f"rank{rank}"
-        reduced, scalars = read_family(rank_dir, "grad_reduced"), read_family(rank_dir, "scalars")
+        # the same on both ranks: written once, by rank 0; the optimizer states (sharded by owner) by each rank
+        reduced, scalars = read_rank_family(rank_dir.parent, rank, "grad_reduced"), read_family(rank_dir, "scalars")
+        assert (rank_dir / "grad_reduced.csv").exists() == (rank == 0)
         states = {family: read_family(rank_dir, family) for family in ("exp_avg", "exp_avg_sq")}
         for step, ref in enumerate(refs["steps"]):
             at = reduced[reduced.step == step].set_index("name")

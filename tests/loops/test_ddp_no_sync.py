@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.launch import run_ranks
-from tests.reference import METRICS, assert_close, np_stats, read_family
+from tests.reference import METRICS, assert_close, np_stats, read_family, read_rank_family
 
 STEPS, MICRO = 2, 2
 
@@ -68,7 +68,10 @@ def test_no_sync_accumulation_unreduced_local_reduced_mean_and_norm_after_reduct
     local = [np.load(tmp_path / f"local_grads_rank{rank}.npz") for rank in range(2)]
     for rank in range(2):
         rank_dir = tmp_path / "run" / f"rank{rank}"
-        unreduced, reduced = read_family(rank_dir, "grad_unreduced"), read_family(rank_dir, "grad_reduced")
+        # grad_reduced is the same on both ranks: written once, by rank 0 (write_replicated_once)
+        unreduced, reduced = read_family(rank_dir, "grad_unreduced"), read_rank_family(rank_dir.parent, rank,
+                                                                                       "grad_reduced")
+        assert (rank_dir / "grad_reduced.csv").exists() == (rank == 0)
         assert set(unreduced.micro_step) == {MICRO - 1}
         scalars = read_family(rank_dir, "scalars")
         for step in range(STEPS):

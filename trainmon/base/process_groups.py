@@ -12,6 +12,7 @@ importing this module imports neither.
   rows combined over the group (the lowest global rank that ``config.ranks`` selects).
 - :func:`all_gather_stacked`: every rank's table of a group, stacked (the collective that combines
   shard statistics, in DeepSpeed, FSDP2 and Megatron-Core alike).
+- :func:`each_rank`: one integer of every process (at ``attach``: who writes the rows of each data-parallel group).
 - :func:`mindspore_layout`: ``(rank, world size)`` from ``mindspore.communication``.
 
 Example:
@@ -97,6 +98,18 @@ def is_lowest_selected(group: ProcessGroup | None, ranks: Sequence[int] | None) 
     """Whether this process is the lowest global rank of ``group`` that ``ranks`` selects: the rank that
     writes rows combined over the group (when ``ranks`` selects no member of the group, none does)."""
     return lowest_selected(group, ranks) == global_rank()
+
+
+def each_rank(value: int) -> list[int]:
+    """Every process's ``value``, by global rank: one ``all_gather_object`` over the world group (at ``attach``,
+    never in a step; every rank must call it). ``[value]`` without a process group."""
+    if not initialized():
+        return [value]
+    import torch.distributed as dist
+
+    values: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, int(value))
+    return [int(v) for v in values]  # type: ignore[call-overload]
 
 
 def all_gather_stacked(table: torch.Tensor, group: ProcessGroup | None, size: int) -> torch.Tensor:

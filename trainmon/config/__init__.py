@@ -331,6 +331,13 @@ class MonitorConfig:
     ranks: list[int] | None = setting(None, minimum=0, unique=True, check=_some_rank)
     """Ranks that collect and write (distinct, each below the world size: checked at ``attach``); null means
     every rank."""
+    write_replicated_once: bool = True
+    """Rows that are the same on every rank of a data-parallel group are written by one rank of the group (the
+    lowest that ``ranks`` selects) instead of by each: ``grad_reduced``, ``param`` and the optimizer-state families
+    under torch DDP (or a ``dp_group`` given to ``attach``) and Megatron-Core, and the combined shard rows of FSDP2,
+    DeepSpeed and Megatron's distributed optimizer. Every rank still computes them and its anomaly detectors see
+    them as before; ``run.json`` records the groups, and ``trainmon query`` / ``open_run`` show the writer's rows
+    for every rank of its group (docs/store.md). ``false``: every rank writes its own copy."""
     absent_ranks: str = setting("error", choices=ABSENT_RANKS)
     """A rank listed in ``ranks`` that the job does not have (a smaller job than the config was written for):
     ``error`` fails at ``attach``; ``skip`` warns once, naming them, and the listed ranks that exist collect

@@ -31,6 +31,28 @@ class AttachOptions:
     scaler: GradScaler | None = None
 
 
+REPLICATED_FAMILIES = ("grad_reduced", "param", "exp_avg", "exp_avg_sq", "momentum", "update", "ratio")
+"""The families that can be the same on every rank of a data-parallel group: what the optimizer steps with and
+keeps (``grad_unreduced``, activations and ``comm`` are each rank's own)."""
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """Row families that are the same on every rank of a data-parallel group (``write_replicated_once``).
+
+    Attributes:
+        families: those families (whether the config turns them on or not).
+        group: the data-parallel process group (None: the world group).
+        combined: True when the collectors add these rows only on the rank that writes them (the combined shard
+            statistics of FSDP2 and DeepSpeed: their ``writes_rows``), False when every rank adds them to its
+            record (its anomaly detectors see them) and only the writer's sinks get them.
+    """
+
+    families: tuple[str, ...]
+    group: ProcessGroup | None = None
+    combined: bool = False
+
+
 @dataclass
 class Attachment:
     """The result of attaching to one model/optimizer.
@@ -47,6 +69,8 @@ class Attachment:
         micro_steps_by_user: the user calls ``monitor.step()`` after every micro-batch (DeepSpeed's
             ``engine.step()`` idiom); only a call after the optimizer really stepped ends a step.
         scaler: a torch ``GradScaler`` found behind the optimizer (accelerate), or None.
+        replicated: the families that are the same on every rank of a data-parallel group, or None (no such
+            group, or one trainmon cannot be sure of: every rank writes its own rows).
         on_close: extra clean-up (e.g. undoing an instance wrapper).
     """
 
@@ -61,6 +85,7 @@ class Attachment:
     collective: bool = False
     micro_steps_by_user: bool = False
     scaler: GradScaler | None = None
+    replicated: Replicated | None = None
     on_close: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:

@@ -17,8 +17,10 @@ from trainmon.collect.optimizer_parts import optimizer_parts, state_holder
 from trainmon.collect.step_hooks import unwrap_optimizer
 from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations.base import (
+    REPLICATED_FAMILIES,
     Attachment,
     AttachOptions,
+    Replicated,
     named_modules,
     named_parameters,
     select_modules,
@@ -45,6 +47,44 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
             model = cast(torch.nn.Module, model._orig_mod)
         else:
             return model
+
+
+def ddp_of(model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The ``DistributedDataParallel`` among the wrappers of ``model`` (``torch.compile`` around it or inside it)."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return model
+        if not _is_compiled(model):
+            return None
+        model = cast(torch.nn.Module, model._orig_mod)
+
+
+def replicated_families(model: torch.nn.Module, parts: list[torch.optim.Optimizer],
+                        options: AttachOptions) -> Replicated | None:
+    """What is the same on every data-parallel replica of a plain torch model, or None where trainmon cannot be sure.
+
+    Under ``DistributedDataParallel`` (over its own process group) every rank steps with the same averaged
+    gradients from the same parameters: ``grad_reduced``, ``param`` and the optimizer states are equal on every
+    rank of the group. A ``dp_group`` given to ``attach`` for a model without DDP says the same of that group (the
+    user averages the gradients over it). Not so for the optimizer states of a ``ZeroRedundancyOptimizer`` (each
+    rank keeps those of its own parameters), nor for anything when DDP leaves parameters out of its reduction
+    (``parameters_to_ignore``). Without DDP or a ``dp_group`` nothing is assumed (ranks may hold other parameters:
+    tensor or pipeline parallelism done by hand).
+    """
+    ddp = ddp_of(model)
+    if ddp is not None:
+        if getattr(ddp, "parameters_to_ignore", None):
+            logger.info("trainmon: DDP leaves parameters out of its gradient reduction (parameters_to_ignore): "
+                        "every rank writes its own grad_reduced, param and optimizer-state rows")
+            return None
+        group = getattr(ddp, "process_group", None)
+    elif options.dp_group is not None:
+        group = options.dp_group
+    else:
+        return None
+    sharded_states = any(state_holder(part) is not part for part in parts)  # ZeroRedundancyOptimizer
+    families = ("grad_reduced", "param") if sharded_states else REPLICATED_FAMILIES
+    return Replicated(families, group)
 
 
 def _is_compiled(module: Any) -> bool:
@@ -196,5 +236,8 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
 
         collectors.append(GradProbe(ctx, select_params(params, config, param_aliases), config, registry, optimizer,
                                     exp_avg_of=exp_avg_of if [state_holder(p) for p in parts] != [optimizer] else None))
+    # the optimizers holding the states (those of a container, a ZeroRedundancyOptimizer's local one)
+    state_parts = next((c.parts for c in collectors if isinstance(c, TorchOptimizerCollector)), [])
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=modules_named, optimizer=optimizer,
-                      registry=registry, rank=rank, world_size=world_size, scaler=scaler)
+                      registry=registry, rank=rank, world_size=world_size, scaler=scaler,
+                      replicated=replicated_families(model, state_parts, options) if world_size > 1 else None)

@@ -20,6 +20,7 @@ from trainmon.config import ConfigError, MonitorConfig, check_ranks, family_metr
 from trainmon.errors import AnomalyError
 from trainmon.integrations.base import Attachment, AttachOptions
 from trainmon.runtime.lifecycle import StepLifecycle, part_of
+from trainmon.runtime.replicas import plan_replicas
 from trainmon.runtime.rundir import (
     default_run_name,
     missing_dirs,
@@ -80,6 +81,8 @@ class Session:
             rank = self.attachment.rank
             self.writes = ranks is None or rank in ranks
             self.schedule = StepSchedule(config, rank_selected=self.writes or self.attachment.collective)
+            # who writes the rows that are the same on every rank of a data-parallel group (a collective)
+            self.replicas = plan_replicas(self.attachment, config, ranks, self.writes, self.ctx.step)
             self.run_dir, self.rank_dir = self._make_dirs(config)
             writes_run_json = self.rank_dir is not None and rank == (ranks[0] if ranks else 0)
             if self.rank_dir is not None:
@@ -112,7 +115,9 @@ class Session:
                                      stats_path=self.rank_dir / "writer_stats.json" if self.rank_dir else None)
             if writes_run_json:
                 info = run_json(config, self.attachment.world_size, self.framework, _versions(self.framework))
-                info["sizing"] = log_sizing(self.attachment, config, self.options.grad_acc_steps).as_dict()
+                info["replicated"] = self.replicas.layout.as_json()
+                info["sizing"] = log_sizing(self.attachment, config, self.options.grad_acc_steps,
+                                            self.replicas.layout).as_dict()
                 run_dir = self.run_dir
                 # on the writer's thread; a resumed run keeps the first run.json and adds run.resume{n}.json
                 self.writer.submit(lambda: write_json(unused_name(run_dir, "run", ".json", "resume"), info,
@@ -310,7 +315,7 @@ class Session:
                               self.ctx.metrics)
         error = None
         if self.writes:
-            self.writer.submit(record)
+            self.writer.submit(self.replicas.stored(record))  # the detectors below get every row
             try:
                 self.guard.run("anomaly", self.anomaly.process, record)
             except AnomalyError as exc:
@@ -376,7 +381,7 @@ class Session:
         if config is None:
             return
         old = self.config
-        for key in ("output_dir", "run_name", "sinks", "ranks"):
+        for key in ("output_dir", "run_name", "sinks", "ranks", "write_replicated_once"):
             if getattr(config, key) != getattr(old, key):
                 logger.warning("trainmon: config key %r cannot change while attached; keeping %r", key,
                                getattr(old, key))

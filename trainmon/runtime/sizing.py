@@ -11,7 +11,9 @@ The projection is plain arithmetic over what the attachment measures and what th
   Parquet a measured constant (docs/store.md);
 - **TensorBoard's overview**: a constant per collected step, its summaries of each family (their tags' text and
   a point each), whatever the model size;
-- **per run**: collected steps (``step_interval``, ``collect_times``) x ranks.
+- **per run**: collected steps (``step_interval``, ``collect_times``) x the ranks that write each family: every
+  writing rank, but one per data-parallel group for the families written once per group
+  (``write_replicated_once``: :mod:`trainmon.runtime.replicas`); the overview on every writing rank.
 
 Only the rows of the row families are counted: ``scalars`` (a few per step), ``comm`` (depends on the
 collectives run), anomaly events and the grad probe's files are not.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from trainmon.config import family_metrics
@@ -31,14 +33,13 @@ from trainmon.sinks.tensorboard_overview import NONFINITE, TagSelection, overvie
 if TYPE_CHECKING:
     from trainmon.config import MonitorConfig
     from trainmon.integrations.base import Attachment
+    from trainmon.sinks.store_replicas import ReplicaLayout
 
 logger = logging.getLogger("trainmon")
 
 ACTIVATION_FAMILIES = ("actv", "actv_grad")
 ADAM_FAMILIES = ("exp_avg", "exp_avg_sq", "update", "ratio")
 """Optimizer-state families an Adam-like optimizer (one with ``betas``) writes."""
-REPLICATED_FAMILIES = ("grad_reduced", "exp_avg", "exp_avg_sq", "momentum", "update", "ratio", "param")
-"""Families identical on every data-parallel replica under plain DDP (each rank writes them today)."""
 
 PARQUET_BYTES_FIXED = 2.0
 PARQUET_BYTES_PER_METRIC = 2.0
@@ -83,6 +84,8 @@ class Sizing:
         ...               step_interval=10, collect_times=None, world_size=64)
         >>> size.rows_per_step, size.bytes_per_step, size.bytes_per_steps(1000)
         (291, 4656.0, 465600.0)
+        >>> size.bytes_per_run(1000), replace(size, replicated=("grad_reduced",), replica_writers=8).bytes_per_run(1000)
+        (29798400.0, 3724800.0)
     """
 
     families: tuple[FamilySize, ...]
@@ -90,10 +93,15 @@ class Sizing:
     step_interval: int = 1
     collect_times: int | None = None
     world_size: int = 1
+    """The ranks that write."""
     not_counted: tuple[str, ...] = field(default=())
     """Families turned on whose rows are not projected (``comm``)."""
     overview_bytes: float = 0.0
     """TensorBoard's overview: bytes per collected step (with the tensorboard sink), whatever the rows."""
+    replicated: tuple[str, ...] = field(default=())
+    """Families written once per data-parallel group (``write_replicated_once``)."""
+    replica_writers: int | None = None
+    """The ranks that write :attr:`replicated` (one per group); None: every writing rank."""
 
     @property
     def rows_per_step(self) -> int:
@@ -117,8 +125,17 @@ class Sizing:
         return count if self.collect_times is None else min(count, self.collect_times)
 
     def bytes_per_steps(self, steps: int) -> float:
-        """Bytes on one rank for ``steps`` steps."""
+        """Bytes on one rank (one that writes every family) for ``steps`` steps."""
         return self.collected(steps) * self.bytes_per_step
+
+    def bytes_per_run(self, steps: int) -> float:
+        """Bytes of every writing rank together for ``steps`` steps (:attr:`replicated` by :attr:`replica_writers`
+        ranks only)."""
+        writers = self.world_size if self.replica_writers is None else self.replica_writers
+        per_step = sum(f.bytes(self.sinks) * (writers if f.family in self.replicated else self.world_size)
+                       for f in self.families)
+        overview = self.overview_bytes * self.world_size if "tensorboard" in self.sinks else 0.0
+        return self.collected(steps) * (per_step + overview)
 
     def line(self) -> str:
         """The one log line of :func:`log_sizing`."""
@@ -128,7 +145,11 @@ class Sizing:
         interval = f" at step_interval {self.step_interval}" if self.step_interval > 1 else ""
         capped = f" (collect_times {self.collect_times})" if self.collect_times is not None else ""
         per_1000 = self.bytes_per_steps(1000)
-        ranks = f" (x{self.world_size} ranks: {human_bytes(per_1000 * self.world_size)})" if self.world_size > 1 else ""
+        once = [f.family for f in self.families if f.family in self.replicated and f.rows]
+        by = (f", {', '.join(once)} by {self.replica_writers} of them (once per data-parallel group)"
+              if once and self.replica_writers is not None else "")
+        ranks = f" (x{self.world_size} ranks{by}: {human_bytes(self.bytes_per_run(1000))})" \
+            if self.world_size > 1 else ""
         return (f"trainmon: {about}{self.rows_per_step:,} rows per collected step ({parts or 'none'}{uncounted}); "
                 f"with sinks [{', '.join(self.sinks)}] {about}{human_bytes(self.bytes_per_step)} per collected step "
                 f"per rank, {human_bytes(per_1000)} per 1,000 steps{interval}{capped}{ranks}; see docs/sizing.md")
@@ -141,6 +162,9 @@ class Sizing:
                 "tensorboard_overview_bytes_per_collected_step": round(self.overview_bytes),
                 "bytes_per_collected_step": round(self.bytes_per_step),
                 "bytes_per_1000_steps": round(self.bytes_per_steps(1000)),
+                "writing_ranks": self.world_size,
+                "replicated": list(self.replicated), "replica_writers": self.replica_writers,
+                "bytes_per_1000_steps_all_ranks": round(self.bytes_per_run(1000)),
                 "not_counted": list(self.not_counted)}
 
 
@@ -290,10 +314,18 @@ def _optimizer_states(parts: Any) -> list[str] | None:
     return sorted(states)
 
 
-def log_sizing(attachment: Attachment, config: MonitorConfig, grad_acc_steps: int = 1) -> Sizing:
-    """Log the projection as one info line (on the rank that writes ``run.json``) and return it."""
-    sizing = project(measured_by(attachment), config, grad_acc_steps=grad_acc_steps,
-                     world_size=len([r for r in config.ranks if r < attachment.world_size]) if config.ranks
-                     else attachment.world_size)
+def log_sizing(attachment: Attachment, config: MonitorConfig, grad_acc_steps: int = 1,
+               replicas: ReplicaLayout | None = None) -> Sizing:
+    """Log the projection as one info line (on the rank that writes ``run.json``) and return it.
+
+    Args:
+        replicas: the run's layout of the families written once per data-parallel group (None: none are).
+    """
+    writing = len([r for r in config.ranks if r < attachment.world_size]) if config.ranks else attachment.world_size
+    sizing = project(measured_by(attachment), config, grad_acc_steps=grad_acc_steps, world_size=writing)
+    if replicas is not None and replicas.families:
+        groups = replicas.groups()
+        sizing = replace(sizing, replicated=tuple(replicas.families),
+                         replica_writers=writing - sum(len(group) - 1 for group in groups))
     logger.info("%s", sizing.line())
     return sizing

@@ -39,6 +39,8 @@ from trainmon.tools.store_reader import (
     Source,
     StoreError,
     StoreFamily,
+    replica_note,
+    replica_writers,
     source_family,
     source_scalars,
     source_tables,
@@ -218,6 +220,9 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None,
     ranks = [rank_dir for rank_dir in ranks if rank_dir not in empty]
     notes = [f"{run_dir}: skipped {', '.join(p.name for p in empty[:10])}{', ...' if len(empty) > 10 else ''}: "
              f"no CSV files"] if empty else []
+    # families written once per data-parallel group are in their writer's event files only, for the whole group
+    replicated = replica_note(replica_writers(run_dir), families, where="the event files of rank")
+    notes += [f"{run_dir}: {replicated}"] if replicated else []
     layouts: set[str] = set()
     wanted_files = {rank_dir: [f for f in files if families is None or source_family(f) in families]
                     for rank_dir, files in csv_files.items()}

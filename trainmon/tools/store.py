@@ -9,6 +9,10 @@ Views (each with a ``rank`` column, from the ``rank={R}`` partition of its files
   those stored at close and the lines of ``anomalies.jsonl`` written after them; empty when there is none. The
   stored files are read by DuckDB as a query needs them (never loaded whole); ``seq`` orders the events of a rank
   as they were written (the byte offset of their stored file, or of the unstored lines, plus their row number).
+- ``replicas`` (only in a run that wrote rows once per data-parallel group, see
+  :mod:`trainmon.sinks.store_replicas`): ``family, rank, writer, first_step, last_step``. A family view gives
+  every rank of such a group its writer's rows (``rank`` is the rank they stand for), so ``WHERE rank = 1``
+  reads rank 1's rows whoever wrote them.
 
 Example:
     >>> con = open_run("trainmon_output/run")  # doctest: +SKIP
@@ -27,7 +31,13 @@ import pyarrow as pa
 from trainmon.base.inputs import is_dir, rank_dirs_of
 from trainmon.sinks.store_events import EVENT_SCHEMA, events_of_rank, stored_ranges, unstored_events
 from trainmon.sinks.store_layout import ANOMALIES, STORE_DIR, live_parts, table_dir
+from trainmon.sinks.store_replicas import ReplicaLayoutError, replica_layouts, replica_map
 from trainmon.tools.store_reader import StoreError  # its home: report and csv2tb catch it without importing duckdb
+
+REPLICAS = "replicas"
+"""The table of where each rank's rows of a family written once per data-parallel group are."""
+_REPLICA_SCHEMA = pa.schema([("family", pa.string()), ("rank", pa.int64()), ("writer", pa.int64()),
+                             ("first_step", pa.int64()), ("last_step", pa.int64())])
 
 
 def table_files(run_dir: str | os.PathLike[str]) -> dict[str, list[Path]]:
@@ -108,6 +118,31 @@ def read_anomalies(run_dir: str | os.PathLike[str]) -> pa.Table:
     return pa.concat_tables(tables)
 
 
+def read_replicas(run_dir: str | os.PathLike[str]) -> pa.Table:
+    """The ``replicas`` table of a run: ``family, rank, writer, first_step, last_step`` (from its ``run*.json``).
+
+    Raises:
+        StoreError: a ``run*.json`` that cannot be read.
+    """
+    try:
+        rows = replica_map(replica_layouts(run_dir))
+    except ReplicaLayoutError as exc:
+        raise StoreError(str(exc)) from None
+    return pa.Table.from_pylist([dict(zip(_REPLICA_SCHEMA.names, row)) for row in rows], schema=_REPLICA_SCHEMA)
+
+
+def _family_view(table: str, source: str, replicated: bool) -> str:
+    """The ``SELECT`` of a family's view: its stored rows, or, for a family written once per group, the rows of
+    the ranks that wrote their own and, for every rank of a group, its writer's rows under its own rank."""
+    if not replicated:
+        return f"SELECT * FROM {source}"
+    family = _literal(table)
+    within = "s.step BETWEEN r.first_step AND r.last_step"
+    return (f"WITH stored AS (SELECT * FROM {source}), map AS (SELECT * FROM {REPLICAS} WHERE family = {family}) "
+            f"SELECT s.* FROM stored s ANTI JOIN map r ON s.rank = r.rank AND {within} "
+            f"UNION ALL SELECT s.* REPLACE (r.rank AS rank) FROM stored s JOIN map r ON s.rank = r.writer AND {within}")
+
+
 def open_run(run_dir: str | os.PathLike[str],
              connection: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with a view per table of the run's store and ``anomalies``.
@@ -127,18 +162,23 @@ def open_run(run_dir: str | os.PathLike[str],
         what = "is not a directory" if os.path.lexists(path) else "does not exist"
         raise StoreError(f"run directory {run_dir} {what}")
     tables = table_files(path)
+    replicas = read_replicas(path)
     try:
         event_files, unstored = anomaly_sources(path)
     except (OSError, pa.ArrowException) as exc:
         raise StoreError(f"{path}: cannot read the anomaly events ({exc})") from None
+    replicated = set(replicas.column("family").to_pylist())
     # No progress bar: DuckDB draws it on stdout, inside the output of `trainmon query --format csv`.
     con = connection if connection is not None else duckdb.connect()
     try:
         if connection is None:
             con.execute("SET enable_progress_bar = false")
+        if replicas.num_rows:
+            con.register(REPLICAS, replicas)
         for table, files in tables.items():
-            con.execute(f"CREATE OR REPLACE VIEW {_identifier(table)} AS SELECT * FROM read_parquet({_list(files)}, "
-                        "hive_partitioning = true, union_by_name = true)")
+            source = f"read_parquet({_list(files)}, hive_partitioning = true, union_by_name = true)"
+            con.execute(f"CREATE OR REPLACE VIEW {_identifier(table)} AS "
+                        f"{_family_view(table, source, table in replicated)}")
         _create_anomalies(con, event_files, unstored)
     except duckdb.Error as exc:
         if connection is None:
@@ -186,5 +226,5 @@ def describe(connection: duckdb.DuckDBPyConnection) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["EVENT_COLUMNS", "UNSTORED_EVENTS", "anomaly_sources", "describe", "event_ranks", "open_run",
-           "read_anomalies", "table_files", "views"]
+__all__ = ["EVENT_COLUMNS", "REPLICAS", "UNSTORED_EVENTS", "anomaly_sources", "describe", "event_ranks", "open_run",
+           "read_anomalies", "read_replicas", "table_files", "views"]

@@ -8,6 +8,11 @@ is read from there instead (:func:`with_store`). :func:`read_source` gives the
 resumed run's after the run it resumed), and :func:`source_scalars` the ``(tag, value, step)`` rows of
 :func:`~trainmon.tools.readers.read_scalars`. Only the columns asked for are read (pyarrow, a batch of rows of
 one part at a time).
+
+Families written once per data-parallel group (``run.json``'s ``"replicated"``: :mod:`trainmon.sinks.store_replicas`)
+are read where they were written, once: the group's writer holds them, for the whole group. The tools do not copy
+them to every rank (that would undo the saving in the report's data and in TensorBoard's files); they label them
+with the group's ranks (:func:`replica_writers`, :func:`replica_note`). ``trainmon query`` gives them for every rank.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 from trainmon.base.inputs import is_dir, open_regular
 from trainmon.base.records import row_tag
 from trainmon.sinks.store_layout import KEY_COLUMNS, NOT_FAMILIES, SCALARS, STORE_DIR, Part, live_parts
+from trainmon.sinks.store_replicas import ReplicaLayoutError, ranks_text, replica_groups, replica_layouts
 from trainmon.tools.readers import Table, family_of, read_scalars_noting_layout, read_table
 
 if TYPE_CHECKING:
@@ -130,6 +136,38 @@ def with_store(run_dir: Path, by_rank: Mapping[int, Sequence[Source]]) -> dict[i
             files += added
             files.sort(key=source_family)  # stable: a family's CSV files keep their order
     return dict(sorted(out.items()))
+
+
+def replica_writers(run_dir: Path) -> dict[tuple[str, int], list[int]]:
+    """``(family, writer rank) -> the ranks whose rows the writer's are``, for the families a run wrote once per
+    data-parallel group (its latest layout of each); empty for other runs (a rank folder, msprobe's output).
+
+    Raises:
+        StoreError: a ``run*.json`` that cannot be read (the file in the message).
+    """
+    try:
+        return replica_groups(replica_layouts(run_dir))
+    except ReplicaLayoutError as exc:
+        raise StoreError(str(exc)) from None
+
+
+def replica_note(writers: Mapping[tuple[str, int], Sequence[int]], families: Collection[str] | None = None,
+                 where: str = "rank") -> str | None:
+    """One line saying which families are written once per data-parallel group and whose rows each writer's are
+    (None when no family of ``families`` is).
+
+    Example:
+        >>> replica_note({("param", 0): [0, 1], ("param", 2): [2, 3]}, where="the event files of rank")
+        'param: written once per data-parallel group: the event files of rank 0 for ranks 0-1, 2 for ranks 2-3'
+    """
+    shown = {key: group for key, group in writers.items() if families is None or key[0] in families}
+    if not shown:
+        return None
+    names = sorted({family for family, _ in shown})
+    groups = {writer: group for (_, writer), group in sorted(shown.items(), key=lambda item: item[0][1])}
+    listed = [f"{writer} for ranks {ranks_text(group)}" for writer, group in list(groups.items())[:8]]
+    more = f", ... ({len(groups)} groups)" if len(groups) > 8 else ""
+    return f"{', '.join(names)}: written once per data-parallel group: {where} {', '.join(listed)}{more}"
 
 
 def read_source(source: Source, metrics: Collection[str] | None = None) -> tuple[list[Table], set[str]]:
@@ -315,5 +353,5 @@ def source_tables(source: Source) -> Iterator[Table]:
         yield read_table(source)
 
 
-__all__ = ["STORE_LAYOUT", "Source", "StoreError", "StoreFamily", "read_source", "source_family",
-           "source_scalars", "source_tables", "store_families", "with_store"]
+__all__ = ["STORE_LAYOUT", "Source", "StoreError", "StoreFamily", "read_source", "replica_note", "replica_writers",
+           "source_family", "source_scalars", "source_tables", "store_families", "with_store"]

@@ -33,8 +33,10 @@ from trainmon.collect.optimizer import TorchOptimizerCollector
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.collect.step_hooks import StepWrapper
 from trainmon.integrations.base import (
+    REPLICATED_FAMILIES,
     Attachment,
     AttachOptions,
+    Replicated,
     named_modules,
     named_parameters,
     select_modules,
@@ -68,8 +70,8 @@ class DeepSpeedShardCollector(HookedCollector):
         norm_group: the pipeline stages of this replica, whose ZeRO-0 norms make ``grad_norm`` (None: one stage).
 
     The combined rows are identical on every rank of the group, so they are written once, by
-    the lowest *selected* (``config.ranks``) global rank of the group; every rank still joins
-    the collective.
+    the lowest *selected* (``config.ranks``) global rank of the group (by every rank with
+    ``write_replicated_once: false``); every rank still joins the collective.
     """
 
     def __init__(self, ctx: StepContext, engine: Any, params: list[tuple[str, DeepSpeedParameter, int]],
@@ -82,7 +84,8 @@ class DeepSpeedShardCollector(HookedCollector):
         self.dp_group = dp_group
         rank, world = process_groups.layout(dp_group)
         self.dp_rank, self.dp_world = rank, world
-        self.writes_rows = process_groups.is_lowest_selected(dp_group, config.ranks)
+        self.writes_rows = not config.write_replicated_once or process_groups.is_lowest_selected(dp_group,
+                                                                                                 config.ranks)
         self.collective = not self.layout.replicated and world > 1
         self.norm_group = norm_group
         self.norm_world = process_groups.group_size(norm_group, none_is_world=False)
@@ -92,6 +95,13 @@ class DeepSpeedShardCollector(HookedCollector):
 
     def reset(self) -> None:
         self._pending.clear()
+
+    def replicated(self) -> Replicated | None:
+        """The rows written once per data-parallel group (under ZeRO-0 too: the averaged gradients and what the
+        optimizer makes of them are the same on every rank), or None with a group of one."""
+        if self.dp_world == 1:
+            return None
+        return Replicated(tuple(f for f in REPLICATED_FAMILIES if f != "momentum"), self.dp_group, combined=True)
 
     # ------------------------------------------------------------------------- hooks
     def _measure(self, family: str, name: str, vpp_stage: int, tensor: torch.Tensor | None) -> None:
@@ -295,7 +305,8 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
     collective = (shard_collector is not None and shard_collector.collective) or getattr(probe, "world", 1) > 1
     return Attachment(collectors=collectors, roots=[(module, 0)], modules=modules_named, optimizer=hooks,
                       registry=registry, rank=rank, world_size=world_size, collective=collective,
-                      micro_steps_by_user=True, on_close=[hooks.uninstall])
+                      micro_steps_by_user=True, on_close=[hooks.uninstall],
+                      replicated=shard_collector.replicated() if shard_collector is not None else None)
 
 
 def _attach_pipeline(ctx: StepContext, config: MonitorConfig, engine: Any, options: AttachOptions) -> Attachment:
@@ -347,4 +358,5 @@ def _attach_pipeline(ctx: StepContext, config: MonitorConfig, engine: Any, optio
     # The monitor step ends after the optimizer step (then at the next forward, monitor.step() or close()).
     return Attachment(collectors=collectors, roots=[(module, 0)], modules=named_modules, optimizer=optimizer_step,
                       registry=registry, rank=rank, world_size=world_size, pp_stage=int(engine.stage_id),
-                      collective=collective, on_close=undo)
+                      collective=collective, on_close=undo,
+                      replicated=shard_collector.replicated() if shard_collector is not None else None)

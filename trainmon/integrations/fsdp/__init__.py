@@ -14,8 +14,9 @@ What is measured where (see ``docs/fsdp.md``):
   them go through ONE ``all_gather`` of an ``[N, 8]`` tensor per collected step over the shard
   mesh dimension, are combined on the device (:func:`combine_partials_torch`), and so equal the
   full tensors' statistics on every rank. They are written by the lowest rank of the shard group
-  that ``ranks`` selects. HSDP (a 2-D replicate x shard mesh): combined over the shard dimension
-  only, i.e. once per replica (replicas hold identical values after FSDP's all-reduce).
+  that ``ranks`` selects (by every rank with ``write_replicated_once: false``). HSDP (a 2-D replicate x shard
+  mesh): combined over the shard dimension only, i.e. once per replica (replicas hold identical values after
+  FSDP's all-reduce).
 
 - ``grad_probe``: :mod:`trainmon.integrations.fsdp.probe` (the local shards' partials and sign bits,
   one gather per collected step).
@@ -42,8 +43,10 @@ from trainmon.collect.optimizer_parts import param_groups_of, states_of
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.collect.step_hooks import scale_of, unwrap_optimizer
 from trainmon.integrations.base import (
+    REPLICATED_FAMILIES,
     Attachment,
     AttachOptions,
+    Replicated,
     named_modules,
     named_parameters,
     select_modules,
@@ -80,7 +83,8 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
         shards: the shard group (from :func:`shard_group_of`).
         unsharded_owners: ``(FSDP module, [(name, owner module, attribute, vpp_stage)])``: where
             each target parameter's unsharded version appears during that FSDP module's forward.
-        writes_rows: whether this rank writes the combined rows (lowest selected rank of the group).
+        writes_rows: whether this rank writes the combined rows (the lowest selected rank of the group; every
+            rank with ``write_replicated_once: false``).
         model: the model given to ``attach`` (its forward ends outside compiled code: the root is
             never compiled in place), for :func:`traced_modules` and the after-forward hook.
     """
@@ -307,7 +311,9 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         shard_collector = FSDPOptimizerCollector(
             ctx, chosen, optimizer, config, registry, shards,
             unsharded_owners(root, chosen, fsdp_modules(root)),
-            writes_rows=process_groups.is_lowest_selected(shards.group, config.ranks), model=model)
+            writes_rows=not config.write_replicated_once or process_groups.is_lowest_selected(shards.group,
+                                                                                                config.ranks),
+            model=model)
     if shard_collector is not None and "grad_unreduced" in ctx.specs:
         unreadable = shard_collector.unsharded.unreadable()
         if unreadable:
@@ -324,6 +330,9 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
                                                 recheck_on=model))
     collectors += [c for c in (shard_collector, probe_collector) if c is not None]
     rank, world_size = process_groups.layout()
+    # the combined rows are the same on every rank of the shard group (HSDP: of each replica's shard group)
+    replicated = Replicated(REPLICATED_FAMILIES, shard_collector.shards.group, combined=True) \
+        if shard_collector is not None and shard_collector.collective else None
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=modules_named, optimizer=optimizer,
                       registry=registry, rank=rank, world_size=world_size, scaler=scaler,
-                      collective=shards is not None and shards.size > 1)
+                      collective=shards is not None and shards.size > 1, replicated=replicated)

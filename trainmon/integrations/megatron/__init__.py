@@ -23,8 +23,10 @@ from trainmon.base import process_groups
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.step_hooks import StepWrapper
 from trainmon.integrations.base import (
+    REPLICATED_FAMILIES,
     Attachment,
     AttachOptions,
+    Replicated,
     named_modules,
     named_parameters,
     select_modules,
@@ -131,7 +133,8 @@ def check_dp_group(dp_group: Any, mains: dict[int, MainParam]) -> bool:
     The shards of a ``DistributedOptimizer`` live on the ranks of its ``data_parallel_group``, so
     that is the group their statistics are combined over, whatever ``dp_group`` says. Without a
     distributed optimizer nothing is combined over a data-parallel group (reduced gradients and
-    optimizer states are replicated; ``grad_unreduced`` is this rank's own), so ``dp_group`` is unused.
+    optimizer states are replicated; ``grad_unreduced`` is this rank's own): ``dp_group`` only names the ranks
+    whose rows are written once when ``parallel_state`` is not initialised (:func:`replicated_families`).
 
     Returns:
         True when the warning was logged.
@@ -148,6 +151,38 @@ def check_dp_group(dp_group: Any, mains: dict[int, MainParam]) -> bool:
                            "optimizer's group", wanted, used)
             return True
     return False
+
+
+def replicated_families(mains: dict[int, MainParam], options: AttachOptions) -> Replicated | None:
+    """The rows that are the same on every rank of the data-parallel group, or None.
+
+    The gradients are averaged over the data-parallel ranks (with context parallelism: over those of
+    ``parallel_state``'s data-parallel group with context parallelism), which hold the same parameters: what the
+    optimizer steps with, its parameters and states are the same on each (after the tensor-parallel combination,
+    a distributed optimizer's shards after their combination over its ``data_parallel_group``). Not so under
+    expert parallelism (expert parameters are averaged over the expert data-parallel ranks only, and hold other
+    experts on each data-parallel rank), nor when the distributed optimizers use several groups: then every rank
+    writes its own rows.
+    """
+    from megatron.core import parallel_state as ps
+
+    # decided alike on every rank (the caller's collective at attach depends on it): from the job's layout, not
+    # from the parameters of this pipeline stage
+    initialized = ps.model_parallel_is_initialized()
+    if not mains or (initialized and ps.get_expert_model_parallel_world_size() > 1):
+        return None
+    groups = {id(m.dp_group): m.dp_group for m in mains.values() if m.sharded}
+    if len(groups) > 1:
+        return None
+    if groups:
+        group = next(iter(groups.values()))
+    else:
+        group = ps.get_data_parallel_group(with_context_parallel=True) if initialized else options.dp_group
+        if group is None:
+            return None  # no data-parallel group known: nothing is assumed
+    if process_groups.group_size(group, none_is_world=False) == 1:
+        return None
+    return Replicated(tuple(f for f in REPLICATED_FAMILIES if f != "momentum"), group)
 
 
 def _computes_grad_norm(optimizer: Any) -> bool:
@@ -226,9 +261,11 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
         step_hooks.register_step_post_hook(ctx.guard.wrap("step", _record_step_result(ctx, step_hooks)))
     mains = main_params(optimizer) if optimizer is not None else {}
     layout = GroupLayout(tp_group, tp_size, tp_rank)
+    replicated = None
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         check_dp_group(options.dp_group, mains)
         collectors.append(MegatronParamCollector(ctx, chosen(), mains, layout, config, registry))
+        replicated = replicated_families(mains, options)
     if config.grad_probe.enabled:
         try:
             probe = grad_probe(ctx, config, chosen(), mains, layout, registry)
@@ -241,7 +278,8 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
     rank, world_size = process_groups.layout()
     attachment = Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                             modules=modules_named, optimizer=step_hooks, registry=registry, rank=rank,
-                            world_size=world_size, pp_stage=pp_stage, collective=world_size > 1)
+                            world_size=world_size, pp_stage=pp_stage, collective=world_size > 1,
+                            replicated=replicated)
     if step_hooks is not None:
         attachment.on_close.append(step_hooks.uninstall)
     return attachment

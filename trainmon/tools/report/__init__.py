@@ -28,7 +28,7 @@ from trainmon.tools.msprobe_output import ANOMALY_FOLDER, analyse_msprobe, anoma
 from trainmon.tools.readers import CsvFormatError
 from trainmon.tools.report import data as report_data
 from trainmon.tools.report.page import render
-from trainmon.tools.store_reader import Source, StoreError, StoreFamily, source_family
+from trainmon.tools.store_reader import Source, StoreError, StoreFamily, replica_note, replica_writers, source_family
 
 if TYPE_CHECKING:
     from trainmon.tools.command import Subparsers
@@ -118,6 +118,7 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
             raise UsageError(runs_hint(run_dir, runs, "report"))
     try:
         by_rank = report_data.sources(run_dir)
+        writers = replica_writers(run_dir)  # families written once per data-parallel group: labelled as the group's
     except FileNotFoundError as exc:
         raise UsageError(str(exc) if exc.filename is None else describe_os_error(exc)) from None
     except StoreError as exc:
@@ -160,7 +161,8 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
                     if family == "scalars":
                         curves[str(rank)] = report_data.curves(family_tables, 2 * max_columns)
                     else:
-                        heatmaps += report_data.heatmaps(family, family_tables, rank, max_columns, metrics=metrics)
+                        heatmaps += report_data.heatmaps(family, family_tables, rank, max_columns, metrics=metrics,
+                                                         for_ranks=writers.get((family, rank)))
                 if rank in probe:
                     table = report_data.read_probe_table(probe[rank])
                     probe_maps += report_data.heatmaps("grad_probe", [table], rank, max_columns,
@@ -171,6 +173,10 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
     except OSError as exc:
         raise UsageError(describe_os_error(exc)) from None
     _check_choice("--metrics", metrics, read_metrics, run_dir, "metric of the --families" if families else "metric")
+    replicated = replica_note({key: group for key, group in writers.items() if key[1] in chosen},
+                              {h["family"] for h in heatmaps}, where="the heatmaps of rank")
+    if replicated:
+        notes.append(replicated)
     from trainmon.version import __version__
 
     page_data = {

@@ -19,7 +19,7 @@ import base64
 import csv
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from trainmon.base.inputs import open_regular
+from trainmon.sinks.store_replicas import ranks_text
 from trainmon.tools.csv2tb import rank_dirs
 from trainmon.tools.readers import CsvFormatError, Table
 from trainmon.tools.store_reader import Source, StoreError, read_source, source_family, with_store
@@ -204,9 +205,10 @@ def merge_tables(tables: list[Table]) -> tuple[list[tuple[int, str]], dict[str, 
 
 def heatmaps(family: str, tables: list[Table], rank: int, max_columns: int,
              scales: dict[str, tuple[float, float]] | None = None,
-             metrics: list[str] | None = None) -> list[dict[str, Any]]:
+             metrics: list[str] | None = None, for_ranks: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """The heatmaps of one family on one rank, one per metric (only ``metrics`` when given; with
-    ``scales``: only those metrics, on a fixed linear range, lowest value per cell)."""
+    ``scales``: only those metrics, on a fixed linear range, lowest value per cell). ``for_ranks``: the ranks whose
+    rows these are (a family written once per data-parallel group: the group), shown beside the rank."""
     keys, by_metric = merge_tables(tables)
     out = []
     cells_of: dict[int, tuple[Ints, Ints, int]] = {}  # id(steps) -> cells, first steps, per bin
@@ -224,7 +226,8 @@ def heatmaps(family: str, tables: list[Table], rank: int, max_columns: int,
         grid = encode_grid(cells, shape, values, scale, "min" if scales is not None else "absmax")
         out.append({"family": family, "metric": metric, "rank": rank, "rows": [_label(k) for k in keys],
                     "steps": first_steps.tolist(), "last_step": int(steps.max()), "per_bin": per_bin,  # numpy: no sync
-                    "reduce": "min" if scales is not None else "absmax", **grid})
+                    "reduce": "min" if scales is not None else "absmax", **grid,
+                    **({"for_ranks": ranks_text(for_ranks)} if for_ranks else {})})
     return out
 
 

@@ -298,13 +298,17 @@ function drawHeatmap(box, hm) {
 function setupHeatmaps(prefix, list) {
   const family = document.getElementById(prefix + "-family"), metric = document.getElementById(prefix + "-metric");
   const rank = document.getElementById(prefix + "-rank"), box = document.getElementById(prefix + "-map");
-  const fill = (select, values) => { const keep = select.value; select.textContent = "";
-    for (const v of values) el("option", {value: v}, select, String(v));
+  const fill = (select, values, label) => { const keep = select.value; select.textContent = "";
+    for (const v of values) el("option", {value: v}, select, label ? label(v) : String(v));
     if (values.map(String).includes(keep)) select.value = keep; };
   const uniq = xs => Array.from(new Set(xs));
   const update = () => {
     fill(metric, uniq(list.filter(h => h.family === family.value).map(h => h.metric)));
-    fill(rank, uniq(list.filter(h => h.family === family.value && h.metric === metric.value).map(h => h.rank)));
+    const shown = list.filter(h => h.family === family.value && h.metric === metric.value);
+    // a family written once per data-parallel group: the writer's rows stand for the group's ranks
+    fill(rank, uniq(shown.map(h => h.rank)), r => {
+      const h = shown.find(x => x.rank === r);
+      return h && h.for_ranks ? r + " (for ranks " + h.for_ranks + ")" : String(r); });
     const hm = list.find(h => h.family === family.value && h.metric === metric.value && String(h.rank) === rank.value);
     if (hm) drawHeatmap(box, hm);
   };
