@@ -19,7 +19,7 @@ from trainmon.probe.storage import read_direction_header
 
 
 def _probe(tmp_path: Path, params, optimizer, **settings) -> tuple[GradProbe, StepContext, HookRegistry]:
-    config = load_config({"grad_probe": {"enabled": True, **settings}})
+    config = load_config({"grad_probe": {"enabled": True, **settings}, "sinks": ["csv"]})  # the per-file layout
     ctx = StepContext(specs={}, metrics={})
     registry = HookRegistry()
     probe = GradProbe(ctx, params, config, registry, optimizer, rank_dir=tmp_path / "rank0")

@@ -115,6 +115,11 @@ class OutputThread:
         self._thread = threading.Thread(target=self._run, name=f"trainmon-{name}", daemon=True)
         self._thread.start()
 
+    def bound(self, max_pending: int) -> None:
+        """Set how many queued items :meth:`submit` keeps before it drops (an output whose items vary in size
+        bounds them by bytes this way)."""
+        self._max_pending = max(1, max_pending)
+
     # ------------------------------------------------------------------ training thread
     def submit(self, item: Any) -> None:
         """Queue an item; O(1), never blocks, never raises (a full queue or a failed output drops it)."""

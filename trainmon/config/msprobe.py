@@ -278,8 +278,9 @@ class _Translation:
 
     def _outputs(self) -> None:
         fmt = self.data.get("format")
-        if fmt is None:
-            return  # msprobe's default is tensorboard (1.2.1) or csv (8.x and later): trainmon writes both
+        if fmt is None:  # msprobe's default is tensorboard (1.2.1) or csv (8.x and later): trainmon writes both
+            self.out["sinks"] = ["csv", "tensorboard"]
+            return
         if fmt in ("csv", "tensorboard"):
             self.out["sinks"] = [fmt]
             if fmt == "tensorboard":  # msprobe writes a tag per tensor and op: so does trainmon, beside its overview

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("trainmon")
 _GROUP = "grad_probe"
 _F32 = torch.float32
+PENDING_BYTES = 256 << 20
+"""Host bytes the steps queued for the probe's writer may hold (a step beyond them is dropped, counted)."""
 
 
 def _run_job(job: Callable[[], None]) -> None:
@@ -132,7 +134,8 @@ class GradProbe(HookedCollector):
             store = ProbeStore(root, int(digits) if digits.isdigit() else 0, self.level, self.bounds,
                                roll_seconds=self._flush_seconds)
         output = self._output = store or ProbeFiles(rank_dir / PROBE_DIR, self.level, self.bounds, root)
-        # Few pending steps: a queued step may hold every parameter's bits in host memory. The
+        # Few pending steps (bounded by bytes at each step): a queued step may hold every parameter's bits in host
+        # memory. The
         # output is closed on the writer thread, after the last queued step; the store writes
         # what it holds when the thread idles (a pause of training).
         self._writer = OutputThread("grad_probe", _run_job, flush=output.flush, close=output.close,
@@ -223,6 +226,9 @@ class GradProbe(HookedCollector):
             self._split_host(torch.cat(bits), bits) if bits else [])
         event = record_event(stats.device)
         step = ctx.step
+        # Queued steps hold their bits in host memory: as many as fit in PENDING_BYTES (4 at least, 64 at most).
+        step_bytes = host_stats.nbytes + sum(b.nbytes for b in host_bits)
+        self._writer.bound(min(64, max(4, PENDING_BYTES // max(1, step_bytes))))
         self._writer.submit(lambda: self._write(step, metas, host_stats, host_checksums, host_bits, event))
 
     def _base_stats(self, flat: torch.Tensor) -> list[torch.Tensor]:
