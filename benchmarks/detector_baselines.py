@@ -14,6 +14,10 @@ keep its state exactly as it would be had it only logged. Sources read for this 
   ``param_and_grad_buffer.py`` with ``threshold=10, context="grads"`` on each bucket's grad norm.
 - llm-foundry ``KillLossSpike``: ``llmfoundry/callbacks/kill_loss_spike_callback.py``
   (mosaicml/llm-foundry, commit 56891fc: window = max(100, 5% of the run), loss cap from the first window).
+- OLMo-core ``SkipStepOptimizer.get_step_factor``: ``src/olmo_core/optim/skip_step_optimizer.py``
+  (allenai/OLMo-core, commit 067267c: ``rolling_interval_length=128``, ``sigma_factor=6``).
+- ZClip: ``zclip/zclip.py`` (bluorion-com/ZClip, commit 1acb085: ``alpha=0.97, z_thresh=2.5, eps=1e-6,
+  warmup_steps=25, mode="zscore", clip_option="adaptive_scaling", clip_factor=1.0``).
 - msprobe ``AnomalyTurbulence``: ``msprobe/pytorch/monitor/anomaly_detect.py`` of mindstudio-probe
   1.2.1 (cumulative mean) and ``msprobe/core/monitor/anomaly_processor.py`` +
   ``msprobe/pytorch/monitor/data_writers.py`` of mindstudio-probe 26.2.0 (EMA of |value|, beta 0.99;
@@ -190,6 +194,63 @@ class MsprobeTurbulence:
         self.avg = self.beta * self.avg + (1 - self.beta) * magnitude  # a NaN poisons it, as in msprobe
         self.count += 1
         return math.isnan(value) or magnitude > baseline * (1 + self.threshold)  # AnomalyNan, AnomalyTurbulence
+
+
+class OlmoSkipStep:
+    """OLMo-core ``SkipStepOptimizer(rolling_interval_length=128, sigma_factor=6)`` for one metric (it skips the
+    step when the loss or the grad norm fails this check): the last 129 values are kept (the newest included);
+    once 64 are, a value is flagged unless ``|value - mean| / std <= 6`` over the values before it (``torch.std``:
+    Bessel-corrected). A NaN (a NaN z-score, ``0 / 0`` of a constant window included) fails the check."""
+
+    def __init__(self, rolling_interval_length: int = 128, sigma_factor: float = 6.0) -> None:
+        self.values: deque[float] = deque(maxlen=rolling_interval_length + 1)
+        self.rolling_interval_length, self.sigma_factor = rolling_interval_length, sigma_factor
+
+    def update(self, value: float) -> bool:
+        self.values.append(value)  # the latest_loss / latest_grad_norm setter
+        if len(self.values) < max(20, self.rolling_interval_length // 2):
+            return False
+        before = list(self.values)[:-1]
+        mean = sum(before) / len(before)
+        std = math.sqrt(sum((x - mean) ** 2 for x in before) / (len(before) - 1))
+        try:
+            z = abs(value - mean) / std
+        except ZeroDivisionError:  # torch: x / 0 is inf, 0 / 0 is nan
+            z = math.nan if value == mean or math.isnan(value) else math.inf
+        return not z <= self.sigma_factor
+
+
+class ZClip:
+    """ZClip's detection (``mode="zscore"``, ``clip_option="adaptive_scaling"``): the first 25 grad norms give
+    the mean and (population) variance; then a norm with ``z = (norm - mean) / (std + 1e-6) > 2.5`` is clipped to
+    ``mean + 2.5 * std / (z / 2.5)``, and the EMAs (alpha 0.97; the variance around the updated mean) take the
+    clipped value. Flagged: a clipped step. A NaN norm is never clipped and poisons the EMAs, as in ZClip."""
+
+    def __init__(self, alpha: float = 0.97, z_thresh: float = 2.5, eps: float = 1e-6, warmup_steps: int = 25) -> None:
+        self.alpha, self.z_thresh, self.eps, self.warmup_steps = alpha, z_thresh, eps, warmup_steps
+        self.buffer: list[float] = []
+        self.mean = self.var = 0.0
+        self.initialized = False
+
+    def update(self, grad_norm: float) -> bool:
+        if not self.initialized:
+            self.buffer.append(grad_norm)
+            if len(self.buffer) >= self.warmup_steps:
+                self.mean = sum(self.buffer) / len(self.buffer)
+                self.var = sum((x - self.mean) ** 2 for x in self.buffer) / len(self.buffer)
+                self.initialized = True
+                self.buffer = []
+            return False
+        std = self.var ** 0.5
+        z = (grad_norm - self.mean) / (std + self.eps)
+        clip_val = None
+        if z > self.z_thresh:
+            eta = z / self.z_thresh
+            clip_val = self.mean + (self.z_thresh * std) / eta
+        effective = clip_val if clip_val is not None else grad_norm
+        self.mean = self.alpha * self.mean + (1 - self.alpha) * effective
+        self.var = self.alpha * self.var + (1 - self.alpha) * (effective - self.mean) ** 2
+        return clip_val is not None
 
 
 class TrainmonLossSpikeV0:
