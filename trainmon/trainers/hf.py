@@ -39,7 +39,7 @@ from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations import framework_of
 from trainmon.integrations.losses import output_loss
 from trainmon.monitor import TrainerMonitor
-from trainmon.trainers.attaching import attach_or_train_on
+from trainmon.trainers.attaching import attach_or_train_on, ddp_options
 
 
 class TrainmonCallback(TrainerCallback):
@@ -82,8 +82,9 @@ class TrainmonCallback(TrainerCallback):
             # DeepSpeed owns the optimizer and the accumulation: the engine is the one thing to attach
             monitor.attach(engine, None, start_step=start_step, **self.attach_options)
         else:
-            monitor.attach(model, optimizer, **{"grad_acc_steps": max(1, int(args.gradient_accumulation_steps)),
-                                                "start_step": start_step, **self.attach_options})
+            options = {"grad_acc_steps": max(1, int(args.gradient_accumulation_steps)), "start_step": start_step,
+                       **self.attach_options}
+            monitor.attach(model, optimizer, **ddp_options(getattr(trainer, "model_wrapped", None), options))
         self.monitor = monitor
         guard = monitor.guard
         self._losses = TrainerLoss(model, bool(getattr(args, "average_tokens_across_devices", False)),

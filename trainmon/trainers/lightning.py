@@ -36,7 +36,7 @@ import torch
 from trainmon.config import MonitorConfig
 from trainmon.integrations.losses import output_loss
 from trainmon.monitor import TrainerMonitor
-from trainmon.trainers.attaching import attach_or_train_on
+from trainmon.trainers.attaching import attach_or_train_on, ddp_options
 
 if TYPE_CHECKING:
     from trainmon.runtime.lifecycle import StepLifecycle
@@ -81,6 +81,7 @@ class TrainmonCallback(Callback):
         if scaler is not None:
             options["scaler"] = scaler
         options.update(self.attach_options)
+        options = ddp_options(getattr(trainer.strategy, "model", None), options)
         self.monitor = TrainerMonitor(self.config)
         self.monitor.attach(pl_module, optimizers[0] if optimizers else None, **options)
         self._lifecycle().drive_by_callbacks()
