@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from trainmon.base.targets import plain_name, select
 from trainmon.collect.hooks import HookRegistry
@@ -47,6 +47,8 @@ class Attachment:
         micro_steps_by_user: the user calls ``monitor.step()`` after every micro-batch (DeepSpeed's
             ``engine.step()`` idiom); only a call after the optimizer really stepped ends a step.
         scaler: a torch ``GradScaler`` found behind the optimizer (accelerate), or None.
+        shard_group: the process group over which each gradient is sharded (FSDP2's shard group: the step guard
+            sums the shards' squared norms over it), or None where every rank holds whole gradients.
         on_close: extra clean-up (e.g. undoing an instance wrapper).
     """
 
@@ -61,6 +63,7 @@ class Attachment:
     collective: bool = False
     micro_steps_by_user: bool = False
     scaler: GradScaler | None = None
+    shard_group: Any = None
     on_close: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:
