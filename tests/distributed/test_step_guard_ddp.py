@@ -11,7 +11,6 @@ decision) optimizer.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest

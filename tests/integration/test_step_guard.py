@@ -135,6 +135,11 @@ def test_a_poisoned_step_leaves_parameters_and_state_as_a_run_without_its_batch(
         assert "(nonfinite)" in event["message"]
     else:
         assert "(z_score)" in event["message"]
+    if bad % interval == 0:  # a collected step: the rows of the gradients it did not apply, on either path
+        reduced = pd.read_csv(rank_dir / "grad_reduced.csv")
+        at = reduced[reduced["step"] == bad].set_index("name")
+        assert len(at) == len(list(guarded[0].parameters()))
+        assert (at.loc["layers.1.fc2.weight", "nans"] == 1) == (poison == "nan")
 
 
 def test_without_the_guard_the_poison_reaches_the_weights(tmp_path):

@@ -1,4 +1,4 @@
-"""The step guard's host side (:mod:`trainmon.anomaly.skips`) and the engine's ``act``: verdict scalars in, events out."""
+"""The step guard's host side (:mod:`trainmon.anomaly.skips`) and the engine's ``act``: verdicts in, events out."""
 
 from __future__ import annotations
 

@@ -340,6 +340,9 @@ class StepLifecycle:
         step, even when the guard did not call it."""
         self.optimizer_stepped = True
         self.skip_flags.append(skipped)
+        if not isinstance(skipped, torch.Tensor) and skipped > 0:  # decided on the host: step() was not called
+            for subscriber in list(self.ctx.step_not_taken):  # each under its collector's part
+                self.ctx.guard.run(part_of(subscriber), subscriber)
 
     # ------------------------------------------------------------------ step end
     def before_end(self, by_user: bool, has_scalars: bool) -> dict[str, torch.Tensor | float]:
