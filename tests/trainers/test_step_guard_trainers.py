@@ -1,6 +1,6 @@
 """The step guard behind a trainer's optimizer wrapper: accelerate's ``AcceleratedOptimizer`` (HF Trainer) and
-Lightning's ``LightningOptimizer`` (automatic optimisation: ``step(closure)``). The guard sits on the real torch
-optimizer, so it sees the real step.
+Lightning's ``LightningOptimizer`` (automatic optimisation: ``step(closure)``; manual optimisation). The guard sits
+on the real torch optimizer, so it sees the real step.
 
 The truth is the same trainer run on the same data without the poisoned batch (and one optimizer step fewer),
 without trainmon: the parameters and the optimizer states of the guarded run equal it bit for bit. A constant
@@ -92,7 +92,7 @@ def test_hf_trainer_skips_the_poisoned_batch(tmp_path):
 
 
 # ----------------------------------------------------------------------------- Lightning
-def _lightning_run(tmp_path, guarded: bool):
+def _lightning_run(tmp_path, guarded: bool, manual: bool):
     L = pytest.importorskip("lightning.pytorch", reason="lightning is not installed")
     from trainmon.trainers.lightning import TrainmonCallback
 
@@ -100,10 +100,17 @@ def _lightning_run(tmp_path, guarded: bool):
         def __init__(self) -> None:
             super().__init__()
             self.net = MLP()
+            self.automatic_optimization = not manual
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            if manual:
+                optimizer = self.optimizers()
+                optimizer.zero_grad()
+                self.manual_backward(loss)
+                optimizer.step()
+            return loss
 
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-2, fused=True)
@@ -128,8 +135,9 @@ def _lightning_run(tmp_path, guarded: bool):
     return module, trainer.optimizers[0]
 
 
-def test_lightning_skips_the_poisoned_batch(tmp_path):
-    module, optimizer = _lightning_run(tmp_path, guarded=True)
-    _assert_same_state(module, optimizer, *_lightning_run(tmp_path, guarded=False))
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_lightning_skips_the_poisoned_batch(tmp_path, manual):
+    module, optimizer = _lightning_run(tmp_path, guarded=True, manual=manual)
+    _assert_same_state(module, optimizer, *_lightning_run(tmp_path, guarded=False, manual=manual))
     (event,) = _guard_events(tmp_path / "tm" / "lightning" / "rank0")
     assert event["step"] == BAD and event["name"] == "net.fc1.weight" and "(nonfinite)" in event["message"]
