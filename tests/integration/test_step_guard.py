@@ -285,3 +285,42 @@ def test_set_ups_it_cannot_guard_are_refused_at_attach(tmp_path):
     with pytest.raises(UnsupportedSetupError, match="needs the optimizer"):
         _monitor(tmp_path).attach(TinyNet(), None)
     assert not list((tmp_path / "run").glob("rank0/*"))
+
+
+@pytest.mark.parametrize("kind", ["adam_fused", "adamw_foreach"])
+def test_under_a_grad_scaler_overflow_is_the_scalers_and_a_spike_the_guards(tmp_path, kind):
+    """With a GradScaler (the fused path gets its ``found_inf`` and ``grad_scale``): the overflow step the scaler
+    skips (5) is not the guard's skip (no event, not in its streak), the spike right after it (6) is; the norms the
+    guard judges are unscaled (``max_grad_norm: 3`` fires at the spike only, not at every step's norm x 1024)."""
+
+    def run(guarded: bool):
+        torch.manual_seed(0)
+        model = TinyNet()
+        optimizer = OPTIMIZERS[kind](model.parameters())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        monitor = _monitor(tmp_path, {**GUARD, "escalate_after": 2, "max_grad_norm": 3.0}).attach(
+            model, optimizer, scaler=scaler) \
+            if guarded else None
+        for step in range(STEPS):
+            if not guarded and step == 6:
+                continue  # the reference leaves the spiked batch out
+            loss = loss_fn(model, *batch(step)) * (10.0 if step == 6 else float("inf") if step == 5 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            if monitor is not None:
+                monitor.step(loss=loss)
+        if monitor is not None:
+            monitor.close()
+        return model, optimizer, scaler.get_scale()
+
+    *guarded, scale = run(True)
+    *reference, reference_scale = run(False)
+    assert scale == reference_scale == 2.0 ** 9  # the overflow halved it once
+    assert_bit_identical(guarded, reference)
+    rank_dir = tmp_path / "run" / "rank0"
+    assert _skipped_steps(rank_dir) == [5, 6]
+    events = _guard_events(rank_dir)
+    assert [(e["step"], e["metric"]) for e in events] == [(6, "norm")]  # no escalation: step 5 was the scaler's
+    assert "(max_grad_norm)" in events[0]["message"]

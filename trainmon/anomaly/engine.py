@@ -151,7 +151,7 @@ class AnomalyEngine:
             AnomalyError: with ``raise`` among ``actions``.
         """
         if not self._closed and events:
-            self._apply(events, actions, [event.detector for event in events], collected=True)
+            self._apply(events, actions, [f"{event.detector} {event.metric}" for event in events], collected=True)
 
     def _apply(self, events: list[AnomalyEvent], actions: Sequence[str], sources: list[str], collected: bool) -> None:
         if "log" in actions:
