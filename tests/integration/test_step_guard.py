@@ -39,12 +39,12 @@ def _nan_in_one_entry(grad: torch.Tensor) -> torch.Tensor:
 
 
 def train(kind: str, *, poison: str = "", bad: int = 6, skip: int | None = None, monitor: TrainerMonitor | None = None,
-          steps: int = STEPS, fault_free: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+          steps: int = STEPS) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A user's loop: two micro-batches per step, an LR scheduler made before attach.
 
     ``poison``: at step ``bad``, ``nan`` puts a NaN in ``layers.1.fc2.weight``'s gradient of the second micro-batch;
-    ``spike`` multiplies both micro-batches' loss by 10. ``skip``: the reference leaves that step's batch out (no
-    forward, backward or step) and steps the scheduler only.
+    ``spike`` multiplies both micro-batches' loss by 10, ``layer`` only ``layers.0.norm.bias``'s gradient by 10.
+    ``skip``: the reference leaves that step's batch out (no forward, backward or step) and steps the scheduler only.
     """
     torch.manual_seed(0)
     model = TinyNet()
@@ -63,6 +63,8 @@ def train(kind: str, *, poison: str = "", bad: int = 6, skip: int | None = None,
                     handle = None
                     if poison == "nan" and step == bad and micro == 1:
                         handle = model.layers[1].fc2.weight.register_hook(_nan_in_one_entry)
+                    if poison == "layer" and step == bad:
+                        handle = model.layers[0].norm.bias.register_hook(lambda grad: grad * 10)
                     (loss / MICRO).backward()
                     if handle is not None:
                         handle.remove()
@@ -151,13 +153,21 @@ def test_without_the_guard_the_poison_reaches_the_weights(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
 
 
-@pytest.mark.parametrize(("rule", "expected"), [({"max_grad_norm": 3.0, "z_threshold": None}, "(max_grad_norm)"),
-                                                ({"per_parameter": True, "z_threshold": 6.0}, "(z_score)")])
-def test_the_other_rules(tmp_path, rule, expected):
-    guarded = train("adamw_foreach", poison="spike", monitor=_monitor(tmp_path, {**GUARD, **rule}))
+@pytest.mark.parametrize(("rule", "poison", "expected"), [
+    ({"max_grad_norm": 3.0, "z_threshold": None}, "spike", "(max_grad_norm)"),
+    ({"per_parameter": True}, "layer", "(parameter_z_score): the gradient norm of layers.0.norm.bias"),
+])
+def test_the_other_rules(tmp_path, rule, poison, expected):
+    guarded = train("adamw_foreach", poison=poison, monitor=_monitor(tmp_path, {**GUARD, **rule}))
     assert_bit_identical(guarded, train("adamw_foreach", skip=6))
     (event,) = _guard_events(tmp_path / "run" / "rank0")
     assert expected in event["message"]
+
+
+def test_one_layers_spike_is_left_to_the_global_rule_unless_per_parameter(tmp_path):
+    """The same one-layer spike, without ``per_parameter``: the global norm hardly moves; the step is applied."""
+    train("adamw_foreach", poison="layer", monitor=_monitor(tmp_path))
+    assert _skipped_steps(tmp_path / "run" / "rank0") == []
 
 
 def _syncs_per_step(tmp_path, kind: str, guard: dict | None) -> list[list[str]]:
@@ -272,18 +282,18 @@ def test_close_removes_the_wrapper(tmp_path):
     assert "step" not in optimizer.__dict__ and not optimizer._optimizer_step_pre_hooks
 
 
-class _FakeEngine(torch.nn.Module):
-    """A model whose type says DeepSpeed (framework detection reads the type's module)."""
-
-
-_FakeEngine.__module__ = "deepspeed.runtime.engine"
-
-
-def test_set_ups_it_cannot_guard_are_refused_at_attach(tmp_path):
-    with pytest.raises(UnsupportedSetupError, match="anomaly.guard is not supported with deepspeed"):
-        _monitor(tmp_path).attach(_FakeEngine(), None)
+@pytest.mark.parametrize("framework", ["deepspeed", "megatron", "mindspore"])
+def test_set_ups_it_cannot_guard_are_refused_at_attach(tmp_path, framework):
+    """Refused before the framework's integration is even loaded (framework detection reads the type's module)."""
+    fake = type("Model", (torch.nn.Module,), {"__module__": f"{framework}.fake"})
+    with pytest.raises(UnsupportedSetupError, match=f"anomaly.guard is not supported with {framework}: .*plain torch"):
+        _monitor(tmp_path).attach(fake(), None)
     with pytest.raises(UnsupportedSetupError, match="needs the optimizer"):
         _monitor(tmp_path).attach(TinyNet(), None)
+    accelerated = type("AcceleratedOptimizer", (), {"__module__": "accelerate.optimizer", "scaler": object(),
+                                                    "optimizer": torch.optim.SGD(TinyNet().parameters(), lr=0.1)})
+    with pytest.raises(UnsupportedSetupError, match="accelerate's GradScaler"):
+        _monitor(tmp_path).attach(TinyNet(), accelerated())
     assert not list((tmp_path / "run").glob("rank0/*"))
 
 
