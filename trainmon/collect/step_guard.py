@@ -114,6 +114,8 @@ class StepGuard:
 
     # ------------------------------------------------------------------ the wrapped step
     def _step(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.guard.off(PART):  # failed earlier (or the monitor stopped): the step as without the guard
+            return inner(*args, **kwargs)
         closure = kwargs.get("closure", args[0] if args else None)
         loss = None
         if closure is not None:  # the user's code, outside trainmon's guard: the gradients exist after it
