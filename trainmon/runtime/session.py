@@ -343,8 +343,8 @@ class Session:
         its event goes with the detectors'; a run of skips escalates). Returns the ``raise`` action's error."""
         found: list[AnomalyEvent] = []
         escalation: AnomalyEvent | None = None
-        if self.skips is not None:
-            found, escalation = self.guard.run("anomaly", self.skips.take, record, utc_now()) or ([], None)
+        if self.skips is not None:  # the guard's host side, under its part (failing, the whole guard goes off)
+            found, escalation = self.guard.run("step_guard", self.skips.take, record, utc_now()) or ([], None)
         self.writer.submit(record)
         try:
             self.guard.run("anomaly", self.anomaly.process, record, found)
