@@ -38,6 +38,16 @@ PHASE_OF_FAMILY: dict[str, str] = {
 }
 PHASES: tuple[str, ...] = ("forward", "backward", "communication", "optimizer", "loss")
 
+GUARD_PREFIX = "step_guard/"
+GUARD_VERDICT: tuple[str, ...] = ("skipped", "reason", "param", "value", "baseline", "z", "grad_norm",
+                                  "grad_norm_mean", "grad_norm_z")
+"""What the step guard found at one step, in this order (:mod:`trainmon.collect.step_guard`): skipped (0/1), the
+reason (an index into :data:`GUARD_REASONS`), the parameter it names (an index into the optimizer's parameters),
+that parameter's gradient norm, mean and z-score, then the global gradient norm, mean and z-score (means and
+z-scores NaN while the history warms up). Sent with the step as scalars ``step_guard/{name}`` (``skipped``
+as ``step_skipped``); :mod:`trainmon.anomaly.skips` takes them out of the record before the sinks see it."""
+GUARD_REASONS: tuple[str, ...] = ("applied", "nonfinite", "max_grad_norm", "z_score", "parameter_z_score")
+
 
 # --------------------------------------------------------------------------- row names
 # The one home of the row-name grammar: ``{module}.{kind}[.{tensor}]`` for activation rows, the full

@@ -214,6 +214,45 @@ class GradProbeConfig:
     (element-weighted over the target parameters) and, with ``scalars: param``, ``grad_probe/{name}/mg_direction``."""
 
 
+MAX_GUARD_WINDOW = 100_000
+"""Longer than any useful history; the guard keeps ``window x (1 + parameters)`` floats on the device."""
+
+
+@dataclass
+class GuardConfig:
+    """The step guard: a step whose gradients are poisoned is not applied (docs/actions.md, "Step guard").
+
+    Checked on every step, before the optimizer applies the gradients (after unscaling and clipping); a skipped
+    step leaves the parameters and the optimizer state (moments, step counts) as they were. torch and FSDP2
+    only: other set-ups are refused at ``attach``."""
+
+    enabled: bool = False
+    """Check every step's gradients and skip the update when a rule below fires."""
+    nonfinite: bool = True
+    """Skip a step whose gradients hold a NaN or an Inf (under a ``GradScaler`` the scaler does this)."""
+    max_grad_norm: float | None = setting(None, above=0.0)
+    """Skip a step whose global gradient norm is above this; null: no absolute limit."""
+    z_threshold: float | None = setting(6.0, above=0.0)
+    """Skip a step whose global gradient norm is more than this many standard deviations above its mean over
+    the applied steps among the last ``window`` (the deviation counts as at least 1% of the mean); null: off."""
+    per_parameter: bool = False
+    """Apply ``z_threshold`` to each parameter's gradient norm too, each against its own history."""
+    window: int = setting(128, minimum=2, maximum=MAX_GUARD_WINDOW)
+    """Steps whose gradient norms make the history (kept on the device; skipped steps leave a gap)."""
+    warmup: int = setting(64, minimum=2)
+    """Applied steps the history must hold before ``z_threshold`` may fire (at most ``window``)."""
+    escalate_after: int | None = setting(5, minimum=1)
+    """This many skipped steps in a row escalate (again at each further multiple); null: never."""
+    escalate: list[str] = setting(["log", "jsonl", "raise"], choices=ACTIONS, unique=True)
+    """Anomaly actions applied to the escalation event: any of log, jsonl, callback, raise, dump,
+    free_benchmark (``raise``: :class:`~trainmon.errors.AnomalyError` at the end of the step)."""
+
+    def cross_check(self, path: str) -> None:
+        """The warm-up fits in the window."""
+        if self.warmup > self.window:
+            raise ConfigError(f"{path}.warmup", f"must be <= window ({self.window}), got {self.warmup}")
+
+
 @dataclass
 class TensorBoardConfig:
     """What the ``tensorboard`` sink writes: by default an overview of < 200 tags whatever the model size."""
@@ -260,6 +299,8 @@ class AnomalyConfig:
     """Any of log, jsonl, callback, raise, dump, free_benchmark."""
     log_limit: int = setting(10, minimum=1)
     """At most this many log lines per step (the rest are summarised)."""
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """The step guard: skip a poisoned step instead of applying it."""
 
 
 @dataclass
@@ -390,6 +431,8 @@ class MonitorConfig:
         for action, section in (("dump", self.dump), ("free_benchmark", self.free_benchmark)):
             if action in self.anomaly.actions and not section.enabled:
                 raise ConfigError("anomaly.actions", f"{action!r} needs {action}.enabled: true")
+            if self.anomaly.guard.enabled and action in self.anomaly.guard.escalate and not section.enabled:
+                raise ConfigError("anomaly.guard.escalate", f"{action!r} needs {action}.enabled: true")
 
 
 def check_ranks(ranks: list[int] | None, world_size: int, absent: str = "error") -> list[int] | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmon import integrations
+from trainmon.anomaly.events import utc_now
 from trainmon.base.records import StepRecord, build_record
 from trainmon.base.safe_io import write_json
 from trainmon.collect.buffer import HostStep, PendingScalars, StepBuffer, Transfer
@@ -17,7 +18,7 @@ from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.stats_base import StatsSpec
 from trainmon.collect.struct import StructRecorder
 from trainmon.config import ConfigError, MonitorConfig, check_ranks, family_metrics
-from trainmon.errors import AnomalyError
+from trainmon.errors import AnomalyError, UnsupportedSetupError
 from trainmon.integrations.base import Attachment, AttachOptions
 from trainmon.runtime.lifecycle import StepLifecycle, part_of
 from trainmon.runtime.replicas import plan_replicas
@@ -39,7 +40,10 @@ if TYPE_CHECKING:
 
     from trainmon.actions import HandOffAction
     from trainmon.anomaly.engine import AnomalyCallback, AnomalyEngine
+    from trainmon.anomaly.events import AnomalyEvent
+    from trainmon.anomaly.skips import SkipReporter
     from trainmon.base.types import Model, Optimizer, Scalar
+    from trainmon.collect.step_guard import StepGuard
     from trainmon.config.dynamic import ConfigWatcher
 
 logger = logging.getLogger("trainmon")
@@ -72,6 +76,10 @@ class Session:
         self.created_dirs: list[Path] = []
         """Directories this attach created (deepest first); removed again, when empty, if it fails."""
         self.lifecycle = StepLifecycle(self.ctx, end_step=lambda: self.end_step(None, {}, by_user=False))
+        self.step_guard: StepGuard | None = None
+        self.skips: SkipReporter | None = None
+        if config.enabled and config.anomaly.guard.enabled:
+            refuse_unguarded(self.framework, optimizer)  # before any hook exists
         self.attachment: Attachment = self._attach(config)
         try:
             ranks = check_ranks(config.ranks, self.attachment.world_size, config.absent_ranks)  # those that exist
@@ -95,6 +103,8 @@ class Session:
             self.anomaly = AnomalyEngine(config.anomaly, rank, self.rank_dir)
             for callback in callbacks:
                 self.anomaly.on_anomaly(callback)
+            if config.enabled and config.anomaly.guard.enabled:
+                self._guard_steps(config)
             self.actions = self._build_actions(config)
             self.struct = (StructRecorder(self.ctx, self.attachment.modules, self.boundary) if config.print_struct
                            else None)
@@ -137,6 +147,8 @@ class Session:
         parts: list[tuple[str, Callable[[], None]]] = [(name, action.close) for name, action in self.actions.items()]
         parts += [("hooks", self.attachment.close), ("step hooks", self.lifecycle.close),
                   ("hooks", self.boundary.remove_all)]
+        if self.step_guard is not None:
+            parts.append(("step guard", self.step_guard.close))
         # A failed attach may not have made the anomaly engine and the writer yet.
         anomaly: AnomalyEngine | None = getattr(self, "anomaly", None)
         writer: SinkWriter | None = getattr(self, "writer", None)
@@ -170,6 +182,22 @@ class Session:
         self.lifecycle.hook_roots([root for root, _ in self.attachment.roots])
         self.lifecycle.hook_optimizer(self.attachment.optimizer)
         self.lifecycle.hook_scaler(self.options.scaler if self.options.scaler is not None else self.attachment.scaler)
+
+    def _guard_steps(self, config: MonitorConfig) -> None:
+        """The step guard on the attached optimizer, and its host side (``anomaly.guard``)."""
+        from trainmon.anomaly.skips import SkipReporter
+        from trainmon.collect.step_guard import StepGuard
+        from trainmon.integrations.base import named_parameters
+
+        optimizer = self.attachment.optimizer
+        if optimizer is None:
+            raise UnsupportedSetupError("anomaly.guard needs the optimizer: pass it to attach(model, optimizer)")
+        roots = [module for name, module, _ in self.attachment.modules if not name]
+        names = {id(param): name for root in roots for name, param, _ in named_parameters(root)[0]}
+        self.step_guard = StepGuard(config.anomaly.guard, optimizer, names, self.guard,
+                                    on_decided=self.lifecycle.step_guarded,
+                                    reduce_group=self.attachment.shard_group)
+        self.skips = SkipReporter(config.anomaly.guard, self.step_guard.names, self.attachment.rank)
 
     def _build_actions(self, config: MonitorConfig) -> dict[str, HandOffAction]:
         """The dump and free-benchmark actions (torch models), registered with the anomaly engine."""
@@ -259,7 +287,9 @@ class Session:
             if loss is not None and ctx.collecting:
                 ctx.buffer.add_scalar(f"loss/micro{ctx.micro_step}", loss.detach().float().mean())
             return None
-        lifecycle.before_end(by_user, has_scalars=loss is not None or bool(scalars))
+        decided = lifecycle.before_end(by_user, has_scalars=loss is not None or bool(scalars))
+        if self.step_guard is not None:
+            decided.update(self.step_guard.take())
         for name, action in self.actions.items():
             guard.run(name, action.end_step)
         record, error = None, None
@@ -267,6 +297,7 @@ class Session:
         checked = self.writes and self.config.enabled and not guard.off("loss")
         if loss is not None and (ctx.collecting or checked):
             scalars = {"loss": loss if not hasattr(loss, "detach") else loss.detach().float().mean(), **scalars}
+        scalars = {**scalars, **decided}
         if ctx.collecting:
             buffer = ctx.buffer
             for name, value in scalars.items():
@@ -313,14 +344,23 @@ class Session:
         """The host side of a collected step: its record, handed to the writer and the anomaly engine."""
         record = build_record(step, self.attachment.rank, self.ctx.pp_stage, host.keys, host.partials, host.scalars,
                               self.ctx.metrics)
-        error = None
-        if self.writes:
-            self.writer.submit(self.replicas.stored(record))  # the detectors below get every row
-            try:
-                self.guard.run("anomaly", self.anomaly.process, record)
-            except AnomalyError as exc:
-                error = exc
-        return record, error
+        return record, self._check(record) if self.writes else None
+
+    def _check(self, record: StepRecord) -> AnomalyError | None:
+        """A record of this rank to the writer and the anomaly engine (the step guard's verdict taken out first:
+        its event goes with the detectors'; a run of skips escalates). Returns the ``raise`` action's error."""
+        found: list[AnomalyEvent] = []
+        escalation: AnomalyEvent | None = None
+        if self.skips is not None:  # the guard's host side, under its part (failing, the whole guard goes off)
+            found, escalation = self.guard.run("step_guard", self.skips.take, record, utc_now()) or ([], None)
+        self.writer.submit(self.replicas.stored(record))  # the detectors below get every row
+        try:
+            self.guard.run("anomaly", self.anomaly.process, record, found)
+            if escalation is not None:
+                self.guard.run("anomaly", self.anomaly.act, [escalation], self.config.anomaly.guard.escalate)
+        except AnomalyError as exc:
+            return exc
+        return None
 
     def finish_in_flight(self) -> tuple[StepRecord | None, AnomalyError | None]:
         """Finish the step whose transfer is in flight (``async_results``), if any, after the uncollected steps
@@ -340,11 +380,7 @@ class Session:
         for step, scalars in self.guard.run("loss", lambda: list(self.pending.take(before))) or ():
             record = StepRecord(step, self.attachment.rank, scalars=scalars, pp_stage=self.ctx.pp_stage,
                                 collected=False)
-            self.writer.submit(record)
-            try:
-                self.guard.run("anomaly", self.anomaly.process, record)
-            except AnomalyError as exc:
-                error = error or exc
+            error = error or self._check(record)
         return error
 
     def _arm(self, collecting: bool) -> None:
@@ -386,6 +422,10 @@ class Session:
                 logger.warning("trainmon: config key %r cannot change while attached; keeping %r", key,
                                getattr(old, key))
                 setattr(config, key, getattr(old, key))
+        if config.anomaly.guard != old.anomaly.guard:
+            logger.warning("trainmon: config key 'anomaly.guard' cannot change while attached; keeping the step "
+                           "guard's settings of attach")
+            config.anomaly.guard = old.anomaly.guard
         old_specs, old_metrics = self.ctx.specs, self.ctx.metrics
         self.ctx.metrics = family_metrics(config)
         self.ctx.specs = _specs(self.ctx.metrics, config.eps)
@@ -427,6 +467,9 @@ class Session:
             self.ctx.collecting = False
             self._release()
             self._write_failures()
+            summary = self.skips.summary() if self.skips is not None else None
+            if summary:
+                logger.warning(summary)
 
     def _write_failures(self) -> None:
         """``rank{R}/failures.json``: what the fail-safe guard caught in this run (only when it caught something)."""
@@ -443,6 +486,29 @@ class Session:
 # doing nothing silently.
 _UNSUPPORTED: dict[tuple[str, str], str] = {  # (section, framework): one line each
 }
+
+
+GUARDED_FRAMEWORKS = ("torch", "fsdp")
+"""Set-ups whose optimizer step the step guard can hold back (``anomaly.guard``)."""
+
+
+def refuse_unguarded(framework: str, optimizer: Any) -> None:
+    """Raise :class:`UnsupportedSetupError` for a set-up the step guard cannot guard correctly (never half-guarded).
+
+    Raises:
+        UnsupportedSetupError: DeepSpeed, Megatron-Core, MindSpore; accelerate's optimizer with a GradScaler
+            (fp16), which puts back the optimizer's original ``step`` around every step.
+    """
+    if framework not in GUARDED_FRAMEWORKS:
+        raise UnsupportedSetupError(
+            f"anomaly.guard is not supported with {framework}: the step guard holds back the step of a torch optimizer "
+            "(plain torch, DDP, FSDP2, HF Trainer and Lightning with torch optimizers). Set anomaly.guard.enabled: "
+            "false to monitor this run; see docs/actions.md, 'Step guard'")
+    if type(optimizer).__module__.split(".")[0] == "accelerate" and getattr(optimizer, "scaler", None) is not None:
+        raise UnsupportedSetupError(
+            "anomaly.guard is not supported with accelerate's GradScaler (fp16 mixed precision): accelerate "
+            "replaces optimizer.step around every step, so the guard would be bypassed. Use bf16 (no scaler), or "
+            "set anomaly.guard.enabled: false; see docs/actions.md, 'Step guard'")
 
 
 def _supports(framework: str, section: str) -> bool:
