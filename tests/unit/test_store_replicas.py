@@ -256,3 +256,23 @@ def test_torch_replicas_are_ddps_group_or_the_dp_group_given(monkeypatch):
         assert replicated_families(torch.nn.parallel.DistributedDataParallel(ignored), [adam], AttachOptions()) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_analyse_spreads_only_families_that_differ_across_ranks(tmp_path):
+    """trainmon analyse's cross-rank spread skips the families written once per group (the same on every rank of
+    the group by construction) and ranks the others: here grad_unreduced, whose values differ per rank."""
+    from trainmon.tools.store_analyse import row_sections
+
+    run = tmp_path / "run"
+    every = ("grad_unreduced", *FAMILIES)
+    write_run(run, [ReplicaLayout.of_writers(0, FAMILIES, [0, 0, 2, 2])],
+              {0: [(0, every)], 1: [(0, ("grad_unreduced",))], 2: [(0, every)], 3: [(0, ("grad_unreduced",))]})
+    con = open_run(run)
+    try:
+        sections = row_sections(con)
+    finally:
+        con.close()
+    assert {group["family"] for group in sections["spread"]} == {"grad_unreduced"}
+    norms = [-1.0 - rank for rank in range(4)]  # value() of grad_unreduced at step 0
+    for group in sections["spread"]:
+        assert group["min"] == min(norms) and group["max"] == max(norms) and group["ranks"] == 4
