@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from pathlib import Path
@@ -15,22 +14,29 @@ from trainmon.base.safe_io import write_json
 from trainmon.collect.buffer import HostStep, PendingScalars, StepBuffer, Transfer
 from trainmon.collect.context import StepContext
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.stats_base import StatsSpec
 from trainmon.collect.struct import StructRecorder
 from trainmon.config import ConfigError, MonitorConfig, check_ranks, family_metrics
-from trainmon.errors import AnomalyError, UnsupportedSetupError
+from trainmon.errors import AnomalyError
 from trainmon.integrations.base import Attachment, AttachOptions
 from trainmon.runtime.lifecycle import StepLifecycle, part_of
 from trainmon.runtime.replicas import plan_replicas
 from trainmon.runtime.rundir import (
-    default_run_name,
-    missing_dirs,
     remove_empty_dirs,
     run_json,
     unused_name,
     warn_if_appending,
 )
 from trainmon.runtime.schedule import StepSchedule
+from trainmon.runtime.setup import (
+    build_actions,
+    guard_steps,
+    make_dirs,
+    refuse_unguarded,
+    specs_of,
+    supports,
+    versions,
+    warn_unsupported,
+)
 from trainmon.runtime.sizing import log_sizing
 from trainmon.sinks import SinkWriter, build_sinks
 from trainmon.sinks.tensorboard_overview import TagSelection
@@ -63,7 +69,7 @@ class Session:
         self.framework = integrations.framework_of(model)
         self.integration = integrations.load(self.framework)
         metrics = family_metrics(config)
-        self.ctx = StepContext(specs=_specs(metrics, config.eps), metrics=metrics, step=self.options.start_step,
+        self.ctx = StepContext(specs=specs_of(metrics, config.eps), metrics=metrics, step=self.options.start_step,
                                grad_acc_steps=self.options.grad_acc_steps)
         self.guard = self.ctx.guard
         """Every hook's fail-safe guard (:mod:`trainmon.base.guard`): a part that raised is off from then on."""
@@ -83,7 +89,7 @@ class Session:
         self.attachment: Attachment = self._attach(config)
         try:
             ranks = check_ranks(config.ranks, self.attachment.world_size, config.absent_ranks)  # those that exist
-            _warn_unsupported(config, self.framework)
+            warn_unsupported(config, self.framework)
             self.ctx.pp_stage = self.attachment.pp_stage
             self._hook_boundaries()
             rank = self.attachment.rank
@@ -91,7 +97,7 @@ class Session:
             self.schedule = StepSchedule(config, rank_selected=self.writes or self.attachment.collective)
             # who writes the rows that are the same on every rank of a data-parallel group (a collective)
             self.replicas = plan_replicas(self.attachment, config, ranks, self.writes, self.ctx.step)
-            self.run_dir, self.rank_dir = self._make_dirs(config)
+            self.run_dir, self.rank_dir = make_dirs(self, config)
             writes_run_json = self.rank_dir is not None and rank == (ranks[0] if ranks else 0)
             if self.rank_dir is not None:
                 logger.info("trainmon: rank %d writes to %s", rank, self.rank_dir)
@@ -104,8 +110,8 @@ class Session:
             for callback in callbacks:
                 self.anomaly.on_anomaly(callback)
             if config.enabled and config.anomaly.guard.enabled:
-                self._guard_steps(config)
-            self.actions = self._build_actions(config)
+                guard_steps(self, config)
+            self.actions = build_actions(self, config)  # filled as it goes: a failure part-way is released
             self.struct = (StructRecorder(self.ctx, self.attachment.modules, self.boundary) if config.print_struct
                            else None)
             if self.struct is not None:
@@ -124,7 +130,7 @@ class Session:
             self.writer = SinkWriter(sinks, config.flush_seconds, root=self.run_dir,
                                      stats_path=self.rank_dir / "writer_stats.json" if self.rank_dir else None)
             if writes_run_json:
-                info = run_json(config, self.attachment.world_size, self.framework, _versions(self.framework))
+                info = run_json(config, self.attachment.world_size, self.framework, versions(self.framework))
                 info["replicated"] = self.replicas.layout.as_json()
                 info["sizing"] = log_sizing(self.attachment, config, self.options.grad_acc_steps,
                                             self.replicas.layout).as_dict()
@@ -166,7 +172,7 @@ class Session:
     def _attach(self, config: MonitorConfig) -> Attachment:
         attachment = self.integration.attach(self.ctx, config, self.model, self.optimizer, self.options)
         # torch.distributed collectives; MindSpore's integration brings its own collector
-        if config.communication.enabled and _supports(self.framework, "communication") \
+        if config.communication.enabled and supports(self.framework, "communication") \
                 and self.framework != "mindspore":
             from trainmon.collect.comm import CommCollector
 
@@ -183,70 +189,12 @@ class Session:
         self.lifecycle.hook_optimizer(self.attachment.optimizer)
         self.lifecycle.hook_scaler(self.options.scaler if self.options.scaler is not None else self.attachment.scaler)
 
-    def _guard_steps(self, config: MonitorConfig) -> None:
-        """The step guard on the attached optimizer, and its host side (``anomaly.guard``)."""
-        from trainmon.anomaly.skips import SkipReporter
-        from trainmon.collect.step_guard import StepGuard
-        from trainmon.integrations.base import named_parameters
-
-        optimizer = self.attachment.optimizer
-        if optimizer is None:
-            raise UnsupportedSetupError("anomaly.guard needs the optimizer: pass it to attach(model, optimizer)")
-        roots = [module for name, module, _ in self.attachment.modules if not name]
-        names = {id(param): name for root in roots for name, param, _ in named_parameters(root)[0]}
-        self.step_guard = StepGuard(config.anomaly.guard, optimizer, names, self.guard,
-                                    on_decided=self.lifecycle.step_guarded,
-                                    reduce_group=self.attachment.shard_group)
-        self.skips = SkipReporter(config.anomaly.guard, self.step_guard.names, self.attachment.rank)
-
-    def _build_actions(self, config: MonitorConfig) -> dict[str, HandOffAction]:
-        """The dump and free-benchmark actions (torch models), registered with the anomaly engine."""
-        actions = self.actions  # filled as it goes, so a failure part-way is released by _release
-        if self.rank_dir is None:
-            return actions
-        root = getattr(self.model, "module", self.model)  # inside DDP / DeepSpeedEngine: the rows' names
-        if config.dump.enabled and _supports(self.framework, "dump"):
-            from trainmon.actions.dump import TargetedDump
-
-            actions["dump"] = TargetedDump(root, self.rank_dir, config.dump,
-                                            framework=integrations.actions_framework(root))
-        if config.free_benchmark.enabled and _supports(self.framework, "free_benchmark"):
-            from trainmon.actions.free_benchmark import FreeBenchmark
-
-            actions["free_benchmark"] = FreeBenchmark(root, self.rank_dir, config.free_benchmark,
-                                                      rank=self.attachment.rank,
-                                                      framework=integrations.actions_framework(root))
-        import torch
-
-        for name, action in actions.items():
-            framework = getattr(action, "framework", None)
-            if framework is not None:  # the action's hooks under the fail-safe guard, as part ``name``
-                framework.wrap = functools.partial(self.guard.wrap, name, bypass=torch.compiler.is_compiling)
-            self.anomaly.register_action(name, self.guard.wrap(name, action.on_anomaly))
-            action.begin_step(self.ctx.step)
-        return actions
-
     def _bind_outputs(self) -> None:
         """Tell collectors that write their own files (the grad probe) where this rank writes."""
         for collector in self.attachment.collectors:
             bind = getattr(collector, "bind_output", None)
             if bind is not None:
                 bind(self.rank_dir)
-
-    def _make_dirs(self, config: MonitorConfig) -> tuple[Path, Path | None]:
-        run_name = config.run_name or _shared_run_name(self.attachment.world_size)
-        run_dir = Path(config.output_dir) / run_name
-        if not self.writes:
-            return run_dir, None
-        rank_dir = run_dir / f"rank{self.attachment.rank}"
-        self.created_dirs = missing_dirs(rank_dir, Path(config.output_dir))
-        try:
-            rank_dir.mkdir(parents=True, exist_ok=True)  # here, so an unwritable place is known at attach
-        except OSError as exc:
-            logger.warning("trainmon: cannot write to %s (%s); outputs are disabled, training goes on",
-                           run_dir, exc.strerror or exc)
-            return run_dir, None
-        return run_dir, rank_dir
 
     # ----------------------------------------------------------------------------- step loop
     def end_step(self, loss: Scalar | None, scalars: dict[str, Scalar], by_user: bool) -> StepRecord | None:
@@ -428,7 +376,7 @@ class Session:
             config.anomaly.guard = old.anomaly.guard
         old_specs, old_metrics = self.ctx.specs, self.ctx.metrics
         self.ctx.metrics = family_metrics(config)
-        self.ctx.specs = _specs(self.ctx.metrics, config.eps)
+        self.ctx.specs = specs_of(self.ctx.metrics, config.eps)
         try:
             attachment = self._attach(config)
         except (ConfigError, TypeError) as exc:
@@ -480,71 +428,3 @@ class Session:
                        root=self.run_dir)
         except Exception as exc:
             logger.warning("trainmon: could not write failures.json (%s: %s)", type(exc).__name__, exc)
-
-
-# Features an integration does not provide yet: enabling them warns once at attach instead of
-# doing nothing silently.
-_UNSUPPORTED: dict[tuple[str, str], str] = {  # (section, framework): one line each
-}
-
-
-GUARDED_FRAMEWORKS = ("torch", "fsdp")
-"""Set-ups whose optimizer step the step guard can hold back (``anomaly.guard``)."""
-
-
-def refuse_unguarded(framework: str, optimizer: Any) -> None:
-    """Raise :class:`UnsupportedSetupError` for a set-up the step guard cannot guard correctly (never half-guarded).
-
-    Raises:
-        UnsupportedSetupError: DeepSpeed, Megatron-Core, MindSpore; accelerate's optimizer with a GradScaler
-            (fp16), which puts back the optimizer's original ``step`` around every step.
-    """
-    if framework not in GUARDED_FRAMEWORKS:
-        raise UnsupportedSetupError(
-            f"anomaly.guard is not supported with {framework}: the step guard holds back the step of a torch optimizer "
-            "(plain torch, DDP, FSDP2, HF Trainer and Lightning with torch optimizers). Set anomaly.guard.enabled: "
-            "false to monitor this run; see docs/actions.md, 'Step guard'")
-    if type(optimizer).__module__.split(".")[0] == "accelerate" and getattr(optimizer, "scaler", None) is not None:
-        raise UnsupportedSetupError(
-            "anomaly.guard is not supported with accelerate's GradScaler (fp16 mixed precision): accelerate "
-            "replaces optimizer.step around every step, so the guard would be bypassed. Use bf16 (no scaler), or "
-            "set anomaly.guard.enabled: false; see docs/actions.md, 'Step guard'")
-
-
-def _supports(framework: str, section: str) -> bool:
-    return (section, framework) not in _UNSUPPORTED
-
-
-def _warn_unsupported(config: MonitorConfig, framework: str) -> None:
-    for section in sorted({section for section, _ in _UNSUPPORTED}):
-        if not _supports(framework, section) and getattr(config, section).enabled:
-            logger.warning("trainmon: %s is not supported with %s yet and is off for this run", section, framework)
-
-
-def _specs(metrics: dict[str, list[str]], eps: float) -> dict[str, StatsSpec]:
-    return {family: StatsSpec.from_metrics(names, eps) for family, names in metrics.items()}
-
-
-def _shared_run_name(world_size: int) -> str:
-    """Rank 0's timestamp, broadcast so every rank writes into the same run directory."""
-    name = default_run_name()
-    if world_size > 1:
-        import torch.distributed as dist
-
-        holder = [name]
-        dist.broadcast_object_list(holder, src=0)
-        name = holder[0]
-    return name
-
-
-def _versions(framework: str) -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for package in ("torch", "deepspeed", "megatron-core", "mindspore"):
-        try:
-            out[package] = md.version(package)
-        except md.PackageNotFoundError:
-            continue
-    return out
-
