@@ -116,6 +116,8 @@ class Views:
         """The family's rows: those of its first rank's first step, and of every grid answered since."""
         with self._lock:
             known = self._rows.get(family)
+            if known is None and grids:
+                known = self._rows[family] = {}
             if known is None:
                 info = self.source.families[family]
                 rank = info.ranks[0]

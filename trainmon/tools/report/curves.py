@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from trainmon.tools.report.grids import bucket_width
 from trainmon.tools.report.source import RunSource
 
@@ -23,36 +21,37 @@ _WHERE = "(name IN ('loss', 'grad_norm', 'loss_scale') OR name LIKE 'lr/%')"
 
 
 def curves(source: RunSource, rank: int, max_points: int) -> dict[str, Any]:
-    """``name -> {"steps", "lo", "hi", "per_bin", "bad", "bad_total"}`` of one rank's scalars.
+    """``name -> {"steps", "lo", "hi", "per_bin", "bad", "bad_total"}`` of one rank's scalars (one query).
 
-    ``per_bin`` is the bucket width in steps; ``lo``/``hi`` are null where a bucket has no finite value.
+    ``per_bin`` is the bucket width in steps (buckets of the run's scalar steps, the same for every rank);
+    ``lo``/``hi`` are null where a bucket has no finite value.
     """
-    span = source.query(f"SELECT count(*) AS n, coalesce(min(step), 0) AS first, coalesce(max(step), 0) AS last "
-                        f"FROM scalars WHERE rank = {int(rank)} AND {_WHERE}")
-    if not int(span["n"][0]):
+    if source.scalar_steps is None:
         return {}
-    first, last = int(span["first"][0]), int(span["last"][0])
+    first, last = source.scalar_steps
     width = bucket_width(first, last, max_points)
-    points = source.query(
+    points = source.arrow(
         f"SELECT name, min(step) AS step, coalesce(min(value) FILTER (WHERE isfinite(value)), 'NaN') AS lo, "
-        f"coalesce(max(value) FILTER (WHERE isfinite(value)), 'NaN') AS hi FROM scalars "
+        f"coalesce(max(value) FILTER (WHERE isfinite(value)), 'NaN') AS hi, "
+        f"list(step ORDER BY step) FILTER (WHERE NOT isfinite(value)) AS bad FROM scalars "
         f"WHERE rank = {int(rank)} AND {_WHERE} GROUP BY name, (step - {first}) // {width} ORDER BY name, step")
-    bad = source.query(f"SELECT name, step FROM scalars WHERE rank = {int(rank)} AND {_WHERE} AND NOT isfinite(value) "
-                       "ORDER BY name, step")
+    columns = {name: points.column(name).to_pylist() for name in points.column_names}
     out: dict[str, Any] = {}
-    names = points["name"]
-    for name in dict.fromkeys(names.tolist()):  # numpy: no device
-        mask = names == name
-        bad_steps = bad["step"][bad["name"] == name]
-        out[str(name)] = {"steps": [int(s) for s in points["step"][mask]], "lo": _floats(points["lo"][mask]),
-                          "hi": _floats(points["hi"][mask]), "per_bin": width,
-                          "bad": [int(s) for s in bad_steps[:BAD_STEPS]], "bad_total": int(len(bad_steps))}
+    for i, name in enumerate(columns["name"]):
+        curve = out.setdefault(str(name), {"steps": [], "lo": [], "hi": [], "per_bin": width, "bad": [],
+                                           "bad_total": 0})
+        curve["steps"].append(int(columns["step"][i]))
+        curve["lo"].append(_float(columns["lo"][i]))
+        curve["hi"].append(_float(columns["hi"][i]))
+        bad = columns["bad"][i] or []
+        curve["bad"] += bad[:max(0, BAD_STEPS - len(curve["bad"]))]
+        curve["bad_total"] += len(bad)
     return out
 
 
-def _floats(values: Any) -> list[float | None]:
-    """Floats of a column, None where not finite (NaN: a bucket without a finite value)."""
-    return [float(v) if math.isfinite(v) else None for v in np.asarray(values, np.float64).tolist()]  # numpy: no device
+def _float(value: Any) -> float | None:
+    """A float, None where not finite (NaN: a bucket without a finite value)."""
+    return float(value) if value is not None and math.isfinite(value) else None
 
 
 __all__ = ["BAD_STEPS", "CURVES", "curves"]

@@ -181,18 +181,27 @@ def heatmaps(family: str, tables: list[Table], rank: int, max_columns: int,
     return out
 
 
+TIMELINE_ROWS = 160
+"""Rows of the anomaly timeline at most: more ranks are binned (consecutive ranks per row)."""
+
+
 def timeline(result: dict[str, Any], max_columns: int) -> dict[str, Any]:
     """The cross-rank anomaly timeline from :func:`~trainmon.anomaly.merge.analyse_run`'s
-    ``by_rank_step`` counts: ``[rank, first step of the bin, events]``, steps binned to ``max_columns``."""
+    ``by_rank_step`` counts: ``[rank, first step of the bin, events]``, steps binned to ``max_columns``, ranks to
+    :data:`TIMELINE_ROWS` rows (``per_rank`` consecutive ranks each, a cell's rank the first of its row)."""
     cells = result["counts"].get("by_rank_step", [])
     if not cells:
-        return {"cells": [], "per_bin": 1}
+        return {"cells": [], "per_bin": 1, "per_rank": 1}
     array = np.array(cells, dtype=np.int64)
     bins, first_steps, per_bin = step_bins(array[:, 1], max_columns)
+    ranks = np.unique(array[:, 0])
+    per_rank = max(1, math.ceil((int(ranks[-1]) - int(ranks[0]) + 1) / TIMELINE_ROWS))
+    rows = (array[:, 0] - ranks[0]) // per_rank * per_rank + ranks[0]
     keyed: dict[tuple[int, int], int] = {}
-    for rank, step_bin, count in zip(array[:, 0].tolist(), bins.tolist(), array[:, 2].tolist()):  # numpy, no sync
+    for rank, step_bin, count in zip(rows.tolist(), bins.tolist(), array[:, 2].tolist()):  # numpy, no sync
         keyed[(rank, int(first_steps[step_bin]))] = keyed.get((rank, int(first_steps[step_bin])), 0) + count
-    return {"cells": [[rank, step, count] for (rank, step), count in sorted(keyed.items())], "per_bin": per_bin}
+    return {"cells": [[rank, step, count] for (rank, step), count in sorted(keyed.items())], "per_bin": per_bin,
+            "per_rank": per_rank}
 
 
 def markers(events: list[dict[str, Any]], limit: int = 2000) -> list[dict[str, Any]]:

@@ -25,7 +25,6 @@ Inf anywhere in a cell wins (its own colour). Empty buckets are dropped, so spar
 from __future__ import annotations
 
 import base64
-import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow.compute as pc
 
 from trainmon.tools.report.rows import RowSet, order_rows
 from trainmon.tools.report.source import RunSource, identifier, source_filter
@@ -134,7 +134,7 @@ def bucket_width(first: int, last: int, columns: int) -> int:
         >>> bucket_width(0, 99_999, 1000), bucket_width(5, 14, 1000)
         (100, 1)
     """
-    return max(1, math.ceil((last - first + 1) / max(1, columns)))
+    return max(1, -(-(last - first + 1) // max(1, columns)))  # integers: steps reach 2**63 - 1
 
 
 def _aggregates(metrics: Sequence[str]) -> str:
@@ -177,25 +177,28 @@ def _compact(buckets: npt.NDArray[np.int64], start: int, width: int, last: int, 
 def _row_grids(source: RunSource, view: str, family: str, metrics: Sequence[str], split: str, values: Sequence[int],
                bucket: str, axis_start: int, width: int, axis_last: int, where: str) -> list[Grid]:
     """Grids whose rows are the family's rows, one per value of ``split`` (``rank`` or ``step``) in ``values``."""
-    result = source.query(
-        f"WITH cells AS (SELECT {split} AS split, vpp_stage, name, {bucket} AS bucket, min(\"order\") AS first, "
-        f"{_aggregates(metrics)} FROM {identifier(family)} WHERE {where} GROUP BY ALL) "
-        "SELECT *, dense_rank() OVER (PARTITION BY split ORDER BY vpp_stage, name) - 1 AS row_id FROM cells")
+    table = source.arrow(
+        f"SELECT {split} AS split, vpp_stage, name, {bucket} AS bucket, min(\"order\") AS first, "
+        f"{_aggregates(metrics)} FROM {identifier(family)} WHERE {where} GROUP BY ALL")
+    names = pc.dictionary_encode(table.column("name").combine_chunks())
+    name_codes = names.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    dictionary = names.dictionary.to_pylist()
+    result = {column: table.column(column).to_numpy() for column in table.column_names if column != "name"}
+    key_codes = result["vpp_stage"].astype(np.int64) * len(dictionary) + name_codes
     grids = []
     for value in values:
         mask = result["split"] == value
         if not mask.any():
             continue
-        rows = result["row_id"][mask].astype(np.int64)
-        count = int(rows.max()) + 1
-        _, where_first = np.unique(rows, return_index=True)
-        vpps, names = result["vpp_stage"][mask][where_first], result["name"][mask][where_first]
-        row_keys = [(int(v), str(n)) for v, n in zip(vpps.tolist(), names.tolist())]  # numpy: no device
-        first_of = np.full(count, np.inf)
+        present, rows = np.unique(key_codes[mask], return_inverse=True)
+        rows = rows.reshape(-1).astype(np.int64)
+        row_keys = [(int(code // len(dictionary)), str(dictionary[code % len(dictionary)]))
+                    for code in present.tolist()]  # numpy: no device
+        first_of = np.full(len(row_keys), np.inf)
         np.minimum.at(first_of, rows, result["first"][mask].astype(np.float64))
         axis, cols = _compact(result["bucket"][mask].astype(np.int64), axis_start, width, axis_last, view)
         for i, metric in enumerate(metrics):
-            high, low, special = _cells(result, mask, i, rows, cols, (count, len(axis.starts)))
+            high, low, special = _cells(result, mask, i, rows, cols, (len(row_keys), len(axis.starts)))
             grids.append(Grid("steps" if split == "rank" else "ranks", family, metric, int(value), axis, high, low,
                               special, row_keys, first_of.tolist()))  # numpy: no device
     return grids
@@ -335,7 +338,10 @@ def _change(grid: Grid) -> Floats:
             high_ref = np.nanmedian(grid.high, axis=1, keepdims=True) * np.ones_like(grid.high)
             low_ref = np.nanmedian(grid.low, axis=1, keepdims=True) * np.ones_like(grid.low)
     else:
-        high_ref, low_ref = running_median(grid.high), running_median(grid.low)
+        high_ref = running_median(grid.high)
+        # one value per cell (a column of one step, one micro-step): the smallest is the largest
+        same = np.array_equal(grid.high, grid.low, equal_nan=True)
+        low_ref = high_ref if same else running_median(grid.low)
     up, down = log_ratio(grid.high, high_ref), log_ratio(grid.low, low_ref)
     return np.where(np.abs(up) >= np.abs(down), up, down)
 

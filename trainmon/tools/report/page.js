@@ -142,16 +142,20 @@ function drawAnomalies() {
   const cells = a.timeline.cells;
   const svgBox = document.getElementById("timeline");
   if (!cells.length) return;
-  const ranks = Array.from(new Set(cells.map(c => c[0]).concat(DATA.ranks))).sort((p, q) => p - q);
-  const rowH = Math.max(3, Math.min(16, 320 / ranks.length));
+  const perRank = a.timeline.per_rank || 1, rankZero = cells.reduce((m, c) => Math.min(m, c[0]), Infinity);
+  const binOf = r => perRank > 1 ? Math.floor((r - rankZero) / perRank) * perRank + rankZero : r;
+  const ranks = Array.from(new Set(cells.map(c => c[0]).concat(DATA.ranks.filter(r => r >= rankZero).map(binOf))))
+    .sort((p, q) => p - q);
+  const rowH = Math.max(2, Math.min(16, 320 / ranks.length));
   const W = 920, L = 64, R = 12, T = 20, B = 24, H = T + B + rowH * ranks.length;
   const xRange = globalSteps();
   const x = s => L + (s - xRange[0]) / (xRange[1] - xRange[0]) * (W - L - R);
   const rowOf = new Map(ranks.map((r, i) => [r, i]));
   const svg = el("svg:svg", {width: W, height: H, class: "chart", id: "timeline-svg"}, svgBox);
   el("svg:text", {x: L, y: 13, class: "title"}, svg, "anomaly events per rank and step" +
+    (perRank > 1 ? " (" + perRank + " ranks per row)" : "") +
     (a.timeline.per_bin > 1 ? " (bins of " + a.timeline.per_bin + " steps with events)" : ""));
-  const maxCount = Math.max(...cells.map(c => c[2]));
+  const maxCount = cells.reduce((m, c) => Math.max(m, c[2]), 1);
   const width = Math.max(2, (W - L - R) / Math.max(1, (xRange[1] - xRange[0]) / Math.max(1, a.timeline.per_bin)));
   for (const [rank, step, count] of cells) {
     const shade = 0.35 + 0.65 * Math.log(1 + count) / Math.log(1 + maxCount);
@@ -162,14 +166,15 @@ function drawAnomalies() {
     el("svg:title", {}, rect, count + " event(s): rank " + rank + ", step " + step);
   }
   ranks.forEach((r, i) => { if (ranks.length <= 40 || i % Math.ceil(ranks.length / 40) === 0)
-    el("svg:text", {x: L - 4, y: T + i * rowH + rowH / 2 + 4, "text-anchor": "end"}, svg, "rank " + r); });
+    el("svg:text", {x: L - 4, y: T + i * rowH + rowH / 2 + 4, "text-anchor": "end"}, svg,
+      perRank > 1 ? "ranks " + r + "-" + (r + perRank - 1) : "rank " + r); });
   for (const t of ticks(xRange[0], xRange[1], 8)) {
     if (Math.abs(t - Math.round(t)) < 1e-9) {
       el("svg:text", {x: x(t), y: H - 8, "text-anchor": "middle"}, svg, String(t));
     }
   }
-  if (f && rowOf.has(f.rank)) {
-    const ring = el("svg:circle", {cx: x(f.step), cy: T + rowOf.get(f.rank) * rowH + rowH / 2,
+  if (f && rowOf.has(binOf(f.rank))) {
+    const ring = el("svg:circle", {cx: x(f.step), cy: T + rowOf.get(binOf(f.rank)) * rowH + rowH / 2,
       r: Math.max(5, rowH / 2 + 2),
       class: "first-origin", "data-step": f.step, "data-rank": f.rank}, svg);
     el("svg:title", {}, ring, "first origin: " + f.message);
@@ -334,7 +339,8 @@ function syncControls() {
     const rows = ROWSETS[state.family];
     if (rows) {
       const keys = rows.names.map((n, i) => moduleKey([rowVpp(rows, i), rowName(rows, i)]));
-      if (!keys.includes(state.module)) state.module = keys[0];
+      if (state.module === null) state.module = keys[0];
+      if (!keys.includes(state.module)) keys.push(state.module);
       fill($("hm-module"), keys, k => k.slice(k.indexOf(":") + 1) + (k.startsWith("0:") ? "" : " (vpp " +
         k.slice(0, k.indexOf(":")) + ")"));
       $("hm-module").value = state.module;
@@ -399,7 +405,8 @@ function updateView(scroll) {
   if (!CAT.families[state.family]) { box.textContent = "No statistics in this run."; return; }
   if (DATA.serve) {
     box.dataset.ready = "loading";
-    ensureRows(state.family).then(() => { syncControls(); return fetchGrid(); }).then(g => showGrid(g, scroll))
+    const rows = state.view === "module" ? ensureRows(state.family) : Promise.resolve();  // the others bring theirs
+    rows.then(() => { syncControls(); return fetchGrid(); }).then(g => { syncControls(); showGrid(g, scroll); })
       .catch(err => { box.textContent = "Could not load this view: " + err.message; box.dataset.ready = "error"; });
     return;
   }
@@ -538,21 +545,30 @@ function showGrid(g, scroll) {
   box.dataset.ready = "ok";
 }
 function drawLabels(gutter, info, vis, rowH, ranksAsRows) {
-  let lastBottom = -1e9;
-  const runs = [];
+  const runs = [], LH = 12, H = vis.length * rowH;
   vis.forEach((i, r) => {
     const g = info.group[i];
     if (!runs.length || runs[runs.length - 1].group !== g) runs.push({group: g, start: r, end: r + 1});
     else runs[runs.length - 1].end = r + 1;
   });
+  // Each group's label beside the middle of its rows, pushed apart where groups are smaller than a line of text;
+  // too many groups for the height: every k-th group's label at its first row.
+  const tops = [];
+  let previous = -10;
   for (const run of runs) {
-    const top = run.start * rowH, height = (run.end - run.start) * rowH;
-    if (top < lastBottom) continue;
+    const top = Math.max((run.start + run.end) / 2 * rowH - LH / 2, previous);
+    tops.push(top); previous = top + LH;
+  }
+  let limit = H + 10 - LH;
+  for (let i = tops.length - 1; i >= 0; i--) { tops[i] = Math.min(tops[i], limit); limit = tops[i] - LH; }
+  const dense = tops.length > 0 && tops[0] < -10;
+  const every = dense ? Math.ceil(runs.length * LH / (H + 20)) : 1;
+  runs.forEach((run, k) => {
+    if (k % every) return;
     const d = el("div", {class: "group-label", "data-group": info.groups[run.group], title: info.groups[run.group]},
       gutter, info.groups[run.group]);
-    d.style.top = top + "px"; d.style.height = Math.max(height, 11) + "px";
-    lastBottom = top + 11;
-  }
+    d.style.top = (dense ? run.start * rowH : tops[k]) + "px";
+  });
   if (ranksAsRows || !info.blocks) return;
   if (rowH >= 10) {
     vis.forEach((i, r) => {
@@ -578,7 +594,7 @@ function drawLabels(gutter, info, vis, rowH, ranksAsRows) {
 }
 function drawAxis(parent, axis, c0, c1, cellW) {
   const W = (c1 - c0) * cellW, kind = axis.steps ? "step" : "rank";
-  const svg = el("svg:svg", {class: "view-axis", width: W + 40, height: 30}, parent);
+  const svg = el("svg:svg", {class: "view-axis", width: W + 12, height: 30}, parent);
   const first = colRange(axis, c0)[0], last = colRange(axis, c1 - 1)[1];
   const values = ticks(first, Math.max(last, first + 1), Math.max(2, Math.min(10, Math.floor(W / 80))));
   for (const t of values) {

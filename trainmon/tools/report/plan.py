@@ -18,7 +18,6 @@ is queried, and the grids of one family and view are queried together (one scan 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,11 +110,11 @@ class _Planner:
     def step_columns(self, family: str) -> int:
         info = self.source.families[family]
         width = bucket_width(info.first_step, info.last_step, self.columns)
-        return math.ceil((info.last_step - info.first_step + 1) / width)
+        return -(-(info.last_step - info.first_step + 1) // width)
 
     def rank_columns(self, family: str) -> int:
         ranks = self.source.families[family].ranks
-        return math.ceil((ranks[-1] - ranks[0] + 1) / bucket_width(ranks[0], ranks[-1], MAX_RANKS))
+        return -(-(ranks[-1] - ranks[0] + 1) // bucket_width(ranks[0], ranks[-1], MAX_RANKS))
 
     def steps(self, family: str, wanted: list[tuple[int, str]]) -> None:
         """Query the accepted ``(rank, metric)`` module x step grids of ``family``."""

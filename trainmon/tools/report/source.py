@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from trainmon.sinks.store_layout import KEY_COLUMNS, SCALARS
+from trainmon.sinks.store_layout import KEY_COLUMNS, SCALARS, Part, parse_part
 from trainmon.tools.readers import Table
 from trainmon.tools.store_reader import Source, StoreError, StoreFamily, read_source, source_family, store_families
 
@@ -39,7 +39,6 @@ class Family:
         ranks: the ranks with rows.
         first_step: its first step.
         last_step: its last step.
-        rows: its number of rows.
     """
 
     name: str
@@ -47,7 +46,6 @@ class Family:
     ranks: list[int]
     first_step: int
     last_step: int
-    rows: int
 
 
 @dataclass
@@ -60,6 +58,7 @@ class RunSource:
         connection: the DuckDB connection with a view or table per family and ``scalars``.
         families: the row families, by name.
         scalar_ranks: the ranks with scalars (empty without ``scalars``).
+        scalar_steps: the first and last step of the scalars (None without them).
         csv_files: CSV files read.
         store_tables: store tables queried (a family of one rank each).
         ranks: only these ranks are shown (None: every rank).
@@ -72,6 +71,7 @@ class RunSource:
     csv_files: int
     store_tables: int
     ranks: StepRanges | None = None
+    scalar_steps: tuple[int, int] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -90,6 +90,21 @@ class RunSource:
                 return dict(self.connection.execute(sql, list(params)).fetchnumpy())
             except duckdb.Error as exc:
                 raise StoreError(f"{self.run_dir}: {str(exc).splitlines()[0]}") from None
+
+    def arrow(self, sql: str, params: Sequence[Any] = ()) -> pa.Table:
+        """The result as an Arrow table (strings stay Arrow strings: no Python object per row).
+
+        Raises:
+            StoreError: as :meth:`query`.
+        """
+        with self._lock:
+            try:
+                relation = self.connection.sql(sql, params=list(params) or None)
+                fetch = getattr(relation, "to_arrow_table", None) or relation.arrow  # duckdb 2 / 1
+                result: pa.Table = fetch()
+            except duckdb.Error as exc:
+                raise StoreError(f"{self.run_dir}: {str(exc).splitlines()[0]}") from None
+        return result
 
     def close(self) -> None:
         """Close the connection."""
@@ -147,15 +162,25 @@ def open_source(run_dir: Path, by_rank: dict[int, list[Source]], *, ranks: StepR
         for family, tables in csv_tables.items():
             merged = pa.concat_tables(tables, promote_options="default")
             connection.register(family, merged)
-        present = set(csv_tables) | {family for family in stored if _wanted(family, families)}
         source = RunSource(run_dir, connection, {}, [], csv_files, store_tables, ranks)
-        for family in sorted(present - {SCALARS}):
+        for family in sorted(set(csv_tables) - {SCALARS}):
             described = _describe(source, family)
             if described is not None:
                 source.families[family] = described
-        if SCALARS in stored or SCALARS in csv_tables:
-            rows = source.query(f"SELECT DISTINCT rank FROM {SCALARS}{source_filter(source)} ORDER BY rank")
+        in_store_described = _describe_store(run_dir, ranks) if stored else {}
+        for family, described in in_store_described.items():
+            if family != SCALARS and _wanted(family, families):
+                source.families[family] = described
+        source.families = dict(sorted(source.families.items()))
+        if SCALARS in in_store_described:
+            scalars = in_store_described[SCALARS]
+            source.scalar_ranks, source.scalar_steps = scalars.ranks, (scalars.first_step, scalars.last_step)
+        elif SCALARS in csv_tables:
+            rows = source.query(f"SELECT rank, min(step) AS first, max(step) AS last FROM {SCALARS}"
+                                f"{source_filter(source)} GROUP BY rank ORDER BY rank")
             source.scalar_ranks = [int(r) for r in rows["rank"]]
+            if source.scalar_ranks:
+                source.scalar_steps = (int(rows["first"].min()), int(rows["last"].max()))
     except BaseException:
         connection.close()
         raise
@@ -176,16 +201,52 @@ def _wanted(family: str, families: Sequence[str] | None) -> bool:
 
 
 def _describe(source: RunSource, family: str) -> Family | None:
-    """The family's metrics, ranks and steps; None when it has no rows (on the ranks shown)."""
+    """A family taken in from CSV files: its metrics, ranks and steps; None when it has no rows."""
     columns = source.query(f"DESCRIBE {identifier(family)}")
     metrics = [str(name) for name, kind in zip(columns["column_name"], columns["column_type"])
                if name not in KEY_COLUMNS and name != "rank" and str(kind) in ("DOUBLE", "FLOAT")]
-    per_rank = source.query(f"SELECT rank, min(step) AS first, max(step) AS last, count(*) AS n "
+    per_rank = source.query(f"SELECT rank, min(step) AS first, max(step) AS last "
                             f"FROM {identifier(family)}{source_filter(source)} GROUP BY rank ORDER BY rank")
     if not len(per_rank["rank"]):
         return None
     return Family(family, metrics, [int(r) for r in per_rank["rank"]], int(per_rank["first"].min()),
-                  int(per_rank["last"].max()), int(per_rank["n"].sum()))
+                  int(per_rank["last"].max()))
+
+
+def _describe_store(run_dir: Path, ranks: StepRanges | None) -> dict[str, Family]:
+    """The store's families from the names of their parts (ranks, first and last steps: no file is opened) and
+    the schemas of the lowest rank's parts (metrics). A query per family on a view of thousands of parts would
+    cost a second each: DuckDB binds the view, reading every part's schema, on every query.
+
+    Raises:
+        StoreError: the store cannot be listed or a schema read.
+    """
+    import pyarrow.parquet as pq
+
+    from trainmon.tools.store import table_files
+
+    out: dict[str, Family] = {}
+    for family, paths in table_files(run_dir).items():
+        by_rank: dict[int, list[Part]] = {}
+        for path in paths:
+            part = parse_part(path)
+            rank_text = path.parent.name[5:]
+            if part is not None and rank_text.isdigit() and (ranks is None or int(rank_text) in ranks):
+                by_rank.setdefault(int(rank_text), []).append(part)
+        if not by_rank:
+            continue
+        metrics: list[str] = []
+        for part in by_rank[min(by_rank)]:
+            try:
+                schema = pq.read_schema(part.path)
+            except (OSError, pa.ArrowException) as exc:
+                raise StoreError(f"{part.path}: not a readable store part ({str(exc).splitlines()[0]})") from None
+            metrics += [f.name for f in schema if f.name not in KEY_COLUMNS and f.name != "rank"
+                        and pa.types.is_floating(f.type) and f.name not in metrics]
+        parts = [part for own in by_rank.values() for part in own]
+        out[family] = Family(family, metrics, sorted(by_rank), min(p.first_step for p in parts),
+                             max(p.last_step for p in parts))
+    return out
 
 
 def _arrow(table: Table, rank: int) -> pa.Table:
