@@ -132,7 +132,9 @@ function drawAnomalies() {
     (Object.keys(a.by_detector).length
       ? " (" + Object.entries(a.by_detector).map(([d, n]) => d + ": " + n).join(", ") + ")" : "") + ". ";
   if (f) el("b", {id: "first-origin-text", "data-step": f.step, "data-rank": f.rank}, box, "First origin: " + where(f));
-  if (f && eventHash(f)) el("a", {href: eventHash(f), class: "event-link", id: "first-origin-link"}, box, " (show rows)");
+  if (f && eventHash(f)) {
+    el("a", {href: eventHash(f), class: "event-link", id: "first-origin-link"}, box, " (show rows)");
+  }
   // The first NaN/Inf and the first spike, apart: a rule firing from step 1 must not hide where the NaN began.
   for (const [key, title] of [["first_nonfinite", "First non-finite"], ["first_spike", "First spike"]]) {
     const e = a[key];
@@ -197,7 +199,8 @@ function drawAnomalies() {
 // ---- heatmap views: module x step of a rank, module x rank at a step, rank x step of a module ----
 const VIEW_SPECIAL = {250: [120, 120, 120], 251: [0, 0, 0], 252: [255, 0, 255], 253: [0, 190, 190],
   255: [226, 226, 226]};
-const KIND_COLOURS = [[66, 133, 244], [52, 168, 83], [170, 170, 170], [161, 98, 7], [217, 95, 2], [255, 255, 255]];
+const KIND_COLOURS = [[66, 133, 244], [52, 168, 83], [170, 170, 170], [161, 98, 7], [117, 112, 179],
+  [255, 255, 255]];
 const KIND_NAMES = ["attention", "mlp", "norm", "embedding", "head", "other"];
 const CHANGE_STOPS = [[5, 48, 97], [33, 102, 172], [146, 197, 222], [247, 247, 247], [244, 165, 130],
   [214, 96, 77], [103, 0, 31]];
@@ -230,10 +233,15 @@ function colRange(axis, c) { const s = axisStarts(axis)[c]; return [s, Math.min(
 function colOf(axis, value) {
   const starts = axisStarts(axis);
   let lo = 0, hi = starts.length - 1, found = -1;
-  while (lo <= hi) { const mid = (lo + hi) >> 1; if (starts[mid] <= value) { found = mid; lo = mid + 1; } else hi = mid - 1; }
+  while (lo <= hi) {
+    const mid = (lo + hi) >> 1;
+    if (starts[mid] <= value) { found = mid; lo = mid + 1; } else hi = mid - 1;
+  }
   return found >= 0 && value <= starts[found] + axis.width - 1 ? found : -1;
 }
-function rangeText(kind, a, b) { return (kind === "steps" ? "step" : "rank") + (a === b ? " " + a : "s " + a + ".." + b); }
+function rangeText(kind, a, b) {
+  return (kind === "steps" ? "step" : "rank") + (a === b ? " " + a : "s " + a + ".." + b);
+}
 function reference(g) {
   return g.view === "ranks" ? "the row's median over the ranks"
     : "the row's running median (previous " + g.change.window + " columns)";
@@ -360,7 +368,10 @@ function syncControls() {
   $(DATA.serve ? "hm-step" : "hm-step-input").style.display = "none";
   $("hm-unzoom").style.display = state.lo !== null && state.view !== "ranks" ? "" : "none";
 }
-function rowName(rows, i) { const n = rows.names[i], m = / \(vpp (\d+)\)$/.exec(n); return m ? n.slice(0, m.index) : n; }
+function rowName(rows, i) {
+  const n = rows.names[i], m = / \(vpp (\d+)\)$/.exec(n);
+  return m ? n.slice(0, m.index) : n;
+}
 function rowVpp(rows, i) { const m = / \(vpp (\d+)\)$/.exec(rows.names[i]); return m ? Number(m[1]) : 0; }
 function nearest(values, target) {
   return values.reduce((best, v) => Math.abs(v - target) < Math.abs(best - target) ? v : best, values[0]);
@@ -368,7 +379,9 @@ function nearest(values, target) {
 
 function readHash() {
   const p = new URLSearchParams(location.hash.slice(1));
-  for (const key of ["view", "family", "metric", "mode", "filter", "row", "module"]) if (p.has(key)) state[key] = p.get(key);
+  for (const key of ["view", "family", "metric", "mode", "filter", "row", "module"]) {
+    if (p.has(key)) state[key] = p.get(key);
+  }
   for (const key of ["rank", "step", "at", "lo", "hi"]) {
     if (p.has(key)) state[key] = p.get(key) === "" || isNaN(Number(p.get(key))) ? null : Number(p.get(key));
   }
@@ -452,7 +465,10 @@ function showGrid(g, scroll) {
     if (c1 <= c0) { c0 = 0; c1 = cols; }
   }
   const vis = visibleRows(info), rows = vis.length, ncols = c1 - c0;
-  if (!rows) { el("p", {class: "note"}, box, "No row matches the filter " + JSON.stringify(state.filter) + "."); return; }
+  if (!rows) {
+    el("p", {class: "note"}, box, "No row matches the filter " + JSON.stringify(state.filter) + ".");
+    return;
+  }
   const rowH = Math.max(2, Math.min(16, Math.floor(960 / rows)));
   const cellW = Math.max(1, Math.min(24, Math.floor(1000 / ncols)));
   const W = ncols * cellW, H = rows * rowH;
@@ -490,7 +506,9 @@ function showGrid(g, scroll) {
   const groupStarts = [];
   vis.forEach((i, r) => { if (r > 0 && info.group[i] !== info.group[vis[r - 1]]) groupStarts.push(r); });
   if (rowH >= 3 && groupStarts.length < 200) {
-    for (const r of groupStarts) el("svg:line", {x1: 0, x2: W, y1: r * rowH, y2: r * rowH, class: "group-line"}, overlay);
+    for (const r of groupStarts) {
+      el("svg:line", {x1: 0, x2: W, y1: r * rowH, y2: r * rowH, class: "group-line"}, overlay);
+    }
   }
   const infoBox = document.getElementById("hm-info");
   infoBox.textContent = VIEW_NAMES[g.view] + ": " + g.family + " " + g.metric + (g.view === "steps" ? ", rank " + g.at
@@ -587,7 +605,8 @@ function drawLabels(gutter, info, vis, rowH, ranksAsRows) {
     const height = (r - start) * rowH, block = info.blocks[vis[start]];
     if (block && height >= 9) {
       const d = el("div", {class: "block-label", title: block}, gutter, block);
-      d.style.top = start * rowH + "px"; d.style.height = height + "px"; d.style.lineHeight = Math.min(height, 12) + "px";
+      d.style.top = start * rowH + "px"; d.style.height = height + "px";
+      d.style.lineHeight = Math.min(height, 12) + "px";
     }
     start = r;
   }
@@ -637,7 +656,8 @@ function markEvents(g, overlay, info, vis, c0, c1, rowH, cellW) {
       marks.push(el("svg:rect", Object.assign({x: x - 1, y: r * rowH - 1, width: cellW + 2, height: rowH + 2,
         class: "event-cell"}, attrs), overlay));
     } else {  // small cells: a mark above the column and one right of the row, the cell's colour left as it is
-      marks.push(el("svg:path", Object.assign({d: `M${x + cellW / 2 - 4},-9 L${x + cellW / 2 + 4},-9 L${x + cellW / 2},-2 Z`,
+      const mid = x + cellW / 2;
+      marks.push(el("svg:path", Object.assign({d: `M${mid - 4},-9 L${mid + 4},-9 L${mid},-2 Z`,
         class: "event-tick"}, attrs), overlay));
       if (r >= 0) marks.push(el("svg:path", Object.assign({d: `M${W + 9},${r * rowH + rowH / 2 - 4} L${W + 9},` +
         `${r * rowH + rowH / 2 + 4} L${W + 2},${r * rowH + rowH / 2} Z`, class: "event-tick event-row-tick"}, attrs),
@@ -647,12 +667,14 @@ function markEvents(g, overlay, info, vis, c0, c1, rowH, cellW) {
     shown.push(e);
   }
   if (!shown.length) return;
-  el("div", {class: "note"}, list, shown.length + " anomaly event(s) in this view (outlined cells, or triangles above " +
+  el("div", {class: "note"}, list, shown.length + " anomaly event(s) in this view (outlined cells, or triangles " +
+    "above " +
     "their column and right of their row):");
   const ul = el("ul", {class: "view-events"}, list);
   for (const e of shown.slice(0, 50)) {
     const li = el("li", {}, ul);
-    el("a", {href: eventHash(e) || "#", class: "event-link", "data-step": e.step, "data-rank": e.rank}, li, eventText(e));
+    el("a", {href: eventHash(e) || "#", class: "event-link", "data-step": e.step, "data-rank": e.rank}, li,
+      eventText(e));
   }
 }
 function highlight(g, overlay, info, vis, c0, c1, rowH, cellW, W, H, scroll) {
@@ -697,8 +719,11 @@ function drawLegend(parent, g, mode) {
   if (g.view !== "module") {
     const kinds = el("div", {}, legend);
     kinds.appendChild(document.createTextNode("block: "));
-    KIND_NAMES.slice(0, 5).forEach((name, k) => { const item = el("span", {}, kinds), sw = el("span", {class: "swatch"}, item);
-      sw.style.background = "rgb(" + KIND_COLOURS[k].join(",") + ")"; item.appendChild(document.createTextNode(name)); });
+    KIND_NAMES.slice(0, 5).forEach((name, k) => {
+      const item = el("span", {}, kinds), sw = el("span", {class: "swatch"}, item);
+      sw.style.background = "rgb(" + KIND_COLOURS[k].join(",") + ")";
+      item.appendChild(document.createTextNode(name));
+    });
   }
 }
 function showCell(g, info, row, col) {
@@ -717,7 +742,8 @@ function showCell(g, info, row, col) {
   if (g.view === "steps") {
     const module = rows ? moduleKey([rowVpp(rows, row), rowName(rows, row)]) : null;
     link("rank x step of this module", {view: "module", module: module, row: "", at: span[0], lo: null, hi: null});
-    link("module x rank at step " + span[0], {view: "ranks", step: span[0], row: label, at: span[0], lo: null, hi: null});
+    link("module x rank at step " + span[0], {view: "ranks", step: span[0], row: label, at: span[0], lo: null,
+      hi: null});
   } else if (g.view === "ranks") {
     const module = rows ? moduleKey([rowVpp(rows, row), rowName(rows, row)]) : null;
     link("module x step of rank " + span[0], {view: "steps", rank: span[0], row: label, at: g.at, lo: null, hi: null});
@@ -725,7 +751,8 @@ function showCell(g, info, row, col) {
   } else {
     const rank = g.rank_rows.ranks[row];
     link("module x step of rank " + rank, {view: "steps", rank: rank, row: g.at, at: span[0], lo: null, hi: null});
-    link("module x rank at step " + span[0], {view: "ranks", step: span[0], row: g.at, at: span[0], lo: null, hi: null});
+    link("module x rank at step " + span[0], {view: "ranks", step: span[0], row: g.at, at: span[0], lo: null,
+      hi: null});
   }
   if (!DATA.serve) return;
   const p = {family: g.family, metric: g.metric, lo: g.cols.steps ? span[0] : g.at, hi: g.cols.steps ? span[1] : g.at};
@@ -871,6 +898,9 @@ function main() {
 }
 function loadCurves(rank) {
   if (DATA.curves[rank] && Object.keys(DATA.curves[rank]).length) return;
-  fetchJson("api/curves?" + new URLSearchParams({rank: rank}).toString()).then(c => { DATA.curves[rank] = c; drawCurves(); });
+  fetchJson("api/curves?" + new URLSearchParams({rank: rank}).toString()).then(c => {
+    DATA.curves[rank] = c;
+    drawCurves();
+  });
 }
 main();
