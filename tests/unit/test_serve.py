@@ -128,9 +128,21 @@ def test_bad_requests_are_answered_with_one_line(server, path, status, message):
 
 
 def test_a_request_for_another_host_is_refused(server):
+    """Bound to the loopback, a page that reached it through another name (DNS rebinding) is refused."""
     status, body = _get(server, "api/catalog", host="attacker.example:8050")
     assert status == 403 and "refused" in body["error"]
     assert _get(server, "api/catalog", host=f"localhost:{server.server_address[1]}")[0] == 200
+
+
+def test_a_bug_is_a_500_and_the_server_goes_on(server, monkeypatch, capsys):
+    def broken(query):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(server.views, "grid", broken)
+    status, body = _get(server, "api/grid?view=steps&family=grad_reduced&metric=norm")
+    assert status == 500 and "boom" in body["error"]
+    assert "error answering /api/grid" in capsys.readouterr().err
+    assert _get(server, "api/catalog")[0] == 200
 
 
 def test_serve_stops_cleanly_on_ctrl_c(run):

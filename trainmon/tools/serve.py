@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from trainmon.tools.command import Subparsers
 
 DEFAULT_PORT = 8050
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 MAX_VALUES = 1000
 """Values returned by ``/api/values`` at most."""
 
@@ -237,7 +238,14 @@ class Server(ThreadingHTTPServer):
     def __init__(self, views: Views, host: str = "127.0.0.1", port: int = 0) -> None:
         super().__init__((host, port), _Handler)
         self.views = views
-        self.hosts = {"127.0.0.1", "localhost", "[::1]", "::1", host}
+        # bound to the loopback: only requests for a loopback name (DNS rebinding); elsewhere, the user chose
+        self.hosts: set[str] | None = set(LOOPBACK) if host in LOOPBACK else None
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A browser that went away mid-answer is no error; anything else is one line on stderr."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, (ConnectionError, TimeoutError)):
+            print(f"trainmon serve: error answering {client_address[0]}: {error!r}", file=sys.stderr)
 
     @property
     def url(self) -> str:
@@ -277,12 +285,16 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         parts = urlsplit(self.path)
         host = _host_name(self.headers.get("Host") or "")
-        if host not in self.server.hosts:
+        if self.server.hosts is not None and host not in self.server.hosts:
             refused = f"Host {host[:60]!r} refused: open the page at {self.server.url}"
             status, kind, body = _json(403, {"error": refused})
         else:
             query = {key: values[-1] for key, values in parse_qs(parts.query, keep_blank_values=True).items()}
-            status, kind, body = self.server.views.answer(parts.path, query)
+            try:
+                status, kind, body = self.server.views.answer(parts.path, query)
+            except Exception as exc:  # a bug of ours: the browser is told, the server goes on
+                print(f"trainmon serve: error answering {parts.path[:80]}: {exc!r}", file=sys.stderr)
+                status, kind, body = _json(500, {"error": f"internal error: {exc!r}"[:300]})
         self.send_response(status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
@@ -321,8 +333,9 @@ def add_parser(sub: Subparsers) -> None:
                     "unless --host says otherwise; nothing is fetched from outside. Ctrl-C stops it.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (with rank*/ folders or a store/)")
     parser.add_argument("--host", default="127.0.0.1",
-                        help="the address to listen on (default 127.0.0.1: this machine only; another address "
-                             "makes the run readable by whoever reaches it)")
+                        help="the address to listen on (default 127.0.0.1: this machine only, and only pages opened "
+                             "as 127.0.0.1 or localhost are answered; another address makes the run readable by "
+                             "whoever reaches it)")
     parser.add_argument("--port", type=_port, default=DEFAULT_PORT,
                         help=f"the port (default {DEFAULT_PORT}; 0: a free port)")
     parser.add_argument("--max-columns", type=_columns, default=1000, metavar="N",
@@ -350,6 +363,8 @@ def _main(args: argparse.Namespace) -> int:
             server = Server(views, args.host, args.port)
         except OSError as exc:
             raise UsageError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+        if server.hosts is None:
+            print(f"warning: listening on {args.host}: whoever reaches this address reads the run", file=sys.stderr)
         print(f"serving {args.run_dir} at {server.url} (Ctrl-C stops)", flush=True)
         try:
             server.serve_forever()

@@ -10,6 +10,7 @@ vpp_stage, order, name`` and one DOUBLE per metric; ``order`` is a row's first a
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -107,7 +108,9 @@ class RunSource:
         return result
 
     def close(self) -> None:
-        """Close the connection."""
+        """Stop a query in progress (``serve`` stopped by Ctrl-C) and close the connection."""
+        with contextlib.suppress(duckdb.Error):  # closed already
+            self.connection.interrupt()
         with self._lock:
             self.connection.close()
 
