@@ -279,3 +279,25 @@ def test_serve_answers_a_drill_down_in_chromium(tmp_path, llama_report):
     assert canvas["data-largest-row"].startswith("model.layers.12.") and canvas["data-largest-at"] == str(LLAMA_SPIKE)
     assert [int(a["data-step"]) for a in dom.with_class("step-tick")] == list(range(60, 71, 2)) or \
         set(int(a["data-step"]) for a in dom.with_class("step-tick")) <= set(range(60, 71))
+
+
+@needs_browser
+def test_more_rows_than_fit_are_drawn_a_row_per_layer_and_block(tmp_path):
+    """1,353 rows (150 layers): a row per layer and block, each the farthest cell of its rows, so one tensor's
+    spike stays the largest change; a filter shows the rows themselves."""
+    from benchmarks.synthetic_store import Spike, llama_names, write_store
+
+    run = tmp_path / "run"
+    names = llama_names(150)
+    write_store(run, names, ranks=1, steps=60, spikes=[Spike(30, r"layers\.120\.mlp\.up_proj", 8.0)])
+    out = run / "report.html"
+    assert subprocess.run([sys.executable, "-m", "trainmon", "report", str(run), "-o", str(out)],
+                          capture_output=True, timeout=300).returncode == 0
+    canvas = render(out, tmp_path).with_class("view-canvas")[0]
+    assert (canvas["data-rows"], canvas["data-condensed"]) == (str(1 + 150 * 4 + 2), str(len(names)))
+    assert canvas["data-largest-row"] == "model.layers.120.mlp (3 rows)" and canvas["data-largest-at"] == "30"
+    dom = render(out, tmp_path, fragment="#filter=model.layers.120.")
+    canvas = dom.with_class("view-canvas")[0]
+    assert (canvas["data-rows"], canvas["data-condensed"]) == ("9", "0")
+    assert canvas["data-largest-row"] == "model.layers.120.mlp.up_proj.weight"
+    assert sorted(a["title"] for a in dom.with_class("row-label")) == sorted(n for n in names if ".120." in n)

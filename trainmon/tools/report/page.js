@@ -453,18 +453,73 @@ function fetchJson(url) {
   return fetch(url).then(r => r.json().then(j => { if (!r.ok) throw new Error(j.error || r.statusText); return j; }));
 }
 
-function showGrid(g, scroll) {
-  current = g;
+const MAX_ROWS = 1000;  // more rows (after the filter) are drawn a row per layer and block (the farthest cell of each)
+
+function condense(g, info, vis) {
+  // Runs of rows of one layer and block become one row holding, per column, the member farthest from no change
+  // (change) or the largest (value); NaN, then +Inf, then -Inf win. Too many runs: runs of consecutive rows.
+  let runs = [];
+  for (const i of vis) {
+    const key = info.group[i] + "|" + (info.blocks ? info.blocks[i] : "");
+    const last = runs[runs.length - 1];
+    if (last && last.key === key) last.members.push(i); else runs.push({key: key, members: [i]});
+  }
+  if (runs.length > MAX_ROWS) {
+    const size = Math.ceil(vis.length / MAX_ROWS);
+    runs = [];
+    for (let k = 0; k < vis.length; k += size) runs.push({key: "", members: vis.slice(k, k + size)});
+  }
+  const cols = g.shape[1], merged = {};
+  for (const mode of ["abs", "change"]) {
+    const codes = codesOf(g, mode), out = new Uint8Array(runs.length * cols);
+    runs.forEach((run, r) => {
+      for (let c = 0; c < cols; c++) {
+        let best = 255, score = -1, flags = 0;
+        for (const i of run.members) {
+          const v = codes[i * cols + c];
+          if (v === 251) flags |= 4; else if (v === 252) flags |= 2; else if (v === 253) flags |= 1;
+          else if (v < 250) {
+            const sc = mode === "change" ? Math.abs(v - 124) : v;
+            if (sc > score) { score = sc; best = v; }
+          } else if (v === 250 && best === 255) best = 250;
+        }
+        out[r * cols + c] = flags & 4 ? 251 : flags & 2 ? 252 : flags & 1 ? 253 : best;
+      }
+    });
+    merged[mode] = out;
+  }
+  const aggOf = new Map(), rowOfLabel = new Map();
+  runs.forEach((run, r) => run.members.forEach(i => { aggOf.set(i, r); rowOfLabel.set(info.labels[i], r); }));
+  const first = runs.map(run => run.members[0]);
+  const labels = runs.map(run => {
+    const i = run.members[0], block = info.blocks ? info.blocks[i] : "";
+    return run.key ? info.groups[info.group[i]] + (block ? "." + block : "") + " (" + run.members.length + " rows)"
+      : info.labels[i] + " .. (" + run.members.length + " rows)";
+  });
+  const condensed = Object.assign({}, g, {shape: [runs.length, cols], _codes: merged, condensed: true,
+    largest: g.largest && aggOf.has(g.largest.row) ? Object.assign({}, g.largest, {row: aggOf.get(g.largest.row)})
+      : null});
+  return {g: condensed, info: {labels: labels, groups: info.groups, group: first.map(i => info.group[i]),
+    blocks: info.blocks ? first.map(i => info.blocks[i]) : null, kinds: info.kinds ? first.map(i => info.kinds[i])
+      : null, prefixes: runs.map((run, r) => run.key ? labels[r].replace(/ \(\d+ rows\)$/, "") : null)},
+  vis: runs.map((_, r) => r), rowOfLabel: rowOfLabel};
+}
+
+function showGrid(original, scroll) {
+  current = original;
   const box = document.getElementById("hm-map");
   box.textContent = "";
-  const mode = state.mode, codes = codesOf(g, mode), info = rowInfo(g), cols = g.shape[1];
+  const full = rowInfo(original), visible = visibleRows(full);
+  const shown = visible.length > MAX_ROWS && original.view !== "module" ? condense(original, full, visible)
+    : {g: original, info: full, vis: visible, rowOfLabel: null};
+  const g = shown.g, info = shown.info, mode = state.mode, codes = codesOf(g, mode), cols = g.shape[1];
   let c0 = 0, c1 = cols;
   if (!DATA.serve && state.lo !== null && g.cols.steps) {  // a zoom of the page's own columns
     while (c0 < cols && colRange(g.cols, c0)[1] < state.lo) c0++;
     while (c1 > c0 && colRange(g.cols, c1 - 1)[0] > state.hi) c1--;
     if (c1 <= c0) { c0 = 0; c1 = cols; }
   }
-  const vis = visibleRows(info), rows = vis.length, ncols = c1 - c0;
+  const vis = shown.vis, rows = vis.length, ncols = c1 - c0;
   if (!rows) {
     el("p", {class: "note"}, box, "No row matches the filter " + JSON.stringify(state.filter) + ".");
     return;
@@ -502,7 +557,7 @@ function showGrid(g, scroll) {
   ctx.putImageData(image, 0, 0);
   const overlay = el("svg:svg", {class: "view-overlay", width: W, height: H}, stage);
   Object.assign(canvas.dataset, {view: g.view, family: g.family, metric: g.metric, at: String(g.at), mode: mode,
-    rows: rows, cols: ncols, nonfinite: nonfinite});
+    rows: rows, cols: ncols, nonfinite: nonfinite, condensed: g.condensed ? visible.length : 0});
   const groupStarts = [];
   vis.forEach((i, r) => { if (r > 0 && info.group[i] !== info.group[vis[r - 1]]) groupStarts.push(r); });
   if (rowH >= 3 && groupStarts.length < 200) {
@@ -513,6 +568,8 @@ function showGrid(g, scroll) {
   const infoBox = document.getElementById("hm-info");
   infoBox.textContent = VIEW_NAMES[g.view] + ": " + g.family + " " + g.metric + (g.view === "steps" ? ", rank " + g.at
     : g.view === "ranks" ? ", step " + g.at : ", " + g.at) + "; " + rows + " rows x " + ncols + " columns" +
+    (g.condensed ? " (" + visible.length + " rows, a row per layer and block: the farthest cell of each; click a " +
+      "row, or filter, for its rows)" : "") +
     (g.cols.width > 1 ? " (each column " + g.cols.width + " " + (g.cols.steps ? "steps" : "ranks") +
       ": the largest and smallest magnitude of the bucket)" : "") + ". ";
   if (g.largest) {
@@ -531,8 +588,8 @@ function showGrid(g, scroll) {
     }
   }
   drawAxis(right, g.cols, c0, c1, cellW);
-  markEvents(g, overlay, info, vis, c0, c1, rowH, cellW);
-  highlight(g, overlay, info, vis, c0, c1, rowH, cellW, W, H, scroll);
+  markEvents(g, overlay, info, vis, c0, c1, rowH, cellW, shown.rowOfLabel);
+  highlight(g, overlay, info, vis, c0, c1, rowH, cellW, W, H, scroll, shown.rowOfLabel);
   stage.addEventListener("mousemove", ev => {
     const rect = stage.getBoundingClientRect(), x = ev.clientX - rect.left, y = ev.clientY - rect.top;
     const r = Math.floor(y / rowH), c = Math.floor(x / cellW);
@@ -557,7 +614,9 @@ function showGrid(g, scroll) {
       return;
     }
     const r = Math.floor(y / rowH), c = Math.floor(x / cellW);
-    if (r >= 0 && r < rows && c >= 0 && c < ncols) showCell(g, info, vis[r], c0 + c);
+    if (r < 0 || r >= rows || c < 0 || c >= ncols) return;
+    if (g.condensed) { if (info.prefixes[vis[r]]) go({filter: info.prefixes[vis[r]] + "."}); return; }
+    showCell(g, info, vis[r], c0 + c);
   });
   drawLegend(right, g, mode);
   box.dataset.ready = "ok";
@@ -626,11 +685,11 @@ function drawAxis(parent, axis, c0, c1, cellW) {
   }
   el("svg:text", {x: W, y: 28, "text-anchor": "end", class: "axis-title"}, svg, kind);
 }
-function markEvents(g, overlay, info, vis, c0, c1, rowH, cellW) {
+function markEvents(g, overlay, info, vis, c0, c1, rowH, cellW, rowOfLabel) {
   const list = document.getElementById("hm-events");
   list.textContent = "";
-  const rowOf = new Map();
-  vis.forEach((i, r) => rowOf.set(info.labels[i], r));
+  const rowOf = rowOfLabel || new Map();
+  if (!rowOfLabel) vis.forEach((i, r) => rowOf.set(info.labels[i], r));
   const shown = [];
   for (const e of EVENTS) {
     let r = -1, c = -1;
@@ -677,10 +736,11 @@ function markEvents(g, overlay, info, vis, c0, c1, rowH, cellW) {
       eventText(e));
   }
 }
-function highlight(g, overlay, info, vis, c0, c1, rowH, cellW, W, H, scroll) {
+function highlight(g, overlay, info, vis, c0, c1, rowH, cellW, W, H, scroll, rowOfLabel) {
   let target = null;
   if (state.row && g.view !== "module") {
-    const r = vis.findIndex(i => info.labels[i] === state.row);
+    const r = rowOfLabel ? (rowOfLabel.has(state.row) ? rowOfLabel.get(state.row) : -1)
+      : vis.findIndex(i => info.labels[i] === state.row);
     if (r >= 0) { el("svg:rect", {x: 0, y: r * rowH - 1, width: W, height: rowH + 2, class: "row-highlight"}, overlay);
       target = r; }
   }
