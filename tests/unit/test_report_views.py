@@ -124,6 +124,24 @@ def test_views_hold_the_envelope_of_the_stored_values(run):
             assert module.high[rank, c] == max(cell) and module.low[rank, c] == min(cell)
 
 
+def test_ranks_beyond_the_limit_are_bucketed_with_their_envelope(run):
+    """More ranks than ``max_ranks``: buckets of consecutive ranks, each cell the envelope over its ranks too."""
+    stored = _stored(run, "grad_reduced")
+    source = open_source(run, report_data.sources(run))
+    try:
+        (ranks,) = rank_grids(source, "grad_reduced", ["norm"], [50], max_ranks=2)
+        (module,) = module_grids(source, "grad_reduced", ["norm"], [(0, NAMES[7])], 0, 9, columns=10, max_ranks=3)
+    finally:
+        source.close()
+    assert ranks.cols.starts == [0, 2] and ranks.cols.width == 2
+    for r, (_, name) in enumerate(ranks.row_keys):
+        for c, start in enumerate((0, 2)):
+            cell = [stored[(rank, name, 50)] for rank in (start, start + 1)]
+            assert ranks.high[r, c] == max(cell) and ranks.low[r, c] == min(cell)
+    assert module.rank_rows.starts == [0, 2] and module.rank_rows.width == 2
+    assert module.high[1].tolist() == [max(stored[(2, NAMES[7], s)], stored[(3, NAMES[7], s)]) for s in range(10)]
+
+
 def test_the_change_view_shows_a_one_layer_spike(run, tmp_path):
     """Rank 0's layer 12 jumps x8 at one step: in the default (change) view those cells are the largest change and
     near the top of the scale, every other cell near no change, although the rows' values differ by decades."""
