@@ -19,7 +19,7 @@ import pytest
 from benchmarks.synthetic_store import Spike, llama_names, write_store
 from trainmon.tools.cli import main
 from trainmon.tools.report import data as report_data
-from trainmon.tools.report.grids import module_grids, rank_grids, running_median, step_grids
+from trainmon.tools.report.grids import largest_change, module_grids, rank_grids, running_median, step_grids
 from trainmon.tools.report.rows import order_rows, parse_name
 from trainmon.tools.report.source import open_source
 
@@ -165,6 +165,26 @@ def test_the_change_view_shows_a_one_layer_spike(run, tmp_path):
     # the views people debug with are in the page: module x rank at the spike, rank x step of the spiked rows
     assert any(g["view"] == "ranks" and g["at"] == SPIKE_STEP for g in page["grids"])
     assert any(g["view"] == "module" and g["at"].startswith(f"model.layers.{SPIKE_LAYER}.") for g in page["grids"])
+
+
+def test_a_one_step_spike_in_100000_steps_stays_in_its_column(tmp_path):
+    """100,000 steps in 1,000 columns of 100 steps: the one step x8 of one row is its column's largest magnitude
+    and the largest change of the grid (an average over the bucket would have hidden it: x1.07)."""
+    run = tmp_path / "run"
+    names = llama_names(1)
+    write_store(run, names, steps=100_000, steps_per_part=25_000, events=False,
+                spikes=[Spike(61_234, r"mlp\.up_proj", 8.0)])
+    source = open_source(run, report_data.sources(run))
+    try:
+        (grid,) = step_grids(source, "grad_reduced", ["norm"], [0], 0, 99_999, columns=1000)
+    finally:
+        source.close()
+    assert grid.cols.width == 100 and len(grid.cols.starts) == 1000
+    row, col = grid.row_keys.index((0, "model.layers.0.mlp.up_proj.weight")), 61_234 // 100
+    spike = _stored(run, "grad_reduced")[(0, "model.layers.0.mlp.up_proj.weight", 61_234)]
+    assert grid.high[row, col] == spike
+    found = largest_change(grid)
+    assert found is not None and found[:2] == (row, col) and found[2] > 0.6
 
 
 def test_the_page_keeps_within_its_size_limit(run, tmp_path, capsys):
