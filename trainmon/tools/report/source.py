@@ -142,9 +142,13 @@ def open_source(run_dir: Path, by_rank: dict[int, list[Source]], *, ranks: StepR
     stored = {item.family for families_of_rank in in_store.values() for item in families_of_rank}
     store_tables = sum(_wanted(item.family, families) and (ranks is None or rank in ranks)
                        for rank, families_of_rank in in_store.items() for item in families_of_rank)
-    connection = open_run(run_dir) if stored else duckdb.connect()
+    connection = duckdb.connect()
     try:
         connection.execute("SET preserve_insertion_order = false")
+        with contextlib.suppress(duckdb.Error):  # a setting of newer versions: parts' footers read once
+            connection.execute("SET parquet_metadata_cache = true")
+        if stored:
+            open_run(run_dir, connection)
         csv_tables: dict[str, list[pa.Table]] = {}
         csv_files = 0
         for _ in range(store_tables):
