@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainmon import integrations
 from trainmon.collect.stats_base import StatsSpec
@@ -17,9 +17,27 @@ from trainmon.runtime.rundir import default_run_name, missing_dirs
 if TYPE_CHECKING:
     from trainmon.actions import HandOffAction
     from trainmon.config import MonitorConfig
-    from trainmon.runtime.session import Session
 
 logger = logging.getLogger("trainmon")
+
+
+class Session(Protocol):
+    """What these functions read and set of a :class:`~trainmon.runtime.session.Session` (a protocol: this module
+    is below the session in the import graph)."""
+
+    model: Any
+    framework: str
+    attachment: Any
+    ctx: Any
+    guard: Any
+    anomaly: Any
+    lifecycle: Any
+    actions: dict[str, Any]
+    rank_dir: Path | None
+    writes: bool
+    created_dirs: list[Path]
+    step_guard: Any
+    skips: Any
 
 
 def build_actions(session: Session, config: MonitorConfig) -> dict[str, HandOffAction]:

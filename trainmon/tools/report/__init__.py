@@ -198,7 +198,6 @@ def prepare(run_dir: Path, ranks: Any, families: list[str] | None, max_columns: 
             raise UsageError(runs_hint(run_dir, runs, command))
     try:
         by_rank = report_data.sources(run_dir)
-        writers = replica_writers(run_dir)  # families written once per data-parallel group: labelled as the group's
     except FileNotFoundError as exc:
         raise UsageError(str(exc) if exc.filename is None else describe_os_error(exc)) from None
     except StoreError as exc:
@@ -218,10 +217,7 @@ def prepare(run_dir: Path, ranks: Any, families: list[str] | None, max_columns: 
     chosen = [s for rank, sources in by_rank.items() if ranks is None or rank in ranks for s in sources]
     _check_families(run_dir, families, chosen)
     anomalies, count = _anomalies(run_dir, max_columns, detectors)
-    # families written once per data-parallel group: the writer's heatmaps stand for its group
-    replicated = replica_note({key: group for key, group in writers.items() if ranks is None or key[1] in ranks},
-                              where="the heatmaps of rank")
-    warnings = skipped + anomalies.pop("warnings", []) + ([replicated] if replicated else [])
+    warnings = skipped + anomalies.pop("warnings", [])
     probe = {rank: path for rank, path in probe.items() if ranks is None or rank in ranks}
     if not chosen and not probe and not count:
         raise UsageError(f"{run_dir}: nothing to report (no CSV files, grad-probe summaries or anomaly events)")
@@ -294,6 +290,10 @@ def page_data(source: RunSource, prepared: Prepared, metrics: list[str] | None, 
                      "(--max-size); trainmon serve RUN shows every one, or pick with --ranks, --families, --metrics")
     if len(source.scalar_ranks) > len(curve_ranks) and not serve:
         notes.append(f"curves of {len(curve_ranks)} of {len(source.scalar_ranks)} ranks (--ranks picks others)")
+    # families written once per data-parallel group: every rank's cells are its group writer's rows (open_run's views)
+    replicated = replica_note(replica_writers(run_dir), where="the rows of rank")
+    if replicated:
+        notes.append(replicated)
     data["notes"] = notes
     return data, len(page.grids)
 
