@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-from trainmon.sinks.store_layout import KEY_COLUMNS, SCALARS, Part, parse_part
+from trainmon.sinks.store_layout import KEY_COLUMNS, NOT_FAMILIES, SCALARS, Part, parse_part
 from trainmon.tools.readers import Table
 from trainmon.tools.store_reader import Source, StoreError, StoreFamily, read_source, source_family, store_families
 
@@ -234,6 +234,8 @@ def _describe_store(run_dir: Path, ranks: StepRanges | None) -> dict[str, Family
 
     out: dict[str, Family] = {}
     for family, paths in table_files(run_dir).items():
+        if family in NOT_FAMILIES:  # the grad probe's tables have their own section of the page
+            continue
         by_rank: dict[int, list[Part]] = {}
         for path in paths:
             part = parse_part(path)
