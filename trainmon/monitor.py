@@ -180,7 +180,7 @@ class TrainerMonitor:
             TypeError, ValueError: not sample indices (a float, a negative index, a tensor on a device).
 
         Example:
-            >>> for indices, (x, y) in loader:          # a dataset that also returns each sample's index  # doctest: +SKIP
+            >>> for indices, (x, y) in loader:  # the dataset returns each sample's index too  # doctest: +SKIP
             ...     ...
             ...     monitor.step(loss=loss, batch=indices)
         """
@@ -252,9 +252,10 @@ class TrainerMonitor:
             raise RuntimeError("attach() a model before calling state_dict()")
         session = self._session
         session.settle()
-        state = {"anomaly": session.anomaly.state_dict(), "step": int(session.ctx.step)}
+        step = int(session.ctx.step)
+        state: dict[str, Any] = {"anomaly": session.anomaly.state_dict(), "step": step}
         if session.keeper is not None:
-            health = session.keeper.checkpoint(state["step"], None if checkpoint is None else str(checkpoint))
+            health = session.keeper.checkpoint(step, None if checkpoint is None else str(checkpoint))
             state.update(healthy=health["healthy"], health=session.keeper.state_dict())
         return state
 

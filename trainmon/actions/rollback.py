@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,8 @@ _VERSION = 1
 _KEPT_STEPS = 256
 """Steps whose data identity is kept until their record is checked (a record comes at most a few steps late)."""
 _EVENTS_KEPT = 8
+_GUARD_RULE = re.compile(r"skipped the update \((\w+)\)")
+"""The rule a step guard event names (:mod:`trainmon.anomaly.skips`)."""
 """Events of the stopping step written into the rollback."""
 
 
@@ -259,7 +262,8 @@ class RollbackKeeper:
         applied = not record.scalars.get("step_skipped", 0.0) > 0  # NaN: not known to be skipped
         flagged = [e for e in events if e.detector in self.kinds or e.detector == GUARD_DETECTOR]
         if flagged and self.healthy:  # once unhealthy, the weights explain what follows, not the data
-            self._add_entry(record, flagged[0], applied)
+            guarded = [e for e in flagged if e.detector == GUARD_DETECTOR]  # the step guard's verdict says most
+            self._add_entry(record, (guarded or flagged)[0], applied)
         if applied and self.healthy and any(e.detector in self.kinds for e in events):
             self.healthy, self.unhealthy_since = False, record.step
         cause = [e for e in flagged if e.detector in self.kinds and (applied or e.detector == GUARD_DETECTOR)]
@@ -271,9 +275,9 @@ class RollbackKeeper:
 
     def _add_entry(self, record: StepRecord, event: AnomalyEvent, applied: bool) -> None:
         reason = event.detector
-        if event.detector == GUARD_DETECTOR:
-            start = event.message.find("(")
-            reason += " " + event.message[start:event.message.find(")", start) + 1] if start >= 0 else ""
+        rule = _GUARD_RULE.search(event.message) if event.detector == GUARD_DETECTOR else None
+        if rule is not None:
+            reason += f" ({rule.group(1)})"
         entry = {"step": record.step, "rank": self.rank, "reason": reason, "applied": applied,
                  "message": event.message, "batch": record.batch, "time": event.time or utc_now()}
         self.entries.append(entry)
@@ -386,7 +390,7 @@ def _readable_json(data: Mapping[str, Any]) -> str:
     """A rollback as JSON a person reads: a key per line, a list's items one per line, each item on one line.
 
     Example:
-        >>> print(_readable_json({"step": 6, "skip": [{"step": 6}, {"step": 7}]}))
+        >>> print(_readable_json({"step": 6, "skip": [{"step": 6}, {"step": 7}]}), end="")
         {
          "step": 6,
          "skip": [

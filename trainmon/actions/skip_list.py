@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from trainmon.base.inputs import read_regular, rank_dirs_of
+from trainmon.base.inputs import rank_dirs_of, read_regular
 
 SKIP_LIST_FILE = "skip_list.jsonl"
 """The file of a rank's skip list, in ``{run}/rank{R}/``."""
@@ -100,7 +100,7 @@ def _index_ranges(value: object) -> list[list[int]]:
         raise TypeError(f"batch: sample indices must be on the CPU (a {device} tensor would make the step wait for "
                         "the device); pass the indices the sampler gave")
     if hasattr(value, "detach"):  # a torch tensor: a zero-copy view of its CPU memory
-        value = value.detach().numpy()  # type: ignore[attr-defined]
+        value = value.detach().numpy()
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray, range)):
         raise TypeError(f"batch: expected sample indices or a (start, end) range, got {type(value).__name__}")
     array = np.asarray(value)
