@@ -14,12 +14,13 @@ from trainmon.monitor import TrainerMonitor
 from trainmon.version import __version__
 
 if TYPE_CHECKING:
-    from trainmon.actions.rollback import Rollback, RollbackExit, read_rollback
+    from trainmon.actions.resume import Rollback, read_rollback
+    from trainmon.actions.rollback import RollbackExit
     from trainmon.actions.skip_list import SkipList, SkipSampler
     from trainmon.anomaly.events import AnomalyEvent
 
-_LAZY = {"AnomalyEvent": "trainmon.anomaly.events", "Rollback": "trainmon.actions.rollback",
-         "RollbackExit": "trainmon.actions.rollback", "read_rollback": "trainmon.actions.rollback",
+_LAZY = {"AnomalyEvent": "trainmon.anomaly.events", "Rollback": "trainmon.actions.resume",
+         "RollbackExit": "trainmon.actions.rollback", "read_rollback": "trainmon.actions.resume",
          "SkipList": "trainmon.actions.skip_list", "SkipSampler": "trainmon.actions.skip_list"}
 """Names imported on first use (framework-free, but not needed by ``import trainmon``)."""
 

@@ -12,7 +12,7 @@ from trainmon.errors import ConfigError
 
 if TYPE_CHECKING:
     from trainmon.actions import HandOffAction
-    from trainmon.actions.rollback import Rollback
+    from trainmon.actions.resume import Rollback
     from trainmon.anomaly.engine import AnomalyCallback
     from trainmon.base.guard import Guard
     from trainmon.base.types import GradScaler, Model, Optimizer, ProcessGroup, Scalar

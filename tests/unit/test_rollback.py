@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainmon.actions.rollback import Rollback, RollbackExit, RollbackKeeper, read_rollback
+from trainmon.actions.resume import Rollback, read_rollback
+from trainmon.actions.rollback import RollbackExit, RollbackKeeper
 from trainmon.actions.skip_list import SkipList, SkipSampler, batch_identity, merge_identities
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.merge import _FAST, analyse_run

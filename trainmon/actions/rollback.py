@@ -15,7 +15,7 @@ The session's :class:`RollbackKeeper` reads each checked step's record and event
   resuming from it; a new name when it exists) and returns a :class:`RollbackExit`, which ``monitor.step()``
   raises at the end of the step: the process ends with the exit status ``anomaly.rollback.exit_code`` (17).
 
-:func:`read_rollback` reads a rollback back for the resumed run.
+:func:`~trainmon.actions.resume.read_rollback` reads a rollback back for the resumed run.
 """
 
 from __future__ import annotations
@@ -24,23 +24,19 @@ import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from trainmon.actions.skip_list import SKIP_LIST_FILE, SkipList, batch_identity, merge_identities
+from trainmon.actions.resume import ROLLBACK_FILE, VERSION, Rollback
+from trainmon.actions.skip_list import SKIP_LIST_FILE, SkipList, merge_identities
 from trainmon.anomaly.events import AnomalyEvent, utc_now
 from trainmon.anomaly.skips import DETECTOR as GUARD_DETECTOR
-from trainmon.base.inputs import find_runs, is_dir, read_regular
 from trainmon.base.records import StepRecord
 from trainmon.base.safe_io import open_output, write_atomic
 from trainmon.base.threads import CLOSE_TIMEOUT, OutputThread
 
 logger = logging.getLogger("trainmon")
 
-ROLLBACK_FILE = "rollback.json"
-"""The rollback of a run, in the run directory (then ``rollback.1.json``, ...: never replaced)."""
-_VERSION = 1
 _KEPT_STEPS = 256
 """Steps whose data identity is kept until their record is checked (a record comes at most a few steps late)."""
 _EVENTS_KEPT = 8
@@ -71,118 +67,6 @@ class RollbackExit(SystemExit):
     def __init__(self, code: int, rollback: dict[str, Any]) -> None:
         super().__init__(code)
         self.rollback = rollback
-
-
-@dataclass
-class Rollback:
-    """A rollback read back from ``rollback.json`` (:func:`read_rollback`): where to resume and what to skip.
-
-    Attributes:
-        path: the file read.
-        step: the step at whose end the run stopped.
-        rank: the rank that stopped it.
-        exit_code: the process's exit status.
-        reason: the first event's message.
-        checkpoint: the last healthy checkpoint, as given to ``monitor.state_dict(checkpoint=...)`` (None: none was
-            named; ``resume_step`` 0 then means "from the start").
-        resume_step: the first step to run again (``attach(start_step=...)``; the checkpoint's ``state["step"]``);
-            None when no healthy state is known.
-        skip: the data the resumed run must not train on: the data the stopped run skipped itself (it resumed from
-            an earlier rollback) and that of the flagged steps from ``resume_step`` on.
-        start_step: the stopped run's first step.
-        time: when it stopped (ISO-8601 UTC).
-    """
-
-    path: Path
-    step: int
-    rank: int
-    exit_code: int
-    reason: str
-    checkpoint: str | None
-    resume_step: int | None
-    skip: SkipList = field(default_factory=SkipList)
-    start_step: int = 0
-    time: str = ""
-
-    @classmethod
-    def from_dict(cls, data: object, path: Path) -> Rollback:
-        """Raises ValueError naming ``path`` when ``data`` is not a rollback."""
-
-        def bad(what: str) -> ValueError:
-            return ValueError(f"{path}: not a trainmon rollback ({what})")
-
-        if not isinstance(data, dict) or data.get("version") != _VERSION:
-            raise bad(f"expected an object with version {_VERSION}")
-        ints = {key: data.get(key) for key in ("step", "rank", "exit_code", "start_step")}
-        if any(isinstance(v, bool) or not isinstance(v, int) for v in ints.values()):
-            raise bad("step, rank, exit_code and start_step must be integers")
-        resume, checkpoint = data.get("resume_step"), data.get("checkpoint")
-        if resume is not None and (isinstance(resume, bool) or not isinstance(resume, int) or resume < 0):
-            raise bad(f"resume_step must be null or an integer >= 0, got {resume!r}")
-        if checkpoint is not None and not isinstance(checkpoint, str):
-            raise bad(f"checkpoint must be null or a string, got {checkpoint!r}")
-        entries = data.get("skip", [])
-        if not isinstance(entries, list) or not all(isinstance(e, dict) and isinstance(e.get("step"), int)
-                                                    for e in entries):
-            raise bad("skip must be a list of entries with an integer step")
-        try:
-            for entry in entries:
-                entry["batch"] = batch_identity(entry.get("batch"))
-        except (TypeError, ValueError) as exc:
-            raise bad(str(exc)) from None
-        return cls(path=path, step=ints["step"], rank=ints["rank"], exit_code=ints["exit_code"],  # type: ignore[arg-type]
-                   reason=str(data.get("reason", "")), checkpoint=checkpoint, resume_step=resume,
-                   skip=SkipList(entries), start_step=ints["start_step"], time=str(data.get("time", "")))  # type: ignore[arg-type]
-
-
-def read_rollback(path: str | Path, checkpoint: str | Path | None = None) -> Rollback | None:
-    """The newest rollback under ``path``, or None when there is none.
-
-    Each rank that stops writes its own file; the newest one is taken, with the skip entries of the other ranks'
-    files of the same launch (the same ``start_step``) added, and the earliest of their checkpoints.
-
-    Args:
-        path: a ``rollback*.json`` file, a run directory (``{output_dir}/{run_name}``) or an output directory
-            holding runs (the newest rollback of any of them).
-        checkpoint: only a rollback that names this checkpoint (compared as resolved paths).
-
-    Raises:
-        ValueError: a rollback file that is not one (names the file).
-        OSError: a file cannot be read.
-    """
-    path = Path(path)
-    if not is_dir(path):
-        return _read_file(path)
-    files = _rollback_files(path) or [f for run in find_runs(path) for f in _rollback_files(run)]
-    rollbacks = [_read_file(f) for f in files]
-    if checkpoint is not None:
-        wanted = Path(checkpoint).resolve()
-        rollbacks = [r for r in rollbacks if r.checkpoint is not None and Path(r.checkpoint).resolve() == wanted]
-    if not rollbacks:
-        return None
-    newest = max(rollbacks, key=lambda r: (r.time, str(r.path)))
-    launch = [r for r in rollbacks if r.path.parent == newest.path.parent and r.start_step == newest.start_step]
-    first = min(launch, key=lambda r: (r.resume_step is not None, r.resume_step or 0))  # unknown first, then earliest
-    skip = SkipList()
-    for other in launch:
-        skip = skip.union(other.skip)
-    return Rollback(newest.path, newest.step, newest.rank, newest.exit_code, newest.reason, first.checkpoint,
-                    first.resume_step, skip, newest.start_step, newest.time)
-
-
-def _rollback_files(run_dir: Path) -> list[Path]:
-    try:
-        return sorted(p for p in run_dir.glob("rollback*.json") if p.is_file())
-    except OSError:
-        return []
-
-
-def _read_file(path: Path) -> Rollback:
-    try:
-        data = json.loads(read_regular(path))
-    except ValueError as exc:
-        raise ValueError(f"{path}: not a trainmon rollback (not JSON: {exc})") from None
-    return Rollback.from_dict(data, path)
 
 
 class RollbackKeeper:
@@ -223,6 +107,9 @@ class RollbackKeeper:
         """The data this run leaves out (the rollback it resumes from: :meth:`resume`)."""
         self.fired: dict[str, Any] | None = None
         """The rollback, once the action stopped the run."""
+        self.due: RollbackExit | None = None
+        """The exit not raised yet (:meth:`exit_due`)."""
+        self._hook_warned = False
         self._current: dict[str, Any] | None = None
         self._batches: dict[int, dict[str, Any]] = {}
         self._output: OutputThread | None = None
@@ -256,7 +143,8 @@ class RollbackKeeper:
     def observe(self, record: StepRecord, events: Sequence[AnomalyEvent],
                 escalation: AnomalyEvent | None) -> RollbackExit | None:
         """Read one checked step (its record and its events, after the anomaly engine; the step guard's escalation
-        event); the :class:`RollbackExit` to raise at the end of the step when the action stops the run."""
+        event); the :class:`RollbackExit` to raise at the end of the step when the action stops the run (also kept
+        for :meth:`exit_due`)."""
         if not events and escalation is None:
             return None
         applied = not record.scalars.get("step_skipped", 0.0) > 0  # NaN: not known to be skipped
@@ -291,11 +179,12 @@ class RollbackKeeper:
         resume_step = resume["step"] if resume is not None else None
         new = SkipList(self.entries) if resume_step is None else SkipList(self.entries).after(resume_step)
         skip = self.honoured.union(new)
-        rollback = {"version": _VERSION, "step": step, "rank": self.rank, "start_step": self.start_step,
+        rollback = {"version": VERSION, "step": step, "rank": self.rank, "start_step": self.start_step,
                     "exit_code": self.settings.exit_code, "time": utc_now(), "reason": cause[0].message,
                     "checkpoint": resume["checkpoint"] if resume is not None else None, "resume_step": resume_step,
                     "skip": skip.entries, "events": [event.to_dict() for event in cause[:_EVENTS_KEPT]]}
         self.fired = rollback
+        self.due = RollbackExit(self.settings.exit_code, rollback)
         where = (f"checkpoint {rollback['checkpoint']} (step {resume_step})" if rollback["checkpoint"] is not None
                  else f"step {resume_step} (no checkpoint was named)" if resume_step is not None
                  else "nowhere known (no healthy state was saved with monitor.state_dict(checkpoint=...))")
@@ -304,7 +193,22 @@ class RollbackKeeper:
                      step, self.settings.exit_code, where, len(skip), ROLLBACK_FILE, self.run_dir)
         if self.run_dir is not None and self.rank_dir is not None:
             self._submit(("rollback", rollback))
-        return RollbackExit(self.settings.exit_code, rollback)
+        return self.due
+
+    def exit_due(self, by_user: bool) -> RollbackExit | None:
+        """At the end of a step: the exit to raise now, when the action stopped the run and the step was ended by
+        ``monitor.step()`` (``by_user``); trainmon never raises it from a hook, and says so once."""
+        if self.due is None:
+            return None
+        if by_user:
+            due, self.due = self.due, None
+            return due
+        if not self._hook_warned:
+            self._hook_warned = True
+            logger.error("[rank %d] trainmon rollback: this step was ended by a hook, not by monitor.step(), and "
+                         "trainmon never stops a run from a hook: the run stops at the next monitor.step(); a loop "
+                         "that never calls it must stop itself when monitor.rollback is set", self.rank)
+        return None
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, next_step: int, checkpoint: str | None) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmon import integrations
-from trainmon.actions.rollback import RollbackExit, RollbackKeeper
+from trainmon.actions.rollback import RollbackKeeper
 from trainmon.anomaly.events import utc_now
 from trainmon.base.records import StepRecord, build_record
 from trainmon.base.safe_io import write_json
@@ -76,9 +76,9 @@ class Session:
         """Every hook's fail-safe guard (:mod:`trainmon.base.guard`): a part that raised is off from then on."""
         self.actions: dict[str, HandOffAction] = {}
         self.in_flight: tuple[int, Transfer] | None = None
+        """``async_results``: the collected step whose transfer has started and whose record is not made yet."""
         self.deferred: AnomalyError | None = None
         """The ``raise`` action's error of a step checked by :meth:`settle`, raised at the end of the next step."""
-        """``async_results``: the collected step whose transfer has started and whose record is not made yet."""
         self.pending = PendingScalars(lambda: self.ctx.buffer_factory())
         """The scalars (loss, ...) of uncollected steps on their way to the detectors (no host sync)."""
         self.boundary = HookRegistry()
@@ -89,8 +89,6 @@ class Session:
         self.skips: SkipReporter | None = None
         self.keeper: RollbackKeeper | None = None
         """Health, the skip list and the ``rollback`` action (:mod:`trainmon.actions.rollback`)."""
-        self.stop: RollbackExit | None = None
-        """The ``rollback`` action stopped the run: raised at the end of the next step ended by ``monitor.step()``."""
         if config.enabled and config.anomaly.guard.enabled:
             refuse_unguarded(self.framework, optimizer)  # before any hook exists
         self.attachment: Attachment = self._attach(config)
@@ -300,21 +298,12 @@ class Session:
         if self.watcher is not None:
             self._reload(self.watcher.poll())
         self._arm(self.schedule.is_collected(ctx.step))
-        if self.stop is not None:
-            if by_user:  # never from a hook: at the end of the step, in monitor.step()
-                stop, self.stop = self.stop, None
-                raise stop
-            self._unraised_stop()
+        stop = self.keeper.exit_due(by_user) if self.keeper is not None else None
+        if stop is not None:  # the rollback action: at the end of a step ended by monitor.step(), never in a hook
+            raise stop
         if error is not None:
             raise error
         return record
-
-    def _unraised_stop(self) -> None:
-        if not getattr(self, "_stop_warned", False):
-            self._stop_warned = True
-            logger.error("trainmon rollback: this step was ended by a hook, not by monitor.step(), and trainmon never "
-                         "stops a run from a hook: the run stops at the next monitor.step(); a loop that never calls "
-                         "it must stop itself when monitor.rollback is set")
 
     def settle(self) -> None:
         """Check every ended step now (the uncollected steps' scalars waiting for their copies, the collected step
@@ -358,8 +347,7 @@ class Session:
         except AnomalyError as exc:
             error = exc
         if keeper is not None:  # health, the skip list, the rollback action: after the engine's actions
-            stop = self.guard.run("rollback", keeper.observe, record, self.anomaly.last_events, escalation)
-            self.stop = self.stop or stop
+            self.guard.run("rollback", keeper.observe, record, self.anomaly.last_events, escalation)
         return error
 
     def finish_in_flight(self) -> tuple[StepRecord | None, AnomalyError | None]:

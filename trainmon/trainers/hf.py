@@ -42,7 +42,8 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback
 
-from trainmon.actions.rollback import Rollback, RollbackExit, read_rollback
+from trainmon.actions.resume import Rollback, read_rollback
+from trainmon.actions.rollback import RollbackExit
 from trainmon.actions.skip_list import SkipList
 from trainmon.base.safe_io import write_atomic
 from trainmon.collect.step_hooks import unwrap_optimizer

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.actions.rollback import Rollback, RollbackExit, read_rollback
+from trainmon.actions.resume import Rollback, read_rollback
+from trainmon.actions.rollback import RollbackExit
 from trainmon.config import MonitorConfig, load_config
 from trainmon.integrations.losses import output_loss
 from trainmon.monitor import TrainerMonitor
