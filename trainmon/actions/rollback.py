@@ -80,6 +80,7 @@ class RollbackKeeper:
         run_dir: the run directory (``rollback.json``); rank_dir: ``{run}/rank{R}`` (the skip list), None on a rank
             that writes nothing.
         start_step: the first step of this attach (0: the initial state counts as a healthy state to resume from).
+        checks: whether this rank's records are checked (a rank that writes): else no step's data is kept.
 
     Example:
         >>> from trainmon.config import RollbackConfig
@@ -93,10 +94,11 @@ class RollbackKeeper:
     """
 
     def __init__(self, settings: RollbackSettings, actions: Sequence[str], escalate: Sequence[str], rank: int,
-                 run_dir: Path | None, rank_dir: Path | None, start_step: int = 0) -> None:
+                 run_dir: Path | None, rank_dir: Path | None, start_step: int = 0, checks: bool = True) -> None:
         self.configure(settings, actions, escalate)
         self.rank, self.run_dir, self.rank_dir = rank, run_dir, rank_dir
         self.start_step = start_step
+        self.checks = checks
         self.healthy = True
         self.unhealthy_since: int | None = None
         self.last_healthy: dict[str, Any] | None = {"step": 0, "checkpoint": None} if start_step == 0 else None
@@ -125,7 +127,8 @@ class RollbackKeeper:
     # ------------------------------------------------------------------ the data of each step
     def add_batch(self, identity: dict[str, Any] | None) -> None:
         """The current step (also) trains on ``identity`` (see :func:`~trainmon.actions.skip_list.batch_identity`)."""
-        self._current = merge_identities(self._current, identity)
+        if self.checks:
+            self._current = merge_identities(self._current, identity)
 
     def end_step(self, step: int) -> None:
         """The current step, ``step``, ends: its data is kept until its record is checked."""

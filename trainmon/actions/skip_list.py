@@ -83,7 +83,7 @@ def merge_identities(first: dict[str, Any] | None, second: dict[str, Any] | None
         return first if second is None else second
     merged: dict[str, Any] = {}
     if "samples" in first or "samples" in second:
-        merged["samples"] = _ranges_of([tuple(r) for r in first.get("samples", []) + second.get("samples", [])])
+        merged["samples"] = _ranges_of(first.get("samples", []) + second.get("samples", []))
     if "batches" in first or "batches" in second:
         merged["batches"] = _batch_ranges(first.get("batches", []) + second.get("batches", []))
     return merged
@@ -108,17 +108,40 @@ def _index_ranges(value: object) -> list[list[int]]:
         return []
     if array.dtype.kind not in "iu":
         raise TypeError(f"batch: sample indices must be integers, got {array.dtype} values")
-    indices = np.unique(array.astype(np.int64).ravel())
+    indices = np.unique(array.astype(np.int64, copy=False).ravel())
     if indices[0] < 0:
         raise ValueError(f"batch: sample indices must be >= 0, got {int(indices[0])}")
-    breaks = np.flatnonzero(np.diff(indices) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [indices.size]))
-    return [[int(indices[s]), int(indices[e - 1]) + 1] for s, e in zip(starts, ends)]
+    last = np.flatnonzero(np.diff(indices) != 1)  # the last index of each run but the final one
+    starts = indices[np.concatenate(([0], last + 1))]
+    ends = indices[np.concatenate((last, [indices.size - 1]))] + 1
+    result: list[list[int]] = np.stack([starts, ends], axis=1).tolist()
+    return result
 
 
-def _ranges_of(ranges: Iterable[tuple[Any, ...]]) -> list[list[int]]:
-    """Sorted, merged ``[start, end)`` ranges (empty ones dropped)."""
+def _ranges_of(ranges: Iterable[Sequence[Any]] | np.ndarray) -> list[list[int]]:
+    """Sorted, merged ``[start, end)`` ranges (empty ones dropped): in Python for a few, with numpy for many (a
+    shuffled batch of 1,024 samples is about as many ranges)."""
+    if not isinstance(ranges, np.ndarray):
+        ranges = list(ranges)
+        if len(ranges) <= 16:
+            return _few_ranges_of(ranges)
+    table = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    table = table[table[:, 1] > table[:, 0]]
+    if not len(table):
+        return []
+    if table[:, 0].min() < 0:
+        raise ValueError(f"batch: sample indices must be >= 0, got {int(table[:, 0].min())}")
+    table = table[np.argsort(table[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(table[:, 1])  # the furthest end so far
+    new = np.ones(len(table), dtype=bool)
+    new[1:] = table[1:, 0] > reach[:-1]  # a gap before it: a new range begins
+    starts = table[new, 0]
+    ends = reach[np.flatnonzero(np.append(new[1:], True))]
+    merged: list[list[int]] = np.stack([starts, ends], axis=1).tolist()
+    return merged
+
+
+def _few_ranges_of(ranges: list[Sequence[Any]]) -> list[list[int]]:
     merged: list[list[int]] = []
     for start, end in sorted((int(a), int(b)) for a, b in ranges if int(b) > int(a)):
         if start < 0:
@@ -148,7 +171,7 @@ def _checked_identity(value: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(ranges, Sequence) or not all(
                 isinstance(r, Sequence) and len(r) == 2 and all(_is_int(v) for v in r) for r in ranges):
             raise ValueError(f"batch: 'samples' must be a list of [start, end] ranges, got {ranges!r}")
-        identity["samples"] = _ranges_of(tuple(r) for r in ranges)
+        identity["samples"] = _ranges_of(ranges)
     if "batches" in value:
         ranges = value["batches"]
         if not isinstance(ranges, Sequence) or not all(
@@ -217,7 +240,7 @@ class SkipList:
     def samples(self) -> list[Range]:
         """The skipped sample indices as sorted, merged ``(start, end)`` ranges."""
         if self._samples is None:
-            ranges = [tuple(r) for entry in self.entries for r in (entry.get("batch") or {}).get("samples", [])]
+            ranges = [r for entry in self.entries for r in (entry.get("batch") or {}).get("samples", [])]
             self._samples = [(start, end) for start, end in _ranges_of(ranges)]
         return self._samples
 

@@ -111,7 +111,7 @@ class Session:
             self._bind_outputs()
             anomaly = config.anomaly
             self.keeper = RollbackKeeper(anomaly.rollback, anomaly.actions, anomaly.guard.escalate, rank, self.run_dir,
-                                         self.rank_dir, self.options.start_step)
+                                         self.rank_dir, self.options.start_step, checks=self.writes)
             from trainmon.anomaly.engine import AnomalyEngine
 
             self.anomaly = AnomalyEngine(config.anomaly, rank, self.rank_dir)
