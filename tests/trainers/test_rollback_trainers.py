@@ -72,7 +72,7 @@ def test_hf_trainer_rolls_back_and_resumes_without_the_poisoned_batch(tmp_path):
     assert events[0]["step"] == BAD and events[0]["batch"] == {"batches": [[0, BAD - 1, BAD]]}
 
 
-def test_lightning_tags_checkpoints_and_names_each_steps_batch(tmp_path):
+def test_lightning_tags_checkpoints_rolls_back_and_finds_the_rollback_on_resume(tmp_path):
     L = pytest.importorskip("lightning.pytorch", reason="lightning is not installed")
     from trainmon.trainers.lightning import TrainmonCallback
 
@@ -96,15 +96,32 @@ def test_lightning_tags_checkpoints_and_names_each_steps_batch(tmp_path):
         if step == bad:
             y = torch.full_like(y, float("nan"))
         batches.append((x, y))
-    checkpoints = L.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
-    monitor = {"output_dir": str(tmp_path / "tm"), "run_name": "run", "sinks": ["csv"]}
-    trainer = L.Trainer(max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        accelerator="cpu", devices=1, callbacks=[TrainmonCallback(monitor), checkpoints])
-    trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None))
-    health = {path.name: torch.load(path, weights_only=False)["trainmon"] for path in (tmp_path / "ckpt").iterdir()}
-    assert {name: (state["healthy"], state["step"]) for name, state in health.items()} == {
-        "epoch=0-step=2.ckpt": (True, 2), "epoch=0-step=4.ckpt": (False, 4), "epoch=0-step=6.ckpt": (False, 6)}
-    assert health["epoch=0-step=2.ckpt"]["checkpoint"] == str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    monitor = {"output_dir": str(tmp_path / "tm"), "run_name": "run", "sinks": ["csv"],
+               "anomaly": {"actions": ["log", "jsonl", "rollback"]}}
+
+    def fit(ckpt_path=None) -> TrainmonCallback:
+        callback = TrainmonCallback(monitor)
+        checkpoints = L.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+        trainer = L.Trainer(max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            accelerator="cpu", devices=1, callbacks=[callback, checkpoints])
+        trainer.fit(Module(), torch.utils.data.DataLoader(batches, batch_size=None), ckpt_path=ckpt_path)
+        return callback
+
+    with pytest.raises(SystemExit) as stopped:
+        fit()
+    assert stopped.value.code == EXIT
+    saved = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    state = torch.load(saved, weights_only=False)["trainmon"]
+    assert (state["healthy"], state["step"], state["checkpoint"]) == (True, 2, str(saved))
+    rollback = json.loads((tmp_path / "tm" / "run" / "rollback.json").read_text())
+    assert rollback["checkpoint"] == str(saved) and rollback["resume_step"] == 2
+    assert [(entry["step"], entry["batch"]) for entry in rollback["skip"]] == [(bad, {"batches": [[0, bad, bad + 1]]})]
     events = [json.loads(line) for line in (tmp_path / "tm" / "run" / "rank0" / "anomalies.jsonl").read_text()
               .splitlines()]
     assert events[0]["step"] == bad and events[0]["batch"] == {"batches": [[0, bad, bad + 1]]}
+
+    batches[bad] = data(bad)  # resumed without the poison (Lightning leaves data out through your sampler)
+    resumed = fit(ckpt_path=str(saved))
+    assert resumed.rollback is not None and resumed.rollback.checkpoint == str(saved)
+    later = torch.load(tmp_path / "ckpt" / "epoch=0-step=4.ckpt", weights_only=False)["trainmon"]
+    assert later["healthy"] is True and later["monitor"]["health"]["last_healthy"]["checkpoint"] == later["checkpoint"]
