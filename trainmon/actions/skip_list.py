@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from trainmon.base.inputs import rank_dirs_of, read_regular
 
@@ -118,7 +119,7 @@ def _index_ranges(value: object) -> list[list[int]]:
     return result
 
 
-def _ranges_of(ranges: Iterable[Sequence[Any]] | np.ndarray) -> list[list[int]]:
+def _ranges_of(ranges: Iterable[Sequence[Any]] | npt.NDArray[np.int64]) -> list[list[int]]:
     """Sorted, merged ``[start, end)`` ranges (empty ones dropped): in Python for a few, with numpy for many (a
     shuffled batch of 1,024 samples is about as many ranges)."""
     if not isinstance(ranges, np.ndarray):
