@@ -266,7 +266,7 @@ class RollbackConfig:
     detectors: list[str] = setting(["nonfinite", "loss_spike"], choices=ROLLBACK_DETECTORS, unique=True)
     """The detectors (by ``type``) whose events, at a step whose update was applied, make the training state
     unhealthy (``monitor.state_dict()['healthy']``), enter the skip list and trigger the ``rollback`` action;
-    ``step_guard``: also every step the guard skipped triggers it (a skipped step always enters the skip list)."""
+    ``step_guard``: also every step the guard skipped triggers it (such a step enters the skip list anyway)."""
     exit_code: int = setting(17, minimum=3, maximum=125)
     """The exit status of a run the ``rollback`` action stops (``SystemExit``): what a launcher script tests to
     resume from the last healthy checkpoint (3 to 125: not success, an uncaught error, bad usage or a signal)."""

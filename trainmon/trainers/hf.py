@@ -119,10 +119,13 @@ class TrainmonCallback(TrainerCallback):
             _load_health(monitor, Path(resumed))
         if rollback is not None:
             monitor.resume(rollback)
-        if trainer is not None and guard is not None:
+        if trainer is not None and guard is not None and hasattr(trainer, "get_batch_samples"):
             epoch, position = _resume_position(args, state, loader)
             self._batches = TrainerBatches(trainer, rollback.skip if rollback is not None else SkipList(), epoch,
                                            position, wrap=functools.partial(guard.wrap, "batch"))
+        elif rollback is not None and rollback.skip.batches():
+            logger.warning("trainmon: this Trainer has no get_batch_samples (an older transformers): the batches of "
+                           "the rollback %s are not left out", rollback.path)
 
     def _find_rollback(self, resumed: str | None) -> Rollback | None:
         """The rollback this run resumes from: the one given, else the newest naming the resumed checkpoint."""

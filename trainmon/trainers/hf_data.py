@@ -71,7 +71,7 @@ class TrainerBatches:
         return {"batches": batches} if batches else None
 
     # ------------------------------------------------------------------ the wrapped method
-    def _get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int, device: Any) -> Any:
+    def _get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int, *args: Any, **kwargs: Any) -> Any:
         kept: list[Any] = []
         while len(kept) < num_batches:
             try:
@@ -80,7 +80,7 @@ class TrainerBatches:
                 break
             if self._note(epoch_iterator) is not False:
                 kept.append(batch)
-        return self._original(iter(kept), num_batches, device)
+        return self._original(iter(kept), num_batches, *args, **kwargs)  # (older Trainers: no device)
 
     def _note_batch(self, iterator: Iterator[Any]) -> bool:
         """Count one batch of ``iterator``; False when it is left out."""
