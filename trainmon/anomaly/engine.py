@@ -46,7 +46,9 @@ class AnomalyEngine:
 
     Action order within a step: ``log``, ``jsonl``, user callbacks, hand-offs (``dump``,
     ``free_benchmark``), then ``raise``. An action that fails is logged once and disabled;
-    only ``raise`` stops training, on purpose, after every other action ran.
+    only ``raise`` stops training, on purpose, after every other action ran. ``rollback`` is not applied
+    here: the session's rollback keeper (:mod:`trainmon.actions.rollback`) reads :attr:`last_events` with the
+    step's record after the engine, and stops the run at the end of the step.
 
     Callbacks registered with :meth:`on_anomaly` run when ``callback`` is in ``anomaly.actions``
     (registering one without it logs a warning once).
@@ -81,6 +83,9 @@ class AnomalyEngine:
         self._disabled: set[str] = set()
         self._warned: set[str] = set()
         self._closed = False
+        self.last_events: list[AnomalyEvent] = []
+        """The events of the last step :meth:`process` saw (also when an action raised): what the rollback keeper
+        reads after it."""
 
     @property
     def jsonl_path(self) -> Path | None:
@@ -117,6 +122,7 @@ class AnomalyEngine:
         Raises:
             AnomalyError: with the ``raise`` action, when the step has an event.
         """
+        self.last_events = []
         if self._closed:
             return []
         time = utc_now()
@@ -139,7 +145,12 @@ class AnomalyEngine:
             if "log" in self.actions:
                 self._log.quiet(record.collected)
             return []
+        if record.batch is not None:  # the step's data, where the loop gave it
+            for event in events:
+                if event.batch is None and event.step == record.step:
+                    event.batch = record.batch
         events = order_events(events)
+        self.last_events = events
         self._apply(events, self.actions, [source[id(e)] for e in events], record.collected)
         return events
 

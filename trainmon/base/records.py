@@ -224,6 +224,7 @@ class StepRecord:
         scalars: ``loss``, ``grad_norm``, ``lr/group{i}`` and integration extras.
         pp_stage: pipeline stage of this rank (0 without pipeline parallelism).
         collected: False for a step that was not collected: only the scalars given to ``step()``.
+        batch: the identity of the step's data where the loop gave it (the anomaly events of the step carry it).
     """
 
     step: int
@@ -232,6 +233,7 @@ class StepRecord:
     scalars: dict[str, float] = field(default_factory=dict)
     pp_stage: int = 0
     collected: bool = True
+    batch: dict[str, Any] | None = None
 
 
 def combine_partials(partials: npt.ArrayLike) -> npt.NDArray[np.float64]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmon import integrations
+from trainmon.actions.rollback import RollbackKeeper
 from trainmon.anomaly.events import utc_now
 from trainmon.base.records import StepRecord, build_record
 from trainmon.base.safe_io import write_json
@@ -76,6 +77,8 @@ class Session:
         self.actions: dict[str, HandOffAction] = {}
         self.in_flight: tuple[int, Transfer] | None = None
         """``async_results``: the collected step whose transfer has started and whose record is not made yet."""
+        self.deferred: AnomalyError | None = None
+        """The ``raise`` action's error of a step checked by :meth:`settle`, raised at the end of the next step."""
         self.pending = PendingScalars(lambda: self.ctx.buffer_factory())
         """The scalars (loss, ...) of uncollected steps on their way to the detectors (no host sync)."""
         self.boundary = HookRegistry()
@@ -84,6 +87,8 @@ class Session:
         self.lifecycle = StepLifecycle(self.ctx, end_step=lambda: self.end_step(None, {}, by_user=False))
         self.step_guard: StepGuard | None = None
         self.skips: SkipReporter | None = None
+        self.keeper: RollbackKeeper | None = None
+        """Health, the skip list and the ``rollback`` action (:mod:`trainmon.actions.rollback`)."""
         if config.enabled and config.anomaly.guard.enabled:
             refuse_unguarded(self.framework, optimizer)  # before any hook exists
         self.attachment: Attachment = self._attach(config)
@@ -104,6 +109,9 @@ class Session:
                 if writes_run_json:  # one rank says that a reused run_name appends
                     warn_if_appending(self.run_dir, self.rank_dir, self.options.start_step)
             self._bind_outputs()
+            anomaly = config.anomaly
+            self.keeper = RollbackKeeper(anomaly.rollback, anomaly.actions, anomaly.guard.escalate, rank, self.run_dir,
+                                         self.rank_dir, self.options.start_step, checks=self.writes)
             from trainmon.anomaly.engine import AnomalyEngine
 
             self.anomaly = AnomalyEngine(config.anomaly, rank, self.rank_dir)
@@ -155,6 +163,8 @@ class Session:
                   ("hooks", self.boundary.remove_all)]
         if self.step_guard is not None:
             parts.append(("step guard", self.step_guard.close))
+        if self.keeper is not None:
+            parts.append(("skip list", self.keeper.close))
         # A failed attach may not have made the anomaly engine and the writer yet.
         anomaly: AnomalyEngine | None = getattr(self, "anomaly", None)
         writer: SinkWriter | None = getattr(self, "writer", None)
@@ -236,6 +246,8 @@ class Session:
                 ctx.buffer.add_scalar(f"loss/micro{ctx.micro_step}", loss.detach().float().mean())
             return None
         decided = lifecycle.before_end(by_user, has_scalars=loss is not None or bool(scalars))
+        if self.keeper is not None:
+            self.keeper.end_step(ctx.step)  # the step's data, until its record is checked
         if self.step_guard is not None:
             decided.update(self.step_guard.take())
         for name, action in self.actions.items():
@@ -274,6 +286,8 @@ class Session:
             if self.in_flight is not None:
                 record, error = self.finish_in_flight()
         error = self._take_pending() or error
+        if error is None and self.deferred is not None:  # found while settling for a checkpoint
+            error, self.deferred = self.deferred, None
         if self.struct is not None and self.struct.seen and not self.struct.done:
             self._write_struct()
         ctx.step += 1
@@ -284,9 +298,27 @@ class Session:
         if self.watcher is not None:
             self._reload(self.watcher.poll())
         self._arm(self.schedule.is_collected(ctx.step))
+        stop = self.keeper.exit_due(by_user) if self.keeper is not None else None
+        if stop is not None:  # the rollback action: at the end of a step ended by monitor.step(), never in a hook
+            raise stop
         if error is not None:
             raise error
         return record
+
+    def settle(self) -> None:
+        """Check every ended step now (the uncollected steps' scalars waiting for their copies, the collected step
+        in flight): a host synchronisation, for a checkpoint's health. Their ``raise`` error (or the rollback)
+        comes at the end of the next step."""
+        if self.guard.stopped:
+            return
+        try:
+            _, error = self.finish_in_flight()
+            error = self._take_pending(before=math.inf) or error
+        except Exception as exc:
+            self.guard.fail("step", exc)
+            return
+        if error is not None and self.deferred is None:
+            self.deferred = error
 
     def _finish(self, step: int, host: HostStep) -> tuple[StepRecord, AnomalyError | None]:
         """The host side of a collected step: its record, handed to the writer and the anomaly engine."""
@@ -299,16 +331,24 @@ class Session:
         its event goes with the detectors'; a run of skips escalates). Returns the ``raise`` action's error."""
         found: list[AnomalyEvent] = []
         escalation: AnomalyEvent | None = None
+        keeper = self.keeper
+        record.batch = keeper.batch_of(record.step) if keeper is not None else None
         if self.skips is not None:  # the guard's host side, under its part (failing, the whole guard goes off)
             found, escalation = self.guard.run("step_guard", self.skips.take, record, utc_now()) or ([], None)
+            if escalation is not None:
+                escalation.batch = record.batch
         self.writer.submit(self.replicas.stored(record))  # the detectors below get every row
+        self.anomaly.last_events = []
+        error = None
         try:
             self.guard.run("anomaly", self.anomaly.process, record, found)
             if escalation is not None:
                 self.guard.run("anomaly", self.anomaly.act, [escalation], self.config.anomaly.guard.escalate)
         except AnomalyError as exc:
-            return exc
-        return None
+            error = exc
+        if keeper is not None:  # health, the skip list, the rollback action: after the engine's actions
+            self.guard.run("rollback", keeper.observe, record, self.anomaly.last_events, escalation)
+        return error
 
     def finish_in_flight(self) -> tuple[StepRecord | None, AnomalyError | None]:
         """Finish the step whose transfer is in flight (``async_results``), if any, after the uncollected steps
@@ -399,6 +439,8 @@ class Session:
                 self.anomaly.on_anomaly(callback)
             for name, action in self.actions.items():
                 self.anomaly.register_action(name, action.on_anomaly)
+        if self.keeper is not None:
+            self.keeper.configure(config.anomaly.rollback, config.anomaly.actions, config.anomaly.guard.escalate)
         logger.info("trainmon: config reloaded from %s; applies from step %d", self.config_path, self.ctx.step)
 
     def close(self) -> None:
