@@ -7,20 +7,21 @@ ZeRO-0 (``overflow_checker.check()``). On that path DeepSpeed sets ``optimizer.o
 leaves the fp32 master weights and the optimizer states untouched; the engine then counts ``skipped_steps``, does
 not step its LR scheduler, and ``engine.was_step_applied()`` is False.
 
-The guard judges the gradients at the start of ``engine.optimizer.step()`` (the instance's ``step`` is wrapped):
-each parameter's norm from this rank's shard of the reduced gradient (``ShardLayout.grad``), the squared norms
-summed over the data-parallel group with one ``all_reduce`` on the device (ZeRO 1-3; ZeRO-0 holds whole
-gradients), then :class:`~trainmon.collect.step_guard.GradientJudge`. Its verdict enters DeepSpeed's decision
-through the one value that decision reads: the norm DeepSpeed computes is returned as NaN when the verdict says
-skip, and bit for bit as computed otherwise (ZeRO-0 bf16's unfused wrapper: its overflow check says True). Nothing
-of the gradients, weights or states is touched. No host synchronisation is added: DeepSpeed reads its norm on the
-host already and the verdict stays a device tensor until then (the unfused wrapper's check reads it right after
-DeepSpeed's own read, when the device is past it).
+The guard judges the gradients when the engine's optimizer step begins (``engine._take_model_step``, wrapped on
+the instance): reduced over the data-parallel group, before any clipping (ZeRO-0 fp32 clips in that method, the
+wrappers inside their step). Each parameter's norm comes from this rank's shard of the reduced gradient
+(``ShardLayout.grad``), the squared norms summed over the data-parallel group with one ``all_reduce`` on the device
+(ZeRO 1-3; ZeRO-0 holds whole gradients), then :class:`~trainmon.collect.step_guard.GradientJudge` decides. The
+verdict enters DeepSpeed's decision through the one value that decision reads: the norm DeepSpeed computes is
+returned as NaN when the verdict says skip, and bit for bit as computed otherwise (ZeRO-0 bf16's unfused wrapper:
+its overflow check says True). Nothing of the gradients, weights or states is touched. No host synchronisation is
+added: DeepSpeed reads its norm on the host already and the verdict stays a device tensor until then (the unfused
+wrapper's check reads it right after DeepSpeed's own read, when the device is past it).
 
 ZeRO-0 in fp32 has no wrapper: the engine steps the torch optimizer, and DeepSpeed applies any gradient. There the
 verdict is read on the host (one synchronisation per step), a skipped step does not call the optimizer's ``step``,
-and the guard tells the engine through the attribute DeepSpeed's wrappers use, ``optimizer.overflow``, so that the
-engine handles it as its own skip.
+and the guard tells the engine through the attribute DeepSpeed's wrappers use, ``optimizer.overflow`` (set for that
+step only), so that the engine handles it as its own skip.
 """
 
 from __future__ import annotations
@@ -62,11 +63,15 @@ def optimizer_kind(optimizer: Any) -> str | None:
 
 
 class DeepSpeedStepGuard:
-    """The step guard on one ``DeepSpeedEngine`` (its optimizer's instance methods wrapped; undone by :meth:`close`).
+    """The step guard on one ``DeepSpeedEngine`` (instance methods wrapped; undone by :meth:`close`).
+
+    The verdict is made when the engine's optimizer step begins (``engine._take_model_step``, on an accumulation
+    boundary, after the gradient reduction and before ZeRO-0's gradient clipping), and read by DeepSpeed's overflow
+    decision inside ``engine.optimizer.step()``.
 
     Args:
         settings: the ``anomaly.guard`` config section.
-        engine: the engine (checked by :func:`refusal` first).
+        engine: the engine (checked by :func:`~trainmon.integrations.deepspeed.guard_refusal` first).
         layout: where each parameter's shard of the reduced gradient lives on this rank.
         params: ``(name, parameter)`` of every trainable parameter of ``engine.module``, in the verdict's order.
         guard: the monitor's fail-safe guard.
@@ -96,19 +101,20 @@ class DeepSpeedStepGuard:
         self.verdict: torch.Tensor | list[float] | None = None
         """This step's :data:`~trainmon.base.records.GUARD_VERDICT` (on the device, or read on the host)."""
         self.skip: torch.Tensor | None = None
-        """While DeepSpeed's step runs: the verdict's skip flag, which its overflow decision reads."""
+        """While the engine's optimizer step runs: the verdict's skip flag, which DeepSpeed's overflow decision reads
+        (ZeRO-0 fp32: read on the host, 1.0 or 0.0)."""
         self._wrappers: list[StepWrapper] = []
         try:
-            self._wrappers.append(StepWrapper(self.optimizer, around=self._step).install())
+            self._wrappers.append(StepWrapper(engine, method="_take_model_step", around=self._model_step).install())
             marks: dict[str | None, tuple[Any, str, Callable[..., Any]]] = {
+                "torch": (self.optimizer, "step", self._torch_step),
                 "zero": (self.optimizer, "scaled_global_norm", self._nan_norm),
                 "zero3": (self.optimizer, "_get_norm_groups", self._nan_first_norm),
                 "bf16": (self.optimizer, "get_grads_for_norm", self._nan_grads_for_norm),
                 "unfused": (getattr(self.optimizer, "overflow_checker", None), "check", self._overflow),
             }
-            if self.kind in marks:
-                owner, method, around = marks[self.kind]
-                self._wrappers.append(StepWrapper(owner, method=method, around=around).install())
+            owner, method, around = marks[self.kind]
+            self._wrappers.append(StepWrapper(owner, method=method, around=around).install())
         except BaseException:
             self.close()
             raise
@@ -116,60 +122,53 @@ class DeepSpeedStepGuard:
     def close(self) -> None:
         while self._wrappers:
             self._wrappers.pop().uninstall()
-        if self.kind == "torch":
-            self.optimizer.__dict__.pop("overflow", None)
 
     def take(self) -> dict[str, Any]:
         """This step's verdict as scalars, then forgotten (``{}`` when the optimizer did not step)."""
         verdict, self.verdict = self.verdict, None
         return verdict_scalars(verdict)
 
-    # ------------------------------------------------------------------ DeepSpeed's optimizer step
-    def _step(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.kind == "torch":
-            return self._host_step(inner, args, kwargs)
+    # ------------------------------------------------------------------ the engine's optimizer step
+    def _model_step(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.guard.off(PART):
             self.skip = self.guard.run(PART, self._decide)
         try:
-            return inner(*args, **kwargs)  # DeepSpeed's step: its overflow check reads self.skip
+            return inner(*args, **kwargs)  # DeepSpeed's: its overflow decision reads self.skip
         finally:
             self.skip = None
+            if self.kind == "torch":
+                self.optimizer.__dict__.pop("overflow", None)  # read by the engine already
             self.guard.run(PART, self._after)
 
-    def _host_step(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """ZeRO-0 fp32: the verdict read on the host; a skip does not call the torch optimizer's ``step`` and says
-        ``overflow`` to the engine (which reads it right after, as it reads its wrappers')."""
-        namespace = self.optimizer.__dict__
-        namespace.pop("overflow", None)  # an earlier skip's, whatever happens now
-        decided = self.guard.run(PART, self._decide) if not self.guard.off(PART) else None
-        skipped = False
-        if decided is not None and isinstance(self.verdict, torch.Tensor):
-            values: list[float] = self.verdict.tolist()  # sync: the one host read of this set-up's step
-            self.verdict = values
-            skipped = values[0] > 0
-        if skipped:
-            namespace["overflow"] = True
-            result = None
-        else:
-            result = inner(*args, **kwargs)
-        self.guard.run(PART, self._after)
-        return result
-
     def _decide(self) -> torch.Tensor:
-        """This step's verdict on the device (kept in :attr:`verdict`); returns its skip flag."""
+        """This step's verdict on the device (kept in :attr:`verdict`); returns its skip flag (ZeRO-0 fp32: the
+        verdict read on the host, the one synchronisation of that set-up's step)."""
         grads = [self.layout.grad(param) for param in self.params]
         norms = self.judge.norms(grads, self.reduce_group)  # every rank joins the reduction, holding a piece or not
         verdict = self.judge.judge(norms)
         self.verdict = verdict
+        if self.kind == "torch":
+            values: list[float] = verdict.tolist()  # sync: the torch optimizer's skip is decided on the host
+            self.verdict = values
+            return torch.tensor(values[0])
         return verdict[0]
 
     def _after(self) -> None:
-        """DeepSpeed decided: the step model is told (its own host flag, no read of the device)."""
-        skipped = bool(getattr(self.optimizer, "overflow", False))
+        """DeepSpeed decided: the step model is told (the engine's own host flag, no read of the device)."""
+        skipped = not self.engine.was_step_applied()
         self.on_decided(1.0 if skipped else 0.0)
         verdict = self.verdict
         if skipped and verdict is not None and self.norm_sink is not None:
             self.norm_sink(verdict[6])  # GUARD_VERDICT's grad_norm: the norm DeepSpeed did not report
+
+    def _torch_step(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """ZeRO-0 fp32's torch optimizer: a skip does not call its ``step`` and says ``overflow`` to the engine,
+        which reads it right after, as it reads its wrappers' (removed again when the engine's step ends)."""
+        skip = self.skip
+        if skip is None or not skip.item() > 0:  # a host value already (see _decide)
+            return inner(*args, **kwargs)
+        self.optimizer.__dict__["overflow"] = True
+        return None
 
     # ------------------------------------------------------------------ the verdict into DeepSpeed's decision
     def _marked(self, value: torch.Tensor | float) -> torch.Tensor | float:
