@@ -121,6 +121,16 @@ def test_without_the_guard_the_poison_reaches_the_weights_where_deepspeed_lets_i
         assert spiked["skipped_steps"] == 0 and len(spiked["differ"]) == spiked["compared"]
 
 
+def test_a_failing_guard_applies_the_step_as_without_it(runs):
+    """trainmon's guard code raising at step ``BAD`` (tests/faults.py): the spike is applied as by an unguarded
+    run, with the fail-safe guard's one warning and the part in failures.json."""
+    run = runs["z2"]
+    got = _result(run)["failing_spike"]
+    assert got["differ_unguarded_spike"] == [] and got["skipped_steps"] == 0
+    failures = json.loads((run.parent / "z2_failing_spike" / "rank0" / "failures.json").read_text())
+    assert [part["part"] for part in failures["parts"]] == ["step_guard"]
+
+
 def test_set_ups_deepspeed_would_not_skip_exactly_are_refused(runs):
     refusals = _result(runs["z2"])["refusals"]
     assert "bf16.check_grad_overflow: false is not supported" in refusals["bf16_no_overflow_check"]

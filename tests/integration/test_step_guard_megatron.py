@@ -32,7 +32,8 @@ GUARDED = ["reference", "nan", "spike"]
 RERUN = ["reference", "reference_stop", "clean", "rerun_transient_nan", "rerun_persistent_nan", "rerun_spike",
          "rerun_transient_spike", "rerun_disabled_nan"]
 CASES = {
-    "fp32": dict(world=1, runs=[*GUARDED, "unguarded_nan", "unguarded_spike"], refusals=True),  # Chained(FP32Optimizer)
+    # a ChainedOptimizer of one FP32Optimizer
+    "fp32": dict(world=1, runs=[*GUARDED, "unguarded_nan", "unguarded_spike", "failing_spike"], refusals=True),
     "bf16_distopt": dict(world=1, bf16=True, distopt=True, runs=GUARDED),  # DistributedOptimizer, fp32 shards
     "rerun": dict(world=1, runs=RERUN),
     "bf16_leaf": dict(world=1, bf16=True, chained=False, runs=GUARDED),  # a bare Float16OptimizerWithFloat16Params
@@ -130,6 +131,16 @@ def test_without_the_guard_the_poison_reaches_the_weights(runs):
     for mode in ("unguarded_nan", "unguarded_spike"):
         assert result[mode]["successes"] == [True] * STEPS
         assert len(result[mode]["differ_reference"]) == result[mode]["compared"]
+
+
+def test_a_failing_guard_applies_the_step_as_without_it(runs):
+    """trainmon's guard code raising at step ``BAD`` (tests/faults.py): the spike is applied as by an unguarded
+    run, and failures.json names the part."""
+    run = runs["fp32"]
+    got = _result(run)["failing_spike"]
+    assert got["differ_unguarded_spike"] == [] and got["successes"] == [True] * STEPS
+    failures = json.loads((run.parent / "fp32_failing_spike" / "rank0" / "failures.json").read_text())
+    assert [part["part"] for part in failures["parts"]] == ["step_guard"]
 
 
 def test_set_ups_the_guard_cannot_hold_back_are_refused(runs):

@@ -10,7 +10,9 @@ micro-batches per step), each run from the same seed:
 - ``nan``: guarded; at step ``BAD`` the last micro-batch's gradient of ``layers.1.fc2.weight`` gets a NaN in one
   entry (a tensor hook), on the last rank only.
 - ``spike``: guarded; at step ``BAD`` the loss of every micro-batch is multiplied by 10, on rank 0 only.
-- with ``unguarded``: the same two poisons without trainmon (to show they would change the run).
+- with ``unguarded``: the same two poisons without trainmon (to show they would change the run), and
+  ``failing_spike``: the spike, guarded, with trainmon's guard code raising from step ``BAD`` on (tests/faults.py):
+  the step is applied as without the guard.
 
 After each run the script gathers what DeepSpeed holds (every rank joins the gathers): the module's parameters, the
 fp32 master weights and the Adam states through ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``
@@ -22,6 +24,7 @@ inner torch optimizer's state (flat partitions, step counts) and the learning ra
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -73,11 +76,11 @@ def train(case: dict, out: str, mode: str) -> dict:
         config["data_types"] = {"grad_accum_dtype": case["accum"]}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     monitor = None
-    if mode in ("nan", "spike"):
+    if mode in ("nan", "spike", "failing_spike"):
         monitor = TrainerMonitor({"output_dir": out, "run_name": f"{case['name']}_{mode}", "sinks": ["csv"],
                                   "step_interval": 2, "anomaly": {"guard": GUARD, "actions": ["jsonl"]}})
         monitor.attach(engine)
-    poison = mode.removeprefix("unguarded_")
+    poison = mode.removeprefix("unguarded_").removeprefix("failing_")
     norms: list[list[float]] = []  # on applied steps: [the guard's global norm, DeepSpeed's]
     try:
         for step in range(STEPS):
@@ -182,6 +185,10 @@ def refusals(out: str) -> dict[str, str]:
     return messages
 
 
+def _differ(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(name for name in expected if name not in tensors or not torch.equal(tensors[name], expected[name]))
+
+
 def main() -> None:
     out, case = sys.argv[1], json.loads(sys.argv[2])
     deepspeed.init_distributed(dist_backend="gloo")
@@ -189,15 +196,27 @@ def main() -> None:
     try:
         modes = ["reference", "nan", "spike"] + (["unguarded_nan", "unguarded_spike"] if case.get("unguarded") else [])
         states = {mode: train(case, out, mode) for mode in modes}
+        if case.get("unguarded"):
+            from tests.faults import FAULTS, inject
+
+            fault = FAULTS["deepspeed_step_guard"]
+            owner = getattr(importlib.import_module(fault.module), fault.owner)
+            original = getattr(owner, fault.attribute)
+            inject("deepspeed_step_guard", after=BAD + 1)  # the decision of step BAD raises
+            try:
+                states["failing_spike"] = train(case, out, "failing_spike")
+            finally:
+                setattr(owner, fault.attribute, original)
         reference = states["reference"]["tensors"]
         result = {}
         for mode, state in states.items():
             tensors = state["tensors"]
-            result[mode] = {"differ": sorted(name for name in reference
-                                             if name not in tensors or not torch.equal(tensors[name], reference[name])),
+            result[mode] = {"differ": _differ(tensors, reference),
                             "compared": len(reference), "skipped_steps": state["skipped_steps"],
                             "global_steps": state["global_steps"], "finite": state["finite"],
                             "norms": state["norms"]}
+            if "unguarded_spike" in states:
+                result[mode]["differ_unguarded_spike"] = _differ(tensors, states["unguarded_spike"]["tensors"])
         if case.get("refusals"):
             result["refusals"] = refusals(out)
         Path(out, case["name"]).mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ main parameters, every tensor of its torch optimizer's state, the learning rates
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -113,7 +114,7 @@ def train(case: dict, out: str, run: str) -> dict:
         rsm_module.initialize_rerun_state_machine(mode=mode)
     gpt, model, optimizer, scheduler = build(case)
     monitor = validation = None
-    if run in ("nan", "spike") or rerun:
+    if run in ("nan", "spike", "failing_spike") or rerun:
         monitor = TrainerMonitor({"output_dir": out, "run_name": f"{case['name']}_{run}", "sinks": ["csv"],
                                   "step_interval": 2, "anomaly": {"guard": GUARD, "actions": ["jsonl"]}})
         monitor.attach([model], optimizer, grad_acc_steps=M)
@@ -180,7 +181,8 @@ def train(case: dict, out: str, run: str) -> dict:
             successes.append(bool(update_successful))
             if monitor is not None and update_successful and grad_norm is not None:
                 verdict = monitor._session.step_guard.verdict  # this step's, until monitor.step() takes it
-                norms.append([verdict[6], float(grad_norm)])  # the guard's global norm, Megatron's (pre-clip)
+                if verdict is not None:  # (none once a failing guard is off)
+                    norms.append([verdict[6], float(grad_norm)])  # the guard's global norm, Megatron's (pre-clip)
             if update_successful:  # Megatron-LM's train_step: the schedule advances on applied steps only
                 scheduler.step(increment=1)
             if monitor is not None:
@@ -253,9 +255,23 @@ def main() -> None:
     dist.init_process_group("gloo")
     ps.initialize_model_parallel(tensor_model_parallel_size=case.get("tp", 1))
     try:
-        runs = {run: train(case, out, run) for run in case["runs"]}
+        runs = {}
+        for run in case["runs"]:
+            if run != "failing_spike":
+                runs[run] = train(case, out, run)
+                continue
+            from tests.faults import FAULTS, inject
+
+            fault = FAULTS["megatron_step_guard"]
+            owner = getattr(importlib.import_module(fault.module), fault.owner)
+            original = getattr(owner, fault.attribute)
+            inject("megatron_step_guard", after=BAD + 1)  # the decision of step BAD raises
+            try:
+                runs[run] = train(case, out, run)
+            finally:
+                setattr(owner, fault.attribute, original)
         tensors = {run: got.pop("tensors") for run, got in runs.items()}
-        references = [run for run in ("reference", "reference_stop", "clean") if run in runs]
+        references = [run for run in ("reference", "reference_stop", "clean", "unguarded_spike") if run in runs]
         for run, got in runs.items():
             mine = tensors[run]
             got["compared"] = len(mine)
