@@ -28,12 +28,15 @@ SCRIPT = ROOT / "tests" / "integration" / "scripts" / "ds_guard_run.py"
 STEPS, BAD = 9, 6
 NAN_PARAM = "layers.1.fc2.weight"
 CASES = [  # one per way into DeepSpeed's skip
-    {"name": "z0", "stage": 0, "unguarded": True},  # a torch optimizer: the host decision, engine.optimizer.overflow
-    {"name": "z0_bf16", "stage": 0, "dtype": "bf16"},  # FP16_UnfusedOptimizer: its overflow check
-    {"name": "z1_bf16_fp32acc", "stage": 1, "dtype": "bf16", "accum": "fp32"},  # BF16_Optimizer
-    {"name": "z2", "stage": 2, "unguarded": True, "refusals": True},  # DeepSpeedZeroOptimizer
-    {"name": "z3_bf16", "stage": 3, "dtype": "bf16"},  # DeepSpeedZeroOptimizer_Stage3
+    {"name": "z0", "stage": 0, "unguarded": True, "reads": True},  # a torch optimizer: host decision, .overflow
+    {"name": "z0_bf16", "stage": 0, "dtype": "bf16", "reads": True},  # FP16_UnfusedOptimizer: its overflow check
+    {"name": "z1_bf16_fp32acc", "stage": 1, "dtype": "bf16", "accum": "fp32", "reads": True},  # BF16_Optimizer
+    {"name": "z2", "stage": 2, "unguarded": True, "refusals": True, "reads": True},  # DeepSpeedZeroOptimizer
+    {"name": "z3_bf16", "stage": 3, "dtype": "bf16", "reads": True},  # DeepSpeedZeroOptimizer_Stage3
 ]
+ADDED_READS = {"z0": 1, "z0_bf16": 1}
+"""Host reads the guard adds per step: ZeRO-0 fp32 decides on the host; ZeRO-0 bf16's unfused wrapper asks a host
+bool of it (after DeepSpeed's own read). Everywhere else none."""
 SLOW_CASES = [{"name": "z2_bf16", "stage": 2, "dtype": "bf16"}, {"name": "z3", "stage": 3}]
 DP2_CASES = [{"name": "z2_dp2", "stage": 2}, {"name": "z3_dp2_bf16", "stage": 3, "dtype": "bf16"}]
 
@@ -108,6 +111,15 @@ def test_the_guard_judges_deepspeeds_global_norm(runs):
         assert len(pairs) == STEPS - 1, case
         for guard, deepspeed in pairs:
             assert abs(guard - deepspeed) <= 1e-6 * deepspeed, (case, guard, deepspeed)
+
+
+@pytest.mark.parametrize("case", [case["name"] for case in CASES])
+def test_host_reads_added_by_the_guard(runs, case):
+    """Every host-synchronising tensor call of a training step (``item``, ``tolist``, ``__bool__``, ... from anyone:
+    DeepSpeed's own overflow check included), with the guard off and on (a monitor collecting step 0 only)."""
+    reads = _result(runs[case])["host_reads"]
+    added = ADDED_READS.get(case, 0)
+    assert reads["guarded"] == [count + added for count in reads["plain"]], reads
 
 
 def test_without_the_guard_the_poison_reaches_the_weights_where_deepspeed_lets_it(runs):

@@ -33,7 +33,8 @@ RERUN = ["reference", "reference_stop", "clean", "rerun_transient_nan", "rerun_p
          "rerun_transient_spike", "rerun_disabled_nan"]
 CASES = {
     # a ChainedOptimizer of one FP32Optimizer
-    "fp32": dict(world=1, runs=[*GUARDED, "unguarded_nan", "unguarded_spike", "failing_spike"], refusals=True),
+    "fp32": dict(world=1, runs=[*GUARDED, "unguarded_nan", "unguarded_spike", "failing_spike"], refusals=True,
+                 reads=True),
     "bf16_distopt": dict(world=1, bf16=True, distopt=True, runs=GUARDED),  # DistributedOptimizer, fp32 shards
     "rerun": dict(world=1, runs=RERUN),
     "bf16_leaf": dict(world=1, bf16=True, chained=False, runs=GUARDED),  # a bare Float16OptimizerWithFloat16Params
@@ -141,6 +142,14 @@ def test_a_failing_guard_applies_the_step_as_without_it(runs):
     assert got["differ_unguarded_spike"] == [] and got["successes"] == [True] * STEPS
     failures = json.loads((run.parent / "fp32_failing_spike" / "rank0" / "failures.json").read_text())
     assert [part["part"] for part in failures["parts"]] == ["step_guard"]
+
+
+def test_one_host_read_per_step(runs):
+    """Every host-synchronising tensor call of a training step (Megatron's own, e.g. its grad norm's ``item()``,
+    included), with the guard off and on: the guard adds its one read of the verdict (``prepare_grads`` returns a
+    Python bool)."""
+    reads = _result(runs["fp32"])["host_reads"]
+    assert reads["guarded"] == [count + 1 for count in reads["plain"]], reads
 
 
 def test_set_ups_the_guard_cannot_hold_back_are_refused(runs):

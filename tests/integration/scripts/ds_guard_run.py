@@ -1,7 +1,8 @@
 """The step guard under DeepSpeed, against runs that leave the poisoned batch out (``anomaly.guard``).
 
 Run by tests/launch.py (``DeepSpeedCases``) as ``python ds_guard_run.py OUT CASE`` on 1 or 2 ranks. CASE is a JSON
-object ``{"name", "stage", "dtype" (fp32, bf16), "gas", "accum" (the gradient-accumulation dtype), "unguarded"}``.
+object ``{"name", "stage", "dtype" (fp32, bf16), "gas", "accum" (the gradient-accumulation dtype), "unguarded",
+"refusals", "reads"}``.
 
 One process trains TinyNet several times under the same DeepSpeed config (AdamW, a WarmupLR scheduler, ``gas``
 micro-batches per step), each run from the same seed:
@@ -19,7 +20,9 @@ fp32 master weights and the Adam states through ``safe_get_full_fp32_param`` / `
 (ZeRO 1-3; under ZeRO-0 the torch optimizer's own, keyed by the parameter or its fp32 copy), every tensor of the
 inner torch optimizer's state (flat partitions, step counts) and the learning rates, and writes
 ``OUT/<name>/result_rank{R}.json``: per run, the names of the tensors that differ from the reference
-(``torch.equal``), ``skipped_steps``, ``global_steps``, and whether every parameter is finite.
+(``torch.equal``), ``skipped_steps``, ``global_steps``, whether every parameter is finite, and on applied steps the
+guard's global norm with DeepSpeed's; with ``refusals`` the messages of set-ups refused at attach, with ``reads``
+the host-synchronising calls per step with the guard off and on.
 """
 
 from __future__ import annotations
@@ -59,12 +62,7 @@ def _nan_in_one_entry(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def train(case: dict, out: str, mode: str) -> dict:
-    """One run (``reference``, ``nan``, ``spike``, ``unguarded_nan``, ``unguarded_spike``); returns its state."""
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    torch.manual_seed(0)
-    model = TinyNet()
-    gas = case.get("gas", 2)
+def _config(case: dict, gas: int) -> dict:
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": gas,
               "zero_optimization": {"stage": case["stage"]}, "steps_per_print": 10 ** 6,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.01}},
@@ -74,7 +72,16 @@ def train(case: dict, out: str, mode: str) -> dict:
         config["bf16"] = {"enabled": True}
     if case.get("accum"):
         config["data_types"] = {"grad_accum_dtype": case["accum"]}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return config
+
+
+def train(case: dict, out: str, mode: str) -> dict:
+    """One run (``reference``, ``nan``, ``spike``, ``unguarded_nan``, ``unguarded_spike``); returns its state."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    torch.manual_seed(0)
+    model = TinyNet()
+    gas = case.get("gas", 2)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(case, gas))
     monitor = None
     if mode in ("nan", "spike", "failing_spike"):
         monitor = TrainerMonitor({"output_dir": out, "run_name": f"{case['name']}_{mode}", "sinks": ["csv"],
@@ -185,6 +192,46 @@ def refusals(out: str) -> dict[str, str]:
     return messages
 
 
+SYNCS = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__")
+
+
+def host_reads(case: dict, out: str, guarded: bool) -> list[int]:
+    """Per step, the host-synchronising tensor calls of the whole training step (DeepSpeed's own included), with a
+    monitor that collects only step 0 and the guard on or off (``numpy()`` of a CPU tensor is a view, not counted)."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_config(case, 1))
+    monitor = TrainerMonitor({"output_dir": out, "run_name": f"{case['name']}_reads_{guarded}", "sinks": ["csv"],
+                              "step_interval": 1000, "anomaly": {"guard": {**GUARD, "enabled": guarded}}})
+    monitor.attach(engine)
+    counts: list[int] = []
+    originals = {name: getattr(torch.Tensor, name) for name in SYNCS}
+
+    def counting(name):
+        def call(tensor, *args, **kwargs):
+            counts[-1] += 1
+            return originals[name](tensor, *args, **kwargs)
+        return call
+
+    try:
+        for step in range(4):
+            counts.append(0)
+            for name in SYNCS:
+                setattr(torch.Tensor, name, counting(name))
+            try:
+                loss = loss_fn(engine, *batch(step))
+                engine.backward(loss)
+                engine.step()
+                monitor.step(loss=loss)
+            finally:
+                for name, original in originals.items():
+                    setattr(torch.Tensor, name, original)
+    finally:
+        monitor.close()
+        engine.destroy()
+    return counts
+
+
 def _differ(tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
     return sorted(name for name in expected if name not in tensors or not torch.equal(tensors[name], expected[name]))
 
@@ -219,6 +266,8 @@ def main() -> None:
                 result[mode]["differ_unguarded_spike"] = _differ(tensors, states["unguarded_spike"]["tensors"])
         if case.get("refusals"):
             result["refusals"] = refusals(out)
+        if case.get("reads"):
+            result["host_reads"] = {"plain": host_reads(case, out, False), "guarded": host_reads(case, out, True)}
         Path(out, case["name"]).mkdir(parents=True, exist_ok=True)
         Path(out, case["name"], f"result_rank{rank}.json").write_text(json.dumps(result, indent=1))
     finally:

@@ -221,6 +221,61 @@ def state(gpt, optimizer) -> dict[str, torch.Tensor]:
     return tensors
 
 
+SYNCS = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__")
+
+
+def host_reads(case: dict, out: str, guarded: bool) -> list[int]:
+    """Per step, the host-synchronising tensor calls of the whole training step (Megatron's own included), with a
+    monitor that collects only step 0 and the guard on or off (``numpy()`` of a CPU tensor is a view, not counted)."""
+    gpt, model, optimizer, _ = build(case)
+    monitor = TrainerMonitor({"output_dir": out, "run_name": f"{case['name']}_reads_{guarded}", "sinks": ["csv"],
+                              "step_interval": 1000, "anomaly": {"guard": {**GUARD, "enabled": guarded}}})
+    monitor.attach([model], optimizer, grad_acc_steps=M)
+    counts: list[int] = []
+    originals = {name: getattr(torch.Tensor, name) for name in SYNCS}
+    inside = [False]  # the CPU shim's TorchFunctionMode dispatches a method again: one call, counted once
+
+    def counting(name):
+        def call(tensor, *args, **kwargs):
+            if inside[0]:
+                return originals[name](tensor, *args, **kwargs)
+            counts[-1] += 1
+            inside[0] = True
+            try:
+                return originals[name](tensor, *args, **kwargs)
+            finally:
+                inside[0] = False
+        return call
+
+    def step_fn(it, mod):
+        tok, labels = next(it)
+        pos = torch.arange(S).expand(tok.shape[0], S)
+        mask = torch.ones(S, S, dtype=torch.bool).triu(1).view(1, 1, S, S)
+        output = mod(tok, pos, mask, labels=labels)
+        return output, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
+
+    try:
+        for step in range(4):
+            counts.append(0)
+            for name in SYNCS:
+                setattr(torch.Tensor, name, counting(name))
+            try:
+                model.zero_grad_buffer()
+                optimizer.zero_grad()
+                losses = get_forward_backward_func()(forward_step_func=step_fn, data_iterator=iter(batches(step)),
+                                                     model=[model], num_microbatches=M, seq_length=S,
+                                                     micro_batch_size=2 * B // ps.get_data_parallel_world_size(),
+                                                     forward_only=False)
+                optimizer.step()
+                monitor.step(loss=torch.stack([x["loss"] for x in losses]).mean())  # the loss goes every step
+            finally:
+                for name, original in originals.items():
+                    setattr(torch.Tensor, name, original)
+    finally:
+        monitor.close()
+    return counts
+
+
 def refusals(out: str) -> dict[str, str]:
     """What attach says to set-ups the guard cannot hold back exactly (and to one it can: a torch optimizer over
     chunks without Megatron's DDP, guarded by the torch guard)."""
@@ -283,6 +338,8 @@ def main() -> None:
                                                     if name not in mine or not torch.equal(mine[name], expected[name]))
         if case.get("refusals"):
             runs["refusals"] = refusals(out)
+        if case.get("reads"):
+            runs["host_reads"] = {"plain": host_reads(case, out, False), "guarded": host_reads(case, out, True)}
         Path(out, case["name"]).mkdir(parents=True, exist_ok=True)
         Path(out, case["name"], f"result_rank{dist.get_rank()}.json").write_text(json.dumps(runs, indent=1))
     finally:

@@ -101,8 +101,9 @@ class DeepSpeedStepGuard:
         self.verdict: torch.Tensor | list[float] | None = None
         """This step's :data:`~trainmon.base.records.GUARD_VERDICT` (on the device, or read on the host)."""
         self.skip: torch.Tensor | None = None
-        """While the engine's optimizer step runs: the verdict's skip flag, which DeepSpeed's overflow decision reads
-        (ZeRO-0 fp32: read on the host, 1.0 or 0.0)."""
+        """While the engine's optimizer step runs: the verdict's skip flag (DeepSpeed's overflow decision reads it)."""
+        self.host_skip = False
+        """ZeRO-0 fp32, while the engine's optimizer step runs: the verdict read on the host says skip."""
         self._wrappers: list[StepWrapper] = []
         try:
             self._wrappers.append(StepWrapper(engine, method="_take_model_step", around=self._model_step).install())
@@ -135,7 +136,7 @@ class DeepSpeedStepGuard:
         try:
             return inner(*args, **kwargs)  # DeepSpeed's: its overflow decision reads self.skip
         finally:
-            self.skip = None
+            self.skip, self.host_skip = None, False
             if self.kind == "torch":
                 self.optimizer.__dict__.pop("overflow", None)  # read by the engine already
             self.guard.run(PART, self._after)
@@ -150,7 +151,7 @@ class DeepSpeedStepGuard:
         if self.kind == "torch":
             values: list[float] = verdict.tolist()  # sync: the torch optimizer's skip is decided on the host
             self.verdict = values
-            return torch.tensor(values[0])
+            self.host_skip = values[0] > 0
         return verdict[0]
 
     def _after(self) -> None:
@@ -164,8 +165,7 @@ class DeepSpeedStepGuard:
     def _torch_step(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """ZeRO-0 fp32's torch optimizer: a skip does not call its ``step`` and says ``overflow`` to the engine,
         which reads it right after, as it reads its wrappers' (removed again when the engine's step ends)."""
-        skip = self.skip
-        if skip is None or not skip.item() > 0:  # a host value already (see _decide)
+        if not self.host_skip:
             return inner(*args, **kwargs)
         self.optimizer.__dict__["overflow"] = True
         return None
