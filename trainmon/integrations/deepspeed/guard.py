@@ -26,7 +26,6 @@ step only), so that the engine handles it as its own skip.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -42,7 +41,6 @@ if TYPE_CHECKING:
     from trainmon.config import GuardConfig
     from trainmon.integrations.deepspeed.shards import ShardLayout
 
-logger = logging.getLogger("trainmon")
 PART = "step_guard"
 
 

@@ -23,7 +23,6 @@ machine from inside the forward-backward loop (:meth:`MegatronStepGuard.peek`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,6 @@ if TYPE_CHECKING:
     from trainmon.config import GuardConfig
     from trainmon.integrations.megatron.collect import MainParam
 
-logger = logging.getLogger("trainmon")
 PART = "step_guard"
 
 

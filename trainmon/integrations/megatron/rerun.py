@@ -18,7 +18,6 @@ failed validation); the guard still judges the gradients the optimizer finally g
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 from trainmon.base.records import GUARD_REASONS
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
 
     from trainmon.integrations.megatron.guard import MegatronStepGuard
 
-logger = logging.getLogger("trainmon")
 NONFINITE_MESSAGE = "trainmon step guard: non-finite gradient norm"
 SPIKE_MESSAGE = "trainmon step guard: gradient norm spike"
 _NONFINITE = GUARD_REASONS.index("nonfinite")
