@@ -282,11 +282,12 @@ def test_close_removes_the_wrapper(tmp_path):
     assert "step" not in optimizer.__dict__ and not optimizer._optimizer_step_pre_hooks
 
 
-@pytest.mark.parametrize("framework", ["deepspeed", "megatron", "mindspore"])
-def test_set_ups_it_cannot_guard_are_refused_at_attach(tmp_path, framework):
-    """Refused before the framework's integration is even loaded (framework detection reads the type's module)."""
-    fake = type("Model", (torch.nn.Module,), {"__module__": f"{framework}.fake"})
-    with pytest.raises(UnsupportedSetupError, match=f"anomaly.guard is not supported with {framework}: .*plain torch"):
+def test_set_ups_it_cannot_guard_are_refused_at_attach(tmp_path):
+    """Refused before the framework's integration is even loaded (framework detection reads the type's module).
+    DeepSpeed's and Megatron-Core's refusals (fp16, offload, a loss scaler, ...) are tested with real objects in
+    test_step_guard_deepspeed.py and test_step_guard_megatron.py."""
+    fake = type("Model", (torch.nn.Module,), {"__module__": "mindspore.fake"})
+    with pytest.raises(UnsupportedSetupError, match="anomaly.guard is not supported with mindspore: .*plain torch"):
         _monitor(tmp_path).attach(fake(), None)
     with pytest.raises(UnsupportedSetupError, match="needs the optimizer"):
         _monitor(tmp_path).attach(TinyNet(), None)

@@ -108,6 +108,24 @@ class StepWrapper:
             namespace[self.method] = previous
 
 
+def installed_wrapper(owner: Any, method: str = "step") -> StepWrapper | None:
+    """The active :class:`StepWrapper` installed on ``owner.method`` (the outermost, when it is trainmon's), or None.
+
+    Example:
+        >>> class Engine:
+        ...     def step(self):
+        ...         return 1
+        >>> engine = Engine()
+        >>> wrapper = StepWrapper(engine).install()
+        >>> installed_wrapper(engine) is wrapper, installed_wrapper(engine, "other")
+        (True, None)
+        >>> wrapper.uninstall(); installed_wrapper(engine) is None
+        True
+    """
+    wrapper = _wrapper_of(getattr(owner, "__dict__", {}).get(method))
+    return wrapper if wrapper is not None and wrapper.active else None
+
+
 def _wrapper_of(method: Any) -> StepWrapper | None:
     """The :class:`StepWrapper` that installed ``method`` itself (a wrapper around it copies its marks: not it)."""
     wrapper = getattr(method, "__trainmon_step_wrapper__", None)

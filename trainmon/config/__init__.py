@@ -223,9 +223,11 @@ MAX_GUARD_WINDOW = 100_000
 class GuardConfig:
     """The step guard: a step whose gradients are poisoned is not applied (docs/actions.md, "Step guard").
 
-    Checked on every step, before the optimizer applies the gradients (after unscaling and clipping); a skipped
-    step leaves the parameters and the optimizer state (moments, step counts) as they were. torch and FSDP2
-    only: other set-ups are refused at ``attach``."""
+    Checked on every step, before the optimizer applies the gradients (a torch optimizer's after unscaling and
+    clipping; DeepSpeed and Megatron-Core clip after it); a skipped step leaves the parameters and the optimizer
+    state (moments, step counts, master weights) as they were. torch, FSDP2, DeepSpeed and Megatron-Core (the last
+    two skip through their own overflow paths); MindSpore and the set-ups a framework cannot skip exactly are
+    refused at ``attach``."""
 
     enabled: bool = False
     """Check every step's gradients and skip the update when a rule below fires."""

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from trainmon.base.types import GradScaler, Model, Optimizer, ProcessGroup
     from trainmon.collect.context import Collector, StepContext
+    from trainmon.collect.step_guard import GuardFactory
     from trainmon.config import MonitorConfig
 
 _Item = TypeVar("_Item")
@@ -73,6 +74,8 @@ class Attachment:
             group, or one trainmon cannot be sure of: every rank writes its own rows).
         shard_group: the process group over which each gradient is sharded (FSDP2's shard group: the step guard
             sums the shards' squared norms over it), or None where every rank holds whole gradients.
+        step_guard: builds the step guard (``anomaly.guard``) of a framework that skips steps its own way
+            (DeepSpeed, Megatron-Core); None: the torch guard wraps ``optimizer``.
         on_close: extra clean-up (e.g. undoing an instance wrapper).
     """
 
@@ -89,6 +92,7 @@ class Attachment:
     scaler: GradScaler | None = None
     replicated: Replicated | None = None
     shard_group: Any = None
+    step_guard: GuardFactory | None = None
     on_close: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from trainmon.anomaly.events import AnomalyEvent
     from trainmon.anomaly.skips import SkipReporter
     from trainmon.base.types import Model, Optimizer, Scalar
-    from trainmon.collect.step_guard import StepGuard
+    from trainmon.collect.step_guard import GuardedSteps
     from trainmon.config.dynamic import ConfigWatcher
 
 logger = logging.getLogger("trainmon")
@@ -85,12 +85,12 @@ class Session:
         self.created_dirs: list[Path] = []
         """Directories this attach created (deepest first); removed again, when empty, if it fails."""
         self.lifecycle = StepLifecycle(self.ctx, end_step=lambda: self.end_step(None, {}, by_user=False))
-        self.step_guard: StepGuard | None = None
+        self.step_guard: GuardedSteps | None = None
         self.skips: SkipReporter | None = None
         self.keeper: RollbackKeeper | None = None
         """Health, the skip list and the ``rollback`` action (:mod:`trainmon.actions.rollback`)."""
         if config.enabled and config.anomaly.guard.enabled:
-            refuse_unguarded(self.framework, optimizer)  # before any hook exists
+            refuse_unguarded(self.framework, model, optimizer)  # before any hook exists
         self.attachment: Attachment = self._attach(config)
         try:
             ranks = check_ranks(config.ranks, self.attachment.world_size, config.absent_ranks)  # those that exist

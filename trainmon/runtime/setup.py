@@ -71,20 +71,26 @@ def build_actions(session: Session, config: MonitorConfig) -> dict[str, HandOffA
 
 
 def guard_steps(session: Session, config: MonitorConfig) -> None:
-    """The step guard on the attached optimizer, and its host side (``anomaly.guard``)."""
+    """The step guard on the attached optimizer, and its host side (``anomaly.guard``): the integration's own guard
+    where it has one (DeepSpeed, Megatron-Core: their overflow paths), else the torch guard on the optimizer."""
     from trainmon.anomaly.skips import SkipReporter
-    from trainmon.collect.step_guard import StepGuard
+    from trainmon.collect.step_guard import GuardedSteps, StepGuard
     from trainmon.integrations.base import named_parameters
 
-    optimizer = session.attachment.optimizer
-    if optimizer is None:
-        raise UnsupportedSetupError("anomaly.guard needs the optimizer: pass it to attach(model, optimizer)")
-    roots = [module for name, module, _ in session.attachment.modules if not name]
-    names = {id(param): name for root in roots for name, param, _ in named_parameters(root)[0]}
-    session.step_guard = StepGuard(config.anomaly.guard, optimizer, names, session.guard,
-                                on_decided=session.lifecycle.step_guarded,
-                                reduce_group=session.attachment.shard_group)
-    session.skips = SkipReporter(config.anomaly.guard, session.step_guard.names, session.attachment.rank)
+    attachment = session.attachment
+    step_guard: GuardedSteps
+    if attachment.step_guard is not None:
+        step_guard = attachment.step_guard(config.anomaly.guard, session.guard, session.lifecycle.step_guarded)
+    else:
+        optimizer = attachment.optimizer
+        if optimizer is None:
+            raise UnsupportedSetupError("anomaly.guard needs the optimizer: pass it to attach(model, optimizer)")
+        roots = [module for name, module, _ in attachment.modules if not name]
+        names = {id(param): name for root in roots for name, param, _ in named_parameters(root)[0]}
+        step_guard = StepGuard(config.anomaly.guard, optimizer, names, session.guard,
+                               on_decided=session.lifecycle.step_guarded, reduce_group=attachment.shard_group)
+    session.step_guard = step_guard
+    session.skips = SkipReporter(config.anomaly.guard, step_guard.names, attachment.rank)
 
 
 def make_dirs(session: Session, config: MonitorConfig) -> tuple[Path, Path | None]:
@@ -111,27 +117,43 @@ _UNSUPPORTED: dict[tuple[str, str], str] = {  # (section, framework): one line e
 }
 
 
-GUARDED_FRAMEWORKS = ("torch", "fsdp")
+GUARDED_FRAMEWORKS = ("torch", "fsdp", "deepspeed", "megatron")
 """Set-ups whose optimizer step the step guard can hold back (``anomaly.guard``)."""
+_GUARD_DOC = "see docs/actions.md, 'Step guard'"
 
 
-def refuse_unguarded(framework: str, optimizer: Any) -> None:
+def refuse_unguarded(framework: str, model: Any, optimizer: Any) -> None:
     """Raise :class:`UnsupportedSetupError` for a set-up the step guard cannot guard correctly (never half-guarded).
 
     Raises:
-        UnsupportedSetupError: DeepSpeed, Megatron-Core, MindSpore; accelerate's optimizer with a GradScaler
-            (fp16), which puts back the optimizer's original ``step`` around every step.
+        UnsupportedSetupError: MindSpore; a DeepSpeed or Megatron-Core set-up their guards refuse (fp16, offload,
+            pipeline parallelism, ...: :func:`trainmon.integrations.deepspeed.guard_refusal`,
+            :func:`trainmon.integrations.megatron.guard_refusal`); accelerate's optimizer with a GradScaler (fp16),
+            which puts back the optimizer's original ``step`` around every step.
     """
     if framework not in GUARDED_FRAMEWORKS:
         raise UnsupportedSetupError(
             f"anomaly.guard is not supported with {framework}: the step guard holds back the step of a torch optimizer "
-            "(plain torch, DDP, FSDP2, HF Trainer and Lightning with torch optimizers). Set anomaly.guard.enabled: "
-            "false to monitor this run; see docs/actions.md, 'Step guard'")
+            "(plain torch, DDP, FSDP2, HF Trainer and Lightning with torch optimizers), of a DeepSpeed engine or of a "
+            "Megatron-Core optimizer. Set anomaly.guard.enabled: false to monitor this run; " + _GUARD_DOC)
+    reason = None
+    if framework == "deepspeed":
+        from trainmon.integrations.deepspeed import guard_refusal
+
+        reason = guard_refusal(model)
+    elif framework == "megatron":
+        from trainmon.integrations.megatron import guard_refusal as megatron_refusal
+
+        reason = megatron_refusal(model, optimizer)
+    if reason is not None:
+        raise UnsupportedSetupError(f"anomaly.guard is not supported with this {framework} set-up: {reason}. Set "
+                                    f"anomaly.guard.enabled: false to monitor this run; see docs/{framework}.md, "
+                                    "'Step guard'")
     if type(optimizer).__module__.split(".")[0] == "accelerate" and getattr(optimizer, "scaler", None) is not None:
         raise UnsupportedSetupError(
             "anomaly.guard is not supported with accelerate's GradScaler (fp16 mixed precision): accelerate "
             "replaces optimizer.step around every step, so the guard would be bypassed. Use bf16 (no scaler), or "
-            "set anomaly.guard.enabled: false; see docs/actions.md, 'Step guard'")
+            "set anomaly.guard.enabled: false; " + _GUARD_DOC)
 
 
 def supports(framework: str, section: str) -> bool:

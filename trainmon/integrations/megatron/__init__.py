@@ -41,9 +41,11 @@ from trainmon.integrations.megatron.collect import (
 from trainmon.probe.sharded import ShardedGradProbe
 
 if TYPE_CHECKING:
+    from trainmon.base.guard import Guard
     from trainmon.base.types import MegatronParameter
     from trainmon.collect.context import Collector, StepContext
-    from trainmon.config import MonitorConfig
+    from trainmon.collect.step_guard import GuardedSteps, GuardFactory
+    from trainmon.config import GuardConfig, MonitorConfig
 
 logger = logging.getLogger("trainmon")
 _Named = TypeVar("_Named")
@@ -185,6 +187,41 @@ def replicated_families(mains: dict[int, MainParam], options: AttachOptions) -> 
     return Replicated(tuple(f for f in REPLICATED_FAMILIES if f != "momentum"), group)
 
 
+def guard_refusal(model: Any, optimizer: Any) -> str | None:
+    """Why the step guard cannot hold back this Megatron-Core set-up's steps exactly, or None when it can.
+
+    Supported: one model chunk (no pipeline parallelism), tensor and data parallelism (also the distributed
+    optimizer), fp32 and bf16 without a loss scaler; or a plain torch optimizer over chunks without Megatron's DDP
+    (the torch guard then).
+    """
+    from megatron.core import parallel_state as ps
+
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if optimizer is None:
+        return "the step guard needs the optimizer: pass it to attach(chunks, optimizer)"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if any(hasattr(p, "main_grad") for chunk in chunks for p in chunk.parameters()):
+            return ("a torch optimizer over Megatron DDP chunks steps param.grad while the gradients live in "
+                    "param.main_grad: pass the Megatron optimizer (get_megatron_optimizer)")
+        return None
+    if len(chunks) > 1 or ps.model_parallel_is_initialized() and (
+            ps.get_pipeline_model_parallel_world_size() > 1):
+        return "pipeline parallelism is not supported by the step guard yet"
+    if ps.model_parallel_is_initialized() and ps.get_expert_model_parallel_world_size() > 1:
+        return "expert parallelism is not supported by the step guard yet"
+    try:
+        main_params(optimizer)
+    except TypeError as exc:
+        return str(exc)
+    for leaf in leaf_optimizers(optimizer):
+        if getattr(leaf, "grad_scaler", None) is not None:
+            return ("a loss scaler (fp16, or loss_scale set) is not supported: it skips its own steps and counts "
+                    "the others; use bf16 or fp32")
+        if getattr(getattr(leaf, "ddp_config", None), "use_megatron_fsdp", False):
+            return "Megatron FSDP is not supported by the step guard yet"
+    return None
+
+
 def _computes_grad_norm(optimizer: Any) -> bool:
     """Whether ``optimizer.step()``'s grad norm is one: a ``ChainedOptimizer`` (what ``get_megatron_optimizer``
     returns) always computes it; a bare Megatron optimizer only with ``clip_grad > 0`` (else it returns 0.0)."""
@@ -279,10 +316,32 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
     attachment = Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                             modules=modules_named, optimizer=step_hooks, registry=registry, rank=rank,
                             world_size=world_size, pp_stage=pp_stage, collective=world_size > 1,
-                            replicated=replicated)
+                            replicated=replicated,
+                            step_guard=None if optimizer is None else _guard_factory(optimizer, params, mains, layout))
     if step_hooks is not None:
         attachment.on_close.append(step_hooks.uninstall)
     return attachment
+
+
+def _guard_factory(optimizer: Any, params: list[tuple[str, MegatronParameter, int]], mains: dict[int, MainParam],
+                   layout: GroupLayout) -> GuardFactory:
+    """Builds the step guard on ``optimizer`` (``anomaly.guard``): every parameter it steps, judged from this rank's
+    pieces of the reduced gradients (summed over the ranks that hold pieces of a parameter)."""
+
+    def build(settings: GuardConfig, guard: Guard, on_decided: Callable[[torch.Tensor | float], None]
+              ) -> GuardedSteps:
+        from trainmon.errors import UnsupportedSetupError
+        from trainmon.integrations.megatron.guard import MegatronStepGuard
+
+        try:
+            sharded, group = _probe_group(mains, layout, user="anomaly.guard")
+        except ValueError as exc:
+            raise UnsupportedSetupError(str(exc)) from exc
+        held = [(name, param) for name, param, _ in params if id(param) in mains and param.requires_grad]
+        return MegatronStepGuard(settings, optimizer, held, mains, layout.tp_rank, group if sharded else None, guard,
+                                 on_decided)
+
+    return build
 
 
 class _InnerStepHooks:
@@ -310,13 +369,14 @@ class _Handles:
         self.handles = []
 
 
-def _probe_group(mains: dict[int, MainParam], layout: GroupLayout) -> tuple[bool, Any]:
+def _probe_group(mains: dict[int, MainParam], layout: GroupLayout, user: str = "grad_probe") -> tuple[bool, Any]:
     """``(sharded, group)``: the ranks whose pieces make up a parameter (TP partitions, distributed-optimizer
-    ranges); ``(False, None)`` when every rank holds whole parameters (replicated: each rank writes its own)."""
+    ranges); ``(False, None)`` when every rank holds whole parameters (replicated: each rank writes its own).
+    ``user`` names the feature in the errors."""
     dp_groups = {id(m.dp_group): m.dp_group for m in mains.values()
                  if m.sharded and process_groups.group_size(m.dp_group, none_is_world=False) > 1}
     if len(dp_groups) > 1:
-        raise ValueError("grad_probe: the distributed optimizers use different data-parallel groups")
+        raise ValueError(f"{user}: the distributed optimizers use different data-parallel groups")
     dp_group = next(iter(dp_groups.values()), None)
     if dp_group is None:
         return layout.tp_size > 1, layout.tp_group
@@ -331,7 +391,7 @@ def _probe_group(mains: dict[int, MainParam], layout: GroupLayout) -> tuple[bool
             ps.model_parallel_is_initialized() else None
         if group is not None and sorted(process_groups.members(group)) == wanted:
             return True, group
-    raise ValueError("grad_probe: no process group holds exactly the tensor- and data-parallel ranks of the "
+    raise ValueError(f"{user}: no process group holds exactly the tensor- and data-parallel ranks of the "
                      "distributed optimizer (parallel_state's tensor_and_data_parallel group differs)")
 
 
