@@ -275,6 +275,9 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
             raise
         if probe is not None:
             collectors.append(probe)
+    if config.features.enabled:
+        collectors += _feature_collectors(ctx, config, modules_named, module_aliases, params, param_aliases, registry,
+                                          layout)
     rank, world_size = process_groups.layout()
     attachment = Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                             modules=modules_named, optimizer=step_hooks, registry=registry, rank=rank,
@@ -283,6 +286,47 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
     if step_hooks is not None:
         attachment.on_close.append(step_hooks.uninstall)
     return attachment
+
+
+def _feature_collectors(ctx: StepContext, config: MonitorConfig, modules: list[tuple[str, torch.nn.Module, int]],
+                        aliases: dict[str, list[str]], params: list[tuple[str, MegatronParameter, int]],
+                        param_aliases: dict[str, list[str]], registry: HookRegistry, layout: GroupLayout
+                        ) -> list[Collector]:
+    """The model features (docs/features.md) of Megatron-Core chunks: the core attention of each attention layer
+    read from its inputs (``[s, b, h, d]``, its softmax scale and mask type; global head indices under tensor
+    parallelism), tensor-parallel partitions of the weights combined over the TP group."""
+    from dataclasses import replace
+
+    from trainmon.collect.attention import AttentionSource
+    from trainmon.integrations.features import FeatureLayout, feature_collectors
+
+    tp_rank, tp_size = layout.tp_rank, layout.tp_size
+    if config.features.attention.enabled:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized() and ps.get_context_parallel_world_size() > 1:
+            logger.warning("trainmon: features.attention under context parallelism: each rank's attn rows score its "
+                           "own queries against its own block of keys only")
+
+    def attention(source: AttentionSource) -> AttentionSource:
+        module = source.module
+        heads = getattr(module, "num_attention_heads_per_partition", None)
+        if heads is None:
+            heads = getattr(getattr(module, "config", None), "num_attention_heads", 0) // max(tp_size, 1)
+        source = replace(source, head_offset=tp_rank * int(heads))
+        if source.name.rpartition(".")[2] == "core_attention":
+            source = replace(source, inputs="sbhd", megatron=True)
+        return source
+
+    def split(param: torch.nn.Parameter) -> tuple[int, Any] | None:
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            return int(getattr(param, "partition_dim", 0)), layout.tp_group
+        return None
+
+    features = FeatureLayout(attention=attention, split=split,
+                             is_attention=lambda name, module: name.rpartition(".")[2] == "core_attention",
+                             embedding=lambda module: type(module).__name__ == "VocabParallelEmbedding")
+    return feature_collectors(ctx, config, modules, aliases, params, param_aliases, registry, features)
 
 
 class _InnerStepHooks:
