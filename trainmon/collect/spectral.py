@@ -115,8 +115,7 @@ class WeightFeatures(HookedCollector):
         block = F.pad(torch.stack([sigma, stable], dim=1), (0, PARTIAL_SLOTS - 2))
         buffer = self.ctx.buffer
         first = buffer.reserve_orders(len(self.matrices)) if hasattr(buffer, "reserve_orders") else 0
-        micro = self.ctx.micro_step
-        keys = [RowKey(FAMILY, m.name, micro, m.vpp_stage, first + i) for i, m in enumerate(self.matrices)]
+        keys = [RowKey(FAMILY, m.name, 0, m.vpp_stage, first + i) for i, m in enumerate(self.matrices)]
         add_block = getattr(buffer, "add_block", None)
         if add_block is not None:
             add_block(keys, block.reshape(-1))
