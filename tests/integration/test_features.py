@@ -370,6 +370,7 @@ def test_uncollected_steps_install_no_feature_hook(tmp_path):
             optimizer.step()
             optimizer.zero_grad()
             monitor.step()
+        monitor.close()  # closing twice leaves nothing behind either (the conftest fixture checks the hooks)
     assert counts == [2, 0]
 
 
@@ -387,3 +388,60 @@ def test_bad_feature_config_fails_with_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"anomaly.detectors\[0\].series\[0\]"):
         TrainerMonitor({"anomaly": {"detectors": [{"type": "spike", "series": ["attn/*/norm"]}]}})
     TrainerMonitor({"anomaly": {"detectors": [{"type": "spike", "series": ["attn/*/max_logit"]}]}}).close()
+
+
+# ----------------------------------------------------------------------------------------- msprobe's L2 config
+class _CoreAttention(torch.nn.Module):
+    """A core attention as msprobe's ``attention_hook`` expects it: ``(q, k, v)`` in ``[s, b, h, d]``, causal."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(q.shape[-1])
+        causal = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril()
+        probs = scores.masked_fill(~causal, -math.inf).softmax(-1)
+        return torch.einsum("bhst,tbhd->sbhd", probs, v).flatten(2)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.linear_qkv = torch.nn.Linear(d, 3 * d)
+        self.core_attention = _CoreAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [s, b, d]
+        q, k, v = self.linear_qkv(x).view(x.shape[0], x.shape[1], 3, self.heads, -1).unbind(2)
+        return x + self.core_attention(q, k, v)
+
+
+def test_msprobe_l2_config_measures_its_modules(tmp_path, monkeypatch):
+    monkeypatch.setenv("MONITOR_OUTPUT_DIR", str(tmp_path / "out"))
+    path = tmp_path / "monitor.json"
+    path.write_text('{"recording_l2_features": true, "format": "csv", "l2_targets": '
+                    '{"attention_hook": ["0:1.core_attention"], "linear_hook": []}}')
+    torch.manual_seed(0)
+    seq, batch, d, heads = 10, 3, 16, 2
+    model = torch.nn.Sequential()
+    model.add_module("embedding", torch.nn.Embedding(32, d))
+    model.add_module("layers", torch.nn.Sequential(_Layer(d, heads), _Layer(d, heads)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    captured = []
+    handle = model.layers[1].core_attention.register_forward_pre_hook(
+        lambda module, args: captured.append([a.detach().double().numpy() for a in args[:2]]))
+    with TrainerMonitor.from_msprobe(path) as monitor:
+        monitor.attach(model, optimizer)
+        loss = model(torch.randint(0, 32, (seq, batch))).square().mean()
+        loss.backward()
+        optimizer.step()
+        record = monitor.step(loss=loss)
+    handle.remove()
+    attn = rows_of(record, "attn")
+    assert sorted(attn) == ["layers.1.core_attention.head0", "layers.1.core_attention.head1"]
+    q, k = (a.transpose(1, 2, 0, 3) for a in captured[0])  # [s, b, h, d] -> [b, h, s, d]
+    logits = q @ k.transpose(0, 1, 3, 2) / math.sqrt(q.shape[-1])
+    visible = np.broadcast_to(np.tril(np.ones((seq, seq), bool)), logits.shape)
+    max_logit, entropy = head_reference(logits, visible, *sampled_rows(batch, seq, 64))
+    for h in range(heads):
+        assert attn[f"layers.1.core_attention.head{h}"] == pytest.approx(
+            {"max_logit": max_logit[h], "entropy": entropy[h]}, rel=RTOL)
+    # linear_hook: [] is every 2-D weight that is not an embedding table
+    assert sorted(rows_of(record, "weight_features")) == ["layers.0.linear_qkv.weight", "layers.1.linear_qkv.weight"]
