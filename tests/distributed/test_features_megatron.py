@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.launch import child_env, torchrun  # noqa: E402
-from tests.reference import read_family  # noqa: E402
+from tests.launch import child_env, torchrun
+from tests.reference import read_family
 
 pytestmark = pytest.mark.slow
 

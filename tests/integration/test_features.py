@@ -23,7 +23,7 @@ from trainmon import TrainerMonitor
 from trainmon.errors import ConfigError, TargetError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
+from tiny_gpt import TinyGPT, gpt_loss, make_batch
 
 RTOL = 2e-5  # float32 logits against float64
 
@@ -228,7 +228,8 @@ def test_power_iteration_follows_training_weights(tmp_path):
     model = TinyGPT(vocab=64, d=32, layers=1, heads=4, seq=16)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     config = {"output_dir": str(tmp_path), "run_name": "r", "sinks": ["csv"], "weight_grads": {"enabled": False},
-              "optimizer_states": {"enabled": False}, "features": {"weights": {"enabled": True, "params": ["blocks.*"]}}}
+              "optimizer_states": {"enabled": False},
+              "features": {"weights": {"enabled": True, "params": ["blocks.*"]}}}
     with TrainerMonitor(config) as monitor:
         monitor.attach(model, optimizer)
         for step in range(30):

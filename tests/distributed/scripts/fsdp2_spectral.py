@@ -21,9 +21,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
+from tiny_gpt import TinyGPT, gpt_loss, make_batch
 
-from trainmon import TrainerMonitor  # noqa: E402
+from trainmon import TrainerMonitor
 
 
 def main() -> None:
