@@ -446,3 +446,41 @@ def test_msprobe_l2_config_measures_its_modules(tmp_path, monkeypatch):
             {"max_logit": max_logit[h], "entropy": entropy[h]}, rel=RTOL)
     # linear_hook: [] is every 2-D weight that is not an embedding table
     assert sorted(rows_of(record, "weight_features")) == ["layers.0.linear_qkv.weight", "layers.1.linear_qkv.weight"]
+
+
+def test_a_failing_feature_is_switched_off_and_training_is_unchanged(tmp_path, monkeypatch):
+    """trainmon's own exception in the attention features and in the power iteration switches those parts off (a
+    warning, failures.json); the other rows go on, and the parameters are bit-identical to a run without monitor."""
+    from trainmon.collect import attention, spectral
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug of trainmon's")
+
+    monkeypatch.setattr(attention, "features_from_qk", broken)
+    monkeypatch.setattr(spectral, "gram_product", broken)
+
+    def run(monitored: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=64, d=32, layers=2, heads=4, seq=16)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": "r", "sinks": ["csv"],
+                                  "features": {"attention": {"enabled": True}, "weights": {"enabled": True}}})
+        if monitored:
+            monitor.attach(model, optimizer)
+        for step in range(3):
+            tokens, targets = make_batch(step, 2, 16, 64)
+            loss = gpt_loss(model, tokens, targets)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            record = monitor.step(loss=loss) if monitored else None
+            if record is not None:
+                families = {row.family for row in record.rows}
+                assert "grad_reduced" in families and not families & {"attn", "weight_features"}
+        monitor.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for plain, monitored in zip(run(False), run(True)):
+        assert torch.equal(plain, monitored)
+    failures = (tmp_path / "r" / "rank0" / "failures.json").read_text()
+    assert "attention_features" in failures and "weight_features" in failures
