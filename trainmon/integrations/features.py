@@ -155,10 +155,17 @@ def matrices(config: MonitorConfig, modules: _Named, params: _NamedParams, alias
         tables = {id(p) for _, module, _ in modules for p in module.parameters(recurse=False)
                   if isinstance(module, torch.nn.Embedding) or embedding(module)}
         two_d = [item for item in two_d if id(item[1]) not in tables]
-    out = []
+    out, unknown = [], []
     for name, param, vpp_stage in two_d:
         split = layout.split(param) if layout.split is not None else None
+        if split is None and hasattr(param, "to_local") and param.to_local().shape != param.shape:
+            unknown.append(name)  # a DTensor split in a way this integration does not combine
+            continue
         out.append(Matrix(name, param, vpp_stage, *(split or (None, None))))
+    if unknown:
+        logger.warning("trainmon: features.weights: %d parameter(s) are DTensors split over ranks in a layout trainmon "
+                       "does not combine (%s); they get no weight_features rows", len(unknown),
+                       ", ".join(unknown[:3]) + (", ..." if len(unknown) > 3 else ""))
     return out
 
 

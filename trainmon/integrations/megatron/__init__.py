@@ -250,6 +250,10 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
                                                       config.activations, registry))
     params, param_aliases = _chunks_named(roots, named_parameters)
     chosen = functools.partial(select_params, params, config, param_aliases)  # raises only when called
+    layout = GroupLayout(tp_group, tp_size, tp_rank)
+    if config.features.enabled:
+        collectors += _feature_collectors(ctx, config, modules_named, module_aliases, params, param_aliases, registry,
+                                          layout)
     if isinstance(optimizer, torch.optim.Optimizer):
         # A plain torch optimizer (NVIDIA's examples/run_simple_mcore_train_loop.py): its own
         # step hooks and the torch collectors, which read ``param.grad`` as it stands.
@@ -260,7 +264,6 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
         step_hooks = StepWrapper(optimizer).install()
         step_hooks.register_step_post_hook(ctx.guard.wrap("step", _record_step_result(ctx, step_hooks)))
     mains = main_params(optimizer) if optimizer is not None else {}
-    layout = GroupLayout(tp_group, tp_size, tp_rank)
     replicated = None
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         check_dp_group(options.dp_group, mains)
@@ -275,9 +278,6 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
             raise
         if probe is not None:
             collectors.append(probe)
-    if config.features.enabled:
-        collectors += _feature_collectors(ctx, config, modules_named, module_aliases, params, param_aliases, registry,
-                                          layout)
     rank, world_size = process_groups.layout()
     attachment = Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                             modules=modules_named, optimizer=step_hooks, registry=registry, rank=rank,
@@ -471,6 +471,8 @@ def _attach_torch_optimizer(ctx: StepContext, config: MonitorConfig, roots: list
 
         collectors.append(GradProbe(ctx, chosen(), config, registry, optimizer))
     rank, world_size = process_groups.layout()
+    # the tensor-parallel power iterations all-reduce over the TP group: every rank collects the same steps
+    split = any(getattr(c, "collective", False) for c in collectors)
     return Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                       modules=named_modules, optimizer=optimizer, registry=registry, rank=rank,
-                      world_size=world_size, pp_stage=pp_stage)
+                      world_size=world_size, pp_stage=pp_stage, collective=split)
