@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
+from tiny_gpt import TinyGPT, gpt_loss, make_batch
 
-from trainmon import TrainerMonitor  # noqa: E402
-from trainmon.errors import UnsupportedSetupError  # noqa: E402
+from trainmon import TrainerMonitor
+from trainmon.errors import UnsupportedSetupError
 
 
 def engine_of(stage: int) -> deepspeed.DeepSpeedEngine:
