@@ -484,3 +484,48 @@ def test_a_failing_feature_is_switched_off_and_training_is_unchanged(tmp_path, m
         assert torch.equal(plain, monitored)
     failures = (tmp_path / "r" / "rank0" / "failures.json").read_text()
     assert "attention_features" in failures and "weight_features" in failures
+
+
+class _GroupedAttention(torch.nn.Module):
+    """SDPA with grouped key heads (``enable_gqa``), a boolean mask of its own and an explicit scale."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(16, 4 * 8)
+        self.k = torch.nn.Linear(16, 2 * 8)
+        self.mask = mask
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, 8).transpose(1, 2)
+        k = self.k(x).view(b, s, 2, 8).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=self.mask, scale=0.3,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def test_sdpa_grouped_heads_boolean_mask_and_scale(tmp_path):
+    torch.manual_seed(4)
+    batch, seq = 3, 10
+    mask = torch.rand(batch, 1, seq, seq) > 0.4
+    mask[:, :, 2] = False  # query row 2 sees no key: left out of the entropy
+    model = torch.nn.Sequential(_GroupedAttention(mask))
+    x = torch.randn(batch, seq, 16)
+    config = {"output_dir": str(tmp_path), "run_name": "r", "sinks": ["csv"], "weight_grads": {"enabled": False},
+              "optimizer_states": {"enabled": False},
+              "features": {"attention": {"enabled": True, "query_rows": 64, "modules": ["0"]}}}
+    with TrainerMonitor(config) as monitor:
+        monitor.attach(model)
+        model(x).sum().backward()
+        record = monitor.step()
+    layer = model[0]
+    with torch.no_grad():
+        q = layer.q(x).double().view(batch, seq, 4, 8).transpose(1, 2).numpy()
+        k = layer.k(x).double().view(batch, seq, 2, 8).transpose(1, 2).numpy()
+    logits = q @ np.repeat(k, 2, axis=1).transpose(0, 1, 3, 2) * 0.3
+    visible = np.broadcast_to(mask.numpy(), logits.shape)
+    max_logit, entropy = head_reference(logits, visible, list(range(batch)), list(range(seq)))
+    got = rows_of(record, "attn")
+    assert sorted(got) == [f"0.head{h}" for h in range(4)]
+    for h in range(4):
+        assert got[f"0.head{h}"] == pytest.approx({"max_logit": max_logit[h], "entropy": entropy[h]}, rel=RTOL)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from trainmon.base.records import PARTIAL_SLOTS, RowKey, module_call
-from trainmon.collect.context import backward_pass, in_backward
+from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ class AttentionFeatures(HookedCollector):
     def _pre_hook(self, source: AttentionSource) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], None]:
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             # a forward re-run inside a backward pass (activation checkpointing) was measured in its first run
-            active = self.ctx.collecting and not in_backward() and backward_pass() == -1
+            active = self.ctx.collecting and not in_backward()
             stack = self._modes.setdefault(id(module), [])
             if not active:
                 if source.inputs is None:
