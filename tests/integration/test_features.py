@@ -487,7 +487,8 @@ def test_a_failing_feature_is_switched_off_and_training_is_unchanged(tmp_path, m
 
 
 class _GroupedAttention(torch.nn.Module):
-    """SDPA with grouped key heads (``enable_gqa``), a boolean mask of its own and an explicit scale."""
+    """SDPA with grouped key heads (``enable_gqa``), a mask of its own (boolean, or added with HF's ``finfo.min``)
+    and an explicit scale."""
 
     def __init__(self, mask: torch.Tensor) -> None:
         super().__init__()
@@ -504,12 +505,14 @@ class _GroupedAttention(torch.nn.Module):
         return out.transpose(1, 2).reshape(b, s, -1)
 
 
-def test_sdpa_grouped_heads_boolean_mask_and_scale(tmp_path):
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_sdpa_grouped_heads_mask_and_scale(tmp_path, kind):
     torch.manual_seed(4)
     batch, seq = 3, 10
     mask = torch.rand(batch, 1, seq, seq) > 0.4
     mask[:, :, 2] = False  # query row 2 sees no key: left out of the entropy
-    model = torch.nn.Sequential(_GroupedAttention(mask))
+    given = mask if kind == "bool" else torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    model = torch.nn.Sequential(_GroupedAttention(given))
     x = torch.randn(batch, seq, 16)
     config = {"output_dir": str(tmp_path), "run_name": "r", "sinks": ["csv"], "weight_grads": {"enabled": False},
               "optimizer_states": {"enabled": False},

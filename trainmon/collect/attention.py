@@ -115,7 +115,8 @@ def features_from_qk(query: torch.Tensor, key: torch.Tensor, rows: _Rows, *, sca
         rows: :func:`sample_rows` of ``(batch, queries)``.
         scale: the logits' scale (None: ``1 / sqrt(head size)``).
         causal: query ``i`` sees keys ``j <= i`` only (top-left aligned, as torch's ``is_causal``).
-        mask: broadcastable to ``[batch, heads, queries, keys]``: boolean (see ``mask_keeps``) or added to the logits.
+        mask: broadcastable to ``[batch, heads, queries, keys]``: boolean (see ``mask_keeps``) or added to the logits
+            (an entry at or below half of ``finfo.min`` masks its key, as -inf does).
         mask_keeps: a boolean mask's True means "takes part" (torch); False: "masked out" (Megatron-Core).
     """
     batch, heads, queries, size = query.shape
@@ -134,9 +135,10 @@ def features_from_qk(query: torch.Tensor, key: torch.Tensor, rows: _Rows, *, sca
         picked = mask.expand(batch, heads, queries, keys).index_select(0, batch_index).index_select(2, position)
         if picked.dtype == torch.bool:
             keep = picked if mask_keeps else ~picked
-            visible = keep if visible is None else visible & keep
-        else:
+        else:  # added to the logits; at or below half of finfo.min (HF's masked value) counts as masked, as -inf
             logits = logits + picked.float()
+            keep = picked > torch.finfo(picked.dtype).min / 2
+        visible = keep if visible is None else visible & keep
     return features_from_scores(logits, visible)
 
 
