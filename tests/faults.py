@@ -48,6 +48,8 @@ FAULTS: dict[str, Fault] = {
     "backward_end": Fault("trainmon.collect.optimizer", "TorchOptimizerCollector", "_backward_ended", "weights"),
     # the end of the step, before the one transfer
     "step_end": Fault("trainmon.collect.optimizer", "TorchOptimizerCollector", "before_transfer", "weights"),
+    # the step guard's decision (inside the wrapped optimizer step)
+    "step_guard": Fault("trainmon.collect.step_guard", "StepGuard", "_decide", "step_guard"),
     # the anomaly detectors
     "anomaly": Fault("trainmon.anomaly.engine", "AnomalyEngine", "process", "anomaly"),
     # the step model (a root forward pre-hook): fatal, the whole monitor stops

@@ -51,6 +51,16 @@ PHASE_OF_FAMILY: dict[str, str] = {
 }
 PHASES: tuple[str, ...] = ("forward", "backward", "communication", "optimizer", "loss")
 
+GUARD_PREFIX = "step_guard/"
+GUARD_VERDICT: tuple[str, ...] = ("skipped", "reason", "param", "value", "baseline", "z", "grad_norm",
+                                  "grad_norm_mean", "grad_norm_z")
+"""What the step guard found at one step, in this order (:mod:`trainmon.collect.step_guard`): skipped (0/1), the
+reason (an index into :data:`GUARD_REASONS`), the parameter it names (an index into the optimizer's parameters),
+that parameter's gradient norm, mean and z-score, then the global gradient norm, mean and z-score (means and
+z-scores NaN while the history warms up). Sent with the step as scalars ``step_guard/{name}`` (``skipped``
+as ``step_skipped``); :mod:`trainmon.anomaly.skips` takes them out of the record before the sinks see it."""
+GUARD_REASONS: tuple[str, ...] = ("applied", "nonfinite", "max_grad_norm", "z_score", "parameter_z_score")
+
 
 def metrics_of(family: str) -> tuple[str, ...]:
     """The metrics a row of ``family`` may have: a feature family's own, else the statistics (:data:`METRICS`).
@@ -237,6 +247,7 @@ class StepRecord:
         scalars: ``loss``, ``grad_norm``, ``lr/group{i}`` and integration extras.
         pp_stage: pipeline stage of this rank (0 without pipeline parallelism).
         collected: False for a step that was not collected: only the scalars given to ``step()``.
+        batch: the identity of the step's data where the loop gave it (the anomaly events of the step carry it).
     """
 
     step: int
@@ -245,6 +256,7 @@ class StepRecord:
     scalars: dict[str, float] = field(default_factory=dict)
     pp_stage: int = 0
     collected: bool = True
+    batch: dict[str, Any] | None = None
 
 
 def combine_partials(partials: npt.ArrayLike) -> npt.NDArray[np.float64]:

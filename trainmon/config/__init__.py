@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainmon.anomaly.detectors import check_specs
+from trainmon.anomaly.detectors import DETECTORS, check_specs
+from trainmon.anomaly.skips import DETECTOR as GUARD_DETECTOR
 from trainmon.base.records import FAMILIES, FEATURE_METRICS, METRICS
 from trainmon.base.schema import each, load, setting, short
 from trainmon.base.targets import check_pattern, compile_pattern
@@ -24,11 +25,11 @@ from trainmon.config import reference
 from trainmon.config.files import read_config_file
 from trainmon.errors import ConfigError
 
-__all__ = ["ConfigError", "MonitorConfig", "check_ranks", "config_reference", "load_config"]
+__all__ = ["ConfigError", "MonitorConfig", "RollbackConfig", "check_ranks", "config_reference", "load_config"]
 
 SINKS: tuple[str, ...] = ("csv", "tensorboard", "parquet")
 OPTIMIZER_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "update", "ratio", "momentum")
-ACTIONS: tuple[str, ...] = ("log", "jsonl", "callback", "raise", "dump", "free_benchmark")
+ACTIONS: tuple[str, ...] = ("log", "jsonl", "callback", "raise", "dump", "free_benchmark", "rollback")
 COMM_OPS: tuple[str, ...] = (
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_single", "all_gather_into_tensor",
     "_all_gather_base", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base",
@@ -216,6 +217,65 @@ class GradProbeConfig:
     (element-weighted over the target parameters) and, with ``scalars: param``, ``grad_probe/{name}/mg_direction``."""
 
 
+MAX_GUARD_WINDOW = 100_000
+"""Longer than any useful history; the guard keeps ``window x (1 + parameters)`` floats on the device."""
+
+
+@dataclass
+class GuardConfig:
+    """The step guard: a step whose gradients are poisoned is not applied (docs/actions.md, "Step guard").
+
+    Checked on every step, before the optimizer applies the gradients (after unscaling and clipping); a skipped
+    step leaves the parameters and the optimizer state (moments, step counts) as they were. torch and FSDP2
+    only: other set-ups are refused at ``attach``."""
+
+    enabled: bool = False
+    """Check every step's gradients and skip the update when a rule below fires."""
+    nonfinite: bool = True
+    """Skip a step whose gradients hold a NaN or an Inf (under a ``GradScaler`` the scaler does this)."""
+    max_grad_norm: float | None = setting(None, above=0.0)
+    """Skip a step whose global gradient norm is above this; null: no absolute limit."""
+    z_threshold: float | None = setting(6.0, above=0.0)
+    """Skip a step whose global gradient norm is more than this many standard deviations above its mean over
+    the applied steps among the last ``window`` (the deviation counts as at least 1% of the mean); null: off."""
+    per_parameter: bool = False
+    """Apply ``z_threshold`` to each parameter's gradient norm too, each against its own history."""
+    window: int = setting(128, minimum=2, maximum=MAX_GUARD_WINDOW)
+    """Steps whose gradient norms make the history (kept on the device; skipped steps leave a gap)."""
+    warmup: int = setting(64, minimum=2)
+    """Applied steps the history must hold before ``z_threshold`` may fire (at most ``window``)."""
+    escalate_after: int | None = setting(5, minimum=1)
+    """This many skipped steps in a row escalate (again at each further multiple); null: never."""
+    escalate: list[str] = setting(["log", "jsonl", "raise"], choices=ACTIONS, unique=True)
+    """Anomaly actions applied to the escalation event: any of log, jsonl, callback, raise, dump,
+    free_benchmark, rollback (``raise``: :class:`~trainmon.errors.AnomalyError` at the end of the step;
+    ``rollback``: the run stops with ``anomaly.rollback.exit_code``, docs/actions.md, "Rollback")."""
+
+    def cross_check(self, path: str) -> None:
+        """The warm-up fits in the window."""
+        if self.warmup > self.window:
+            raise ConfigError(f"{path}.warmup", f"must be <= window ({self.window}), got {self.warmup}")
+
+
+ROLLBACK_DETECTORS: tuple[str, ...] = (*DETECTORS, GUARD_DETECTOR)
+"""What ``anomaly.rollback.detectors`` may name: the detector types and the step guard."""
+
+
+@dataclass
+class RollbackConfig:
+    """Healthy checkpoints, the skip list and the ``rollback`` action (docs/actions.md, "Rollback")."""
+
+    detectors: list[str] = setting(["nonfinite", "loss_spike"], choices=ROLLBACK_DETECTORS, unique=True)
+    """The detectors (by ``type``) whose events, at a step whose update was applied, make the training state
+    unhealthy (``monitor.state_dict()['healthy']``), enter the skip list and trigger the ``rollback`` action;
+    ``step_guard``: also every step the guard skipped triggers it (such a step enters the skip list anyway)."""
+    exit_code: int = setting(17, minimum=3, maximum=125)
+    """The exit status of a run the ``rollback`` action stops (``SystemExit``): what a launcher script tests to
+    resume from the last healthy checkpoint (3 to 125: not success, an uncaught error, bad usage or a signal)."""
+    skip_list: bool = True
+    """Append the flagged and skipped steps, with the identity of their data, to ``{run}/rank{R}/skip_list.jsonl``."""
+
+
 @dataclass
 class AttentionFeaturesConfig:
     """Per-head attention features (family ``attn``; docs/features.md)."""
@@ -341,9 +401,15 @@ class AnomalyConfig:
     watch (``{type: spike, series: [grad_norm], method: log, threshold: 7, min_relative_change: 2.2,
     range_factor: 3}``: a jump above 3.2x its level). ``false``: only ``detectors`` run."""
     actions: list[str] = setting(["log", "jsonl"], choices=ACTIONS, unique=True)
-    """Any of log, jsonl, callback, raise, dump, free_benchmark."""
+    """Any of log, jsonl, callback, raise, dump, free_benchmark, rollback (stop the run with
+    ``rollback.exit_code`` on an event of ``rollback.detectors``, naming the last healthy checkpoint and the data
+    to skip in ``{run}/rollback.json``)."""
     log_limit: int = setting(10, minimum=1)
     """At most this many log lines per step (the rest are summarised)."""
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """The step guard: skip a poisoned step instead of applying it."""
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    """Healthy checkpoints, the skip list, and what the ``rollback`` action does."""
 
 
 @dataclass
@@ -476,6 +542,8 @@ class MonitorConfig:
         for action, section in (("dump", self.dump), ("free_benchmark", self.free_benchmark)):
             if action in self.anomaly.actions and not section.enabled:
                 raise ConfigError("anomaly.actions", f"{action!r} needs {action}.enabled: true")
+            if self.anomaly.guard.enabled and action in self.anomaly.guard.escalate and not section.enabled:
+                raise ConfigError("anomaly.guard.escalate", f"{action!r} needs {action}.enabled: true")
 
 
 def check_ranks(ranks: list[int] | None, world_size: int, absent: str = "error") -> list[int] | None:

@@ -289,6 +289,7 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
     weights = config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled
     probe = config.grad_probe.enabled
     spectral = config.features.weights.enabled
+    guarded = config.enabled and config.anomaly.guard.enabled  # the step guard sums norms over the shard group
     if weights or probe or spectral:
         _reshard_if_unsharded(root)
     registry = HookRegistry()
@@ -297,11 +298,12 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
     collectors: list[Collector] = []
     shard_collector: FSDPOptimizerCollector | None = None
     shards: ShardGroup | None = None
-    if weights or probe or spectral:
+    if weights or probe or guarded or spectral:
         names = {id(p): name for name, p, _ in params}
         extra = [] if optimizer is None else [(f"optimizer parameter {i}", p) for i, p in enumerate(
             p for group in optimizer.param_groups for p in group["params"]) if id(p) not in names]
         shards = shard_group_of([(name, p) for name, p, _ in params] + extra)
+    if weights or probe:
         chosen = select_params(params, config, param_aliases)
     probe_collector = None
     if probe and shards is not None:  # its layout check may raise: before any other collector exists
@@ -339,7 +341,10 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         if shard_collector is not None and shard_collector.collective else None
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=modules_named, optimizer=optimizer,
                       registry=registry, rank=rank, world_size=world_size, scaler=scaler,
-                      collective=shards is not None and shards.size > 1, replicated=replicated)
+                      collective=shards is not None and shards.size > 1 and (weights or probe or spectral),
+                      shard_group=shards.group if shards is not None and shards.size > 1 else None,
+                      replicated=replicated)
+
 
 
 def _feature_collectors(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
