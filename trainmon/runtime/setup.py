@@ -164,6 +164,8 @@ def warn_unsupported(config: MonitorConfig, framework: str) -> None:
     for section in sorted({section for section, _ in _UNSUPPORTED}):
         if not supports(framework, section) and getattr(config, section).enabled:
             logger.warning("trainmon: %s is not supported with %s yet and is off for this run", section, framework)
+    if framework == "mindspore" and config.features.enabled:
+        logger.warning("trainmon: features are computed for torch models only (docs/features.md); off for this run")
 
 
 def specs_of(metrics: dict[str, list[str]], eps: float) -> dict[str, StatsSpec]:

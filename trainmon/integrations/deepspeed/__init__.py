@@ -21,6 +21,7 @@ is never patched.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,7 @@ from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.collect.step_hooks import StepWrapper
+from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations.base import (
     REPLICATED_FAMILIES,
     Attachment,
@@ -52,6 +54,8 @@ if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext
     from trainmon.collect.step_guard import GuardedSteps, GuardFactory
     from trainmon.config import GuardConfig, MonitorConfig
+
+logger = logging.getLogger("trainmon")
 
 _STATES = ("exp_avg", "exp_avg_sq")
 
@@ -286,6 +290,11 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
         raise TypeError("pass only the engine to attach(): DeepSpeed owns the optimizer")
     if isinstance(engine, PipelineEngine):  # train_batch() instead of forward/backward/step
         return _attach_pipeline(ctx, config, engine, options)
+    if config.features.weights.enabled and engine.zero_optimization_stage() == 3:
+        raise UnsupportedSetupError(
+            "features.weights under DeepSpeed ZeRO-3: each rank holds a flat partition of every weight, not rows or "
+            "columns of it, so the power iteration cannot combine the shards; turn features.weights off or use "
+            "ZeRO-1/2 (docs/features.md)")
     module = engine.module
     ctx.grad_acc_steps = engine.gradient_accumulation_steps()
     if options.start_step == 0:
@@ -315,6 +324,10 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
             hooks.uninstall()  # a failed attach leaves the engine as it was
             raise
         collectors.append(probe)
+    if config.features.enabled:
+        from trainmon.integrations.features import feature_collectors
+
+        collectors += feature_collectors(ctx, config, modules_named, module_aliases, params, param_aliases, registry)
     rank, world_size = process_groups.layout()
     # a collective at the step's end: every rank collects the steps the writers collect
     collective = (shard_collector is not None and shard_collector.collective) or getattr(probe, "world", 1) > 1
@@ -393,6 +406,8 @@ def _attach_pipeline(ctx: StepContext, config: MonitorConfig, engine: Any, optio
     reason = deepspeed_pipe.refusal(engine, config)
     if reason is not None:
         raise deepspeed_pipe.PipelineSetupError(reason)
+    if config.features.enabled:
+        logger.warning("trainmon: features are not computed under DeepSpeed's PipelineEngine (docs/features.md)")
     module = engine.module
     ctx.grad_acc_steps = engine.gradient_accumulation_steps()  # the micro-batches of the schedule
     if options.start_step == 0:

@@ -287,6 +287,10 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
                                                       config.activations, registry))
     params, param_aliases = _chunks_named(roots, named_parameters)
     chosen = functools.partial(select_params, params, config, param_aliases)  # raises only when called
+    layout = GroupLayout(tp_group, tp_size, tp_rank)
+    if config.features.enabled:
+        collectors += _feature_collectors(ctx, config, modules_named, module_aliases, params, param_aliases, registry,
+                                          layout)
     if isinstance(optimizer, torch.optim.Optimizer):
         # A plain torch optimizer (NVIDIA's examples/run_simple_mcore_train_loop.py): its own
         # step hooks and the torch collectors, which read ``param.grad`` as it stands.
@@ -297,7 +301,6 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
         step_hooks = StepWrapper(optimizer).install()
         step_hooks.register_step_post_hook(ctx.guard.wrap("step", _record_step_result(ctx, step_hooks)))
     mains = main_params(optimizer) if optimizer is not None else {}
-    layout = GroupLayout(tp_group, tp_size, tp_rank)
     replicated = None
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         check_dp_group(options.dp_group, mains)
@@ -342,6 +345,47 @@ def _guard_factory(optimizer: Any, params: list[tuple[str, MegatronParameter, in
                                  on_decided)
 
     return build
+
+
+def _feature_collectors(ctx: StepContext, config: MonitorConfig, modules: list[tuple[str, torch.nn.Module, int]],
+                        aliases: dict[str, list[str]], params: list[tuple[str, MegatronParameter, int]],
+                        param_aliases: dict[str, list[str]], registry: HookRegistry, layout: GroupLayout
+                        ) -> list[Collector]:
+    """The model features (docs/features.md) of Megatron-Core chunks: the core attention of each attention layer
+    read from its inputs (``[s, b, h, d]``, its softmax scale and mask type; global head indices under tensor
+    parallelism), tensor-parallel partitions of the weights combined over the TP group."""
+    from dataclasses import replace
+
+    from trainmon.collect.attention import AttentionSource
+    from trainmon.integrations.features import FeatureLayout, feature_collectors
+
+    tp_rank, tp_size = layout.tp_rank, layout.tp_size
+    if config.features.attention.enabled:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized() and ps.get_context_parallel_world_size() > 1:
+            logger.warning("trainmon: features.attention under context parallelism: each rank's attn rows score its "
+                           "own queries against its own block of keys only")
+
+    def attention(source: AttentionSource) -> AttentionSource:
+        module = source.module
+        heads = getattr(module, "num_attention_heads_per_partition", None)
+        if heads is None:
+            heads = getattr(getattr(module, "config", None), "num_attention_heads", 0) // max(tp_size, 1)
+        source = replace(source, head_offset=tp_rank * int(heads))
+        if source.name.rpartition(".")[2] == "core_attention":
+            source = replace(source, inputs="sbhd", megatron=True)
+        return source
+
+    def split(param: torch.nn.Parameter) -> tuple[int, Any] | None:
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            return int(getattr(param, "partition_dim", 0)), layout.tp_group
+        return None
+
+    features = FeatureLayout(attention=attention, split=split,
+                             is_attention=lambda name, module: name.rpartition(".")[2] == "core_attention",
+                             embedding=lambda module: type(module).__name__ == "VocabParallelEmbedding")
+    return feature_collectors(ctx, config, modules, aliases, params, param_aliases, registry, features)
 
 
 class _InnerStepHooks:
@@ -487,6 +531,8 @@ def _attach_torch_optimizer(ctx: StepContext, config: MonitorConfig, roots: list
 
         collectors.append(GradProbe(ctx, chosen(), config, registry, optimizer))
     rank, world_size = process_groups.layout()
+    # the tensor-parallel power iterations all-reduce over the TP group: every rank collects the same steps
+    split = any(getattr(c, "collective", False) for c in collectors)
     return Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                       modules=named_modules, optimizer=optimizer, registry=registry, rank=rank,
-                      world_size=world_size, pp_stage=pp_stage)
+                      world_size=world_size, pp_stage=pp_stage, collective=split)
