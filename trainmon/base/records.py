@@ -24,9 +24,21 @@ METRICS: tuple[str, ...] = ("norm", "min", "max", "mean", "zeros", "nans", "infs
 NORM, SUM, MIN, MAX, ZEROS, NANS, INFS, NUMEL = range(8)
 PARTIAL_SLOTS = 8
 
+FEATURE_METRICS: dict[str, tuple[str, ...]] = {
+    "attn": ("max_logit", "entropy"),
+    "router": ("imbalance", "entropy", "z_loss", "expert_similarity"),
+    "expert_load": ("tokens", "share"),
+    "weight_features": ("spectral_norm", "stable_rank"),
+}
+"""The model-feature families (docs/features.md) and their metrics. A feature row's partial vector holds the values
+themselves, in this order, in its first slots (the others are 0): :func:`build_record` reads them as they are."""
+OPTIONAL_FEATURES = frozenset({"expert_similarity"})
+"""Feature metrics that are NaN when they cannot be computed (no expert weights found): they never flag a row as
+non-finite. Every other feature value that is NaN or Inf does."""
+
 FAMILIES: tuple[str, ...] = (
     "actv", "actv_grad", "grad_unreduced", "grad_reduced",
-    "exp_avg", "exp_avg_sq", "update", "ratio", "momentum", "param", "comm",
+    "exp_avg", "exp_avg_sq", "update", "ratio", "momentum", "param", "comm", *FEATURE_METRICS,
 )
 """Row families; each is written to ``rank{R}/{family}.csv``."""
 
@@ -34,9 +46,30 @@ PHASE_OF_FAMILY: dict[str, str] = {
     "actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward",
     "grad_reduced": "optimizer", "exp_avg": "optimizer", "exp_avg_sq": "optimizer",
     "update": "optimizer", "ratio": "optimizer", "momentum": "optimizer", "param": "optimizer",
-    "comm": "communication",
+    "comm": "communication", "attn": "forward", "router": "forward", "expert_load": "forward",
+    "weight_features": "optimizer",
 }
 PHASES: tuple[str, ...] = ("forward", "backward", "communication", "optimizer", "loss")
+
+GUARD_PREFIX = "step_guard/"
+GUARD_VERDICT: tuple[str, ...] = ("skipped", "reason", "param", "value", "baseline", "z", "grad_norm",
+                                  "grad_norm_mean", "grad_norm_z")
+"""What the step guard found at one step, in this order (:mod:`trainmon.collect.step_guard`): skipped (0/1), the
+reason (an index into :data:`GUARD_REASONS`), the parameter it names (an index into the optimizer's parameters),
+that parameter's gradient norm, mean and z-score, then the global gradient norm, mean and z-score (means and
+z-scores NaN while the history warms up). Sent with the step as scalars ``step_guard/{name}`` (``skipped``
+as ``step_skipped``); :mod:`trainmon.anomaly.skips` takes them out of the record before the sinks see it."""
+GUARD_REASONS: tuple[str, ...] = ("applied", "nonfinite", "max_grad_norm", "z_score", "parameter_z_score")
+
+
+def metrics_of(family: str) -> tuple[str, ...]:
+    """The metrics a row of ``family`` may have: a feature family's own, else the statistics (:data:`METRICS`).
+
+    Example:
+        >>> metrics_of("attn"), metrics_of("grad_reduced")[:2]
+        (('max_logit', 'entropy'), ('norm', 'min'))
+    """
+    return FEATURE_METRICS.get(family, METRICS)
 
 
 # --------------------------------------------------------------------------- row names
@@ -214,6 +247,7 @@ class StepRecord:
         scalars: ``loss``, ``grad_norm``, ``lr/group{i}`` and integration extras.
         pp_stage: pipeline stage of this rank (0 without pipeline parallelism).
         collected: False for a step that was not collected: only the scalars given to ``step()``.
+        batch: the identity of the step's data where the loop gave it (the anomaly events of the step carry it).
     """
 
     step: int
@@ -222,6 +256,7 @@ class StepRecord:
     scalars: dict[str, float] = field(default_factory=dict)
     pp_stage: int = 0
     collected: bool = True
+    batch: dict[str, Any] | None = None
 
 
 def combine_partials(partials: npt.ArrayLike) -> npt.NDArray[np.float64]:
@@ -306,11 +341,41 @@ def build_record(step: int, rank: int, pp_stage: int, keys: Sequence[RowKey], pa
         return StepRecord(step=step, rank=rank, rows=[], scalars=scalars, pp_stage=pp_stage)
     columns, nonfinite = finalize_many(partials)
     values: dict[int, list[tuple[float, ...]]] = {}  # per metrics list: every row's values in its order
+    features = finalize_features(partials, keys)
     rows = []
     for i, key in enumerate(keys):
         names = metrics[key.family]
+        feature = features.get(i)
+        if feature is not None:
+            rows.append(Row(key, step, dict(zip(names, feature[0])), feature[1]))
+            continue
         table = values.get(id(names))
         if table is None:
             table = values[id(names)] = list(zip(*(columns[name] for name in names)))
         rows.append(Row(key, step, dict(zip(names, table[i])), nonfinite[i]))
     return StepRecord(step=step, rank=rank, rows=rows, scalars=scalars, pp_stage=pp_stage)
+
+
+def finalize_features(partials: Any, keys: Sequence[RowKey]) -> dict[int, tuple[tuple[float, ...], bool]]:
+    """The rows of the feature families (:data:`FEATURE_METRICS`): ``row index -> (the values in the family's
+    metric order, whether a value that is not optional is NaN or Inf)``.
+
+    Example:
+        >>> finalize_features(np.array([[3.5, 0.25, 0, 0, 0, 0, 0, 0]]), [RowKey("attn", "attn.head0")])
+        {0: ((3.5, 0.25), False)}
+    """
+    by_family: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        if key.family in FEATURE_METRICS:
+            by_family.setdefault(key.family, []).append(i)
+    if not by_family:
+        return {}
+    p = np.asarray(partials, dtype=np.float64).reshape(-1, PARTIAL_SLOTS)
+    out: dict[int, tuple[tuple[float, ...], bool]] = {}
+    for family, indices in by_family.items():
+        names = FEATURE_METRICS[family]
+        own = p[indices, :len(names)]
+        checked = [j for j, name in enumerate(names) if name not in OPTIONAL_FEATURES]
+        flags = (~np.isfinite(own[:, checked]).all(axis=1)).tolist()  # host numpy: no sync
+        out.update(zip(indices, zip(map(tuple, own.tolist()), flags)))
+    return out

@@ -14,7 +14,8 @@ exported. By default a rank writes, whatever the model size:
   ``0_overview/{name}`` and ``scalars/{name}``), the first :data:`NUMBERED_KEPT` of ``lr/group{i}`` and
   ``loss/micro{m}``, and the other scalars up to :data:`SCALAR_TAGS` tags (a warning names the first one left out).
 
-That is at most 11 tags per family (11 families), 8 + 40 scalar tags, 6 anomaly tags (3 detector types) and the
+That is at most 11 tags per family (11 families), 14 for the four model-feature families together (their
+summaries: :data:`OVERVIEW_STATS`), 8 + 40 scalar tags, 6 anomaly tags (3 detector types) and the
 Custom Scalars layout: < 200 (:data:`MAX_TAGS`). :class:`TagSelection` ``per_tensor`` adds the per-tensor tags
 ``{family}/{name}/{metric}[/vpp{v}][/micro{m}]`` and the per-parameter grad-probe scalars of the tensors it
 selects, and lifts the bounds on scalars.
@@ -35,12 +36,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from trainmon.base.records import FAMILIES, METRICS, Row
+from trainmon.base.records import FAMILIES, FEATURE_METRICS, METRICS, Row
 from trainmon.base.targets import compile_pattern
 
 OVERVIEW_STATS: dict[str, tuple[str, ...]] = {
     "norm": ("max", "median", "argmax"), "max": ("max",), "min": ("min",), "mean": ("median",),
     "zeros": ("max",), "nans": ("sum",), "infs": ("sum",),
+    # the model features (docs/features.md): the extreme that warns, and the typical value
+    "max_logit": ("max", "median"), "entropy": ("min", "median"), "imbalance": ("max",), "z_loss": ("max",),
+    "expert_similarity": ("max",), "tokens": ("min", "max"), "share": (), "spectral_norm": ("max",),
+    "stable_rank": ("min", "median"),
 }
 """The summaries of each metric over the tensors of a step (see the module docstring)."""
 NONFINITE = "nonfinite_tensors"
@@ -56,10 +61,12 @@ NUMBERED_KEPT = 4
 SCALAR_TAGS = 40
 """Tags of the other scalars the overview writes at most (each scalar name takes one or two: ``scalars/x``,
 ``0_overview/x``)."""
-MAX_TAGS = (len(FAMILIES) * (sum(map(len, OVERVIEW_STATS.values())) + 2) + 2 * (len(RUN_SCALARS) + SCALAR_TAGS // 2)
-            + 2 * 3 + 1)
-"""Tags of an overview at most: per family the summaries, ``nonfinite_tensors`` and the table; the scalars; a count
-and a text per anomaly detector type; the Custom Scalars layout."""
+MAX_TAGS = ((len(FAMILIES) - len(FEATURE_METRICS)) * (sum(len(OVERVIEW_STATS[m]) for m in METRICS) + 2)
+            + sum(len(OVERVIEW_STATS[m]) for names in FEATURE_METRICS.values() for m in names)
+            + 2 * (len(RUN_SCALARS) + SCALAR_TAGS // 2) + 2 * 3 + 1)
+"""Tags of an overview at most: per family the summaries, ``nonfinite_tensors`` and the table (a feature family: its
+summaries, no ``norm`` hence neither); the scalars; a count and a text per anomaly detector type; the Custom Scalars
+layout."""
 
 
 def summary_tag(family: str, metric: str, stat: str) -> str:
@@ -392,4 +399,4 @@ __all__ = ["MAX_TAGS", "NONFINITE", "NUMBERED_KEPT", "OVERVIEW_STATS", "RUN_SCAL
            "Overview", "TagSelection", "numbered_beyond", "overview_tags", "per_tensor_scalar", "summarise",
            "summary_tag", "table_text"]
 
-assert set(OVERVIEW_STATS) == set(METRICS)
+assert set(OVERVIEW_STATS) == set(METRICS) | {m for names in FEATURE_METRICS.values() for m in names}
