@@ -157,16 +157,26 @@ def foundry(values: Array, thresholds: Sequence[float], total_steps: int) -> Ala
 
 
 # ------------------------------------------------------------------------ trainmon's own code
-def trainmon_log(values: Array, thresholds: Sequence[float], spec: dict[str, Any] | None = None) -> Alarms:
+def trainmon_log(values: Array, thresholds: Sequence[float], spec: dict[str, Any] | None = None,
+                 scale_range: bool = False) -> Alarms:
     """trainmon's ``spike`` (``method: log``) state per column, as the detector feeds it: non-finite and
     non-positive values are skipped. ``spec`` is the detector spec (default: the per-layer warning,
-    ``persist: 3``); its ``threshold`` is replaced by each threshold."""
+    ``persist: 3``); its ``threshold`` is replaced by each threshold and, with ``scale_range``, its
+    ``range_factor`` (the other rule of the log method, which a threshold alone does not move) by
+    ``1 + (range_factor - 1) * threshold / default threshold`` (6 -> 2.0, 12 -> 3.0 for the per-layer warning)."""
     steps, columns = values.shape
     alarms = np.zeros((len(thresholds), steps, columns), dtype=bool)
     base = dict(spec or PER_LAYER_DEFAULT)
     for g, threshold in enumerate(thresholds):
         detector = build_detectors([{**base, "threshold": float(threshold)}], "benchmark")[0]
         assert isinstance(detector, SpikeDetector)
+        if scale_range:
+            default = build_detectors([{k: v for k, v in base.items() if k != "threshold"}], "benchmark")[0]
+            assert isinstance(default, SpikeDetector)
+            factor = 1 + (default.config.range_factor - 1) * threshold / default.threshold
+            detector = build_detectors([{**base, "threshold": float(threshold), "range_factor": factor}],
+                                       "benchmark")[0]
+            assert isinstance(detector, SpikeDetector)
         for c in range(columns):
             series = LogLevelSeries(detector.rules)
             column = values[:, c]

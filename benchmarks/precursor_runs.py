@@ -13,13 +13,15 @@ Faults, from ``onset`` on (all at lr 3e-3 before it):
 
 - ``lr_ramp``: the learning rate is multiplied by 1.02 per step (doubling every 35 steps) until training diverges.
 - ``logit_growth``: the learning rate rises linearly to 0.2 over 200 steps and stays there; without QK
-  normalisation the attention logits grow (max |q.k|/sqrt(d) from about 15 to over 10^4) and the attention
-  collapses; the same schedule with QK normalisation (a healthy variant) trains on.
+  normalisation the attention logits grow (the largest head's ``attn/max_logit`` from about 16 before the onset
+  to 1,700-4,400 at the loss event, the lowest head entropy to about 0) and the loss climbs; the same schedule
+  with QK normalisation (a healthy variant) trains on.
 - ``repeated_batch``: for 30 steps every batch is 16 copies of one sequence; the model memorises it (loss near 0,
   gradients 50x smaller) and the loss jumps when ordinary batches return.
-- ``eps_underflow``: the gradients are scaled by 1e-6 for good (a loss-scale bug): ``c * |g|`` falls far below
-  ``eps`` and Adam's update is left to the stale first moment and ``sqrt(v)`` decaying towards ``eps``; the loss
-  rises by about 40% within 30 steps and training stalls. The loss handed to the monitor is the unscaled one.
+- ``eps_underflow``: the gradients are scaled by 1e-6 for good (a loss-scale bug; the global grad norm falls from
+  about 0.44 to 4e-7): ``c * |g|`` falls below ``eps`` and Adam's update is left to the stale first moment while
+  ``sqrt(v)`` decays; the loss rises 12-19% over the next 100 steps and training stalls (with a trained model no
+  loss event: the fault is reported, not scored). The loss handed to the monitor is the unscaled one.
 
 Healthy variants (by seed): ``base`` (lr 3e-3), ``lr_1e-2``, ``beta2_0.999`` and ``qk_norm_high_lr`` (QK
 normalisation, the ``logit_growth`` schedule).

@@ -31,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -80,19 +81,20 @@ class DetectorDef:
     default: float
 
 
-SIGMAS = (3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 25.0, 50.0)
-ZCLIP_Z = (2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 20.0, 50.0)
-FACTORS = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
-RTOLS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
-TURBULENCE = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+SIGMAS = (3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 15.0, 25.0, 50.0, 100.0)
+ZCLIP_Z = (2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 20.0, 50.0, 100.0)
+FACTORS = (1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+RTOLS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0, 256.0)
+TURBULENCE = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0, 256.0)
 TRAINMON_Z = (3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 14.0, 20.0)
 TRAINMON_GRAD_Z = (3.0, 4.0, 5.0, 7.0, 10.0, 14.0, 20.0)
-TRAINMON_LAYER_Z = (4.5, 6.0, 9.0, 14.0)
+TRAINMON_LAYER_Z = (4.5, 6.0, 9.0, 14.0, 20.0, 30.0)
+"""The per-layer log rule's threshold z, its range factor scaled with it (``precursor_rules.trainmon_log``)."""
 
 RULES: dict[str, Rule] = {
     "trainmon_loss_spike": lambda v, th, n: rules.trainmon_scalar(v, th, rules.LOSS_SPIKE_SPEC, "loss"),
     "trainmon_grad_norm": lambda v, th, n: rules.trainmon_scalar(v, th, rules.GRAD_NORM_SPEC, "grad_norm"),
-    "trainmon_layer": lambda v, th, n: rules.trainmon_log(v, th),
+    "trainmon_layer": lambda v, th, n: rules.trainmon_log(v, th, scale_range=True),
     "skip_step": lambda v, th, n: rules.skip_step(v, th),
     "zclip": lambda v, th, n: rules.zclip(v, th),
     "megatron": lambda v, th, n: rules.megatron(v, th),
@@ -249,6 +251,22 @@ def alarm_steps(detector: DetectorDef, scalars: dict[str, np.ndarray],
     return out
 
 
+def fault_levels(at: np.ndarray, values: np.ndarray, onset: int, event: int | None) -> dict[str, float | None]:
+    """How a series moved in a fault run: the largest and smallest layer's value, as the median over the 100 steps
+    before the onset and at the event (the last step without one)."""
+    def stat(rows: np.ndarray, reduce: Any) -> float | None:
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            value = float(np.nanmedian(reduce(rows, axis=1))) if len(rows) else math.nan
+        return float(f"{value:.4g}") if math.isfinite(value) else None
+
+    before = values[(at >= onset - 100) & (at < onset)]
+    last = event if event is not None else int(at[-1]) if len(at) else -1
+    now = values[at == last]
+    return {"max_before": stat(before, np.nanmax), "max_at_event": stat(now, np.nanmax),
+            "min_before": stat(before, np.nanmin), "min_at_event": stat(now, np.nanmin)}
+
+
 class IncompleteStore(RuntimeError):
     """A run's store lacks steps (its outputs dropped records): its series would have holes."""
 
@@ -294,10 +312,18 @@ def evaluate(spec: dict[str, Any], run_dir: Path, trained: Sequence[float] | Non
         fired = alarm_steps(detector, scalars, layered, spec["steps"])
         results[key(detector)] = {"series": detector.series, "default": theta_key(detector.default),
                                   "thresholds": {theta_key(t): record(f) for t, f in zip(detector.thresholds, fired)}}
+    series: dict[str, dict[str, Any]] = {}
+    for name, (at, names, values) in layered.items():
+        series[name] = {"layers": len(names), "steps": len(at)}
+        if onset is not None:
+            series[name].update(fault_levels(at, values, onset, event))
+    for name in ("loss", "grad_norm"):
+        if name in scalars and onset is not None:
+            series[name] = fault_levels(np.arange(len(losses)), scalars[name][:, None], onset, event)
     return {
         "spec": spec, "steps": len(losses), "onset": onset, "event": event,
         "losses": [float(f"{v:.5g}") if math.isfinite(v) else str(v) for v in losses.tolist()],
-        "series": {name: {"layers": len(names), "steps": len(at)} for name, (at, names, _) in layered.items()},
+        "series": series,
         "online_alarm_steps": to_ranges(online), "replay_matches_online": to_ranges(online) == to_ranges(engine["all"]),
         "detectors": results,
     }
@@ -365,8 +391,8 @@ def _cell(summary: Summary, fault: str) -> str:
     hits, events = summary.recall(fault)
     if not events and summary.runs.get(fault):
         delays = summary.after_onset.get(fault, [])
-        median = f"{np.median(delays):g}" if delays else "-"
-        return f"no event; after onset {median} ({len(delays)}/{summary.runs[fault]})"
+        median = f"onset+{np.median(delays):g}" if delays else "-"
+        return f"no event: {median} ({len(delays)}/{summary.runs[fault]})"
     lead = summary.median_lead(fault)
     early = summary.early.get(fault, 0)
     return f"{'-' if lead is None else f'{lead:g}'} ({hits}/{events}{f', {early} early' if early else ''})"
@@ -385,7 +411,7 @@ def table(runs: Sequence[dict[str, Any]], window: int, budget: float, tuned: boo
         summary = by_theta[theta]
         fa = f"{summary.fa_per_10k:.2f} (<= {summary.fa_upper_95:.1f})"
         rows.append([name, theta, fa, *(_cell(summary, fault) for fault in FAULTS)])
-    header = ["detector @ series", "threshold", "FA/10k (95% bound)", *(f"{f}: lead (recall)" for f in FAULTS)]
+    header = ["detector @ series", "threshold", "FA/10k (95% bound)", *FAULTS]
     return render(header, rows, markdown)
 
 
@@ -421,7 +447,7 @@ def render(header: list[str], rows: list[list[str]], markdown: bool) -> str:
 def report(runs: Sequence[dict[str, Any]], window: int, budget: float, markdown: bool) -> str:
     healthy = sum(r["steps"] for r in runs if r["spec"]["kind"] == "healthy")
     before = sum(min(r["onset"], r["steps"]) for r in runs if r["spec"]["kind"] != "healthy")
-    series = sorted({s for r in runs for s in r["series"]})
+    series = sorted({s for r in runs for s, about in r["series"].items() if "layers" in about})
     healthy_events = [r["spec"]["name"] for r in runs if r["spec"]["kind"] == "healthy" and r["event"] is not None]
     lines = [f"{len(runs)} runs, {sum(r['steps'] for r in runs)} steps; healthy steps {healthy + before} "
              f"({healthy} in healthy runs, {before} before the fault's onset); lead window {window} steps; "
@@ -429,7 +455,8 @@ def report(runs: Sequence[dict[str, Any]], window: int, budget: float, markdown:
              f"per-layer series in the store: {', '.join(series)}",
              f"healthy runs with a loss event: {', '.join(healthy_events) or 'none'}", "",
              runs_table(runs, markdown), "",
-             "At each detector's own threshold: median lead in steps (detected / events):", "",
+             "At each detector's own threshold: median lead in steps (detected / events; early: runs with an alarm "
+             "before the window; a fault without a loss event: the first alarm after the onset, runs with one):", "",
              table(runs, window, budget, False, markdown), "",
              f"Same false-alarm rate: the most sensitive threshold of each grid with at most {budget:g} false alarm "
              f"per 10,000 healthy steps:", "", table(runs, window, budget, True, markdown)]

@@ -103,6 +103,15 @@ def test_trainmon_log_equals_the_spike_detector_fed_rows() -> None:
         assert expected.any()
 
 
+def test_trainmon_log_scales_its_range_factor_with_the_threshold() -> None:
+    values = series(11, special=False)
+    values[300:320, 0] *= 1.3 ** np.arange(20)
+    got = rules.trainmon_log(values, [6.0, 12.0], scale_range=True)
+    assert (got[0] == rules.trainmon_log(values, [6.0])[0]).all()  # 6: the default range factor, 2
+    wider = rules.trainmon_log(values, [12.0], spec={**PER_LAYER_DEFAULT, "range_factor": 3.0})
+    assert (got[1] == wider[0]).all() and got[1].sum() <= got[0].sum()
+
+
 def test_any_column_and_scalar_detectors() -> None:
     values = series(3, special=False)[:, :1]
     values[350, 0] = 50.0
