@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainmon.base.records import FAMILIES, METRICS, Row, RowKey, StepRecord
+from trainmon.base.records import FAMILIES, METRICS, Row, RowKey, StepRecord, metrics_of
 from trainmon.errors import ConfigError
 from trainmon.sinks.tensorboard import TensorBoardSink, scalar_tags
 from trainmon.sinks.tensorboard_overview import (
@@ -179,7 +179,8 @@ def test_every_family_metric_and_bounded_scalar_at_once_stays_under_200_tags(tmp
     detectors = ("nonfinite", "spike", "loss_spike")
     for step in range(3):
         rows = [Row(RowKey(family, f"layers.{i}.w", i % 2, i % 3, i), step,
-                    {m: float(rng.normal()) for m in METRICS}, False) for family in FAMILIES for i in range(1000)]
+                    {m: float(rng.normal()) for m in metrics_of(family)}, False)
+                for family in FAMILIES for i in range(1000)]
         scalars = {"loss": 1.0, "grad_norm": 2.0, "loss_scale": 4.0, "step_skipped": 0.0,
                    **{f"lr/group{i}": 1e-3 for i in range(300)}, **{f"loss/micro{m}": 1.0 for m in range(8)},
                    **{f"grad_probe/layers.{i}.w/cos_prev": 0.5 for i in range(1000)},

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from trainmon.base.precursors import PRECURSOR_METRICS, PRECURSORS, finalize_precursors, nan_tail, pair_tails
+
 METRICS: tuple[str, ...] = ("norm", "min", "max", "mean", "zeros", "nans", "infs")
 """Every metric a user may ask for, in canonical order."""
 
@@ -26,15 +28,29 @@ PARTIAL_SLOTS = 8
 
 FAMILIES: tuple[str, ...] = (
     "actv", "actv_grad", "grad_unreduced", "grad_reduced",
-    "exp_avg", "exp_avg_sq", "update", "ratio", "momentum", "param", "comm",
+    "exp_avg", "exp_avg_sq", "update", "ratio", "momentum", "param", "comm", PRECURSORS,
 )
 """Row families; each is written to ``rank{R}/{family}.csv``."""
+ROW_METRICS: tuple[str, ...] = METRICS + PRECURSOR_METRICS
+"""Every column a row family may have: the statistics of a tensor (:data:`METRICS`), and the ``precursors``
+family's own (:data:`~trainmon.base.precursors.PRECURSOR_METRICS`)."""
+
+
+def metrics_of(family: str) -> tuple[str, ...]:
+    """The metrics a row of ``family`` may have.
+
+    Example:
+        >>> metrics_of("precursors")[:2], metrics_of("grad_reduced")[0]
+        (('update_weight_ratio', 'g2_v_rms'), 'norm')
+    """
+    return PRECURSOR_METRICS if family == PRECURSORS else METRICS
+
 
 PHASE_OF_FAMILY: dict[str, str] = {
     "actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward",
     "grad_reduced": "optimizer", "exp_avg": "optimizer", "exp_avg_sq": "optimizer",
     "update": "optimizer", "ratio": "optimizer", "momentum": "optimizer", "param": "optimizer",
-    "comm": "communication",
+    "comm": "communication", PRECURSORS: "optimizer",
 }
 PHASES: tuple[str, ...] = ("forward", "backward", "communication", "optimizer", "loss")
 
@@ -299,16 +315,45 @@ def finalize_many(partials: npt.ArrayLike) -> tuple[dict[str, list[float]], list
     return values, nonfinite.tolist()  # host numpy: no sync
 
 
+def _join_precursors(keys: Sequence[RowKey], partials: npt.NDArray[np.float64]
+                     ) -> tuple[list[RowKey], npt.NDArray[np.float64], dict[int, tuple[dict[str, float], bool]]]:
+    """The keys and partials without the precursor rows' tails, and each precursor row's values and non-finite
+    flag by its index among the kept keys (:func:`~trainmon.base.precursors.finalize_precursors`)."""
+    kept, tails = pair_tails(keys)
+    rows = [j for j, i in enumerate(kept) if keys[i].family == PRECURSORS]
+    joined: dict[int, tuple[dict[str, float], bool]] = {}
+    if rows:
+        heads = partials[[kept[j] for j in rows]]
+        tail_rows = np.stack([partials[tails[j]] if tails[j] >= 0 else nan_tail() for j in rows])
+        values, nonfinite = finalize_precursors(heads, tail_rows)
+        for k, j in enumerate(rows):
+            joined[j] = ({metric: values[metric][k] for metric in PRECURSOR_METRICS}, nonfinite[k])
+    if len(kept) == len(keys):
+        return list(keys), partials, joined
+    return [keys[i] for i in kept], partials[kept], joined
+
+
 def build_record(step: int, rank: int, pp_stage: int, keys: Sequence[RowKey], partials: Any,
                  scalars: dict[str, float], metrics: dict[str, list[str]]) -> StepRecord:
-    """Finalise the host copy of a step into a :class:`StepRecord` (framework-free), all rows at once."""
+    """Finalise the host copy of a step into a :class:`StepRecord` (framework-free), all rows at once.
+
+    A ``precursors`` row is joined here with its second half (a
+    :data:`~trainmon.base.precursors.PRECURSORS_TAIL` key, which makes no row of its own).
+    """
     if not len(keys):
         return StepRecord(step=step, rank=rank, rows=[], scalars=scalars, pp_stage=pp_stage)
+    joined: dict[int, tuple[dict[str, float], bool]] = {}
+    if PRECURSORS in metrics:
+        keys, partials, joined = _join_precursors(keys, np.asarray(partials, dtype=np.float64).reshape(-1, 8))
     columns, nonfinite = finalize_many(partials)
     values: dict[int, list[tuple[float, ...]]] = {}  # per metrics list: every row's values in its order
     rows = []
     for i, key in enumerate(keys):
         names = metrics[key.family]
+        if i in joined:
+            row_values, row_nonfinite = joined[i]
+            rows.append(Row(key, step, {name: row_values[name] for name in names}, row_nonfinite))
+            continue
         table = values.get(id(names))
         if table is None:
             table = values[id(names)] = list(zip(*(columns[name] for name in names)))

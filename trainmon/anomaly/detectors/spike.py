@@ -31,7 +31,7 @@ from trainmon.anomaly.detectors.base import Detector, off_or_above_one, row_even
 from trainmon.anomaly.detectors.loss_spike import DIRECTIONS, MAX_WINDOW, LogLevelSeries, LogRules, describe_verdict
 from trainmon.anomaly.events import AnomalyEvent
 from trainmon.anomaly.ordering import describe, format_number
-from trainmon.base.records import METRICS, StepRecord, split_row_series
+from trainmon.base.records import StepRecord, metrics_of, split_row_series
 from trainmon.base.schema import setting
 from trainmon.base.targets import compile_pattern
 from trainmon.errors import ConfigError
@@ -53,9 +53,9 @@ class _Selector:
         pattern = text
         if row is not None:
             self.family, pattern, self.metric = row
-            if not pattern or self.metric not in METRICS:
-                raise ConfigError(path, f"row series must be 'family/name/metric' with a metric in "
-                                        f"{list(METRICS)}, got {text!r}")
+            if not pattern or self.metric not in metrics_of(self.family):
+                raise ConfigError(path, f"row series must be 'family/name/metric' with a metric of {self.family} in "
+                                        f"{list(metrics_of(self.family))}, got {text!r}")
         self.pattern = compile_pattern(pattern, path)
 
     def matches(self, name: str) -> bool:
@@ -76,7 +76,8 @@ class SpikeConfig:
 
     series: list[str] = setting(["loss"], check=check_series)
     """Scalars by name (``loss``, ``grad_norm``, ``lr/group0``; globs allowed) or rows as
-    ``family/name/metric`` (``grad_reduced/layers.*/norm``; name glob or ``re:`` regex)."""
+    ``family/name/metric`` (``grad_reduced/layers.*/norm``, ``precursors/layers.*/g2_v_rms``; name glob or
+    ``re:`` regex)."""
     method: str = setting("ema", choices=METHODS)
     """ema, mad, log (loss_spike's rules on any positive series) or relative (msprobe AnomalyTurbulence)."""
     threshold: float | None = setting(None, minimum=0.0)
