@@ -13,9 +13,10 @@ from trainmon.base.records import RowKey
 from trainmon.collect.adam import (  # re-exported (__all__): integrations and tests import them from here
     AdamEntry,
     adam_partials_many,
+    coupled_groups,
 )
 from trainmon.collect.hooks import HookedCollector, HookRegistry, post_accumulate_grad_hook
-from trainmon.collect.optimizer_parts import optimizer_parts, param_groups_of, states_of
+from trainmon.collect.optimizer_parts import optimizer_parts, param_groups_of, state_holder, states_of
 from trainmon.collect.stats_base import foreach_norms, norm_of_norms
 from trainmon.collect.step_hooks import scale_of
 
@@ -394,8 +395,9 @@ class TorchOptimizerCollector(HookedCollector):
         update_spec = ctx.specs.get("update") if "update" in self._states else None
         ratio_spec = ctx.specs.get("ratio") if "ratio" in self._states else None
         precursors = self._precursors and any(grad is not None for grad in grads)
+        coupled = coupled_groups([state_holder(part) for part in self.parts]) if precursors else frozenset()
         blocks = adam_partials_many(entries, update_spec, ratio_spec, ctx.specs[states[0]] if states else None,
-                                    grads if precursors else None)[1] \
+                                    grads if precursors else None, coupled)[1] \
             if update_spec is not None or ratio_spec is not None or precursors else []
         positions = {family: {entry[0]: k for k, entry in enumerate(rows[family])}
                      for family in ("update", "ratio", PRECURSORS, *states)}
