@@ -19,8 +19,8 @@ import pytest
 
 from tests.launch import ROOT, DeepSpeedCases
 from tests.reference import adam_update_np, np_stats, precursors_np, read_family
-from trainmon.base.precursors import PRECURSOR_METRICS
 from trainmon.anomaly.merge import analyse_run
+from trainmon.base.precursors import PRECURSOR_METRICS
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow

@@ -111,10 +111,11 @@ def test_precursor_rows_equal_full_tensors(runs, case):
         assert set(frame.step) == set(COLLECTED) and len(frame) == len(COLLECTED) * len(names), case
         for step in COLLECTED:
             for name in names:
-                ref = lambda key: refs[f"{step}|{key}|{name}"]  # noqa: E731
-                want = precursors_np(ref("grad_reduced"), ref("exp_avg"), ref("exp_avg_sq"), ref("param_after"),
-                                     float(ref("step")), tuple(extra["betas"]), extra["eps"], extra["lr"],
-                                     adam_step=ref("param") - ref("param_after"))
+                ref = {key: refs[f"{step}|{key}|{name}"]
+                       for key in ("grad_reduced", "exp_avg", "exp_avg_sq", "param", "param_after", "step")}
+                want = precursors_np(ref["grad_reduced"], ref["exp_avg"], ref["exp_avg_sq"], ref["param_after"],
+                                     float(ref["step"]), tuple(extra["betas"]), extra["eps"], extra["lr"],
+                                     adam_step=ref["param"] - ref["param_after"])
                 row = _row(frame, name, step)
                 for metric, value in want.items():
                     assert np.isclose(row[metric], value, rtol=1e-3, atol=1e-7), (case, rank, step, name, metric,

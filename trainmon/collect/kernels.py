@@ -19,6 +19,7 @@ a kernel use the plain torch ops of :func:`trainmon.collect.fallback.partials_to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -174,31 +175,37 @@ def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, 
     scratch = np.empty(size, np.float32) if precursors else buffer_r
     taken = np.empty(size, np.float32) if precursors and (sign != 1.0 or decay) else None
     eps2 = eps * eps
-    for i in range(chunks):
-        arrays = [_widen(piece[i], wide) if wide is not None else piece[i] for piece, wide in zip(pieces, widened)]
-        k = arrays[0].size
-        u, r = buffer_u[:k], buffer_r[:k]
-        if state_spec is not None:
-            partial_numpy(arrays[0], state_spec, parts[2, i])
-            partial_numpy(arrays[1], state_spec, parts[3, i])
-        update_into(arrays[0], arrays[1], u, scale, eps)
-        if update_spec is not None:
-            partial_numpy(u, update_spec, parts[0, i])
-        if ratio_spec is not None:
-            ratio_into(u, arrays[2], r)
-            partial_numpy(r, ratio_spec, parts[1, i])
-        if precursors:
-            g = arrays[3]
-            if taken is not None:  # sign * g + decay * (p + lr * u): p + lr * u are the weights before the step
-                g = taken[:k]
-                np.multiply(arrays[3], sign, out=g)
-                if decay:
-                    before = scratch[:k]  # free until precursor_chunk
-                    np.multiply(u, lr, out=before)
-                    before += arrays[2]
-                    before *= decay
-                    g += before
-            precursor_chunk(u, arrays[0], arrays[1], arrays[2], g, eps2, r, scratch[:k], parts[4, i], parts[5, i])
+    reuse_norm = update_spec is not None and update_spec.norm  # the update's |u| per chunk, computed anyway
+    # g^2 / eps'^2 may overflow to Inf (a huge gradient): a value, not a warning for the user
+    quiet: contextlib.AbstractContextManager[Any] = np.errstate(divide="ignore", invalid="ignore", over="ignore") \
+        if precursors else contextlib.nullcontext()
+    with quiet:
+        for i in range(chunks):
+            arrays = [_widen(piece[i], wide) if wide is not None else piece[i] for piece, wide in zip(pieces, widened)]
+            k = arrays[0].size
+            u, r = buffer_u[:k], buffer_r[:k]
+            if state_spec is not None:
+                partial_numpy(arrays[0], state_spec, parts[2, i])
+                partial_numpy(arrays[1], state_spec, parts[3, i])
+            update_into(arrays[0], arrays[1], u, scale, eps)
+            if update_spec is not None:
+                partial_numpy(u, update_spec, parts[0, i])
+            if ratio_spec is not None:
+                ratio_into(u, arrays[2], r)
+                partial_numpy(r, ratio_spec, parts[1, i])
+            if precursors:
+                g = arrays[3]
+                if taken is not None:  # sign * g + decay * (p + lr * u): p + lr * u are the weights before the step
+                    g = taken[:k]
+                    np.multiply(arrays[3], sign, out=g)
+                    if decay:
+                        before = scratch[:k]  # free until precursor_chunk
+                        np.multiply(u, lr, out=before)
+                        before += arrays[2]
+                        before *= decay
+                        g += before
+                precursor_chunk(u, arrays[0], arrays[1], arrays[2], g, eps2, r, scratch[:k], parts[4, i], parts[5, i],
+                                float(parts[0, i, 0]) if reuse_norm else None)
     for spec, out, part in ((update_spec, update_out, parts[0]), (ratio_spec, ratio_out, parts[1]),
                             (state_spec, m_out, parts[2]), (state_spec, v_out, parts[3])):
         if spec is not None and out is not None:
@@ -209,16 +216,20 @@ def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, 
 
 
 def precursor_chunk(u: Array, m: Array, v: Array, p: Array, g: Array, eps2: float, buffer: Array, other: Array,
-                    head: Array, tail: Array) -> None:
+                    head: Array, tail: Array, update_norm: float | None = None) -> None:
     """One chunk's precursor sums (:mod:`trainmon.base.precursors`) into ``head`` and ``tail``, before the
     ``1 - beta2^t`` factor and the learning rate (:func:`finish_precursors`): ``r = g^2 / max(v, eps'^2)``
     (0 where ``g`` is 0), ``eps' = eps * sqrt(1 - beta2^t)`` as in the update. ``buffer``, ``other``: two
-    scratch arrays of the chunk's size (``buffer`` may be the ratio's, which is measured by then)."""
+    scratch arrays of the chunk's size (``buffer`` may be the ratio's, which is measured by then);
+    ``update_norm``: the chunk's ``|u|`` where the update's statistics computed it. Call under
+    ``np.errstate(divide="ignore", invalid="ignore", over="ignore")``."""
     np.multiply(g, g, out=buffer)
     np.maximum(v, eps2, out=other)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    if eps2 > 0:  # g = 0 gives 0 / max(v, eps'^2) = 0 by itself
+        np.divide(buffer, other, out=buffer)
+    else:
         np.divide(buffer, other, out=buffer, where=buffer != 0)  # 0 stays 0 (an element without a gradient)
-    head[0] = np.sqrt(np.dot(u, u))
+    head[0] = np.sqrt(np.dot(u, u)) if update_norm is None else update_norm
     head[1] = np.dot(u, g)
     head[3] = buffer.max()
     head[4] = np.dot(m, g)

@@ -9,9 +9,10 @@ What is measured where (see ``docs/deepspeed.md``):
   master parameter at the start of ``engine.step()`` on an accumulation boundary (where
   DeepSpeed documents its gradient accessors as valid); optimizer states, ``update`` and
   ``ratio`` after it; ``precursors`` in a step post-hook of the torch optimizer DeepSpeed steps (inside
-  ``engine.step()``, where the unscaled, clipped gradient it stepped with is still on the flat partition). Partial statistics of the shards are combined across the data-parallel
-  group with ONE all-gather per step for all parameters, and written by the lowest rank of the
-  data-parallel group that ``ranks`` selects (data-parallel rank 0 when ``ranks`` is null).
+  ``engine.step()``, where the unscaled, clipped gradient it stepped with is still on the flat partition).
+  Partial statistics of the shards are combined across the data-parallel group with ONE all-gather per step
+  for all parameters, and written by the lowest rank of the data-parallel group that ``ranks`` selects
+  (data-parallel rank 0 when ``ranks`` is null).
 - scalars: ``grad_norm`` (``engine.get_global_grad_norm()``), ``loss_scale`` (fp16),
   ``skipped_steps``, ``step_applied``, ``global_steps``, ``lr/group{i}``.
 
@@ -27,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainmon.base import process_groups
-from trainmon.collect.activations import ActivationCollector
 from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
+from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.adam import AdamEntry, adam_update, coupled_groups, precursor_partials, update_ratio
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainmon.base import process_groups
-from trainmon.collect.activations import ActivationCollector
 from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
+from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.adam import adam_partials_cpu, adam_update, coupled_groups, precursor_partials, update_ratio
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector, global_grad_norm

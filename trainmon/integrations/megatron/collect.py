@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainmon.base import process_groups
+from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
 from trainmon.base.records import RowKey, activation_row, module_call
 from trainmon.collect.activations import ActivationCollector, is_root
-from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
 from trainmon.collect.adam import AdamEntry, adam_update, coupled_groups, precursor_partials, update_ratio
 from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector, HookRegistry
@@ -221,7 +221,7 @@ class MegatronParamCollector(HookedCollector):
         if precursors:
             measured = precursor_partials([p[1] for p in precursors], [p[2] for p in precursors],
                                           coupled_groups([optimizer]))
-            for (slot, entry, _), partial in zip(precursors, measured):
+            for (slot, _, _), partial in zip(precursors, measured):
                 if partial is not None:
                     i = slot - self._index[PRECURSORS]
                     self._slots.partials[slot] = partial[:8]

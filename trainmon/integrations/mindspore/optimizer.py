@@ -22,7 +22,6 @@ from mindspore import Parameter, Tensor, mint
 from mindspore import nn as ms_nn
 
 from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
-
 from trainmon.base.records import PARTIAL_SLOTS, RowKey
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.integrations.mindspore.buffer import buffer_of
@@ -146,11 +145,12 @@ class Precursors:
             else None
         decay = getattr(optimizer, "weight_decay", None)
         flags = getattr(optimizer, "decay_flags", None)
-        coupled = isinstance(optimizer, ms_nn.Adam) and isinstance(decay, Tensor) and decay.size == 1 \
-            and flags is not None and len(flags) == len(optimizer.parameters)
-        self.decay: Tensor | None = decay.reshape(()).astype(_F32) if coupled else None
-        self.decayed = [bool(flags[i]) for i in positions] if coupled and flags is not None else [False] * len(
-            positions)
+        self.decay: Tensor | None = None
+        self.decayed = [False] * len(positions)
+        if isinstance(optimizer, ms_nn.Adam) and isinstance(decay, Tensor) and decay.size == 1 \
+                and flags is not None and len(flags) == len(optimizer.parameters):
+            self.decay = decay.reshape(()).astype(_F32)
+            self.decayed = [bool(flags[i]) for i in positions]
 
     def lr_tensor(self) -> Tensor:
         return self.lr.reshape(()).astype(_F32) if self.lr is not None else constants.scalar(math.nan)
