@@ -327,6 +327,8 @@ def _join_precursors(keys: Sequence[RowKey], partials: npt.NDArray[np.float64]
         tail_rows = np.stack([partials[tails[j]] if tails[j] >= 0 else nan_tail() for j in rows])
         values, nonfinite = finalize_precursors(heads, tail_rows)
         for k, j in enumerate(rows):
+            if tails[j] < 0:  # no tail (a part that failed): what needs it is NaN, which is not the tensors' fault
+                nonfinite[k] = not np.isfinite(heads[k]).all()
             joined[j] = ({metric: values[metric][k] for metric in PRECURSOR_METRICS}, nonfinite[k])
     if len(kept) == len(keys):
         return list(keys), partials, joined
