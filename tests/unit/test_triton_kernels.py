@@ -134,7 +134,7 @@ def _check_precursors(head: list[float], tail: list[float], m: np.ndarray, v: np
     """The kernel's precursor head and tail against float64 sums of the same arrays (coefficients above:
     scale 1.7, eps' 1e-8, lr 1e-3, 1 - beta2^t = 0.25); NaN where an input is NaN."""
     update = m / (np.sqrt(v) + 1e-8) * 1.7
-    g = sign * g + decay * (p + 1e-3 * update)
+    g = sign * g + (decay * (p + 1e-3 * update) if decay else 0.0)  # the gradient the moments took
     with np.errstate(invalid="ignore", divide="ignore"):
         stale = np.where(g != 0, g * g / np.maximum(v, 1e-16), 0.0) * 0.25
     want_head = [np.linalg.norm(update), update @ g, 0.0, stale.max(), m @ g, stale.sum(), np.sum(v < 1e-16), m.size]
