@@ -48,6 +48,11 @@ FAULTS: dict[str, Fault] = {
     "backward_end": Fault("trainmon.collect.optimizer", "TorchOptimizerCollector", "_backward_ended", "weights"),
     # the end of the step, before the one transfer
     "step_end": Fault("trainmon.collect.optimizer", "TorchOptimizerCollector", "before_transfer", "weights"),
+    # the step guard's decision (inside the wrapped optimizer step; DeepSpeed's engine step; Megatron's prepare_grads)
+    "step_guard": Fault("trainmon.collect.step_guard", "StepGuard", "_decide", "step_guard"),
+    "deepspeed_step_guard": Fault("trainmon.integrations.deepspeed.guard", "DeepSpeedStepGuard", "_decide",
+                                  "step_guard"),
+    "megatron_step_guard": Fault("trainmon.integrations.megatron.guard", "MegatronStepGuard", "_decide", "step_guard"),
     # the anomaly detectors
     "anomaly": Fault("trainmon.anomaly.engine", "AnomalyEngine", "process", "anomaly"),
     # the step model (a root forward pre-hook): fatal, the whole monitor stops

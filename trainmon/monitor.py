@@ -12,6 +12,7 @@ from trainmon.errors import ConfigError
 
 if TYPE_CHECKING:
     from trainmon.actions import HandOffAction
+    from trainmon.actions.resume import Rollback
     from trainmon.anomaly.engine import AnomalyCallback
     from trainmon.base.guard import Guard
     from trainmon.base.types import GradScaler, Model, Optimizer, ProcessGroup, Scalar
@@ -49,6 +50,8 @@ class TrainerMonitor:
         self._dirs: tuple[Path | None, Path | None] = (None, None)
         self._msprobe: MsprobeKeys | None = None
         """Built by :meth:`from_msprobe`: the msprobe keys that errors at ``attach`` name."""
+        self._resumed: Rollback | None = None
+        self._fired: dict[str, Any] | None = None
 
     @classmethod
     def from_msprobe(cls, path: str | Path) -> TrainerMonitor:
@@ -125,13 +128,17 @@ class TrainerMonitor:
         if self._msprobe is not None:
             modules = self._session.attachment.modules
             self._msprobe.warn_unmatched_targets([name for name, _, _ in modules], _parameter_names(modules))
+        if self._resumed is not None:
+            self.resume(self._resumed)
         return self
 
-    def step(self, loss: Scalar | None = None, **scalars: Scalar) -> StepRecord | None:
+    def step(self, loss: Scalar | None = None, *, batch: object = None, **scalars: Scalar) -> StepRecord | None:
         """End the current step (call it after ``optimizer.step()``).
 
         Args:
             loss: the step's loss (a tensor stays on the device until the step's one transfer).
+            batch: which data the step trained on, as :meth:`batch` takes it (added to what :meth:`batch` was
+                given during the step).
             **scalars: extra scalars written to ``scalars.csv``. The loss and these are checked and written on
                 every step, collected or not (on an uncollected step without a host sync: their copy is
                 checked once it has ended; docs/anomaly.md).
@@ -143,12 +150,47 @@ class TrainerMonitor:
         Raises:
             AnomalyError: the ``raise`` action fired (after the step was fully recorded; with
                 ``async_results``, at the end of the next step).
+            RollbackExit: the ``rollback`` action stopped the run (a ``SystemExit`` whose code is
+                ``anomaly.rollback.exit_code``), after the monitor closed; see docs/actions.md, "Rollback".
         """
         if self._session is None:
             raise RuntimeError("attach() a model before calling step()")
         for name, value in (("loss", loss), *scalars.items()):
             _check_scalar(name, value)
-        return self._session.end_step(loss, scalars, by_user=True)
+        if batch is not None:
+            self.batch(batch)
+        from trainmon.actions.rollback import RollbackExit
+
+        try:
+            return self._session.end_step(loss, scalars, by_user=True)
+        except RollbackExit:
+            self.close()  # the rollback, the skip list and every output written before the process ends
+            raise
+
+    def batch(self, samples: object) -> None:
+        """Say which data the current step trains on (call it once per micro-batch, or pass ``step(batch=...)``):
+        the step's anomaly events carry it, and the skip list and a rollback name it.
+
+        Args:
+            samples: the sample indices of the batch (a sequence, numpy array or CPU tensor, in any order), a sample
+                range ``(start, end)`` (a tuple, end excluded: e.g. the samples consumed before and after the step),
+                a ``range`` or one index.
+
+        Raises:
+            TypeError, ValueError: not sample indices (a float, a negative index, a tensor on a device).
+
+        Example:
+            >>> for indices, (x, y) in loader:  # the dataset returns each sample's index too  # doctest: +SKIP
+            ...     ...
+            ...     monitor.step(loss=loss, batch=indices)
+        """
+        if self._session is None:
+            raise RuntimeError("attach() a model before calling batch()")
+        from trainmon.actions.skip_list import batch_identity
+
+        identity = batch_identity(samples)
+        if self._session.keeper is not None:
+            self._session.keeper.add_batch(identity)
 
     def dump(self, modules: list[str], steps: list[int] | None = None) -> list[str]:
         """Dump ``modules`` (names, globs, ``re:``) on ``steps`` (default: the next step).
@@ -182,12 +224,20 @@ class TrainerMonitor:
             raise ConfigError(f"{section}.enabled", f"must be true to call monitor.{section}()")
         return action
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, checkpoint: str | Path | None = None) -> dict[str, Any]:
         """The monitor's resumable state, JSON-compatible, to save with a training checkpoint.
 
         ``{"anomaly": <anomaly engine state: every detector's history and warm-up>, "step": <the number
-        of the next step>}``. Restore it with :meth:`load_state_dict` after attaching a new monitor
-        with ``attach(..., start_step=state["step"])``, so detectors need no new warm-up.
+        of the next step>, "healthy": <bool>, "health": {...}}``. Restore it with :meth:`load_state_dict` after
+        attaching a new monitor with ``attach(..., start_step=state["step"])``, so detectors need no new warm-up.
+
+        ``healthy`` is False when an event of ``anomaly.rollback.detectors`` came from a step whose update was
+        applied since the last healthy state (loaded, or the start). To answer it, every ended step is checked
+        first (the scalars of uncollected steps whose copies are on their way: a host synchronisation, here
+        only). Call it after ``monitor.step()`` of the last step the checkpoint holds.
+
+        Args:
+            checkpoint: where this state is saved (a file or a folder): a healthy one is what a rollback names.
 
         Raises:
             RuntimeError: not attached (or closed).
@@ -200,12 +250,20 @@ class TrainerMonitor:
         """
         if self._session is None:
             raise RuntimeError("attach() a model before calling state_dict()")
-        return {"anomaly": self._session.anomaly.state_dict(), "step": int(self._session.ctx.step)}
+        session = self._session
+        session.settle()
+        step = int(session.ctx.step)
+        state: dict[str, Any] = {"anomaly": session.anomaly.state_dict(), "step": step}
+        if session.keeper is not None:
+            health = session.keeper.checkpoint(step, None if checkpoint is None else str(checkpoint))
+            state.update(healthy=health["healthy"], health=session.keeper.state_dict())
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output into the attached monitor.
 
-        Only the anomaly state is applied; the step counter is set by ``attach(start_step=...)``.
+        The anomaly state and the health (the last healthy checkpoint) are applied; the step counter is set by
+        ``attach(start_step=...)``. A state saved before health was recorded loads as a healthy one.
 
         Raises:
             RuntimeError: not attached (or closed).
@@ -216,6 +274,24 @@ class TrainerMonitor:
         if not isinstance(state, dict) or "anomaly" not in state:
             raise ValueError("not a TrainerMonitor state (missing 'anomaly')")
         self._session.anomaly.load_state_dict(state["anomaly"])
+        keeper = self._session.keeper
+        if keeper is not None and isinstance(state.get("health"), dict):
+            keeper.load_state_dict(state["health"])
+
+    def resume(self, rollback: Rollback) -> None:
+        """Say that this run resumes from ``rollback`` (:func:`trainmon.read_rollback`) and leaves out its data
+        (``trainmon.SkipSampler``): a later rollback of this run leaves that data out too, and names the rollback's
+        checkpoint until a newer healthy one is saved. Call it before or after ``attach``."""
+        self._resumed = rollback
+        if self._session is not None and self._session.keeper is not None:
+            self._session.keeper.resume(rollback)
+
+    @property
+    def rollback(self) -> dict[str, Any] | None:
+        """What ``rollback.json`` holds once the ``rollback`` action stopped the run (kept after ``close()``), else
+        None. A loop whose steps end without ``monitor.step()`` (by the optimizer hook) checks it to stop."""
+        keeper = self._session.keeper if self._session is not None else None
+        return keeper.fired if keeper is not None else self._fired
 
     @property
     def run_dir(self) -> Path | None:
@@ -257,6 +333,7 @@ class TrainerMonitor:
         if session is not None:
             self._config = session.config
             self._dirs = (session.run_dir, session.rank_dir)
+            self._fired = session.keeper.fired if session.keeper is not None else None
             session.close()
 
     def __enter__(self) -> TrainerMonitor:

@@ -80,13 +80,17 @@ class _Elements(HTMLParser):
         return [a for _, a in self.elements if name in a.get("class", "").split()]
 
 
-def render(page: Path, tmp_path: Path, screenshot: Path | None = None) -> _Elements:
-    """The DOM of ``page`` after its scripts ran in headless Chromium."""
+def render(page: Path | str, tmp_path: Path, screenshot: Path | None = None, fragment: str = "") -> _Elements:
+    """The DOM of ``page`` (a file, or a URL) after its scripts ran in headless Chromium (and, for a URL, its
+    requests were answered: virtual time waits for them)."""
     args = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
             f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1280,2000"]
     args += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
-    done = subprocess.run([*args, page.resolve().as_uri()], capture_output=True, text=True, timeout=120)
+    if isinstance(page, str):
+        args.append("--virtual-time-budget=30000")
+    url = (page if isinstance(page, str) else page.resolve().as_uri()) + fragment
+    done = subprocess.run([*args, url], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     parser = _Elements()
     parser.feed(done.stdout)
@@ -118,14 +122,21 @@ def test_report_of_a_real_run_renders_in_chromium(tmp_path, report):
     assert body.get("data-rendered") == "ok" and "data-js-error" not in body, body
     assert dom.text.get("js-error", "") == ""
 
-    # The heatmap drawn first: family actv, metric norm, rank 0; one row per row name of actv.csv.
+    # The heatmap drawn first: the reduced gradients' norm on the rank of the first origin, in the change colours.
+    canvas = dom.with_class("view-canvas")[0]
+    assert (canvas["data-view"], canvas["data-family"], canvas["data-metric"], canvas["data-at"],
+            canvas["data-mode"]) == ("steps", "grad_reduced", "norm", "0", "change")
+    # The activations' (a link's fragment): one row per row name of actv.csv, each labelled.
+    dom = render(out, tmp_path, fragment="#view=steps&family=actv&metric=norm&rank=0")
     actv = pd.read_csv(run / "rank0" / "actv.csv", keep_default_na=False, na_values=["nan"])
-    canvas = dom.having("canvas", data_family="actv", data_metric="norm")[0]
+    canvas = dom.with_class("view-canvas")[0]
     names = list(dict.fromkeys(actv["name"]))
+    assert canvas["data-family"] == "actv" and canvas["data-metric"] == "norm"
     assert int(canvas["data-rows"]) == len(names) and int(canvas["data-cols"]) == actv["step"].nunique() == STEPS
-    assert len([a for a in dom.with_class("row-label") if a["data-family"] == "actv"]) == len(names)
+    assert sorted(a["title"] for a in dom.with_class("row-label") if "data-family" not in a) == sorted(names)
     bad_cells = actv.assign(bad=~np.isfinite(actv["norm"])).groupby(["name", "step"])["bad"].any().sum()
     assert bad_cells > 0 and int(canvas["data-nonfinite"]) == bad_cells
+    assert {int(a["data-step"]) for a in dom.with_class("step-tick")} <= set(range(STEPS))
 
     # Curves: anomaly markers at exactly the steps with events; NaN-loss markers at the NaN steps.
     events = [json.loads(line) for line in (run / "rank0" / "anomalies.jsonl").read_text().splitlines()]
@@ -172,3 +183,121 @@ def test_screenshot(tmp_path, report):
     shot = tmp_path / "report.png"
     render(report[1], tmp_path, screenshot=shot)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+LLAMA_SPIKE = 65
+
+
+@pytest.fixture(scope="module")
+def llama_report(tmp_path_factory) -> tuple[Path, Path]:
+    """``(run, report.html)`` of a synthetic store at the 7B shape (291 tensors, 4 ranks, 200 steps, grad_reduced
+    and exp_avg): rank 0's layer 12 jumps x8 at step 65."""
+    from benchmarks.synthetic_store import Spike, llama_names, write_store
+
+    run = tmp_path_factory.mktemp("llama") / "run"
+    write_store(run, llama_names(32), ranks=4, steps=200, families=("grad_reduced", "exp_avg"),
+                spikes=[Spike(LLAMA_SPIKE, r"layers\.12\.", 8.0, rank=0, family="grad_reduced")])
+    out = run / "report.html"
+    done = subprocess.run([sys.executable, "-m", "trainmon", "report", str(run), "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return run, out
+
+
+def _rgb(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+@needs_browser
+def test_7b_shape_report_is_labelled_and_shows_the_spike(tmp_path, llama_report):
+    """291 rows labelled by layer and block, step ticks, and the one-step spike of one layer as the largest change
+    of the default view, drawn red (its pixel read back from the canvas)."""
+    _, out = llama_report
+    dom = render(out, tmp_path)
+    body = dom.having("body")[0]
+    assert body.get("data-rendered") == "ok" and "data-js-error" not in body, body
+    canvas = dom.with_class("view-canvas")[0]
+    assert (canvas["data-view"], canvas["data-family"], canvas["data-metric"], canvas["data-at"], canvas["data-mode"],
+            canvas["data-rows"], canvas["data-cols"]) == ("steps", "grad_reduced", "norm", "0", "change", "291", "200")
+    groups = [a["data-group"] for a in dom.with_class("group-label")]
+    assert groups == ["model.embed_tokens.weight", *[f"model.layers.{i}" for i in range(32)], "model.norm.weight",
+                      "lm_head.weight"]
+    assert {dom_text for dom_text in (a["title"] for a in dom.with_class("block-label"))} >= {"self_attn", "mlp"}
+    ticks = [int(a["data-step"]) for a in dom.with_class("step-tick")]
+    assert len(ticks) >= 4 and ticks == sorted(ticks) and ticks[0] >= 0 and ticks[-1] <= 199
+    assert canvas["data-largest-row"].startswith("model.layers.12.") and canvas["data-largest-at"] == str(LLAMA_SPIKE)
+    red, green, blue = _rgb(canvas["data-largest-rgb"])
+    assert red > 100 and green < 80 and blue < 80, canvas["data-largest-rgb"]
+    assert any(int(a["data-step"]) == LLAMA_SPIKE for a in dom.with_class("event-tick"))  # the spike events, marked
+    links = [a["href"] for a in dom.with_class("event-link")]
+    assert links and all("row=model.layers.12." in link and f"at={LLAMA_SPIKE}" in link for link in links)
+
+    value = render(out, tmp_path, fragment="#mode=abs")
+    canvas = value.with_class("view-canvas")[0]
+    assert canvas["data-mode"] == "abs" and canvas["data-rows"] == "291"
+
+
+@needs_browser
+def test_7b_shape_other_views(tmp_path, llama_report):
+    """module x rank at the spike's step (rank 0 stands out against the median over ranks) and rank x step of a
+    spiked row, each reached by a link's fragment."""
+    run, out = llama_report
+    dom = render(out, tmp_path, fragment=f"#view=ranks&family=grad_reduced&metric=norm&step={LLAMA_SPIKE}")
+    canvas = dom.with_class("view-canvas")[0]
+    assert (canvas["data-view"], canvas["data-at"], canvas["data-rows"], canvas["data-cols"]) == (
+        "ranks", str(LLAMA_SPIKE), "291", "4")
+    assert canvas["data-largest-row"].startswith("model.layers.12.") and canvas["data-largest-at"] == "0"
+    assert [int(a["data-rank"]) for a in dom.with_class("rank-tick")][:1] == [0]
+    module = "0:model.layers.12.self_attn.q_proj.weight"  # the first spike event's row: a key row of the page
+    dom = render(out, tmp_path, fragment=f"#view=module&family=grad_reduced&metric=norm&module={module}")
+    canvas = dom.with_class("view-canvas")[0]
+    assert (canvas["data-view"], canvas["data-rows"], canvas["data-cols"]) == ("module", "4", "200")
+    assert canvas["data-largest-row"] == "rank 0" and canvas["data-largest-at"] == str(LLAMA_SPIKE)
+    assert [a["data-group"] for a in dom.with_class("group-label")] == [f"rank {r}" for r in range(4)]
+    assert any(int(a["data-step"]) == LLAMA_SPIKE for a in dom.with_class("event-cell") + dom.with_class("event-tick"))
+
+
+@needs_browser
+def test_serve_answers_a_drill_down_in_chromium(tmp_path, llama_report):
+    """The served page, zoomed to steps 60..70 of rank 0: the grid comes from the server at one column per step."""
+    from trainmon.tools.serve import Server, open_views
+
+    run, _ = llama_report
+    views = open_views(run)
+    server = Server(views, "127.0.0.1", 0)
+    server.start()
+    try:
+        dom = render(server.url, tmp_path, fragment="#view=steps&family=grad_reduced&metric=norm&rank=0&lo=60&hi=70")
+    finally:
+        server.stop()
+        views.source.close()
+    body = dom.having("body")[0]
+    assert body.get("data-rendered") == "ok" and "data-js-error" not in body, body
+    assert dom.having("div", id="hm-map")[0].get("data-ready") == "ok"
+    canvas = dom.with_class("view-canvas")[0]
+    assert (canvas["data-rows"], canvas["data-cols"]) == ("291", "11")
+    assert canvas["data-largest-row"].startswith("model.layers.12.") and canvas["data-largest-at"] == str(LLAMA_SPIKE)
+    assert [int(a["data-step"]) for a in dom.with_class("step-tick")] == list(range(60, 71, 2)) or \
+        set(int(a["data-step"]) for a in dom.with_class("step-tick")) <= set(range(60, 71))
+
+
+@needs_browser
+def test_more_rows_than_fit_are_drawn_a_row_per_layer_and_block(tmp_path):
+    """1,353 rows (150 layers): a row per layer and block, each the farthest cell of its rows, so one tensor's
+    spike stays the largest change; a filter shows the rows themselves."""
+    from benchmarks.synthetic_store import Spike, llama_names, write_store
+
+    run = tmp_path / "run"
+    names = llama_names(150)
+    write_store(run, names, ranks=1, steps=60, spikes=[Spike(30, r"layers\.120\.mlp\.up_proj", 8.0)])
+    out = run / "report.html"
+    assert subprocess.run([sys.executable, "-m", "trainmon", "report", str(run), "-o", str(out)],
+                          capture_output=True, timeout=300).returncode == 0
+    canvas = render(out, tmp_path).with_class("view-canvas")[0]
+    assert (canvas["data-rows"], canvas["data-condensed"]) == (str(1 + 150 * 4 + 2), str(len(names)))
+    assert canvas["data-largest-row"] == "model.layers.120.mlp (3 rows)" and canvas["data-largest-at"] == "30"
+    dom = render(out, tmp_path, fragment="#filter=model.layers.120.")
+    canvas = dom.with_class("view-canvas")[0]
+    assert (canvas["data-rows"], canvas["data-condensed"]) == ("9", "0")
+    assert canvas["data-largest-row"] == "model.layers.120.mlp.up_proj.weight"
+    assert sorted(a["title"] for a in dom.with_class("row-label")) == sorted(n for n in names if ".120." in n)

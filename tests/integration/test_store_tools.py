@@ -16,7 +16,7 @@ import torch
 
 from tests.models import TinyNet, batch, loss_fn
 from tests.reference import METRICS
-from tests.unit.test_store_reader import store_only_copy, tags_and_points
+from tests.unit.test_store_reader import csv_only_copy, store_only_copy, tags_and_points
 from trainmon import TrainerMonitor
 from trainmon.tools.cli import main
 from trainmon.tools.readers import read_table
@@ -94,13 +94,19 @@ def _page_data(path: Path) -> dict:
 
 @pytest.mark.parametrize("options", [[], ["--families", "grad_reduced", "actv", "--metrics", "norm", "nans"]])
 def test_report_equals_the_csv_report(runs, tmp_path, capsys, options):
+    """The page from the store equals the page from the CSV files of the same run (every grid, curve and row);
+    a run with both is read from its store."""
     run_dir, store_only = runs
-    assert main(["report", str(run_dir), "-o", str(tmp_path / "csv.html"), *options]) == 0
+    csv_only = csv_only_copy(run_dir, tmp_path / "csv_only")
+    assert main(["report", str(csv_only), "-o", str(tmp_path / "csv.html"), *options]) == 0
+    assert re.search(r"read \d+ CSV files of 1 rank", capsys.readouterr().out)
     assert main(["report", str(store_only), "-o", str(tmp_path / "store.html"), *options]) == 0
-    out = capsys.readouterr().out
-    assert re.search(r"read \d+ store tables of 1 rank", out), out
+    assert re.search(r"read \d+ store tables of 1 rank", capsys.readouterr().out)
+    assert main(["report", str(run_dir), "-o", str(tmp_path / "both.html"), *options]) == 0
+    assert re.search(r"read \d+ store tables of 1 rank", capsys.readouterr().out)
     from_csv, from_store = _page_data(tmp_path / "csv.html"), _page_data(tmp_path / "store.html")
-    assert from_csv["heatmaps"] and from_csv["curves"]["0"]["loss"]["steps"] == list(range(STEPS))
+    assert from_csv["grids"] and from_csv["curves"]["0"]["loss"]["steps"] == list(range(STEPS))
+    assert _page_data(tmp_path / "both.html") == from_store
     assert from_csv["anomalies"]["present"] and from_csv["anomalies"]["first_origin"] is not None
     assert from_store == from_csv
 

@@ -30,6 +30,7 @@ from tests.trainers.hf_common import (  # noqa: E402
     trainer_counts_every_label,
 )
 from trainmon.errors import UnsupportedSetupError  # noqa: E402
+from trainmon.tools.store import open_run  # noqa: E402
 from trainmon.trainers.hf import TrainmonCallback  # noqa: E402
 
 SCRIPT = ROOT / "tests" / "trainers" / "scripts" / "hf_train.py"
@@ -224,7 +225,13 @@ def test_two_processes_log_the_mean_over_processes(tmp_path, avg_tokens):
             assert np.isclose(scalars.loc[step, "loss"], entry["loss"], rtol=1e-6), (rank, step)
             assert np.isclose(scalars.loc[step, "loss"], want_loss, rtol=1e-5), (rank, step)
             assert np.isclose(scalars.loc[step, "grad_norm"], entry["grad_norm"], rtol=1e-5), (rank, step)
-        reduced = read_family(run / "tm" / "run" / f"rank{rank}", "grad_reduced").set_index(["step", "name"])
+        # The Trainer wrapped the model in DDP: the reduced gradient, the same on both ranks, is written once
+        # (by rank 0) and read back for each rank from the store.
+        assert not (run / "tm" / "run" / "rank1" / "grad_reduced.csv").exists()
+        assert not (run / "tm" / "run" / "store" / "grad_reduced" / "rank=1").exists()
+        with open_run(run / "tm" / "run") as connection:
+            reduced = connection.execute("SELECT step, name, norm FROM grad_reduced WHERE rank = ?",
+                                         [rank]).df().set_index(["step", "name"])
         for step, used in ref["grads"].items():
             for name, norm in used.items():
                 assert np.isclose(reduced.loc[(int(step), name), "norm"], norm, rtol=1e-4, atol=1e-8), (rank, name)

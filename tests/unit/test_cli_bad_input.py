@@ -388,6 +388,21 @@ CASES: list[tuple[str, Callable[[Path], list[str]], set[int]]] = [
     ("convert-nul-in-path", lambda tmp: ["convert", str(tmp) + "/a\0b"], BAD),
     ("convert-msprobe-bad-step", lambda tmp: ["convert", str(msprobe_run(tmp, "0,w,x,1.0\n"))], BAD),
     ("convert-msprobe-bad-value", lambda tmp: ["convert", str(msprobe_run(tmp, "0,w,1,one\n"))], BAD),
+    # ---- report and serve on a store
+    ("report-store-ok", lambda tmp: ["report", str(store_run(tmp)), "-o", str(tmp / "r.html")], OK),
+    ("report-store-corrupt-part", lambda tmp: ["report", str(store_run(tmp, b"PAR1 not parquet"))], BAD),
+    ("report-store-empty-part", lambda tmp: ["report", str(store_run(tmp, b""))], BAD),
+    ("report-store-unknown-rank", lambda tmp: ["report", str(store_run(tmp)), "--ranks", "3"], BAD),
+    ("report-store-unknown-family", lambda tmp: ["report", str(store_run(tmp)), "--families", "actv"], BAD),
+    ("report-store-unknown-metric", lambda tmp: ["report", str(store_run(tmp)), "--metrics", "mean"], BAD),
+    ("report-store-bad-max-size", lambda tmp: ["report", str(store_run(tmp)), "--max-size", "0"], BAD),
+    ("serve-missing-run", lambda tmp: ["serve", str(tmp / "x")], BAD),
+    ("serve-run-is-file", lambda tmp: ["serve", str(afile(tmp))], BAD),
+    ("serve-nul-in-path", lambda tmp: ["serve", str(tmp) + "/a\0b"], BAD),
+    ("serve-bad-port", lambda tmp: ["serve", str(store_run(tmp)), "--port", "-1"], BAD),
+    ("serve-corrupt-part", lambda tmp: ["serve", str(store_run(tmp, b"PAR1 not parquet"))], BAD),
+    ("serve-cannot-listen", lambda tmp: ["serve", str(store_run(tmp)), "--host", "256.1.1.1", "--port", "0"], BAD),
+    ("serve-parent-of-runs", lambda tmp: parent_of_runs(tmp, "serve"), BAD),
 ]
 
 

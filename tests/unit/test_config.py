@@ -72,6 +72,14 @@ BAD = [
     ({"anomaly": {"detectors": [{"type": "spike", "series": ["re:("]}]}}, "anomaly.detectors[0].series"),
     ({"anomaly": {"detectors": [{"type": {"spike": 1}}]}}, "anomaly.detectors[0].type"),
     ({"anomaly": {"detectors": [{"type": ["spike"]}]}}, "anomaly.detectors[0].type"),
+    ({"anomaly": {"guard": {"enabled": "yes"}}}, "anomaly.guard.enabled"),
+    ({"anomaly": {"guard": {"warmup": 200}}}, "anomaly.guard.warmup"),
+    ({"anomaly": {"guard": {"window": 1}}}, "anomaly.guard.window"),
+    ({"anomaly": {"guard": {"z_threshold": 0}}}, "anomaly.guard.z_threshold"),
+    ({"anomaly": {"guard": {"max_grad_norm": -1.0}}}, "anomaly.guard.max_grad_norm"),
+    ({"anomaly": {"guard": {"escalate": ["raise", "email"]}}}, "anomaly.guard.escalate[1]"),
+    ({"anomaly": {"guard": {"enabled": True, "escalate": ["dump"]}}}, "anomaly.guard.escalate"),
+    ({"anomaly": {"guard": {"escalate_after": 0}}}, "anomaly.guard.escalate_after"),
 ]
 
 

@@ -1,5 +1,5 @@
-"""``trainmon report`` without a browser: the bulk CSV reader, the heatmap cells and the timeline
-against brute-force references, and bad input (exit 2, one line)."""
+"""``trainmon report`` without a browser: the bulk CSV reader, the heatmap cells (bucket envelopes, the value and
+change codes), the curves and the timeline against brute-force references, and bad input (exit 2, one line)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import base64
 import json
 import math
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ from trainmon.base.records import row_tag
 from trainmon.tools.cli import main
 from trainmon.tools.readers import CsvFormatError, read_scalars, read_table
 from trainmon.tools.report import data as report_data
+from trainmon.tools.report.curves import curves as report_curves
+from trainmon.tools.report.source import open_source
 
 
 def _page_data(html: str) -> dict:
@@ -75,11 +78,44 @@ def test_read_table_accepts_what_read_scalars_accepts(tmp_path):
     assert table.steps.tolist() == [4] and table.values.tolist() == [[2.5]]
 
 
-def _decode(grid: dict, shape: tuple[int, int]) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(grid["data"]), np.uint8).reshape(shape)
+def _decode(grid: dict, mode: str = "abs") -> np.ndarray:
+    return np.frombuffer(base64.b64decode(grid[mode]["data"]), np.uint8).reshape(grid["shape"])
 
 
-def test_heatmap_cells_bins_and_nonfinite_against_a_reference(tmp_path):
+def _steps_grid(page: dict, family: str, metric: str, rank: int = 0) -> dict:
+    return next(g for g in page["grids"] if (g["view"], g["family"], g["metric"], g["at"]) ==
+                ("steps", family, metric, rank))
+
+
+def _reference_change(high: list[float | None], low: list[float | None], window: int = 16) -> list[float | None]:
+    """The change of each cell of a row: its largest (smallest) magnitude against the median of the previous
+    ``window`` finite cells' largest (smallest) magnitudes, as log10; the larger deviation."""
+
+    def ratio(value: float, reference: float | None) -> float:
+        if reference is None or (value == 0 and reference == 0):
+            return 0.0
+        if value == 0:
+            return -1.0
+        if reference == 0:
+            return 1.0
+        return math.log10(value / reference)
+
+    out: list[float | None] = []
+    for c in range(len(high)):
+        if high[c] is None:
+            out.append(None)
+            continue
+        previous = [(h, lo) for h, lo in zip(high[max(0, c - window):c], low[max(0, c - window):c]) if h is not None]
+        high_ref = statistics.median([h for h, _ in previous]) if previous else None
+        low_ref = statistics.median([lo for _, lo in previous]) if previous else None
+        up, down = ratio(high[c], high_ref), ratio(low[c], low_ref)
+        out.append(up if abs(up) >= abs(down) else down)
+    return out
+
+
+def test_heatmap_cells_buckets_and_nonfinite_against_a_reference(tmp_path):
+    """The step x module grid of a CSV run: bucket envelopes, NaN/Inf codes, log codes and change codes against a
+    brute-force reference from the values written."""
     rng = np.random.default_rng(3)
     names, steps = [f"m{i}" for i in range(7)], np.arange(0, 2500, 10)  # 250 collected steps
     lines, values = [], {}
@@ -94,30 +130,41 @@ def test_heatmap_cells_bins_and_nonfinite_against_a_reference(tmp_path):
                 value = float(value)  # a Python float: numpy 2's repr of np.float64 is 'np.float64(...)'
                 lines.append(f"0,{name},{step},{micro},{value!r}")
                 values.setdefault((name, int(step)), []).append(value)
-    path = tmp_path / "grad_reduced.csv"
-    path.write_text("vpp_stage,name,step,micro_step,norm\n" + "\n".join(lines).replace("nan", "nan") + "\n")
-    (hm,) = report_data.heatmaps("grad_reduced", [read_table(path)], 0, max_columns=100)
-    per_bin = math.ceil(250 / 100)
-    assert hm["per_bin"] == per_bin == 3 and hm["steps"] == steps[::3].tolist() and hm["rows"] == names
-    codes = _decode(hm, (7, len(hm["steps"])))
-    finite_logs = []
+    run = tmp_path / "run"
+    (run / "rank0").mkdir(parents=True)
+    (run / "rank0" / "grad_reduced.csv").write_text("vpp_stage,name,step,micro_step,norm\n" + "\n".join(lines) + "\n")
+    assert main(["report", str(run), "--max-columns", "100"]) == 0
+    page = _page_data((run / "report.html").read_text())
+    hm = _steps_grid(page, "grad_reduced", "norm")
+    width = math.ceil(2491 / 100)
+    assert hm["cols"]["width"] == width == 25 and page["rowsets"]["grad_reduced"]["names"] == names
+    starts = sorted({int(s) // width * width for s in steps})
+    assert hm["cols"]["steps"] == starts and hm["shape"] == [7, len(starts)]
+    codes, change_codes = _decode(hm), _decode(hm, "change")
+    finite_logs, high, low = [], {}, {}
     for r, name in enumerate(names):
-        for c in range(len(hm["steps"])):
-            cell = [v for s in steps[c * 3:(c + 1) * 3] for v in values[(name, int(s))]]
-            if any(math.isnan(v) for v in cell):
-                assert codes[r, c] == report_data.NAN
-            elif math.inf in cell:
-                assert codes[r, c] == report_data.POS_INF
-            elif -math.inf in cell:
-                assert codes[r, c] == report_data.NEG_INF
-            elif max(map(abs, cell)) == 0:
-                assert codes[r, c] == report_data.ZERO
+        for c, start in enumerate(starts):
+            cell = [v for s in steps if start <= s < start + width for v in values[(name, int(s))]]
+            special = (251 if any(math.isnan(v) for v in cell) else 252 if math.inf in cell
+                       else 253 if -math.inf in cell else None)
+            if special is not None:
+                assert codes[r, c] == change_codes[r, c] == special
+                continue
+            high[r, c], low[r, c] = max(map(abs, cell)), min(map(abs, cell))
+            if high[r, c] == 0:
+                assert codes[r, c] == 250
             else:
-                finite_logs.append((r, c, math.log10(max(map(abs, cell)))))
+                finite_logs.append((r, c, math.log10(high[r, c])))
     lo, hi = min(x for _, _, x in finite_logs), max(x for _, _, x in finite_logs)
-    assert hm["lo"] == pytest.approx(lo) and hm["hi"] == pytest.approx(hi) and hm["scale"] == "log"
+    assert hm["abs"]["lo"] == pytest.approx(lo) and hm["abs"]["hi"] == pytest.approx(hi)
     for r, c, x in finite_logs:
         assert codes[r, c] == round((x - lo) / (hi - lo) * 249)
+    for r in range(len(names)):
+        row_high = [high.get((r, c)) for c in range(len(starts))]
+        row_low = [low.get((r, c)) for c in range(len(starts))]
+        for c, shift in enumerate(_reference_change(row_high, row_low)):
+            if shift is not None:
+                assert change_codes[r, c] == round(max(-1.0, min(1.0, shift)) * 124) + 124, (r, c)
     assert hm["nonfinite"] == int(((codes >= 251) & (codes <= 253)).sum()) > 0
 
 
@@ -131,22 +178,41 @@ def test_timeline_counts_every_rank_and_step(tmp_path):
         want[(e["rank"], e["step"])] = want.get((e["rank"], e["step"]), 0) + 1
     assert {(r, s): n for r, s, n in page["anomalies"]["timeline"]["cells"]} == want
     assert page["anomalies"]["events"] == len(good)
-    assert page["heatmaps"] == [] and page["curves"] == {}
+    assert page["grids"] == [] and page["curves"] == {}
 
 
-def test_curves_are_binned_min_max_beyond_the_limit(tmp_path):
-    path = tmp_path / "scalars.csv"
+def test_timeline_bins_many_ranks_into_rows():
+    """4,096 ranks with events: at most 160 rows of consecutive ranks, each cell the sum of its ranks' events."""
+    cells = [[rank, step, 1 + rank % 3] for rank in range(4096) for step in (5, 900)]
+    got = report_data.timeline({"counts": {"by_rank_step": cells}}, 1000)
+    per_rank = math.ceil(4096 / report_data.TIMELINE_ROWS)
+    assert got["per_rank"] == per_rank == 26 and len({rank for rank, _, _ in got["cells"]}) <= report_data.TIMELINE_ROWS
+    want: dict[tuple[int, int], int] = {}
+    for rank, step, count in cells:
+        key = (rank // per_rank * per_rank, step)
+        want[key] = want.get(key, 0) + count
+    assert {(rank, step): count for rank, step, count in got["cells"]} == want
+
+
+def test_curves_are_bucketed_min_max_beyond_the_limit(tmp_path):
+    run = tmp_path / "run"
+    (run / "rank0").mkdir(parents=True)
     steps = np.arange(5000)
     loss = np.sin(steps / 50.0) + steps / 1000.0
     loss[1234] = math.nan
-    path.write_text("step,name,value\n" + "".join(f"{s},loss,{float(v)!r}\n" for s, v in zip(steps, loss)))
-    curves = report_data.curves([read_table(path)], max_points=2000)["loss"]
+    (run / "rank0" / "scalars.csv").write_text("step,name,value\n" + "".join(
+        f"{s},loss,{float(v)!r}\n" for s, v in zip(steps, loss)))
+    source = open_source(run, report_data.sources(run))
+    try:
+        curves = report_curves(source, 0, max_points=2000)["loss"]
+    finally:
+        source.close()
     per_bin = math.ceil(5000 / 2000)
     assert curves["per_bin"] == per_bin and curves["steps"] == steps[::per_bin].tolist()
     for i, start in enumerate(range(0, 5000, per_bin)):
         chunk = loss[start:start + per_bin]
         assert curves["lo"][i] == pytest.approx(np.nanmin(chunk)) and curves["hi"][i] == pytest.approx(np.nanmax(chunk))
-    assert curves["bad"] == [1234]
+    assert curves["bad"] == [1234] and curves["bad_total"] == 1
 
 
 @pytest.mark.parametrize("make, expected", [
@@ -216,17 +282,19 @@ def test_read_table_long_fields_quotes_and_blank_lines_as_read_scalars(tmp_path)
         assert np.allclose([v for _, v, _ in got], [v for _, v, _ in want], equal_nan=True), label
 
 
-def test_sparse_huge_steps_bin_by_distinct_step(tmp_path):
-    """Steps far apart (not a dense range) are columns in order, through the sorting path."""
-    path = tmp_path / "actv.csv"
-    steps = [0, 5, 2**40, 2**62]
-    path.write_text("vpp_stage,name,step,micro_step,norm\n" + "".join(f"0,w,{s},0,{i + 1}.0\n" for i, s in
-                                                                       enumerate(reversed(steps))))
-    (hm,) = report_data.heatmaps("actv", [read_table(path)], 0, max_columns=10)
-    assert hm["steps"] == steps and hm["per_bin"] == 1
-    codes = _decode(hm, (1, 4))[0]
-    logs = np.log10([4.0, 3.0, 2.0, 1.0])  # values by ascending step
-    assert codes.tolist() == np.rint((logs - logs.min()) / (logs.max() - logs.min()) * 249).astype(int).tolist()
+def test_sparse_huge_steps_up_to_int64_max(tmp_path):
+    """Steps far apart, up to 2**63 - 1: equal-width buckets without overflow, each column the envelope of its
+    steps, empty buckets dropped."""
+    run = tmp_path / "run"
+    (run / "rank0").mkdir(parents=True)
+    steps = [0, 5, 2**40, 2**63 - 1]
+    (run / "rank0" / "actv.csv").write_text("vpp_stage,name,step,micro_step,norm\n" + "".join(
+        f"0,w,{s},0,{i + 1}.0\n" for i, s in enumerate(reversed(steps))))  # 4.0 at step 0 ... 1.0 at 2**63 - 1
+    assert main(["report", str(run), "--max-columns", "10"]) == 0
+    hm = _steps_grid(_page_data((run / "report.html").read_text()), "actv", "norm")
+    width = -(-(2**63) // 10)
+    assert hm["cols"] == {"steps": [0, 9 * width], "width": width, "last": 2**63 - 1}
+    assert _decode(hm)[0].tolist() == [249, 0]  # bucket 0 holds 4.0 (and 3.0, 2.0); the last 1.0
 
 
 @pytest.mark.parametrize("version", ["msprobe-1.2.1", "msprobe-26.2.0"])
@@ -243,7 +311,7 @@ def test_msprobe_output_folder(tmp_path, version):
     assert page["anomalies"]["events"] == expected["events"] > 0
     assert page["anomalies"]["first_origin"]["message"] == expected["first_origin"]["message"]
     csv_families = {re.fullmatch(r"(.+)_\d+-\d+\.csv", p.name).group(1) for p in folder.glob("*rank0*/*.csv")}
-    assert {h["family"] for h in page["heatmaps"]} == csv_families
+    assert {h["family"] for h in page["grids"] if h["view"] == "steps"} == csv_families
 
 
 def test_families_and_metrics_select_heatmaps(tmp_path):
@@ -252,7 +320,7 @@ def test_families_and_metrics_select_heatmaps(tmp_path):
     assert main(["report", str(run), "-o", str(out), "--families", "actv", "grad_reduced", "--metrics", "nans",
                  "--ranks", "1"]) == 0
     page = _page_data(out.read_text())
-    assert sorted((h["family"], h["metric"], h["rank"]) for h in page["heatmaps"]) == [
+    assert sorted((h["family"], h["metric"], h["at"]) for h in page["grids"] if h["view"] == "steps") == [
         ("actv", "nans", 1), ("grad_reduced", "nans", 1)]
     assert list(page["curves"]) == ["1"] and page["ranks"] == [1]
 

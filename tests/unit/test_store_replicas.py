@@ -193,7 +193,7 @@ def _once_run(tmp_path: Path) -> Path:
     return run
 
 
-def test_report_labels_the_writers_heatmaps_with_its_group(tmp_path, capsys):
+def test_report_shows_every_rank_with_its_group_writers_rows_and_says_so(tmp_path, capsys):
     import re
 
     from trainmon.tools.cli import main
@@ -203,10 +203,10 @@ def test_report_labels_the_writers_heatmaps_with_its_group(tmp_path, capsys):
     html = (tmp_path / "report.html").read_text()
     data = json.loads(re.search(r'<script id="report-data" type="application/json">(.*?)</script>', html, re.S)
                       .group(1))
-    labels = {(h["family"], h["rank"]): h.get("for_ranks") for h in data["heatmaps"]}
-    assert labels == {("grad_unreduced", 0): None, ("grad_unreduced", 1): None, ("grad_reduced", 0): "0-1",
-                      ("param", 0): "0-1"}
-    assert "grad_reduced, param: written once per data-parallel group: the heatmaps of rank 0 for ranks 0-1" \
+    assert data["ranks"] == [0, 1]
+    (by_rank,) = [g for g in data["grids"] if g["view"] == "ranks" and g["family"] == "grad_reduced"]
+    assert by_rank["cols"]["ranks"] == [0, 1]  # rank 1 wrote no grad_reduced: its column holds rank 0's rows
+    assert "grad_reduced, param: written once per data-parallel group: the rows of rank 0 for ranks 0-1" \
         in data["notes"]
 
 
@@ -256,3 +256,23 @@ def test_torch_replicas_are_ddps_group_or_the_dp_group_given(monkeypatch):
         assert replicated_families(torch.nn.parallel.DistributedDataParallel(ignored), [adam], AttachOptions()) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_analyse_spreads_only_families_that_differ_across_ranks(tmp_path):
+    """trainmon analyse's cross-rank spread skips the families written once per group (the same on every rank of
+    the group by construction) and ranks the others: here grad_unreduced, whose values differ per rank."""
+    from trainmon.tools.store_analyse import row_sections
+
+    run = tmp_path / "run"
+    every = ("grad_unreduced", *FAMILIES)
+    write_run(run, [ReplicaLayout.of_writers(0, FAMILIES, [0, 0, 2, 2])],
+              {0: [(0, every)], 1: [(0, ("grad_unreduced",))], 2: [(0, every)], 3: [(0, ("grad_unreduced",))]})
+    con = open_run(run)
+    try:
+        sections = row_sections(con)
+    finally:
+        con.close()
+    assert {group["family"] for group in sections["spread"]} == {"grad_unreduced"}
+    norms = [-1.0 - rank for rank in range(4)]  # value() of grad_unreduced at step 0
+    for group in sections["spread"]:
+        assert group["min"] == min(norms) and group["max"] == max(norms) and group["ranks"] == 4

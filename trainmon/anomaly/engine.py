@@ -46,7 +46,9 @@ class AnomalyEngine:
 
     Action order within a step: ``log``, ``jsonl``, user callbacks, hand-offs (``dump``,
     ``free_benchmark``), then ``raise``. An action that fails is logged once and disabled;
-    only ``raise`` stops training, on purpose, after every other action ran.
+    only ``raise`` stops training, on purpose, after every other action ran. ``rollback`` is not applied
+    here: the session's rollback keeper (:mod:`trainmon.actions.rollback`) reads :attr:`last_events` with the
+    step's record after the engine, and stops the run at the end of the step.
 
     Callbacks registered with :meth:`on_anomaly` run when ``callback`` is in ``anomaly.actions``
     (registering one without it logs a warning once).
@@ -73,19 +75,22 @@ class AnomalyEngine:
         # The console throttles each detector on its own (LogAction), named as the user sees it.
         self._labels = [_label(spec, self.specs) for spec in self.specs]
         self.actions = list(config.actions)
-        self._log = LogAction(rank, config.log_limit) if "log" in self.actions else None
-        jsonl_path = Path(rank_dir) / "anomalies.jsonl" if rank_dir is not None else None
-        self._jsonl = JsonlAction(jsonl_path) if "jsonl" in self.actions and jsonl_path else None
+        # made whatever the actions: act() may be asked for them (the jsonl thread starts at its first event)
+        self._log = LogAction(rank, config.log_limit)
+        self._jsonl = JsonlAction(Path(rank_dir) / "anomalies.jsonl") if rank_dir is not None else None
         self._callbacks: list[AnomalyCallback] = []
         self._handoffs: dict[str, StepAction] = {}
         self._disabled: set[str] = set()
         self._warned: set[str] = set()
         self._closed = False
+        self.last_events: list[AnomalyEvent] = []
+        """The events of the last step :meth:`process` saw (also when an action raised): what the rollback keeper
+        reads after it."""
 
     @property
     def jsonl_path(self) -> Path | None:
         """Where events are appended, or None without the ``jsonl`` action."""
-        return self._jsonl.path if self._jsonl else None
+        return self._jsonl.path if self._jsonl and "jsonl" in self.actions else None
 
     def on_anomaly(self, fn: AnomalyCallback) -> AnomalyCallback:
         """Register a callback called with each event (usable as a decorator)."""
@@ -104,8 +109,12 @@ class AnomalyEngine:
         self._handoffs[name] = fn
 
     # ------------------------------------------------------------------ per step
-    def process(self, record: StepRecord) -> list[AnomalyEvent]:
+    def process(self, record: StepRecord, found: Sequence[AnomalyEvent] = ()) -> list[AnomalyEvent]:
         """Detect on one collected step's record and apply the actions.
+
+        Args:
+            record: the step's record.
+            found: events of the step made outside the detectors (the step guard's), handled with theirs.
 
         Returns:
             The step's events, earliest first (the first is the first origin).
@@ -113,11 +122,14 @@ class AnomalyEngine:
         Raises:
             AnomalyError: with the ``raise`` action, when the step has an event.
         """
+        self.last_events = []
         if self._closed:
             return []
         time = utc_now()
-        events: list[AnomalyEvent] = []
-        source: dict[int, str] = {}  # id(event) -> label of the detector that made it
+        events: list[AnomalyEvent] = list(found)
+        source: dict[int, str] = {id(event): event.detector for event in found}  # id(event) -> detector's label
+        for event in found:  # made on every step, collected or not
+            self._log.every_step(event.detector)
         for index, detector in enumerate(self.detectors):
             name = f"detector {index} ({detector.type_name})"
             if name in self._disabled:
@@ -130,29 +142,46 @@ class AnomalyEngine:
             events.extend(found)
             source.update((id(event), self._labels[index]) for event in found)
         if not events:
-            if self._log is not None:
+            if "log" in self.actions:
                 self._log.quiet(record.collected)
             return []
+        if record.batch is not None:  # the step's data, where the loop gave it
+            for event in events:
+                if event.batch is None and event.step == record.step:
+                    event.batch = record.batch
         events = order_events(events)
-        if self._log is not None:
-            self._run("log", functools.partial(self._log, sources=[source[id(e)] for e in events],
-                                                collected=record.collected), events)
-        if self._jsonl is not None:
+        self.last_events = events
+        self._apply(events, self.actions, [source[id(e)] for e in events], record.collected)
+        return events
+
+    def act(self, events: list[AnomalyEvent], actions: Sequence[str]) -> None:
+        """Apply ``actions`` (names of ``anomaly.actions``) to events made outside the detectors, in the order
+        of :meth:`process` (the step guard's escalation of a run of skipped steps).
+
+        Raises:
+            AnomalyError: with ``raise`` among ``actions``.
+        """
+        if not self._closed and events:
+            self._apply(events, actions, [f"{event.detector} {event.metric}" for event in events], collected=True)
+
+    def _apply(self, events: list[AnomalyEvent], actions: Sequence[str], sources: list[str], collected: bool) -> None:
+        if "log" in actions:
+            self._run("log", functools.partial(self._log, sources=sources, collected=collected), events)
+        if "jsonl" in actions and self._jsonl is not None:
             self._run("jsonl", self._jsonl, events)
-        for i, callback in enumerate(self._callbacks if "callback" in self.actions else []):
+        for i, callback in enumerate(self._callbacks if "callback" in actions else []):
             self._run(f"callback {i} ({getattr(callback, '__qualname__', callback)!r})",
                       functools.partial(_call_each, callback), events)
         for action in HANDOFF_ACTIONS:
-            if action in self.actions:
+            if action in actions:
                 handoff = self._handoffs.get(action)
                 if handoff is None:
                     self._warn_once(action, f"anomaly action {action!r} is configured but not available "
                                             f"(its {action} section is not attached); skipping it")
                 else:
                     self._run(action, handoff, events)
-        if "raise" in self.actions:
+        if "raise" in actions:
             raise AnomalyError(events[0].message)
-        return events
 
     def _run(self, name: str, action: StepAction, events: list[AnomalyEvent]) -> None:
         if name in self._disabled:

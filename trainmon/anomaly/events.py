@@ -17,7 +17,8 @@ _NONFINITE_NAMES: dict[str, float] = {"nan": math.nan, "inf": math.inf, "-inf": 
 WRITE_ORDER: tuple[str, ...] = ("step", "micro_step", "rank", "phase", "pp_stage", "vpp_stage", "order",
                                 "detector", "family", "name", "metric", "value", "baseline", "message", "time")
 """Key order of a written event: the sort-key fields first, so ``trainmon analyse`` can read them
-from the start of a line without a full JSON parse (readers must not rely on key order)."""
+from the start of a line without a full JSON parse (readers must not rely on key order). An event whose step's
+data is known adds ``batch`` last (:attr:`AnomalyEvent.batch`)."""
 NONFINITE = "nonfinite"
 """The detector type that reports NaN and Inf (:mod:`trainmon.anomaly.detectors.nonfinite`)."""
 NONFINITE_DETECTORS: frozenset[str] = frozenset({NONFINITE, "AnomalyNan"})
@@ -82,6 +83,10 @@ class AnomalyEvent:
         pp_stage: pipeline stage of the rank.
         vpp_stage: virtual-pipeline chunk.
         time: ISO-8601 UTC time with ``Z``.
+        batch: the identity of the step's data, where the loop gave it (``monitor.step(batch=...)``,
+            ``monitor.batch(...)``, a trainer's callback): ``{"samples": [[start, end], ...]}`` (sample indices,
+            half-open ranges) and/or ``{"epoch": e, "batches": [[first, end], ...]}`` (the data loader's batches
+            within the epoch); None (not written) when unknown. See docs/actions.md, "Rollback".
 
     Example:
         >>> e = AnomalyEvent(1, 0, 0, "loss", "scalars", "loss", "value", float("nan"), 2.0,
@@ -105,12 +110,15 @@ class AnomalyEvent:
     pp_stage: int = 0
     vpp_stage: int = 0
     time: str = ""
+    batch: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (non-finite floats as strings)."""
+        """A JSON-ready dict (non-finite floats as strings; ``batch`` only when known)."""
         data = {name: getattr(self, name) for name in WRITE_ORDER}
         data["value"] = encode_float(self.value)
         data["baseline"] = encode_float(self.baseline)
+        if self.batch is not None:
+            data["batch"] = self.batch
         return data
 
     def to_json(self) -> str:
@@ -133,11 +141,15 @@ class AnomalyEvent:
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
             if f.name not in data:
-                if f.name in ("pp_stage", "vpp_stage", "time"):
+                if f.name in ("pp_stage", "vpp_stage", "time", "batch"):
                     continue
                 raise ValueError(f"missing field {f.name!r}")
             value = data[f.name]
-            if f.name in ("value", "baseline"):
+            if f.name == "batch":
+                if value is not None and not isinstance(value, dict):
+                    raise ValueError(f"field 'batch' must be an object or null, got {value!r}")
+                kwargs[f.name] = value
+            elif f.name in ("value", "baseline"):
                 kwargs[f.name] = decode_float(value)
             elif f.name in ("step", "micro_step", "rank", "order", "pp_stage", "vpp_stage"):
                 if isinstance(value, bool) or not isinstance(value, int):

@@ -158,14 +158,16 @@ def find_files(run_dir: Path) -> list[Path]:
 # per file reads a whole file several times faster than json.loads per line. A line that does not
 # match it entirely (another writer's key order or spacing, corruption anywhere in the line) takes
 # the slow path: json.loads and a full check, else it is reported as corrupt. The events that are
-# reported (top K, first per step) are always fully parsed and validated.
+# reported (top K, first per step) are always fully parsed and validated. An event whose step's data is known
+# ends with a flat ``"batch"`` object (no nested object: lists of ranges and numbers).
 _INT = r"(0|[1-9]\d{0,17})"  # at most 18 digits: always an int64 (longer: the checked slow path)
 _STRING = r'"[^"\\\x00-\x1f]*(?:\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})[^"\\\x00-\x1f]*)*"'
 _FLOAT = r'(?:-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?|"nan"|"inf"|"-inf")'
 _FAST = re.compile(
     rf'^\{{"step":{_INT},"micro_step":{_INT},"rank":{_INT},"phase":"([a-z]+)","pp_stage":{_INT},'
     rf'"vpp_stage":{_INT},"order":{_INT},"detector":"(\w+)","family":{_STRING},"name":{_STRING},'
-    rf'"metric":{_STRING},"value":({_FLOAT}),"baseline":{_FLOAT},"message":{_STRING},"time":{_STRING}\}}$',
+    rf'"metric":{_STRING},"value":({_FLOAT}),"baseline":{_FLOAT},"message":{_STRING},"time":{_STRING}'
+    r'(?:,"batch":\{[^{}\n]*\})?\}$',
     re.M)
 _Fields: TypeAlias = tuple[str, ...]  # (step, micro_step, rank, phase, pp_stage, vpp_stage, order, detector, value)
 

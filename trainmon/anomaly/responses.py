@@ -43,6 +43,11 @@ class LogAction:
         self._logged_nonfinite: set[tuple[str, str]] = set()  # (family, name); bounded by the monitored tensors
         self._scalar_labels: set[str] = set()  # detectors that fired on an uncollected step's scalars
 
+    def every_step(self, label: str) -> None:
+        """``label`` judges every step, collected or not (the step guard): a step without its events ends its
+        streak."""
+        self._scalar_labels.add(label)
+
     def quiet(self, collected: bool = True) -> None:
         """A step without events: ends every detector's streak (a step that was not collected, whose
         record holds only the scalars given to ``step()``, ends the streaks of the detectors that have

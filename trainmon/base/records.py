@@ -26,33 +26,58 @@ METRICS: tuple[str, ...] = ("norm", "min", "max", "mean", "zeros", "nans", "infs
 NORM, SUM, MIN, MAX, ZEROS, NANS, INFS, NUMEL = range(8)
 PARTIAL_SLOTS = 8
 
+FEATURE_METRICS: dict[str, tuple[str, ...]] = {
+    "attn": ("max_logit", "entropy"),
+    "router": ("imbalance", "entropy", "z_loss", "expert_similarity"),
+    "expert_load": ("tokens", "share"),
+    "weight_features": ("spectral_norm", "stable_rank"),
+}
+"""The model-feature families (docs/features.md) and their metrics. A feature row's partial vector holds the values
+themselves, in this order, in its first slots (the others are 0): :func:`build_record` reads them as they are."""
+OPTIONAL_FEATURES = frozenset({"expert_similarity"})
+"""Feature metrics that are NaN when they cannot be computed (no expert weights found): they never flag a row as
+non-finite. Every other feature value that is NaN or Inf does."""
+
 FAMILIES: tuple[str, ...] = (
     "actv", "actv_grad", "grad_unreduced", "grad_reduced",
-    "exp_avg", "exp_avg_sq", "update", "ratio", "momentum", "param", "comm", PRECURSORS,
+    "exp_avg", "exp_avg_sq", "update", "ratio", "momentum", "param", "comm", *FEATURE_METRICS, PRECURSORS,
 )
 """Row families; each is written to ``rank{R}/{family}.csv``."""
-ROW_METRICS: tuple[str, ...] = METRICS + PRECURSOR_METRICS
-"""Every column a row family may have: the statistics of a tensor (:data:`METRICS`), and the ``precursors``
-family's own (:data:`~trainmon.base.precursors.PRECURSOR_METRICS`)."""
-
-
-def metrics_of(family: str) -> tuple[str, ...]:
-    """The metrics a row of ``family`` may have.
-
-    Example:
-        >>> metrics_of("precursors")[:2], metrics_of("grad_reduced")[0]
-        (('update_weight_ratio', 'g2_v_rms'), 'norm')
-    """
-    return PRECURSOR_METRICS if family == PRECURSORS else METRICS
-
+ROW_METRICS: tuple[str, ...] = tuple(dict.fromkeys(
+    (*METRICS, *(metric for names in FEATURE_METRICS.values() for metric in names), *PRECURSOR_METRICS)))
+"""Every column a row family may have: the statistics of a tensor (:data:`METRICS`), the feature families'
+(:data:`FEATURE_METRICS`) and the ``precursors`` family's own (:data:`~trainmon.base.precursors.PRECURSOR_METRICS`),
+each once."""
 
 PHASE_OF_FAMILY: dict[str, str] = {
     "actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward",
     "grad_reduced": "optimizer", "exp_avg": "optimizer", "exp_avg_sq": "optimizer",
     "update": "optimizer", "ratio": "optimizer", "momentum": "optimizer", "param": "optimizer",
-    "comm": "communication", PRECURSORS: "optimizer",
+    "comm": "communication", "attn": "forward", "router": "forward", "expert_load": "forward",
+    "weight_features": "optimizer", PRECURSORS: "optimizer",
 }
 PHASES: tuple[str, ...] = ("forward", "backward", "communication", "optimizer", "loss")
+
+GUARD_PREFIX = "step_guard/"
+GUARD_VERDICT: tuple[str, ...] = ("skipped", "reason", "param", "value", "baseline", "z", "grad_norm",
+                                  "grad_norm_mean", "grad_norm_z")
+"""What the step guard found at one step, in this order (:mod:`trainmon.collect.step_guard`): skipped (0/1), the
+reason (an index into :data:`GUARD_REASONS`), the parameter it names (an index into the optimizer's parameters),
+that parameter's gradient norm, mean and z-score, then the global gradient norm, mean and z-score (means and
+z-scores NaN while the history warms up). Sent with the step as scalars ``step_guard/{name}`` (``skipped``
+as ``step_skipped``); :mod:`trainmon.anomaly.skips` takes them out of the record before the sinks see it."""
+GUARD_REASONS: tuple[str, ...] = ("applied", "nonfinite", "max_grad_norm", "z_score", "parameter_z_score")
+
+
+def metrics_of(family: str) -> tuple[str, ...]:
+    """The metrics a row of ``family`` may have: a feature family's own, the ``precursors`` family's own
+    (:data:`~trainmon.base.precursors.PRECURSOR_METRICS`), else the statistics (:data:`METRICS`).
+
+    Example:
+        >>> metrics_of("attn"), metrics_of("grad_reduced")[:2], metrics_of("precursors")[:2]
+        (('max_logit', 'entropy'), ('norm', 'min'), ('update_weight_ratio', 'g2_v_rms'))
+    """
+    return PRECURSOR_METRICS if family == PRECURSORS else FEATURE_METRICS.get(family, METRICS)
 
 
 # --------------------------------------------------------------------------- row names
@@ -230,6 +255,7 @@ class StepRecord:
         scalars: ``loss``, ``grad_norm``, ``lr/group{i}`` and integration extras.
         pp_stage: pipeline stage of this rank (0 without pipeline parallelism).
         collected: False for a step that was not collected: only the scalars given to ``step()``.
+        batch: the identity of the step's data where the loop gave it (the anomaly events of the step carry it).
     """
 
     step: int
@@ -238,6 +264,7 @@ class StepRecord:
     scalars: dict[str, float] = field(default_factory=dict)
     pp_stage: int = 0
     collected: bool = True
+    batch: dict[str, Any] | None = None
 
 
 def combine_partials(partials: npt.ArrayLike) -> npt.NDArray[np.float64]:
@@ -349,6 +376,7 @@ def build_record(step: int, rank: int, pp_stage: int, keys: Sequence[RowKey], pa
         keys, partials, joined = _join_precursors(keys, np.asarray(partials, dtype=np.float64).reshape(-1, 8))
     columns, nonfinite = finalize_many(partials)
     values: dict[int, list[tuple[float, ...]]] = {}  # per metrics list: every row's values in its order
+    features = finalize_features(partials, keys)
     rows = []
     for i, key in enumerate(keys):
         names = metrics[key.family]
@@ -356,8 +384,37 @@ def build_record(step: int, rank: int, pp_stage: int, keys: Sequence[RowKey], pa
             row_values, row_nonfinite = joined[i]
             rows.append(Row(key, step, {name: row_values[name] for name in names}, row_nonfinite))
             continue
+        feature = features.get(i)
+        if feature is not None:
+            rows.append(Row(key, step, dict(zip(names, feature[0])), feature[1]))
+            continue
         table = values.get(id(names))
         if table is None:
             table = values[id(names)] = list(zip(*(columns[name] for name in names)))
         rows.append(Row(key, step, dict(zip(names, table[i])), nonfinite[i]))
     return StepRecord(step=step, rank=rank, rows=rows, scalars=scalars, pp_stage=pp_stage)
+
+
+def finalize_features(partials: Any, keys: Sequence[RowKey]) -> dict[int, tuple[tuple[float, ...], bool]]:
+    """The rows of the feature families (:data:`FEATURE_METRICS`): ``row index -> (the values in the family's
+    metric order, whether a value that is not optional is NaN or Inf)``.
+
+    Example:
+        >>> finalize_features(np.array([[3.5, 0.25, 0, 0, 0, 0, 0, 0]]), [RowKey("attn", "attn.head0")])
+        {0: ((3.5, 0.25), False)}
+    """
+    by_family: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        if key.family in FEATURE_METRICS:
+            by_family.setdefault(key.family, []).append(i)
+    if not by_family:
+        return {}
+    p = np.asarray(partials, dtype=np.float64).reshape(-1, PARTIAL_SLOTS)
+    out: dict[int, tuple[tuple[float, ...], bool]] = {}
+    for family, indices in by_family.items():
+        names = FEATURE_METRICS[family]
+        own = p[indices, :len(names)]
+        checked = [j for j, name in enumerate(names) if name not in OPTIONAL_FEATURES]
+        flags = (~np.isfinite(own[:, checked]).all(axis=1)).tolist()  # host numpy: no sync
+        out.update(zip(indices, zip(map(tuple, own.tolist()), flags)))
+    return out

@@ -120,7 +120,8 @@ class StepContext:
             engine's ``gradient_accumulation_steps()``]
         pp_stage: this rank's pipeline stage. [session, from the attachment]
         buffer_factory, stats_fn: [MindSpore's ``attach``: its own buffer and statistics; else the defaults]
-        backward_end, backward_failed, micro_step_dropped: subscribers. [collectors append at ``attach``;
+        backward_end, backward_failed, micro_step_dropped, step_not_taken: subscribers. [collectors append at
+            ``attach``;
             the lifecycle runs them]
         schedule_backward_end: [lifecycle]
         scaler: [lifecycle: the ``GradScaler`` given to ``attach`` or found by the step hooks]
@@ -152,6 +153,9 @@ class StepContext:
     micro_step_dropped: list[Callable[[int], None]] = field(default_factory=list)
     """Run with a micro-step's number when it was abandoned (its backward raised before it reached the model):
     later micro-steps move down by one."""
+    step_not_taken: list[Callable[[], None]] = field(default_factory=list)
+    """Run when the step guard skipped a step without calling the optimizer's ``step`` (its step hooks did not run):
+    the rows those hooks write are measured from here."""
     schedule_backward_end: Callable[[], None] = lambda: None
     """Called from inside a backward pass: makes sure :attr:`backward_end` runs when the pass ends
     (set by :class:`trainmon.runtime.lifecycle.StepLifecycle`; idempotent within one pass)."""

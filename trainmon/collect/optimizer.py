@@ -127,6 +127,7 @@ class TorchOptimizerCollector(HookedCollector):
         ctx.micro_step_dropped.append(self._micro_step_dropped)
         if optimizer is not None:
             ctx.backward_end.append(self._backward_ended)
+            ctx.step_not_taken.append(self._step_not_taken)
 
     HOOK_GROUPS = (_GRADS, _OPTIMIZER)
     reads_missing_grads = True
@@ -159,6 +160,8 @@ class TorchOptimizerCollector(HookedCollector):
             self.ctx.backward_failed.remove(self._drop_pending)
         if self._micro_step_dropped in self.ctx.micro_step_dropped:
             self.ctx.micro_step_dropped.remove(self._micro_step_dropped)
+        if self._step_not_taken in self.ctx.step_not_taken:
+            self.ctx.step_not_taken.remove(self._step_not_taken)
 
     def _grad_hook(self, name: str, vpp_stage: int) -> Callable[[torch.Tensor], None]:
         per_micro_step = self.config.weight_grads.per_micro_step
@@ -251,6 +254,14 @@ class TorchOptimizerCollector(HookedCollector):
                 norm_of_norms(torch.cat([n.to(device) for n in norms]) if len(norms) > 1 else norms[0])
             scale = scale_of(ctx.scaler)
             self._norm = norm if scale is None else norm / scale.to(norm.device, torch.float32)
+
+    def _step_not_taken(self) -> None:
+        """The step guard skipped the step without calling the optimizer: its rows as the step hooks write them
+        (the gradients it would have applied, the states it left as they were)."""
+        if self.armed and self.optimizer is not None:
+            self._pre_step(self.optimizer, (self.optimizer,), {})
+            if self._states:
+                self._post_step(self.optimizer, (self.optimizer,), {})
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if not self.ctx.collecting:

@@ -7,6 +7,7 @@ The step model that uses them is :mod:`trainmon.runtime.lifecycle`.
 from __future__ import annotations
 
 import logging
+import types
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -32,23 +33,32 @@ class StepWrapper:
     ``engine.step()`` after every micro-batch but updates on accumulation boundaries only).
     The result of the last wrapped call is kept in :attr:`last_result` for post-hooks.
 
+    The wrapper is installed as a method bound to the instance, carrying the marks of what it wraps, so that a
+    torch LR scheduler made later can wrap it in turn (it takes the ``__func__`` of ``optimizer.step``) and one
+    made earlier still finds its ``_wrapped_by_lr_sched`` mark.
+
     Args:
         owner: the instance whose ``step`` is wrapped.
         boundary: whether this call of ``step`` is an optimizer step (default: always).
         method: the name of the method wrapped (default ``step``; a DeepSpeed ``PipelineEngine``, whose
             ``step`` raises, has its optimizer step wrapped in ``_take_model_step`` and its batch in
             ``train_batch``).
+        around: makes the wrapped call, ``around(inner, args, kwargs)`` (default: ``inner(*args, **kwargs)``);
+            the step guard's decides whether the step is applied at all.
     """
 
-    def __init__(self, owner: Any, boundary: Callable[[], bool] | None = None, method: str = "step") -> None:
+    def __init__(self, owner: Any, boundary: Callable[[], bool] | None = None, method: str = "step",
+                 around: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any] | None = None) -> None:
         self.owner = owner
         self.boundary = boundary
         self.method = method
+        self.around = around
         self._pre: OrderedDict[int, StepHook] = OrderedDict()  # weak-referenceable, as RemovableHandle needs
         self._post: OrderedDict[int, StepHook] = OrderedDict()
         self.last_result: Any = None
         self.active = False
         self._previous: Any = None
+        self._installed: Any = None
 
     def register_step_pre_hook(self, hook: StepHook) -> RemovableHandle:
         handle = RemovableHandle(self._pre)
@@ -65,18 +75,19 @@ class StepWrapper:
         self._previous = namespace.get(self.method)
         inner = getattr(self.owner, self.method)  # the bound method, or a wrapper installed earlier
 
-        def step(*args: Any, **kwargs: Any) -> Any:
+        def step(owner: Any, *args: Any, **kwargs: Any) -> Any:
             if not self.active or (self.boundary is not None and not self.boundary()):
                 return inner(*args, **kwargs)
             for hook in list(self._pre.values()):
                 hook(self.owner, args, kwargs)
-            self.last_result = inner(*args, **kwargs)
+            self.last_result = inner(*args, **kwargs) if self.around is None else self.around(inner, args, kwargs)
             for hook in list(self._post.values()):
                 hook(self.owner, args, kwargs)
             return self.last_result
 
+        step.__dict__.update(getattr(getattr(inner, "__func__", inner), "__dict__", {}))  # an LR scheduler's mark
         step.__trainmon_step_wrapper__ = self  # type: ignore[attr-defined]
-        namespace[self.method] = step
+        self._installed = namespace[self.method] = types.MethodType(step, self.owner)
         self.active = True
         return self
 
@@ -85,17 +96,40 @@ class StepWrapper:
         self._pre.clear()
         self._post.clear()
         namespace = self.owner.__dict__
-        if getattr(namespace.get(self.method), "__trainmon_step_wrapper__", None) is not self:
+        if _wrapper_of(namespace.get(self.method)) is not self:
             return  # wrapped again on top of us: stay as an inert pass-through
         previous = self._previous
         # Unwind earlier trainmon wrappers that are already inert (e.g. after a config reload).
-        while previous is not None and getattr(previous, "__trainmon_step_wrapper__", None) is not None \
-                and not previous.__trainmon_step_wrapper__.active:
-            previous = previous.__trainmon_step_wrapper__._previous
+        while (earlier := _wrapper_of(previous)) is not None and not earlier.active:
+            previous = earlier._previous
         if previous is None:
             del namespace[self.method]
         else:
             namespace[self.method] = previous
+
+
+def installed_wrapper(owner: Any, method: str = "step") -> StepWrapper | None:
+    """The active :class:`StepWrapper` installed on ``owner.method`` (the outermost, when it is trainmon's), or None.
+
+    Example:
+        >>> class Engine:
+        ...     def step(self):
+        ...         return 1
+        >>> engine = Engine()
+        >>> wrapper = StepWrapper(engine).install()
+        >>> installed_wrapper(engine) is wrapper, installed_wrapper(engine, "other")
+        (True, None)
+        >>> wrapper.uninstall(); installed_wrapper(engine) is None
+        True
+    """
+    wrapper = _wrapper_of(getattr(owner, "__dict__", {}).get(method))
+    return wrapper if wrapper is not None and wrapper.active else None
+
+
+def _wrapper_of(method: Any) -> StepWrapper | None:
+    """The :class:`StepWrapper` that installed ``method`` itself (a wrapper around it copies its marks: not it)."""
+    wrapper = getattr(method, "__trainmon_step_wrapper__", None)
+    return wrapper if isinstance(wrapper, StepWrapper) and wrapper._installed is method else None
 
 
 def unwrap_optimizer(optimizer: Optimizer) -> tuple[Optimizer, GradScaler | None]:

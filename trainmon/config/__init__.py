@@ -16,20 +16,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainmon.anomaly.detectors import check_specs
+from trainmon.anomaly.detectors import DETECTORS, check_specs
+from trainmon.anomaly.skips import DETECTOR as GUARD_DETECTOR
 from trainmon.base.precursors import PRECURSOR_METRICS, PRECURSORS
-from trainmon.base.records import FAMILIES, METRICS, ROW_METRICS
+from trainmon.base.records import FAMILIES, FEATURE_METRICS, METRICS, ROW_METRICS
 from trainmon.base.schema import each, load, setting, short
 from trainmon.base.targets import check_pattern, compile_pattern
 from trainmon.config import reference
 from trainmon.config.files import read_config_file
 from trainmon.errors import ConfigError
 
-__all__ = ["ConfigError", "MonitorConfig", "check_ranks", "config_reference", "load_config"]
+__all__ = ["ConfigError", "MonitorConfig", "RollbackConfig", "check_ranks", "config_reference", "load_config"]
 
 SINKS: tuple[str, ...] = ("csv", "tensorboard", "parquet")
 OPTIMIZER_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq", "update", "ratio", "momentum")
-ACTIONS: tuple[str, ...] = ("log", "jsonl", "callback", "raise", "dump", "free_benchmark")
+ACTIONS: tuple[str, ...] = ("log", "jsonl", "callback", "raise", "dump", "free_benchmark", "rollback")
 COMM_OPS: tuple[str, ...] = (
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_single", "all_gather_into_tensor",
     "_all_gather_base", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base",
@@ -48,6 +49,8 @@ FIXING_PERT_MODES: tuple[str, ...] = ("improve_precision", "to_cpu")
 """The perturbations whose result may replace a module's output (``free_benchmark.handler: fix``)."""
 HANDLERS: tuple[str, ...] = ("check", "fix")
 ABSENT_RANKS: tuple[str, ...] = ("error", "skip")
+ATTENTION_LAYOUTS: tuple[str, ...] = ("sbhd", "bshd")
+"""Layouts of a query or key tensor read from an attention module's inputs: sequence, batch, heads, head size."""
 MAX_DUMP_DEPTH = 64
 """Deeper than any module tree; a huge ``dump.depth`` would stall every anomalous step."""
 
@@ -222,6 +225,148 @@ class GradProbeConfig:
     (element-weighted over the target parameters) and, with ``scalars: param``, ``grad_probe/{name}/mg_direction``."""
 
 
+MAX_GUARD_WINDOW = 100_000
+"""Longer than any useful history; the guard keeps ``window x (1 + parameters)`` floats on the device."""
+
+
+@dataclass
+class GuardConfig:
+    """The step guard: a step whose gradients are poisoned is not applied (docs/actions.md, "Step guard").
+
+    Checked on every step, before the optimizer applies the gradients (a torch optimizer's after unscaling and
+    clipping; DeepSpeed and Megatron-Core clip after it); a skipped step leaves the parameters and the optimizer
+    state (moments, step counts, master weights) as they were. torch, FSDP2, DeepSpeed and Megatron-Core (the last
+    two skip through their own overflow paths); MindSpore and the set-ups a framework cannot skip exactly are
+    refused at ``attach``."""
+
+    enabled: bool = False
+    """Check every step's gradients and skip the update when a rule below fires."""
+    nonfinite: bool = True
+    """Skip a step whose gradients hold a NaN or an Inf (under a ``GradScaler`` the scaler does this)."""
+    max_grad_norm: float | None = setting(None, above=0.0)
+    """Skip a step whose global gradient norm is above this; null: no absolute limit."""
+    z_threshold: float | None = setting(6.0, above=0.0)
+    """Skip a step whose global gradient norm is more than this many standard deviations above its mean over
+    the applied steps among the last ``window`` (the deviation counts as at least 1% of the mean); null: off."""
+    per_parameter: bool = False
+    """Apply ``z_threshold`` to each parameter's gradient norm too, each against its own history."""
+    window: int = setting(128, minimum=2, maximum=MAX_GUARD_WINDOW)
+    """Steps whose gradient norms make the history (kept on the device; skipped steps leave a gap)."""
+    warmup: int = setting(64, minimum=2)
+    """Applied steps the history must hold before ``z_threshold`` may fire (at most ``window``)."""
+    escalate_after: int | None = setting(5, minimum=1)
+    """This many skipped steps in a row escalate (again at each further multiple); null: never."""
+    escalate: list[str] = setting(["log", "jsonl", "raise"], choices=ACTIONS, unique=True)
+    """Anomaly actions applied to the escalation event: any of log, jsonl, callback, raise, dump,
+    free_benchmark, rollback (``raise``: :class:`~trainmon.errors.AnomalyError` at the end of the step;
+    ``rollback``: the run stops with ``anomaly.rollback.exit_code``, docs/actions.md, "Rollback")."""
+
+    def cross_check(self, path: str) -> None:
+        """The warm-up fits in the window."""
+        if self.warmup > self.window:
+            raise ConfigError(f"{path}.warmup", f"must be <= window ({self.window}), got {self.warmup}")
+
+
+ROLLBACK_DETECTORS: tuple[str, ...] = (*DETECTORS, GUARD_DETECTOR)
+"""What ``anomaly.rollback.detectors`` may name: the detector types and the step guard."""
+
+
+@dataclass
+class RollbackConfig:
+    """Healthy checkpoints, the skip list and the ``rollback`` action (docs/actions.md, "Rollback")."""
+
+    detectors: list[str] = setting(["nonfinite", "loss_spike"], choices=ROLLBACK_DETECTORS, unique=True)
+    """The detectors (by ``type``) whose events, at a step whose update was applied, make the training state
+    unhealthy (``monitor.state_dict()['healthy']``), enter the skip list and trigger the ``rollback`` action;
+    ``step_guard``: also every step the guard skipped triggers it (such a step enters the skip list anyway)."""
+    exit_code: int = setting(17, minimum=3, maximum=125)
+    """The exit status of a run the ``rollback`` action stops (``SystemExit``): what a launcher script tests to
+    resume from the last healthy checkpoint (3 to 125: not success, an uncaught error, bad usage or a signal)."""
+    skip_list: bool = True
+    """Append the flagged and skipped steps, with the identity of their data, to ``{run}/rank{R}/skip_list.jsonl``."""
+
+
+@dataclass
+class AttentionFeaturesConfig:
+    """Per-head attention features (family ``attn``; docs/features.md)."""
+
+    enabled: bool = False
+    """For every head of every attention module, on collected steps: the largest attention logit
+    (``q.k * scale``, masked entries left out) and the mean softmax entropy (nats) over the sampled query rows,
+    each scored against all keys; rows ``{module}.head{h}`` (global head index under tensor parallelism), columns
+    ``max_logit``, ``entropy``."""
+    query_rows: int = setting(64, minimum=1)
+    """Query rows sampled per call of a module: spread evenly over the batch (at most this many sequences) and over
+    the positions of each sequence, the same ones every step. The seq x seq matrix is never formed: only these rows'
+    logits, ``query_rows x keys`` per head."""
+    modules: list[str] = _patterns([])
+    """The attention modules (exact names, globs or regexes, among all modules). Empty: every target module
+    (``targets.modules``) whose class name ends in ``Attention`` and that holds no such module (HF's
+    ``LlamaAttention``, nanoGPT's ``CausalSelfAttention``, Megatron-Core's core attention)."""
+    inputs: str | None = setting(None, choices=ATTENTION_LAYOUTS)
+    """Where query and key come from. null: from the attention function the module calls (torch's
+    ``scaled_dot_product_attention``, with its mask, ``is_causal``, scale and grouped heads; or a softmax over
+    ``[batch, heads, queries, keys]`` scores, as HF's eager attention computes them); Megatron-Core's core attention
+    from its inputs. ``sbhd`` / ``bshd``: the module's first two positional inputs are the query and the key in this
+    layout (msprobe's ``sa_order``), scaled by ``1/sqrt(head size)``, with the mask ``causal`` says."""
+    causal: bool = True
+    """With ``inputs``: a query sees the keys at or before its position only."""
+
+
+@dataclass
+class WeightFeaturesConfig:
+    """Spectral features of the weight matrices (family ``weight_features``; docs/features.md)."""
+
+    enabled: bool = False
+    """For every 2-D target parameter, at the end of each collected step: the spectral norm ``sigma_1`` by power
+    iteration on the device (a vector per matrix kept from one collected step to the next) and the stable rank
+    ``||W||_F^2 / sigma_1^2``; rows named by the parameter, columns ``spectral_norm``, ``stable_rank``. Shards
+    (tensor parallelism, FSDP2) are combined exactly: one all-reduce per iteration over their group."""
+    iterations: int = setting(2, minimum=1, maximum=1000)
+    """Power iterations per collected step, continuing from the previous step's vector (so the estimate, a lower
+    bound of ``sigma_1``, converges over the collected steps and follows the weights as they change)."""
+    params: list[str] = _patterns([])
+    """The parameters measured, among the 2-D ones of the model: exact names, globs or regexes. Empty: the 2-D
+    target parameters (``targets.params``)."""
+    embeddings: bool = True
+    """Measure embedding tables too (``nn.Embedding``, Megatron-Core's vocabulary-parallel embedding)."""
+
+
+@dataclass
+class RouterFeaturesConfig:
+    """Mixture-of-experts router features (families ``router`` and ``expert_load``; docs/features.md)."""
+
+    enabled: bool = False
+    """For every router, per micro-step of a collected step, from its logits and its top-k choice: the load
+    imbalance (max / mean tokens per expert), the mean entropy of the routing softmax per token, the z-loss (mean
+    ``logsumexp(logits)^2``) and the mean pairwise cosine similarity of the experts' weights (family ``router``, row
+    ``{router}``); the tokens routed to each expert and their share (family ``expert_load``, rows
+    ``{router}.expert{e}``)."""
+    modules: list[str] = _patterns([])
+    """The router modules (exact names, globs or regexes, among all modules). Empty: every module whose class name
+    ends in ``Router`` (HF's ``MixtralTopKRouter``, ``OlmoeTopKRouter``, ``Qwen2MoeTopKRouter``, ...; Megatron-Core's
+    ``TopKRouter``)."""
+    expert_similarity: bool = True
+    """Compute ``expert_similarity`` (NaN when the experts' weights are not found next to the router)."""
+
+
+@dataclass
+class FeaturesConfig:
+    """Model features computed on collected steps, on the device (docs/features.md)."""
+
+    attention: AttentionFeaturesConfig = field(default_factory=AttentionFeaturesConfig)
+    """Per-head attention logits and entropy."""
+    weights: WeightFeaturesConfig = field(default_factory=WeightFeaturesConfig)
+    """Spectral norm and stable rank of the weight matrices."""
+    router: RouterFeaturesConfig = field(default_factory=RouterFeaturesConfig)
+    """Mixture-of-experts routing."""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any feature is on."""
+        return self.attention.enabled or self.weights.enabled or self.router.enabled
+
+
 @dataclass
 class TensorBoardConfig:
     """What the ``tensorboard`` sink writes: by default an overview of < 200 tags whatever the model size."""
@@ -265,9 +410,15 @@ class AnomalyConfig:
     watch (``{type: spike, series: [grad_norm], method: log, threshold: 7, min_relative_change: 2.2,
     range_factor: 3}``: a jump above 3.2x its level). ``false``: only ``detectors`` run."""
     actions: list[str] = setting(["log", "jsonl"], choices=ACTIONS, unique=True)
-    """Any of log, jsonl, callback, raise, dump, free_benchmark."""
+    """Any of log, jsonl, callback, raise, dump, free_benchmark, rollback (stop the run with
+    ``rollback.exit_code`` on an event of ``rollback.detectors``, naming the last healthy checkpoint and the data
+    to skip in ``{run}/rollback.json``)."""
     log_limit: int = setting(10, minimum=1)
     """At most this many log lines per step (the rest are summarised)."""
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """The step guard: skip a poisoned step instead of applying it."""
+    rollback: RollbackConfig = field(default_factory=RollbackConfig)
+    """Healthy checkpoints, the skip list, and what the ``rollback`` action does."""
 
 
 @dataclass
@@ -380,6 +531,8 @@ class MonitorConfig:
     """Collective-communication statistics."""
     grad_probe: GradProbeConfig = field(default_factory=GradProbeConfig)
     """Grad probe."""
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    """Model features: attention logits and entropy, spectral norms, MoE routing."""
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
     """What the TensorBoard sink writes."""
     anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
@@ -398,6 +551,8 @@ class MonitorConfig:
         for action, section in (("dump", self.dump), ("free_benchmark", self.free_benchmark)):
             if action in self.anomaly.actions and not section.enabled:
                 raise ConfigError("anomaly.actions", f"{action!r} needs {action}.enabled: true")
+            if self.anomaly.guard.enabled and action in self.anomaly.guard.escalate and not section.enabled:
+                raise ConfigError("anomaly.guard.escalate", f"{action!r} needs {action}.enabled: true")
 
 
 def check_ranks(ranks: list[int] | None, world_size: int, absent: str = "error") -> list[int] | None:
@@ -490,5 +645,10 @@ def family_metrics(config: MonitorConfig) -> dict[str, list[str]]:
         out["param"] = config.params.metrics
     if config.communication.enabled:
         out["comm"] = config.communication.metrics
+    features = config.features
+    for family, on in (("attn", features.attention.enabled), ("weight_features", features.weights.enabled),
+                       ("router", features.router.enabled), ("expert_load", features.router.enabled)):
+        if on:
+            out[family] = list(FEATURE_METRICS[family])
     return {family: list(metrics) for family, metrics in out.items()}
 

@@ -123,6 +123,7 @@ class _Translation:
             out["grad_probe"] = {"enabled": True, "level": "L0", "mg_direction": True, "scalars": "param"}
         if isinstance(data.get("cc_distribution"), dict) and data["cc_distribution"].get("enable"):
             out["communication"] = {"enabled": True, "metrics": list(metrics), **self._communication()}
+        self._features()
         self._schedule()
         self._outputs()
         out["anomaly"] = self._alert(data.get("alert", {}))
@@ -170,6 +171,54 @@ class _Translation:
                                              "(family update) instead of heatmap images; msprobe's 'ratio' heatmap "
                                              "(m_hat/sqrt(v_hat), the update without eps) has no family of its own "
                                              "(trainmon's ratio family is update/param)")
+
+    def _features(self) -> None:
+        """``recording_l2_features``, ``l2_targets`` and ``sa_order``: msprobe 26's L2 features (docs/features.md)."""
+        data = self.data
+        l2 = data.get("l2_targets") or {}
+        if not data.get("recording_l2_features"):
+            for key in ("l2_targets", "sa_order"):
+                if data.get(key):
+                    self._cannot(key, "it acts only with recording_l2_features: true (as in msprobe)")
+            return
+        features: dict[str, Any] = {}
+        attention = l2.get("attention_hook") or []  # msprobe: missing or [] collects nothing
+        if attention:
+            layout = "sbhd" if str(data.get("sa_order", "s,b,h,d")).replace(" ", "") == "s,b,h,d" else "bshd"
+            features["attention"] = {"enabled": True, "modules": self._l2_modules(attention, "attention", ("",)),
+                                     "inputs": layout, "causal": True}
+            self._differs("l2_targets.attention_hook", "trainmon scores every head, on query_rows (64) query rows "
+                                                       "spread over the batch, against all keys, and writes "
+                                                       "max_logit (the largest logit) and entropy per head (family "
+                                                       "attn); msprobe scores head 0 of sequence 0 only, the whole "
+                                                       "seq x seq matrix, and writes entropy and softmax_max (the "
+                                                       "mean over rows of the largest softmax probability)")
+        if "linear_hook" in l2:
+            params = self._l2_modules(l2["linear_hook"], "weights", (".weight", ".wg"))
+            # msprobe's [] is every module with a 2-D weight (or wg) that is not an embedding
+            features["weights"] = {"enabled": True, "params": params or ["re:(^|\\.)(weight|wg)$"],
+                                   "embeddings": False}
+            self._differs("l2_targets.linear_hook", "trainmon's stable_rank is ||W||_F^2 / sigma_1^2 (msprobe's sr: "
+                                                    "||W||_F / sigma_1, its square root) and its spectral_norm is "
+                                                    "msprobe's kernel_norm (sigma_1), estimated by power iterations "
+                                                    "continued from one collected step to the next (msprobe: 3 from a "
+                                                    "random start each time); family weight_features")
+        if not features:
+            self._cannot("recording_l2_features", "l2_targets names no attention_hook or linear_hook module "
+                                                  "(msprobe collects nothing either)")
+        self.out["features"] = features
+
+    def _l2_modules(self, names: list[str], section: str, suffixes: tuple[str, ...]) -> list[str]:
+        """The patterns of ``l2_targets`` module names (``"{chunk}:"`` prefix, squashed names), each with each of
+        ``suffixes``."""
+        hook = "attention_hook" if section == "attention" else "linear_hook"
+        key = "modules" if section == "attention" else "params"
+        patterns: list[str] = []
+        for name in names:
+            for suffix in suffixes:
+                self.keys.keys[f"features.{section}.{key}[{len(patterns)}]"] = f"l2_targets.{hook}"
+                patterns.append(module_pattern(self._split(name) + suffix, self.squash, name + suffix))
+        return patterns
 
     # ------------------------------------------------------------------------------- targets
     def _split(self, key: str) -> str:
@@ -351,7 +400,6 @@ class _Translation:
         data = self.data
         dynamic = ("msprobe reads it in dynamic mode (DYNAMIC_MONITOR=true) only; trainmon does not re-read a "
                    "msprobe file while training: convert it to a trainmon YAML file and set dynamic.watch: true")
-        features = "trainmon computes no attention-entropy, stable-rank or MoE-router features"
         not_honoured = [
             ("ndigits", "ndigits" in data, "trainmon writes every value at full precision"),
             ("step_count_per_record", data.get("step_count_per_record", 1) != 1,
@@ -364,7 +412,6 @@ class _Translation:
              "mg_direction is the key that compares gradient and momentum directions"),
             ("stack_info", bool(data.get("stack_info")), "trainmon records call stacks of the dumped modules only "
                                                          "(dump.stack)"),
-            *((key, bool(data.get(key)), features) for key in ("recording_l2_features", "l2_targets", "sa_order")),
             *((key, True, "msprobe 1.2.1 and 26.x have no such monitor key") for key in data if key not in KNOWN_KEYS),
         ]
         if data.get("squash_name"):

@@ -24,6 +24,10 @@ _VPP_PREFIX = re.compile(r"^\d+:")
 _BOOL_KEYS = ("print_struct", "ur_distribution", "xy_distribution", "all_xy", "forward_only", "backward_only",
               "mv_distribution", "wg_distribution", "mg_distribution", "param_distribution", "mg_direction",
               "squash_name", "switch", "dynamic_on", "stack_info", "monitor_mbs_grad", "recording_l2_features")
+L2_HOOKS = ("linear_hook", "attention_hook")
+"""msprobe's feature hooks (``MonitorConst.L2_HOOKS``): the keys of ``l2_targets``."""
+SA_ORDERS = ("s,b,h,d", "b,s,h,d")
+"""msprobe's ``sa_order`` values (spaces removed): the layout of the query and key an ``attention_hook`` module gets."""
 _INT_KEYS = ("start_step", "step_interval", "collect_times", "step_count_per_record", "ndigits")
 
 
@@ -73,6 +77,12 @@ def _nested_values(data: dict[str, Any]) -> Iterator[tuple[str, str, object, Cal
                lambda value: value is None or (_is_number(value) and value >= 0))
     if "dump" in alert:
         yield "alert.dump", "true or false", alert["dump"], _is(bool)
+    for hook, names in data.get("l2_targets", {}).items():
+        yield f"l2_targets.{hook}", f"one of {list(L2_HOOKS)}", hook, lambda value: value in L2_HOOKS
+        yield f"l2_targets.{hook}", "a list of module names", names, _list_of(_is(str))
+    if "sa_order" in data:
+        yield "sa_order", f"one of {list(SA_ORDERS)}", data["sa_order"], \
+            lambda value: isinstance(value, str) and value.replace(" ", "") in SA_ORDERS
 
 
 def check_types(data: dict[str, Any], path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from trainmon.base.precursors import PRECURSORS
 from trainmon.base.targets import plain_name, select
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from trainmon.base.types import GradScaler, Model, Optimizer, ProcessGroup
     from trainmon.collect.context import Collector, StepContext
+    from trainmon.collect.step_guard import GuardFactory
     from trainmon.config import MonitorConfig
 
 _Item = TypeVar("_Item")
@@ -72,6 +73,10 @@ class Attachment:
         scaler: a torch ``GradScaler`` found behind the optimizer (accelerate), or None.
         replicated: the families that are the same on every rank of a data-parallel group, or None (no such
             group, or one trainmon cannot be sure of: every rank writes its own rows).
+        shard_group: the process group over which each gradient is sharded (FSDP2's shard group: the step guard
+            sums the shards' squared norms over it), or None where every rank holds whole gradients.
+        step_guard: builds the step guard (``anomaly.guard``) of a framework that skips steps its own way
+            (DeepSpeed, Megatron-Core); None: the torch guard wraps ``optimizer``.
         on_close: extra clean-up (e.g. undoing an instance wrapper).
     """
 
@@ -87,6 +92,8 @@ class Attachment:
     micro_steps_by_user: bool = False
     scaler: GradScaler | None = None
     replicated: Replicated | None = None
+    shard_group: Any = None
+    step_guard: GuardFactory | None = None
     on_close: list[Callable[[], None]] = field(default_factory=list)
 
     def close(self) -> None:

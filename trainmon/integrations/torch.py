@@ -194,6 +194,30 @@ class OutsideCompiled:
         return kept
 
 
+class CompiledFeatures:
+    """The attention modules whose hooks run eagerly (:func:`traced_modules`), given again each time hooks are
+    installed; those inside compiled code are left out, with one warning naming them.
+
+    Args:
+        model: the model given to ``attach`` (wrappers included).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._warned: set[str] = set()
+
+    def __call__(self, sources: list[Any]) -> list[Any]:
+        traced = traced_modules(self.model)
+        kept = [source for source in sources if id(source.module) not in traced]
+        dropped = [source.name for source in sources if id(source.module) in traced and source.name not in self._warned]
+        if dropped:
+            self._warned.update(dropped)
+            logger.warning("trainmon: features.attention: %d attention module(s) (%s) run inside torch.compile'd code, "
+                           "which does not run hooks added after it was traced: they get no attn rows",
+                           len(dropped), ", ".join(dropped[:5]) + (", ..." if len(dropped) > 5 else ""))
+        return kept
+
+
 def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
            optimizer: torch.optim.Optimizer | None, options: AttachOptions) -> Attachment:
     """Build the collectors for a plain torch model (also under ``DistributedDataParallel``).
@@ -236,6 +260,11 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
 
         collectors.append(GradProbe(ctx, select_params(params, config, param_aliases), config, registry, optimizer,
                                     exp_avg_of=exp_avg_of if [state_holder(p) for p in parts] != [optimizer] else None))
+    if config.features.enabled:
+        from trainmon.integrations.features import FeatureLayout, feature_collectors
+
+        collectors += feature_collectors(ctx, config, modules_named, module_aliases, params, param_aliases, registry,
+                                         FeatureLayout(select=CompiledFeatures(model)))
     # the optimizers holding the states (those of a container, a ZeroRedundancyOptimizer's local one)
     state_parts = next((c.parts for c in collectors if isinstance(c, TorchOptimizerCollector)), [])
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=modules_named, optimizer=optimizer,

@@ -91,6 +91,8 @@ class StepLifecycle:
         self.forwards: dict[int, int] = {}
         self.optimizer_stepped = False
         self.scaler_updated = False
+        self.skip_flags: list[torch.Tensor | float] = []
+        """This step's verdicts on whether the update was skipped: a GradScaler's, the step guard's."""
         self._pending: _Frame | None = None
         self._frames: list[_Frame] = []
         self._done: list[_Frame] = []
@@ -331,26 +333,55 @@ class StepLifecycle:
         if scale is not None:
             ctx.buffer.add_scalar("loss_scale", scale)
         if skipped is not None:
-            ctx.buffer.add_scalar("step_skipped", skipped)
+            self.skip_flags.append(skipped)
+
+    def step_guarded(self, skipped: torch.Tensor | float) -> None:
+        """The step guard decided this step (1: the update is skipped): the step is over, as after the optimizer's
+        step, even when the guard did not call it."""
+        self.optimizer_stepped = True
+        self.skip_flags.append(skipped)
+        if not isinstance(skipped, torch.Tensor) and skipped > 0:  # decided on the host: step() was not called
+            for subscriber in list(self.ctx.step_not_taken):  # each under its collector's part
+                self.ctx.guard.run(part_of(subscriber), subscriber)
 
     # ------------------------------------------------------------------ step end
-    def before_end(self, by_user: bool, has_scalars: bool) -> None:
-        """At the end of a step, before its transfer: settle failed passes and whether the step was applied."""
+    def before_end(self, by_user: bool, has_scalars: bool) -> dict[str, torch.Tensor | float]:
+        """At the end of a step, before its transfer: settle failed passes and whether the step was applied.
+
+        Returns:
+            ``{"step_skipped": ...}`` when the step guard or a GradScaler decided it (the step guard decides every
+            step, collected or not), or, on a collected step, when nothing else (an engine) said it; else ``{}``.
+        """
         self._drop_failed_backward()
         if by_user and not self.active and not has_scalars:
             self._warn_once("empty", "trainmon: monitor.step() was called with no training forward, optimizer step "
                             "or scalar since the previous step; the step is counted but empty (called twice?)")
+        if self.skip_flags:
+            return {"step_skipped": _any_skipped(self.skip_flags)}
         ctx, buffer = self.ctx, self.ctx.buffer
         known = "step_skipped" in buffer.scalar_names or "step_skipped" in buffer.host_scalars
         if (ctx.collecting and not known and self.optimizer is not None and self.forwards
                 and hasattr(self.optimizer, "register_step_post_hook")):
             # nothing (scaler, engine) told us: the step was skipped when the optimizer's step did not run
-            ctx.buffer.add_scalar("step_skipped", 0.0 if self.optimizer_stepped else 1.0)
+            return {"step_skipped": 0.0 if self.optimizer_stepped else 1.0}
+        return {}
 
     def _warn_once(self, key: str, message: str, *args: Any) -> None:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message, *args)
+
+
+def _any_skipped(flags: list[torch.Tensor | float]) -> torch.Tensor | float:
+    """1 when any flag is (device tensors stay on the device: no sync)."""
+    tensors = [flag for flag in flags if isinstance(flag, torch.Tensor)]
+    numbers = [float(flag) for flag in flags if not isinstance(flag, torch.Tensor)]
+    if any(number > 0 for number in numbers) or not tensors:
+        return float(any(number > 0 for number in numbers))
+    combined = (tensors[0] > 0).to(torch.float32)
+    for flag in tensors[1:]:
+        combined = torch.maximum(combined, (flag > 0).to(combined.device, torch.float32))
+    return combined
 
 
 def part_of(owner: Any) -> str:

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainmon import integrations
+from trainmon.actions.rollback import RollbackKeeper
+from trainmon.anomaly.events import utc_now
 from trainmon.base.records import StepRecord, build_record
 from trainmon.base.safe_io import write_json
 from trainmon.collect.buffer import HostStep, PendingScalars, StepBuffer, Transfer
 from trainmon.collect.context import StepContext
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.stats_base import StatsSpec
 from trainmon.collect.struct import StructRecorder
 from trainmon.config import ConfigError, MonitorConfig, check_ranks, family_metrics
 from trainmon.errors import AnomalyError
@@ -22,14 +22,22 @@ from trainmon.integrations.base import Attachment, AttachOptions
 from trainmon.runtime.lifecycle import StepLifecycle, part_of
 from trainmon.runtime.replicas import plan_replicas
 from trainmon.runtime.rundir import (
-    default_run_name,
-    missing_dirs,
     remove_empty_dirs,
     run_json,
     unused_name,
     warn_if_appending,
 )
 from trainmon.runtime.schedule import StepSchedule
+from trainmon.runtime.setup import (
+    build_actions,
+    guard_steps,
+    make_dirs,
+    refuse_unguarded,
+    specs_of,
+    supports,
+    versions,
+    warn_unsupported,
+)
 from trainmon.runtime.sizing import log_sizing
 from trainmon.sinks import SinkWriter, build_sinks
 from trainmon.sinks.tensorboard_overview import TagSelection
@@ -39,7 +47,10 @@ if TYPE_CHECKING:
 
     from trainmon.actions import HandOffAction
     from trainmon.anomaly.engine import AnomalyCallback, AnomalyEngine
+    from trainmon.anomaly.events import AnomalyEvent
+    from trainmon.anomaly.skips import SkipReporter
     from trainmon.base.types import Model, Optimizer, Scalar
+    from trainmon.collect.step_guard import GuardedSteps
     from trainmon.config.dynamic import ConfigWatcher
 
 logger = logging.getLogger("trainmon")
@@ -59,23 +70,31 @@ class Session:
         self.framework = integrations.framework_of(model)
         self.integration = integrations.load(self.framework)
         metrics = family_metrics(config)
-        self.ctx = StepContext(specs=_specs(metrics, config.eps), metrics=metrics, step=self.options.start_step,
+        self.ctx = StepContext(specs=specs_of(metrics, config.eps), metrics=metrics, step=self.options.start_step,
                                grad_acc_steps=self.options.grad_acc_steps)
         self.guard = self.ctx.guard
         """Every hook's fail-safe guard (:mod:`trainmon.base.guard`): a part that raised is off from then on."""
         self.actions: dict[str, HandOffAction] = {}
         self.in_flight: tuple[int, Transfer] | None = None
         """``async_results``: the collected step whose transfer has started and whose record is not made yet."""
+        self.deferred: AnomalyError | None = None
+        """The ``raise`` action's error of a step checked by :meth:`settle`, raised at the end of the next step."""
         self.pending = PendingScalars(lambda: self.ctx.buffer_factory())
         """The scalars (loss, ...) of uncollected steps on their way to the detectors (no host sync)."""
         self.boundary = HookRegistry()
         self.created_dirs: list[Path] = []
         """Directories this attach created (deepest first); removed again, when empty, if it fails."""
         self.lifecycle = StepLifecycle(self.ctx, end_step=lambda: self.end_step(None, {}, by_user=False))
+        self.step_guard: GuardedSteps | None = None
+        self.skips: SkipReporter | None = None
+        self.keeper: RollbackKeeper | None = None
+        """Health, the skip list and the ``rollback`` action (:mod:`trainmon.actions.rollback`)."""
+        if config.enabled and config.anomaly.guard.enabled:
+            refuse_unguarded(self.framework, model, optimizer)  # before any hook exists
         self.attachment: Attachment = self._attach(config)
         try:
             ranks = check_ranks(config.ranks, self.attachment.world_size, config.absent_ranks)  # those that exist
-            _warn_unsupported(config, self.framework)
+            warn_unsupported(config, self.framework)
             self.ctx.pp_stage = self.attachment.pp_stage
             self._hook_boundaries()
             rank = self.attachment.rank
@@ -83,19 +102,24 @@ class Session:
             self.schedule = StepSchedule(config, rank_selected=self.writes or self.attachment.collective)
             # who writes the rows that are the same on every rank of a data-parallel group (a collective)
             self.replicas = plan_replicas(self.attachment, config, ranks, self.writes, self.ctx.step)
-            self.run_dir, self.rank_dir = self._make_dirs(config)
+            self.run_dir, self.rank_dir = make_dirs(self, config)
             writes_run_json = self.rank_dir is not None and rank == (ranks[0] if ranks else 0)
             if self.rank_dir is not None:
                 logger.info("trainmon: rank %d writes to %s", rank, self.rank_dir)
                 if writes_run_json:  # one rank says that a reused run_name appends
                     warn_if_appending(self.run_dir, self.rank_dir, self.options.start_step)
             self._bind_outputs()
+            anomaly = config.anomaly
+            self.keeper = RollbackKeeper(anomaly.rollback, anomaly.actions, anomaly.guard.escalate, rank, self.run_dir,
+                                         self.rank_dir, self.options.start_step, checks=self.writes)
             from trainmon.anomaly.engine import AnomalyEngine
 
             self.anomaly = AnomalyEngine(config.anomaly, rank, self.rank_dir)
             for callback in callbacks:
                 self.anomaly.on_anomaly(callback)
-            self.actions = self._build_actions(config)
+            if config.enabled and config.anomaly.guard.enabled:
+                guard_steps(self, config)
+            self.actions = build_actions(self, config)  # filled as it goes: a failure part-way is released
             self.struct = (StructRecorder(self.ctx, self.attachment.modules, self.boundary) if config.print_struct
                            else None)
             if self.struct is not None:
@@ -114,7 +138,7 @@ class Session:
             self.writer = SinkWriter(sinks, config.flush_seconds, root=self.run_dir,
                                      stats_path=self.rank_dir / "writer_stats.json" if self.rank_dir else None)
             if writes_run_json:
-                info = run_json(config, self.attachment.world_size, self.framework, _versions(self.framework))
+                info = run_json(config, self.attachment.world_size, self.framework, versions(self.framework))
                 info["replicated"] = self.replicas.layout.as_json()
                 info["sizing"] = log_sizing(self.attachment, config, self.options.grad_acc_steps,
                                             self.replicas.layout).as_dict()
@@ -137,6 +161,10 @@ class Session:
         parts: list[tuple[str, Callable[[], None]]] = [(name, action.close) for name, action in self.actions.items()]
         parts += [("hooks", self.attachment.close), ("step hooks", self.lifecycle.close),
                   ("hooks", self.boundary.remove_all)]
+        if self.step_guard is not None:
+            parts.append(("step guard", self.step_guard.close))
+        if self.keeper is not None:
+            parts.append(("skip list", self.keeper.close))
         # A failed attach may not have made the anomaly engine and the writer yet.
         anomaly: AnomalyEngine | None = getattr(self, "anomaly", None)
         writer: SinkWriter | None = getattr(self, "writer", None)
@@ -154,7 +182,7 @@ class Session:
     def _attach(self, config: MonitorConfig) -> Attachment:
         attachment = self.integration.attach(self.ctx, config, self.model, self.optimizer, self.options)
         # torch.distributed collectives; MindSpore's integration brings its own collector
-        if config.communication.enabled and _supports(self.framework, "communication") \
+        if config.communication.enabled and supports(self.framework, "communication") \
                 and self.framework != "mindspore":
             from trainmon.collect.comm import CommCollector
 
@@ -171,54 +199,12 @@ class Session:
         self.lifecycle.hook_optimizer(self.attachment.optimizer)
         self.lifecycle.hook_scaler(self.options.scaler if self.options.scaler is not None else self.attachment.scaler)
 
-    def _build_actions(self, config: MonitorConfig) -> dict[str, HandOffAction]:
-        """The dump and free-benchmark actions (torch models), registered with the anomaly engine."""
-        actions = self.actions  # filled as it goes, so a failure part-way is released by _release
-        if self.rank_dir is None:
-            return actions
-        root = getattr(self.model, "module", self.model)  # inside DDP / DeepSpeedEngine: the rows' names
-        if config.dump.enabled and _supports(self.framework, "dump"):
-            from trainmon.actions.dump import TargetedDump
-
-            actions["dump"] = TargetedDump(root, self.rank_dir, config.dump,
-                                            framework=integrations.actions_framework(root))
-        if config.free_benchmark.enabled and _supports(self.framework, "free_benchmark"):
-            from trainmon.actions.free_benchmark import FreeBenchmark
-
-            actions["free_benchmark"] = FreeBenchmark(root, self.rank_dir, config.free_benchmark,
-                                                      rank=self.attachment.rank,
-                                                      framework=integrations.actions_framework(root))
-        import torch
-
-        for name, action in actions.items():
-            framework = getattr(action, "framework", None)
-            if framework is not None:  # the action's hooks under the fail-safe guard, as part ``name``
-                framework.wrap = functools.partial(self.guard.wrap, name, bypass=torch.compiler.is_compiling)
-            self.anomaly.register_action(name, self.guard.wrap(name, action.on_anomaly))
-            action.begin_step(self.ctx.step)
-        return actions
-
     def _bind_outputs(self) -> None:
         """Tell collectors that write their own files (the grad probe) where this rank writes."""
         for collector in self.attachment.collectors:
             bind = getattr(collector, "bind_output", None)
             if bind is not None:
                 bind(self.rank_dir)
-
-    def _make_dirs(self, config: MonitorConfig) -> tuple[Path, Path | None]:
-        run_name = config.run_name or _shared_run_name(self.attachment.world_size)
-        run_dir = Path(config.output_dir) / run_name
-        if not self.writes:
-            return run_dir, None
-        rank_dir = run_dir / f"rank{self.attachment.rank}"
-        self.created_dirs = missing_dirs(rank_dir, Path(config.output_dir))
-        try:
-            rank_dir.mkdir(parents=True, exist_ok=True)  # here, so an unwritable place is known at attach
-        except OSError as exc:
-            logger.warning("trainmon: cannot write to %s (%s); outputs are disabled, training goes on",
-                           run_dir, exc.strerror or exc)
-            return run_dir, None
-        return run_dir, rank_dir
 
     # ----------------------------------------------------------------------------- step loop
     def end_step(self, loss: Scalar | None, scalars: dict[str, Scalar], by_user: bool) -> StepRecord | None:
@@ -259,7 +245,11 @@ class Session:
             if loss is not None and ctx.collecting:
                 ctx.buffer.add_scalar(f"loss/micro{ctx.micro_step}", loss.detach().float().mean())
             return None
-        lifecycle.before_end(by_user, has_scalars=loss is not None or bool(scalars))
+        decided = lifecycle.before_end(by_user, has_scalars=loss is not None or bool(scalars))
+        if self.keeper is not None:
+            self.keeper.end_step(ctx.step)  # the step's data, until its record is checked
+        if self.step_guard is not None:
+            decided.update(self.step_guard.take())
         for name, action in self.actions.items():
             guard.run(name, action.end_step)
         record, error = None, None
@@ -267,6 +257,7 @@ class Session:
         checked = self.writes and self.config.enabled and not guard.off("loss")
         if loss is not None and (ctx.collecting or checked):
             scalars = {"loss": loss if not hasattr(loss, "detach") else loss.detach().float().mean(), **scalars}
+        scalars = {**scalars, **decided}
         if ctx.collecting:
             buffer = ctx.buffer
             for name, value in scalars.items():
@@ -295,6 +286,8 @@ class Session:
             if self.in_flight is not None:
                 record, error = self.finish_in_flight()
         error = self._take_pending() or error
+        if error is None and self.deferred is not None:  # found while settling for a checkpoint
+            error, self.deferred = self.deferred, None
         if self.struct is not None and self.struct.seen and not self.struct.done:
             self._write_struct()
         ctx.step += 1
@@ -305,22 +298,57 @@ class Session:
         if self.watcher is not None:
             self._reload(self.watcher.poll())
         self._arm(self.schedule.is_collected(ctx.step))
+        stop = self.keeper.exit_due(by_user) if self.keeper is not None else None
+        if stop is not None:  # the rollback action: at the end of a step ended by monitor.step(), never in a hook
+            raise stop
         if error is not None:
             raise error
         return record
+
+    def settle(self) -> None:
+        """Check every ended step now (the uncollected steps' scalars waiting for their copies, the collected step
+        in flight): a host synchronisation, for a checkpoint's health. Their ``raise`` error (or the rollback)
+        comes at the end of the next step."""
+        if self.guard.stopped:
+            return
+        try:
+            _, error = self.finish_in_flight()
+            error = self._take_pending(before=math.inf) or error
+        except Exception as exc:
+            self.guard.fail("step", exc)
+            return
+        if error is not None and self.deferred is None:
+            self.deferred = error
 
     def _finish(self, step: int, host: HostStep) -> tuple[StepRecord, AnomalyError | None]:
         """The host side of a collected step: its record, handed to the writer and the anomaly engine."""
         record = build_record(step, self.attachment.rank, self.ctx.pp_stage, host.keys, host.partials, host.scalars,
                               self.ctx.metrics)
+        return record, self._check(record) if self.writes else None
+
+    def _check(self, record: StepRecord) -> AnomalyError | None:
+        """A record of this rank to the writer and the anomaly engine (the step guard's verdict taken out first:
+        its event goes with the detectors'; a run of skips escalates). Returns the ``raise`` action's error."""
+        found: list[AnomalyEvent] = []
+        escalation: AnomalyEvent | None = None
+        keeper = self.keeper
+        record.batch = keeper.batch_of(record.step) if keeper is not None else None
+        if self.skips is not None:  # the guard's host side, under its part (failing, the whole guard goes off)
+            found, escalation = self.guard.run("step_guard", self.skips.take, record, utc_now()) or ([], None)
+            if escalation is not None:
+                escalation.batch = record.batch
+        self.writer.submit(self.replicas.stored(record))  # the detectors below get every row
+        self.anomaly.last_events = []
         error = None
-        if self.writes:
-            self.writer.submit(self.replicas.stored(record))  # the detectors below get every row
-            try:
-                self.guard.run("anomaly", self.anomaly.process, record)
-            except AnomalyError as exc:
-                error = exc
-        return record, error
+        try:
+            self.guard.run("anomaly", self.anomaly.process, record, found)
+            if escalation is not None:
+                self.guard.run("anomaly", self.anomaly.act, [escalation], self.config.anomaly.guard.escalate)
+        except AnomalyError as exc:
+            error = exc
+        if keeper is not None:  # health, the skip list, the rollback action: after the engine's actions
+            self.guard.run("rollback", keeper.observe, record, self.anomaly.last_events, escalation)
+        return error
 
     def finish_in_flight(self) -> tuple[StepRecord | None, AnomalyError | None]:
         """Finish the step whose transfer is in flight (``async_results``), if any, after the uncollected steps
@@ -340,11 +368,7 @@ class Session:
         for step, scalars in self.guard.run("loss", lambda: list(self.pending.take(before))) or ():
             record = StepRecord(step, self.attachment.rank, scalars=scalars, pp_stage=self.ctx.pp_stage,
                                 collected=False)
-            self.writer.submit(record)
-            try:
-                self.guard.run("anomaly", self.anomaly.process, record)
-            except AnomalyError as exc:
-                error = error or exc
+            error = error or self._check(record)
         return error
 
     def _arm(self, collecting: bool) -> None:
@@ -386,9 +410,13 @@ class Session:
                 logger.warning("trainmon: config key %r cannot change while attached; keeping %r", key,
                                getattr(old, key))
                 setattr(config, key, getattr(old, key))
+        if config.anomaly.guard != old.anomaly.guard:
+            logger.warning("trainmon: config key 'anomaly.guard' cannot change while attached; keeping the step "
+                           "guard's settings of attach")
+            config.anomaly.guard = old.anomaly.guard
         old_specs, old_metrics = self.ctx.specs, self.ctx.metrics
         self.ctx.metrics = family_metrics(config)
-        self.ctx.specs = _specs(self.ctx.metrics, config.eps)
+        self.ctx.specs = specs_of(self.ctx.metrics, config.eps)
         try:
             attachment = self._attach(config)
         except (ConfigError, TypeError) as exc:
@@ -411,6 +439,8 @@ class Session:
                 self.anomaly.on_anomaly(callback)
             for name, action in self.actions.items():
                 self.anomaly.register_action(name, action.on_anomaly)
+        if self.keeper is not None:
+            self.keeper.configure(config.anomaly.rollback, config.anomaly.actions, config.anomaly.guard.escalate)
         logger.info("trainmon: config reloaded from %s; applies from step %d", self.config_path, self.ctx.step)
 
     def close(self) -> None:
@@ -427,6 +457,9 @@ class Session:
             self.ctx.collecting = False
             self._release()
             self._write_failures()
+            summary = self.skips.summary() if self.skips is not None else None
+            if summary:
+                logger.warning(summary)
 
     def _write_failures(self) -> None:
         """``rank{R}/failures.json``: what the fail-safe guard caught in this run (only when it caught something)."""
@@ -437,48 +470,3 @@ class Session:
                        root=self.run_dir)
         except Exception as exc:
             logger.warning("trainmon: could not write failures.json (%s: %s)", type(exc).__name__, exc)
-
-
-# Features an integration does not provide yet: enabling them warns once at attach instead of
-# doing nothing silently.
-_UNSUPPORTED: dict[tuple[str, str], str] = {  # (section, framework): one line each
-}
-
-
-def _supports(framework: str, section: str) -> bool:
-    return (section, framework) not in _UNSUPPORTED
-
-
-def _warn_unsupported(config: MonitorConfig, framework: str) -> None:
-    for section in sorted({section for section, _ in _UNSUPPORTED}):
-        if not _supports(framework, section) and getattr(config, section).enabled:
-            logger.warning("trainmon: %s is not supported with %s yet and is off for this run", section, framework)
-
-
-def _specs(metrics: dict[str, list[str]], eps: float) -> dict[str, StatsSpec]:
-    return {family: StatsSpec.from_metrics(names, eps) for family, names in metrics.items()}
-
-
-def _shared_run_name(world_size: int) -> str:
-    """Rank 0's timestamp, broadcast so every rank writes into the same run directory."""
-    name = default_run_name()
-    if world_size > 1:
-        import torch.distributed as dist
-
-        holder = [name]
-        dist.broadcast_object_list(holder, src=0)
-        name = holder[0]
-    return name
-
-
-def _versions(framework: str) -> dict[str, str]:
-    import importlib.metadata as md
-
-    out = {}
-    for package in ("torch", "deepspeed", "megatron-core", "mindspore"):
-        try:
-            out[package] = md.version(package)
-        except md.PackageNotFoundError:
-            continue
-    return out
-

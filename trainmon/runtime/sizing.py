@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from trainmon.base.precursors import PRECURSORS
+from trainmon.base.records import FEATURE_METRICS
 from trainmon.config import family_metrics
 from trainmon.sinks.tensorboard_overview import NONFINITE, TagSelection, overview_tags
 
@@ -235,7 +236,7 @@ def _row_names(family: str, measured: Measured, config: MonitorConfig) -> list[s
         suffix = "_grad" if family == "actv_grad" else ""
         return [f"{module}.{kind}{suffix}" if module else f"{kind}{suffix}"
                 for module in measured.modules for kind in kinds]
-    if family == "comm":
+    if family == "comm" or family in FEATURE_METRICS:  # the features: as many rows as heads, matrices, experts
         return None
     if family == "grad_unreduced":
         return measured.params

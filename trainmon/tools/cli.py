@@ -1,4 +1,4 @@
-"""The ``trainmon`` command: ``csv2tb``, ``analyse``, ``grad-compare``, ``report``, ``query``, ``convert``;
+"""The ``trainmon`` command: ``csv2tb``, ``analyse``, ``grad-compare``, ``report``, ``query``, ``convert``, ``serve``;
 ``trainmon --version``.
 
 Exit codes: 0 on success, 2 on bad usage or bad input (one line on stderr: ``trainmon COMMAND:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from trainmon.tools.command import Subcommand
 
 _SUBCOMMANDS = ("trainmon.tools.csv2tb", "trainmon.tools.analyse", "trainmon.tools.grad_compare",
-                "trainmon.tools.report", "trainmon.tools.query", "trainmon.tools.convert")
+                "trainmon.tools.report", "trainmon.tools.query", "trainmon.tools.convert", "trainmon.tools.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,9 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if TYPE_CHECKING:  # read by mypy only: each subcommand module satisfies the protocol (never imported at run time)
-    from trainmon.tools import analyse, convert, csv2tb, grad_compare, query, report
+    from trainmon.tools import analyse, convert, csv2tb, grad_compare, query, report, serve
 
-    _SUBCOMMAND_MODULES: tuple[Subcommand, ...] = (csv2tb, analyse, grad_compare, report, query, convert)
+    _SUBCOMMAND_MODULES: tuple[Subcommand, ...] = (csv2tb, analyse, grad_compare, report, query, convert, serve)
 
 
 if __name__ == "__main__":  # pragma: no cover

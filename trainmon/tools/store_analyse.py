@@ -48,7 +48,7 @@ from trainmon.anomaly.ordering import PHASE_RANK, describe
 from trainmon.base.inputs import rank_dirs_of
 from trainmon.sinks.store_events import EVENTS_FILE, stored_ranges
 from trainmon.sinks.store_layout import ANOMALIES, SCALARS, STORE_DIR, table_dir
-from trainmon.tools.store import event_ranks, open_run, views
+from trainmon.tools.store import REPLICAS, event_ranks, open_run, views
 from trainmon.tools.store_reader import StoreError
 
 Z_THRESHOLD = 3.5
@@ -266,13 +266,22 @@ def row_families(con: duckdb.DuckDBPyConnection) -> dict[str, list[str]]:
     return found
 
 
+def _tables(con: duckdb.DuckDBPyConnection) -> set[str]:
+    """The tables and registered frames of a connection (``replicas`` is registered, not a view)."""
+    return {str(name) for (name,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+
+
 def row_sections(con: duckdb.DuckDBPyConnection, top: int = 20, steps: StepRanges | None = None) -> dict[str, Any]:
     """The answers of the rows (see the module): ``first_nonfinite_row``, ``nonfinite_rows``, ``spread`` and
     ``deviating_ranks``, over the family views of ``con`` (:func:`trainmon.tools.store.open_run`'s)."""
     families = row_families(con)
     where = _Filter(con, steps).steps
     first, count, ranks = _first_nonfinite_row(con, families, where)
-    with_norm = [family for family, columns in families.items() if METRIC in columns]
+    # A family written once per data-parallel group is the same on every rank of the group by construction: no
+    # cross-rank spread to find there (and the view would repeat the writer's rows for every rank).
+    once = ({family for (family,) in con.execute(f"SELECT DISTINCT family FROM {REPLICAS}").fetchall()}
+            if REPLICAS in views(con) or REPLICAS in _tables(con) else set())
+    with_norm = [family for family, columns in families.items() if METRIC in columns and family not in once]
     spread, deviating = _cross_rank(con, with_norm, where, top)
     return {"first_nonfinite_row": first, "nonfinite_rows": {"rows": count, "ranks": ranks},
             "spread": spread, "deviating_ranks": deviating}

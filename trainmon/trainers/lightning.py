@@ -16,6 +16,12 @@ What the callback does (see docs/lightning.md):
   the sum of the normalised batch losses Lightning returns (automatic optimisation: their mean
   over the accumulated batches), or their mean (manual). Steps are numbered like
   ``trainer.global_step`` before the update, as ``self.log`` in ``training_step`` numbers them;
+- each step's data: the batches ``[epoch, batch_idx, batch_idx + 1]`` of its micro-steps, and the sample indices
+  ``batch_ids(batch)`` returns when given (docs/actions.md, "Rollback");
+- ``on_save_checkpoint`` adds ``checkpoint["trainmon"]``: whether the state is healthy, the checkpoint's path and
+  the monitor's state (``monitor.state_dict(checkpoint=path)``); resuming (``trainer.fit(..., ckpt_path=...)``),
+  the callback loads that state, and the rollback that names the checkpoint, if any, is :attr:`rollback` (its
+  samples are left out by the ``trainmon.SkipSampler`` of your data loader);
 - ``on_train_end`` and ``on_exception`` close the monitor;
 - fail-safe: a refusal at attach (:class:`~trainmon.errors.ConfigError`,
   :class:`~trainmon.errors.UnsupportedSetupError`) is raised when training starts; any other exception of
@@ -27,25 +33,31 @@ Lightning is imported only when this module is (``lightning``, else ``pytorch_li
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.config import MonitorConfig
+from trainmon.actions.resume import Rollback, read_rollback
+from trainmon.actions.rollback import RollbackExit
+from trainmon.config import MonitorConfig, load_config
 from trainmon.integrations.losses import output_loss
 from trainmon.monitor import TrainerMonitor
-from trainmon.trainers.attaching import attach_or_train_on
+from trainmon.trainers.attaching import attach_or_train_on, ddp_options
 
 if TYPE_CHECKING:
     from trainmon.runtime.lifecycle import StepLifecycle
 
 
 try:
-    from lightning.pytorch import Callback
+    from lightning.pytorch import Callback, Trainer
 except ImportError:  # the older package name
-    from pytorch_lightning import Callback  # type: ignore[assignment]
+    from pytorch_lightning import Callback, Trainer  # type: ignore[assignment]
+
+logger = logging.getLogger("trainmon")
 
 
 class TrainmonCallback(Callback):
@@ -53,21 +65,30 @@ class TrainmonCallback(Callback):
 
     Args:
         config: a trainmon config (path to YAML/JSON, dict, :class:`MonitorConfig`, or None).
+        batch_ids: ``batch -> sample indices`` (anything ``monitor.batch`` takes), for each training batch: the
+            step's events, the skip list and a rollback then name its samples.
         **attach_options: extra keyword arguments for :meth:`TrainerMonitor.attach`.
+
+    Attributes:
+        rollback: when ``trainer.fit(..., ckpt_path=...)`` resumes from the checkpoint a rollback names (found in
+            the monitor's ``output_dir``), that :class:`~trainmon.actions.rollback.Rollback`.
 
     Example:
         >>> trainer = L.Trainer(max_steps=100, callbacks=[TrainmonCallback("monitor.yaml")])  # doctest: +SKIP
     """
 
     def __init__(self, config: MonitorConfig | dict[str, Any] | str | Path | None = None,
-                 **attach_options: Any) -> None:
+                 batch_ids: Callable[[Any], object] | None = None, **attach_options: Any) -> None:
         self.config = config
+        self.batch_ids = batch_ids
         self.attach_options = attach_options
         self.monitor: TrainerMonitor | None = None
+        self.rollback: Rollback | None = None
         TrainerMonitor(config)  # validate the config now, not when training starts
         self._losses: list[torch.Tensor] = []
         self._global_step = 0
         self._automatic = True
+        self._loaded: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -81,8 +102,19 @@ class TrainmonCallback(Callback):
         if scaler is not None:
             options["scaler"] = scaler
         options.update(self.attach_options)
+        options = ddp_options(getattr(trainer.strategy, "model", None), options)
         self.monitor = TrainerMonitor(self.config)
         self.monitor.attach(pl_module, optimizers[0] if optimizers else None, **options)
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None and isinstance(loaded.get("monitor"), dict):
+            try:
+                self.monitor.load_state_dict(loaded["monitor"])
+            except ValueError as exc:
+                logger.warning("trainmon: the checkpoint's monitor state is not loaded (%s); the detectors warm up "
+                               "again", exc)
+        self.rollback = self._find_rollback(getattr(trainer, "ckpt_path", None))
+        if self.rollback is not None:
+            self.monitor.resume(self.rollback)
         self._lifecycle().drive_by_callbacks()
         self._global_step = int(trainer.global_step)
         self._automatic = bool(pl_module.automatic_optimization)
@@ -97,6 +129,35 @@ class TrainmonCallback(Callback):
     # ------------------------------------------------------------------ micro-steps and steps
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._guarded(lambda: self._lifecycle().micro_step_begins())
+        self._guarded(self._batch_identity, trainer, batch, batch_idx, part="batch")  # failing: no identities
+
+    def _batch_identity(self, trainer: Any, batch: Any, batch_idx: int) -> None:
+        assert self.monitor is not None
+        self.monitor.batch({"batches": [[int(trainer.current_epoch), batch_idx, batch_idx + 1]]})
+        if self.batch_ids is not None:
+            self.monitor.batch(self.batch_ids(batch))
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self._guarded(self._save_health, trainer, checkpoint)
+
+    def _save_health(self, trainer: Any, checkpoint: dict[str, Any]) -> None:
+        assert self.monitor is not None
+        path = _saved_path(trainer)
+        state = self.monitor.state_dict(checkpoint=path)
+        checkpoint["trainmon"] = {"healthy": state.get("healthy", True), "step": state["step"], "checkpoint": path,
+                                  "monitor": state}
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("trainmon")
+        self._loaded = saved if isinstance(saved, dict) else None  # loaded into the monitor when it attaches
+
+    def _find_rollback(self, checkpoint: str | None) -> Rollback | None:
+        if not checkpoint:
+            return None
+        config = load_config(self.config)
+        where = Path(config.output_dir) / config.run_name if config.run_name else Path(config.output_dir)
+        return read_rollback(where, checkpoint=checkpoint) if where.exists() else None
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         self._guarded(lambda: self._lifecycle().backward_ended())
@@ -116,7 +177,11 @@ class TrainmonCallback(Callback):
             total = torch.stack(losses).sum() if losses else None
             if total is not None and not self._automatic:
                 total = total / len(losses)
-            self.monitor.step(loss=total)
+            try:
+                self.monitor.step(loss=total)
+            except RollbackExit:  # the rollback action stops the run (at the end of the step, never in a hook)
+                self._release()
+                raise
 
     # ------------------------------------------------------------------ evaluation records nothing
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
@@ -126,11 +191,11 @@ class TrainmonCallback(Callback):
         self._guarded(lambda: self._lifecycle().resume())
 
     # ------------------------------------------------------------------ helpers
-    def _guarded(self, fn: Callable[..., Any], *args: Any) -> None:
+    def _guarded(self, fn: Callable[..., Any], *args: Any, part: str = "step") -> None:
         """Run a callback's body under the monitor's fail-safe guard (part ``step``); nothing when not attached."""
         guard = self.monitor.guard if self.monitor is not None else None
         if guard is not None:
-            guard.run("step", fn, *args)
+            guard.run(part, fn, *args)
 
     def _lifecycle(self) -> StepLifecycle:
         lifecycle = self.monitor.lifecycle if self.monitor is not None else None
@@ -141,3 +206,19 @@ class TrainmonCallback(Callback):
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
+
+
+def _saved_path(trainer: Any) -> str | None:
+    """The file ``Trainer.save_checkpoint(filepath)`` is saving (``on_save_checkpoint`` runs inside it and is not
+    told), found up the call stack; None when the checkpoint is saved otherwise."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "save_checkpoint" and frame.f_locals.get("self") is trainer \
+                    and isinstance(trainer, Trainer):
+                path = frame.f_locals.get("filepath")
+                return str(path) if path is not None else None
+            frame = frame.f_back
+        return None
+    finally:
+        del frame

@@ -112,7 +112,7 @@ def main() -> None:
         ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 and ds_config is None else None)
     box: list = []
     reference = Reference(box, read_tensors=case.get("reference", True))
-    monitor_config = {"output_dir": str(run / "tm"), "run_name": "run", "sinks": ["csv"],
+    monitor_config = {"output_dir": str(run / "tm"), "run_name": "run", "sinks": ["csv", "parquet"],
                       "weight_grads": {"metrics": ["norm"]},
                       "optimizer_states": {"states": ["exp_avg"], "metrics": ["norm"]}}
     callbacks = ([TrainmonCallback(monitor_config)] if case.get("monitor", True) else []) + [reference]

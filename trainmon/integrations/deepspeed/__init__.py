@@ -23,6 +23,7 @@ is never patched.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +36,7 @@ from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.collect.step_hooks import StepWrapper
+from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations.base import (
     REPLICATED_FAMILIES,
     Attachment,
@@ -48,9 +50,15 @@ from trainmon.integrations.base import (
 from trainmon.integrations.deepspeed.shards import ShardLayout, layout_for
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from trainmon.base.guard import Guard
     from trainmon.base.types import DeepSpeedParameter
     from trainmon.collect.context import Collector, StepContext
-    from trainmon.config import MonitorConfig
+    from trainmon.collect.step_guard import GuardedSteps, GuardFactory
+    from trainmon.config import GuardConfig, MonitorConfig
+
+logger = logging.getLogger("trainmon")
 
 _STATES = ("exp_avg", "exp_avg_sq")
 
@@ -96,6 +104,8 @@ class DeepSpeedShardCollector(HookedCollector):
         self.precursors = PRECURSORS in ctx.specs and self.layout.optimizer is not None
         self._precursors: dict[str, torch.Tensor] = {}
         """This step's ``[16]`` precursor partial per parameter name, from the inner optimizer's step hooks."""
+        self.guard_norm: torch.Tensor | float | None = None
+        """The global norm the step guard judged, on a step DeepSpeed skipped (it reports its own as Inf then)."""
         self.keep(hooks.register_step_pre_hook(self.guarded(self._pre_step)))
         self.keep(hooks.register_step_post_hook(self.guarded(self._post_step)))
 
@@ -111,6 +121,11 @@ class DeepSpeedShardCollector(HookedCollector):
     def reset(self) -> None:
         self._pending.clear()
         self._precursors.clear()
+
+    def record_guard_norm(self, norm: torch.Tensor | float) -> None:
+        """The step guard's global norm of a step DeepSpeed skipped: recorded as ``grad_norm`` instead of the Inf
+        DeepSpeed reports for every skipped step (a skipped spike is not a non-finite norm)."""
+        self.guard_norm = norm
 
     def replicated(self) -> Replicated | None:
         """The rows written once per data-parallel group (under ZeRO-0 too: the averaged gradients and what the
@@ -130,6 +145,7 @@ class DeepSpeedShardCollector(HookedCollector):
 
     def _pre_step(self, engine: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ctx, layout = self.ctx, self.layout
+        self.guard_norm = None  # an uncollected step's
         if not ctx.collecting:
             return
         for name, param, vpp_stage in self.params:
@@ -170,7 +186,11 @@ class DeepSpeedShardCollector(HookedCollector):
         if not ctx.collecting:
             return
         buffer = ctx.buffer
+        applied = bool(engine.was_step_applied())
         norm = engine.get_global_grad_norm()
+        if not applied and self.guard_norm is not None:
+            norm = self.guard_norm  # the step guard's skip: the norm it judged, not DeepSpeed's Inf
+        self.guard_norm = None
         if norm is not None:
             buffer.add_scalar("grad_norm", norm)  # a device tensor stays on the device until the transfer
         if engine.fp16_enabled():
@@ -179,7 +199,6 @@ class DeepSpeedShardCollector(HookedCollector):
             if scale is not None:
                 buffer.add_scalar("loss_scale", scale)
         buffer.add_scalar("skipped_steps", engine.skipped_steps)
-        applied = bool(engine.was_step_applied())
         buffer.add_scalar("step_applied", int(applied))
         buffer.add_scalar("step_skipped", int(not applied))
         buffer.add_scalar("global_steps", engine.global_steps)
@@ -331,6 +350,11 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
         raise TypeError("pass only the engine to attach(): DeepSpeed owns the optimizer")
     if isinstance(engine, PipelineEngine):  # train_batch() instead of forward/backward/step
         return _attach_pipeline(ctx, config, engine, options)
+    if config.features.weights.enabled and engine.zero_optimization_stage() == 3:
+        raise UnsupportedSetupError(
+            "features.weights under DeepSpeed ZeRO-3: each rank holds a flat partition of every weight, not rows or "
+            "columns of it, so the power iteration cannot combine the shards; turn features.weights off or use "
+            "ZeRO-1/2 (docs/features.md)")
     module = engine.module
     ctx.grad_acc_steps = engine.gradient_accumulation_steps()
     if options.start_step == 0:
@@ -360,13 +384,74 @@ def attach(ctx: StepContext, config: MonitorConfig, engine: Any, optimizer: Any,
             hooks.uninstall()  # a failed attach leaves the engine as it was
             raise
         collectors.append(probe)
+    if config.features.enabled:
+        from trainmon.integrations.features import feature_collectors
+
+        collectors += feature_collectors(ctx, config, modules_named, module_aliases, params, param_aliases, registry)
     rank, world_size = process_groups.layout()
     # a collective at the step's end: every rank collects the steps the writers collect
     collective = (shard_collector is not None and shard_collector.collective) or getattr(probe, "world", 1) > 1
     return Attachment(collectors=collectors, roots=[(module, 0)], modules=modules_named, optimizer=hooks,
                       registry=registry, rank=rank, world_size=world_size, collective=collective,
                       micro_steps_by_user=True, on_close=[hooks.uninstall],
-                      replicated=shard_collector.replicated() if shard_collector is not None else None)
+                      replicated=shard_collector.replicated() if shard_collector is not None else None,
+                      step_guard=_guard_factory(engine, params, options, shard_collector))
+
+
+def guard_refusal(engine: Any) -> str | None:
+    """Why the step guard cannot hold back this engine's steps exactly, or None when it can.
+
+    Supported: ``DeepSpeedEngine`` (not the pipeline engine) in fp32 or bf16 under ZeRO 0-3 without offload, with
+    DeepSpeed's ZeRO 1/2, ZeRO-3, BF16 or unfused ZeRO-0 bf16 optimizer, or a torch optimizer under ZeRO-0 fp32.
+    """
+    from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if not isinstance(engine, DeepSpeedEngine):
+        return None  # attach() says what it needs
+    if isinstance(engine, PipelineEngine):
+        return "DeepSpeed's PipelineEngine (train_batch) is not supported by the step guard yet"
+    if engine.fp16_enabled():
+        return ("fp16 is not supported: DeepSpeed's overflow skip also lowers its dynamic loss scale, so a step the "
+                "guard skips would change the run's later loss scales (use bf16)")
+    if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
+        return "torch autocast with DeepSpeed's GradScaler is not supported (a GradScaler skips its own steps)"
+    optimizer = engine.optimizer
+    if optimizer is None:
+        return "the engine has no optimizer"
+    from trainmon.integrations.deepspeed.guard import optimizer_kind
+
+    kind = optimizer_kind(optimizer)
+    if kind is None:
+        return (f"DeepSpeed's optimizer wrapper {type(optimizer).__name__} is not supported (supported: ZeRO 1/2 and "
+                "3, the BF16 optimizer, ZeRO-0 bf16's unfused wrapper, a torch optimizer under ZeRO-0 fp32)")
+    if kind == "zero" and optimizer.cpu_offload or kind == "zero3" and (
+            optimizer.offload_optimizer or getattr(optimizer, "offload_param", False)):
+        return "ZeRO-Offload is not supported (DeepSpeed checks offloaded gradients for overflow during backward)"
+    if kind == "zero" and not optimizer.compute_grad_norm:
+        return "zero_optimization.compute_grad_norm: false is not supported (DeepSpeed then checks no norm)"
+    if kind == "zero" and optimizer.dtype == torch.bfloat16 and not optimizer.check_grad_overflow:
+        return ("bf16.check_grad_overflow: false is not supported: DeepSpeed then applies a step whatever its norm, "
+                "so it has no skip to take")
+    return None
+
+
+def _guard_factory(engine: Any, params: list[tuple[str, DeepSpeedParameter, int]], options: AttachOptions,
+                   collector: DeepSpeedShardCollector | None) -> GuardFactory:
+    """Builds the step guard on ``engine`` (``anomaly.guard``): every trainable parameter, judged from this rank's
+    shards of the reduced gradients (summed over the group they are spread over)."""
+
+    def build(settings: GuardConfig, guard: Guard, on_decided: Callable[[torch.Tensor | float], None]
+              ) -> GuardedSteps:
+        from trainmon.integrations.deepspeed.guard import DeepSpeedStepGuard
+
+        trainable = [item for item in params if item[1].requires_grad]
+        layout = layout_for(engine, [param for _, param, _ in trainable])
+        group = None if layout.replicated else _dp_group(engine, trainable, options)
+        return DeepSpeedStepGuard(settings, engine, layout, [(name, param) for name, param, _ in trainable], guard,
+                                  on_decided, group, None if collector is None else collector.record_guard_norm)
+
+    return build
 
 
 def _attach_pipeline(ctx: StepContext, config: MonitorConfig, engine: Any, options: AttachOptions) -> Attachment:
@@ -381,6 +466,8 @@ def _attach_pipeline(ctx: StepContext, config: MonitorConfig, engine: Any, optio
     reason = deepspeed_pipe.refusal(engine, config)
     if reason is not None:
         raise deepspeed_pipe.PipelineSetupError(reason)
+    if config.features.enabled:
+        logger.warning("trainmon: features are not computed under DeepSpeed's PipelineEngine (docs/features.md)")
     module = engine.module
     ctx.grad_acc_steps = engine.gradient_accumulation_steps()  # the micro-batches of the schedule
     if options.start_step == 0:

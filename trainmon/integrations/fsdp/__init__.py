@@ -56,7 +56,7 @@ from trainmon.integrations.base import (
 from trainmon.integrations.fsdp.layout import FSDPLayoutError, ShardGroup, local_shard, shard_group_of
 from trainmon.integrations.fsdp.unsharded import GROUP as UNSHARDED
 from trainmon.integrations.fsdp.unsharded import UnshardedGradHooks, fsdp_modules, unsharded_owners
-from trainmon.integrations.torch import OutsideCompiled, refuse_root_compiled_in_place, unwrap_model
+from trainmon.integrations.torch import CompiledFeatures, OutsideCompiled, refuse_root_compiled_in_place, unwrap_model
 
 if TYPE_CHECKING:
     from trainmon.collect.context import Collector, StepContext
@@ -310,7 +310,9 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     weights = config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled
     probe = config.grad_probe.enabled
-    if weights or probe:
+    spectral = config.features.weights.enabled
+    guarded = config.enabled and config.anomaly.guard.enabled  # the step guard sums norms over the shard group
+    if weights or probe or spectral:
         _reshard_if_unsharded(root)
     registry = HookRegistry()
     modules_named, module_aliases = named_modules(root)
@@ -318,11 +320,12 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
     collectors: list[Collector] = []
     shard_collector: FSDPOptimizerCollector | None = None
     shards: ShardGroup | None = None
-    if weights or probe:
+    if weights or probe or guarded or spectral:
         names = {id(p): name for name, p, _ in params}
         extra = [] if optimizer is None else [(f"optimizer parameter {i}", p) for i, p in enumerate(
             p for group in optimizer.param_groups for p in group["params"]) if id(p) not in names]
         shards = shard_group_of([(name, p) for name, p, _ in params] + extra)
+    if weights or probe:
         chosen = select_params(params, config, param_aliases)
     probe_collector = None
     if probe and shards is not None:  # its layout check may raise: before any other collector exists
@@ -351,10 +354,35 @@ def attach(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
         collectors.append(ActivationCollector(ctx, modules, config.activations, registry, select=outside,
                                                 recheck_on=model))
     collectors += [c for c in (shard_collector, probe_collector) if c is not None]
+    if config.features.enabled:
+        collectors += _feature_collectors(ctx, config, model, modules_named, module_aliases, params, param_aliases,
+                                          registry, shards)
     rank, world_size = process_groups.layout()
     # the combined rows are the same on every rank of the shard group (HSDP: of each replica's shard group)
     replicated = Replicated(REPLICATED_FAMILIES, shard_collector.shards.group, combined=True) \
         if shard_collector is not None and shard_collector.collective else None
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=modules_named, optimizer=optimizer,
                       registry=registry, rank=rank, world_size=world_size, scaler=scaler,
-                      collective=shards is not None and shards.size > 1, replicated=replicated)
+                      collective=shards is not None and shards.size > 1 and (weights or probe or spectral),
+                      shard_group=shards.group if shards is not None and shards.size > 1 else None,
+                      replicated=replicated)
+
+
+
+def _feature_collectors(ctx: StepContext, config: MonitorConfig, model: torch.nn.Module,
+                        modules: list[tuple[str, torch.nn.Module, int]], aliases: dict[str, list[str]],
+                        params: list[tuple[str, torch.nn.Parameter, int]], param_aliases: dict[str, list[str]],
+                        registry: HookRegistry, shards: ShardGroup | None) -> list[Collector]:
+    """The model features (docs/features.md) of an FSDP2 model: the weight matrices' shards combined over the shard
+    group (``Shard(d)``: ``d`` is the split dimension), attention and routers as in plain torch (their hooks run
+    while FSDP has the parameters unsharded)."""
+    from trainmon.integrations.features import FeatureLayout, feature_collectors
+
+    def split(param: torch.nn.Parameter) -> tuple[int, Any] | None:
+        placements = getattr(param, "placements", None)
+        if shards is None or shards.size == 1 or not placements:
+            return None
+        return int(placements[-1].dim), shards.group
+
+    return feature_collectors(ctx, config, modules, aliases, params, param_aliases, registry,
+                              FeatureLayout(select=CompiledFeatures(model), split=split))

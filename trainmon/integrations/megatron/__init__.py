@@ -41,9 +41,11 @@ from trainmon.integrations.megatron.collect import (
 from trainmon.probe.sharded import ShardedGradProbe
 
 if TYPE_CHECKING:
+    from trainmon.base.guard import Guard
     from trainmon.base.types import MegatronParameter
     from trainmon.collect.context import Collector, StepContext
-    from trainmon.config import MonitorConfig
+    from trainmon.collect.step_guard import GuardedSteps, GuardFactory
+    from trainmon.config import GuardConfig, MonitorConfig
 
 logger = logging.getLogger("trainmon")
 _Named = TypeVar("_Named")
@@ -185,6 +187,41 @@ def replicated_families(mains: dict[int, MainParam], options: AttachOptions) -> 
     return Replicated(tuple(f for f in REPLICATED_FAMILIES if f != "momentum"), group)
 
 
+def guard_refusal(model: Any, optimizer: Any) -> str | None:
+    """Why the step guard cannot hold back this Megatron-Core set-up's steps exactly, or None when it can.
+
+    Supported: one model chunk (no pipeline parallelism), tensor and data parallelism (also the distributed
+    optimizer), fp32 and bf16 without a loss scaler; or a plain torch optimizer over chunks without Megatron's DDP
+    (the torch guard then).
+    """
+    from megatron.core import parallel_state as ps
+
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if optimizer is None:
+        return "the step guard needs the optimizer: pass it to attach(chunks, optimizer)"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if any(hasattr(p, "main_grad") for chunk in chunks for p in chunk.parameters()):
+            return ("a torch optimizer over Megatron DDP chunks steps param.grad while the gradients live in "
+                    "param.main_grad: pass the Megatron optimizer (get_megatron_optimizer)")
+        return None
+    if len(chunks) > 1 or ps.model_parallel_is_initialized() and (
+            ps.get_pipeline_model_parallel_world_size() > 1):
+        return "pipeline parallelism is not supported by the step guard yet"
+    if ps.model_parallel_is_initialized() and ps.get_expert_model_parallel_world_size() > 1:
+        return "expert parallelism is not supported by the step guard yet"
+    try:
+        main_params(optimizer)
+    except TypeError as exc:
+        return str(exc)
+    for leaf in leaf_optimizers(optimizer):
+        if getattr(leaf, "grad_scaler", None) is not None:
+            return ("a loss scaler (fp16, or loss_scale set) is not supported: it skips its own steps and counts "
+                    "the others; use bf16 or fp32")
+        if getattr(getattr(leaf, "ddp_config", None), "use_megatron_fsdp", False):
+            return "Megatron FSDP is not supported by the step guard yet"
+    return None
+
+
 def _computes_grad_norm(optimizer: Any) -> bool:
     """Whether ``optimizer.step()``'s grad norm is one: a ``ChainedOptimizer`` (what ``get_megatron_optimizer``
     returns) always computes it; a bare Megatron optimizer only with ``clip_grad > 0`` (else it returns 0.0)."""
@@ -250,6 +287,10 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
                                                       config.activations, registry))
     params, param_aliases = _chunks_named(roots, named_parameters)
     chosen = functools.partial(select_params, params, config, param_aliases)  # raises only when called
+    layout = GroupLayout(tp_group, tp_size, tp_rank)
+    if config.features.enabled:
+        collectors += _feature_collectors(ctx, config, modules_named, module_aliases, params, param_aliases, registry,
+                                          layout)
     if isinstance(optimizer, torch.optim.Optimizer):
         # A plain torch optimizer (NVIDIA's examples/run_simple_mcore_train_loop.py): its own
         # step hooks and the torch collectors, which read ``param.grad`` as it stands.
@@ -260,7 +301,6 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
         step_hooks = StepWrapper(optimizer).install()
         step_hooks.register_step_post_hook(ctx.guard.wrap("step", _record_step_result(ctx, step_hooks)))
     mains = main_params(optimizer) if optimizer is not None else {}
-    layout = GroupLayout(tp_group, tp_size, tp_rank)
     replicated = None
     if config.weight_grads.enabled or config.optimizer_states.enabled or config.params.enabled:
         check_dp_group(options.dp_group, mains)
@@ -279,10 +319,73 @@ def attach(ctx: StepContext, config: MonitorConfig, model: Any, optimizer: Any,
     attachment = Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                             modules=modules_named, optimizer=step_hooks, registry=registry, rank=rank,
                             world_size=world_size, pp_stage=pp_stage, collective=world_size > 1,
-                            replicated=replicated)
+                            replicated=replicated,
+                            step_guard=None if optimizer is None else _guard_factory(optimizer, params, mains, layout))
     if step_hooks is not None:
         attachment.on_close.append(step_hooks.uninstall)
     return attachment
+
+
+def _guard_factory(optimizer: Any, params: list[tuple[str, MegatronParameter, int]], mains: dict[int, MainParam],
+                   layout: GroupLayout) -> GuardFactory:
+    """Builds the step guard on ``optimizer`` (``anomaly.guard``): every parameter it steps, judged from this rank's
+    pieces of the reduced gradients (summed over the ranks that hold pieces of a parameter)."""
+
+    def build(settings: GuardConfig, guard: Guard, on_decided: Callable[[torch.Tensor | float], None]
+              ) -> GuardedSteps:
+        from trainmon.errors import UnsupportedSetupError
+        from trainmon.integrations.megatron.guard import MegatronStepGuard
+
+        try:
+            sharded, group = _probe_group(mains, layout, user="anomaly.guard")
+        except ValueError as exc:
+            raise UnsupportedSetupError(str(exc)) from exc
+        held = [(name, param) for name, param, _ in params if id(param) in mains and param.requires_grad]
+        return MegatronStepGuard(settings, optimizer, held, mains, layout.tp_rank, group if sharded else None, guard,
+                                 on_decided)
+
+    return build
+
+
+def _feature_collectors(ctx: StepContext, config: MonitorConfig, modules: list[tuple[str, torch.nn.Module, int]],
+                        aliases: dict[str, list[str]], params: list[tuple[str, MegatronParameter, int]],
+                        param_aliases: dict[str, list[str]], registry: HookRegistry, layout: GroupLayout
+                        ) -> list[Collector]:
+    """The model features (docs/features.md) of Megatron-Core chunks: the core attention of each attention layer
+    read from its inputs (``[s, b, h, d]``, its softmax scale and mask type; global head indices under tensor
+    parallelism), tensor-parallel partitions of the weights combined over the TP group."""
+    from dataclasses import replace
+
+    from trainmon.collect.attention import AttentionSource
+    from trainmon.integrations.features import FeatureLayout, feature_collectors
+
+    tp_rank, tp_size = layout.tp_rank, layout.tp_size
+    if config.features.attention.enabled:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized() and ps.get_context_parallel_world_size() > 1:
+            logger.warning("trainmon: features.attention under context parallelism: each rank's attn rows score its "
+                           "own queries against its own block of keys only")
+
+    def attention(source: AttentionSource) -> AttentionSource:
+        module = source.module
+        heads = getattr(module, "num_attention_heads_per_partition", None)
+        if heads is None:
+            heads = getattr(getattr(module, "config", None), "num_attention_heads", 0) // max(tp_size, 1)
+        source = replace(source, head_offset=tp_rank * int(heads))
+        if source.name.rpartition(".")[2] == "core_attention":
+            source = replace(source, inputs="sbhd", megatron=True)
+        return source
+
+    def split(param: torch.nn.Parameter) -> tuple[int, Any] | None:
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            return int(getattr(param, "partition_dim", 0)), layout.tp_group
+        return None
+
+    features = FeatureLayout(attention=attention, split=split,
+                             is_attention=lambda name, module: name.rpartition(".")[2] == "core_attention",
+                             embedding=lambda module: type(module).__name__ == "VocabParallelEmbedding")
+    return feature_collectors(ctx, config, modules, aliases, params, param_aliases, registry, features)
 
 
 class _InnerStepHooks:
@@ -310,13 +413,14 @@ class _Handles:
         self.handles = []
 
 
-def _probe_group(mains: dict[int, MainParam], layout: GroupLayout) -> tuple[bool, Any]:
+def _probe_group(mains: dict[int, MainParam], layout: GroupLayout, user: str = "grad_probe") -> tuple[bool, Any]:
     """``(sharded, group)``: the ranks whose pieces make up a parameter (TP partitions, distributed-optimizer
-    ranges); ``(False, None)`` when every rank holds whole parameters (replicated: each rank writes its own)."""
+    ranges); ``(False, None)`` when every rank holds whole parameters (replicated: each rank writes its own).
+    ``user`` names the feature in the errors."""
     dp_groups = {id(m.dp_group): m.dp_group for m in mains.values()
                  if m.sharded and process_groups.group_size(m.dp_group, none_is_world=False) > 1}
     if len(dp_groups) > 1:
-        raise ValueError("grad_probe: the distributed optimizers use different data-parallel groups")
+        raise ValueError(f"{user}: the distributed optimizers use different data-parallel groups")
     dp_group = next(iter(dp_groups.values()), None)
     if dp_group is None:
         return layout.tp_size > 1, layout.tp_group
@@ -331,7 +435,7 @@ def _probe_group(mains: dict[int, MainParam], layout: GroupLayout) -> tuple[bool
             ps.model_parallel_is_initialized() else None
         if group is not None and sorted(process_groups.members(group)) == wanted:
             return True, group
-    raise ValueError("grad_probe: no process group holds exactly the tensor- and data-parallel ranks of the "
+    raise ValueError(f"{user}: no process group holds exactly the tensor- and data-parallel ranks of the "
                      "distributed optimizer (parallel_state's tensor_and_data_parallel group differs)")
 
 
@@ -427,6 +531,8 @@ def _attach_torch_optimizer(ctx: StepContext, config: MonitorConfig, roots: list
 
         collectors.append(GradProbe(ctx, chosen(), config, registry, optimizer))
     rank, world_size = process_groups.layout()
+    # the tensor-parallel power iterations all-reduce over the TP group: every rank collects the same steps
+    split = any(getattr(c, "collective", False) for c in collectors)
     return Attachment(collectors=collectors, roots=[(root, vpp) for vpp, root in enumerate(roots)],
                       modules=named_modules, optimizer=optimizer, registry=registry, rank=rank,
-                      world_size=world_size, pp_stage=pp_stage)
+                      world_size=world_size, pp_stage=pp_stage, collective=split)

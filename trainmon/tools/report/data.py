@@ -1,16 +1,12 @@
-"""What ``trainmon report`` shows, as one compact JSON-able dict (framework-free).
+"""What ``trainmon report`` reads besides the statistics' heatmaps and curves (framework-free): the run's sources
+(CSV files and store families per rank), the anomaly timeline and markers (from ``analyse``'s merge,
+:func:`trainmon.anomaly.merge.analyse_run`) and the grad probe's direction heatmaps.
 
-Read with the CSV readers (:func:`trainmon.tools.readers.read_table`, the CSV files of trainmon or
-msprobe; a family without CSV files from the run's store: :mod:`trainmon.tools.store_reader`) and ``analyse``
-(:func:`trainmon.anomaly.merge.analyse_run`, every rank's ``anomalies.jsonl``).
-
-Heatmaps are module x step grids, one per (rank, family, metric), with at most ``max_columns``
-columns: when a run has more collected steps, each column is a bin of consecutive collected steps
-and a cell holds the value of largest magnitude over the bin and the micro-steps (a NaN or Inf
-anywhere in a cell wins, so binning never hides one). Cells are sent as one byte each: log10 of the
-magnitude quantised to 250 levels between the grid's smallest and largest, plus codes for 0, NaN,
-+Inf, -Inf and missing. Curves with more than ``2 * max_columns`` points are sent as the min and
-max of each step bin.
+The grad-probe heatmaps are parameter x step grids, one per (rank, metric), with at most ``max_columns``
+columns: when a run has more collected steps, each column is a bin of consecutive collected steps and a cell
+holds the lowest value of the bin (a drop of agreement stays visible). Cells are sent as one byte each: the
+value quantised to 250 levels on the metric's fixed range, plus codes for NaN, +Inf, -Inf and missing. (The
+statistics' heatmaps and curves are queried with SQL: :mod:`trainmon.tools.report.grids`.)
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ import base64
 import csv
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -30,15 +26,13 @@ from trainmon.base.inputs import open_regular
 from trainmon.sinks.store_replicas import ranks_text
 from trainmon.tools.csv2tb import rank_dirs
 from trainmon.tools.readers import CsvFormatError, Table
-from trainmon.tools.store_reader import Source, StoreError, read_source, source_family, with_store
+from trainmon.tools.store_reader import Source, StoreError, with_store
 
 Ints: TypeAlias = "npt.NDArray[np.int64]"
 """Steps, bins and flat cell indices."""
 LEVELS = 250
 """Colour levels of a finite non-zero cell (codes 0..249); then the codes below."""
 ZERO, NAN, POS_INF, NEG_INF, MISSING = 250, 251, 252, 253, 255
-CURVES = ("loss", "grad_norm", "loss_scale")
-"""Scalars drawn as curves, besides every ``lr/group{i}``."""
 PROBE_METRICS = {"sign_agree_prev": (0.0, 1.0), "sign_agree_exp_avg": (0.0, 1.0), "cos_prev": (-1.0, 1.0),
                  "cos_exp_avg": (-1.0, 1.0)}
 """grad_probe summary columns drawn as direction-similarity heatmaps, with their fixed colour range."""
@@ -231,81 +225,36 @@ def heatmaps(family: str, tables: list[Table], rank: int, max_columns: int,
     return out
 
 
-def curves(tables: list[Table], max_points: int) -> dict[str, Any]:
-    """``name -> {"steps", "lo", "hi", "bad"}`` of the run-level scalars (``scalars.csv``) of one rank.
-
-    ``lo``/``hi`` are the min and max over each step bin (equal when not binned; null where a bin
-    has no finite value); ``bad`` lists the steps whose value is NaN or Inf (at most 1,000).
-    """
-    keys, by_metric = merge_tables(tables)
-    if "value" not in by_metric:
-        return {}
-    rows, all_steps, all_values = by_metric["value"]
-    out: dict[str, Any] = {}
-    for row, (_, name) in enumerate(keys):
-        if name not in CURVES and not name.startswith("lr/"):
-            continue
-        mask = rows == row
-        order = np.argsort(all_steps[mask], kind="stable")
-        steps, values = all_steps[mask][order], all_values[mask][order]
-        if not len(steps):
-            continue
-        bad = steps[~np.isfinite(values)]
-        per_bin = max(1, math.ceil(len(steps) / max_points))
-        starts = np.arange(0, len(steps), per_bin)
-        finite = np.where(np.isfinite(values), values, np.nan)
-        with np.errstate(all="ignore"):
-            lo, hi = np.fmin.reduceat(finite, starts), np.fmax.reduceat(finite, starts)
-        out[name] = {"steps": steps[starts].tolist(), "lo": _floats(lo), "hi": _floats(hi),  # numpy: no sync
-                     "per_bin": per_bin, "bad": bad[:1000].tolist(), "bad_total": int(len(bad))}  # numpy: no sync
-    return out
-
-
-def _floats(values: npt.NDArray[np.float64]) -> list[float | None]:
-    return [float(v) if math.isfinite(v) else None for v in values.tolist()]  # numpy: no sync
+TIMELINE_ROWS = 160
+"""Rows of the anomaly timeline at most: more ranks are binned (consecutive ranks per row)."""
 
 
 def timeline(result: dict[str, Any], max_columns: int) -> dict[str, Any]:
     """The cross-rank anomaly timeline from :func:`~trainmon.anomaly.merge.analyse_run`'s
-    ``by_rank_step`` counts: ``[rank, first step of the bin, events]``, steps binned to ``max_columns``."""
+    ``by_rank_step`` counts: ``[rank, first step of the bin, events]``, steps binned to ``max_columns``, ranks to
+    :data:`TIMELINE_ROWS` rows (``per_rank`` consecutive ranks each, a cell's rank the first of its row)."""
     cells = result["counts"].get("by_rank_step", [])
     if not cells:
-        return {"cells": [], "per_bin": 1}
+        return {"cells": [], "per_bin": 1, "per_rank": 1}
     array = np.array(cells, dtype=np.int64)
     bins, first_steps, per_bin = step_bins(array[:, 1], max_columns)
+    ranks = np.unique(array[:, 0])
+    per_rank = max(1, math.ceil((int(ranks[-1]) - int(ranks[0]) + 1) / TIMELINE_ROWS))
+    rows = (array[:, 0] - ranks[0]) // per_rank * per_rank + ranks[0]
     keyed: dict[tuple[int, int], int] = {}
-    for rank, step_bin, count in zip(array[:, 0].tolist(), bins.tolist(), array[:, 2].tolist()):  # numpy, no sync
+    for rank, step_bin, count in zip(rows.tolist(), bins.tolist(), array[:, 2].tolist()):  # numpy, no sync
         keyed[(rank, int(first_steps[step_bin]))] = keyed.get((rank, int(first_steps[step_bin])), 0) + count
-    return {"cells": [[rank, step, count] for (rank, step), count in sorted(keyed.items())], "per_bin": per_bin}
+    return {"cells": [[rank, step, count] for (rank, step), count in sorted(keyed.items())], "per_bin": per_bin,
+            "per_rank": per_rank}
 
 
 def markers(events: list[dict[str, Any]], limit: int = 2000) -> list[dict[str, Any]]:
-    """The earliest event of each step (``first_by_step``) as curve markers, at most ``limit``
+    """The earliest event of each step (``first_by_step``) as curve and heatmap markers, at most ``limit``
     (evenly thinned beyond)."""
     every = max(1, math.ceil(len(events) / limit))
-    return [{"step": e["step"], "rank": e["rank"], "detector": e["detector"], "message": e["message"]}
-            for e in events[::every]]
-
-
-def read_families(files: list[Source], families: list[str] | None, on_file: Callable[[], None],
-                  metrics: list[str] | None = None) -> tuple[dict[str, list[Table]], set[str]]:
-    """``family -> tables`` of one rank's CSV files and store families (``scalars`` included), advancing
-    ``on_file`` per source; and the metrics the families other than ``scalars`` hold.
-
-    Args:
-        metrics: only these metric columns are read from a store family (a CSV file is read whole).
-    """
-    out: dict[str, list[Table]] = {}
-    held: set[str] = set()
-    for source in files:
-        family = source_family(source)
-        if families is None or family in families or family == "scalars":
-            tables, present = read_source(source, None if family == "scalars" else metrics)
-            out.setdefault(family, []).extend(tables)
-            if family != "scalars":
-                held |= present
-        on_file()
-    return out, held
+    return [{"step": e["step"], "rank": e["rank"], "detector": e["detector"], "message": e["message"],
+             "family": e.get("family"), "name": e.get("name"), "vpp_stage": e.get("vpp_stage", 0),
+             "metric": e.get("metric"), "micro_step": e.get("micro_step", 0)} for e in events[::every]]
 
 
 def read_probe_table(path: Path) -> Table:

@@ -1,0 +1,197 @@
+"""What a :class:`~trainmon.runtime.session.Session` sets up at ``attach`` besides hooks: its directories, the actions,
+the step guard and its refusals, the features an integration does not provide, the shared run name and the versions
+recorded."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from trainmon import integrations
+from trainmon.collect.stats_base import StatsSpec
+from trainmon.errors import UnsupportedSetupError
+from trainmon.runtime.rundir import default_run_name, missing_dirs
+
+if TYPE_CHECKING:
+    from trainmon.actions import HandOffAction
+    from trainmon.config import MonitorConfig
+
+logger = logging.getLogger("trainmon")
+
+
+class Session(Protocol):
+    """What these functions read and set of a :class:`~trainmon.runtime.session.Session` (a protocol: this module
+    is below the session in the import graph)."""
+
+    model: Any
+    framework: str
+    attachment: Any
+    ctx: Any
+    guard: Any
+    anomaly: Any
+    lifecycle: Any
+    actions: dict[str, Any]
+    rank_dir: Path | None
+    writes: bool
+    created_dirs: list[Path]
+    step_guard: Any
+    skips: Any
+
+
+def build_actions(session: Session, config: MonitorConfig) -> dict[str, HandOffAction]:
+    """The dump and free-benchmark actions (torch models) of ``session``, registered with its anomaly engine
+    (into ``session.actions`` as they are made, so a failure part-way is released with the session)."""
+    actions = session.actions  # filled as it goes, so a failure part-way is released by _release
+    if session.rank_dir is None:
+        return actions
+    root = getattr(session.model, "module", session.model)  # inside DDP / DeepSpeedEngine: the rows' names
+    if config.dump.enabled and supports(session.framework, "dump"):
+        from trainmon.actions.dump import TargetedDump
+
+        actions["dump"] = TargetedDump(root, session.rank_dir, config.dump,
+                                        framework=integrations.actions_framework(root))
+    if config.free_benchmark.enabled and supports(session.framework, "free_benchmark"):
+        from trainmon.actions.free_benchmark import FreeBenchmark
+
+        actions["free_benchmark"] = FreeBenchmark(root, session.rank_dir, config.free_benchmark,
+                                                  rank=session.attachment.rank,
+                                                  framework=integrations.actions_framework(root))
+    import torch
+
+    for name, action in actions.items():
+        framework = getattr(action, "framework", None)
+        if framework is not None:  # the action's hooks under the fail-safe guard, as part ``name``
+            framework.wrap = functools.partial(session.guard.wrap, name, bypass=torch.compiler.is_compiling)
+        session.anomaly.register_action(name, session.guard.wrap(name, action.on_anomaly))
+        action.begin_step(session.ctx.step)
+    return actions
+
+
+
+def guard_steps(session: Session, config: MonitorConfig) -> None:
+    """The step guard on the attached optimizer, and its host side (``anomaly.guard``): the integration's own guard
+    where it has one (DeepSpeed, Megatron-Core: their overflow paths), else the torch guard on the optimizer."""
+    from trainmon.anomaly.skips import SkipReporter
+    from trainmon.collect.step_guard import GuardedSteps, StepGuard
+    from trainmon.integrations.base import named_parameters
+
+    attachment = session.attachment
+    step_guard: GuardedSteps
+    if attachment.step_guard is not None:
+        step_guard = attachment.step_guard(config.anomaly.guard, session.guard, session.lifecycle.step_guarded)
+    else:
+        optimizer = attachment.optimizer
+        if optimizer is None:
+            raise UnsupportedSetupError("anomaly.guard needs the optimizer: pass it to attach(model, optimizer)")
+        roots = [module for name, module, _ in attachment.modules if not name]
+        names = {id(param): name for root in roots for name, param, _ in named_parameters(root)[0]}
+        step_guard = StepGuard(config.anomaly.guard, optimizer, names, session.guard,
+                               on_decided=session.lifecycle.step_guarded, reduce_group=attachment.shard_group)
+    session.step_guard = step_guard
+    session.skips = SkipReporter(config.anomaly.guard, step_guard.names, attachment.rank)
+
+
+def make_dirs(session: Session, config: MonitorConfig) -> tuple[Path, Path | None]:
+    """The run directory and this rank's (None when the rank writes nothing or cannot write there: warned);
+    the directories made are kept in ``session.created_dirs`` for a failed attach to remove."""
+    run_name = config.run_name or shared_run_name(session.attachment.world_size)
+    run_dir = Path(config.output_dir) / run_name
+    if not session.writes:
+        return run_dir, None
+    rank_dir = run_dir / f"rank{session.attachment.rank}"
+    session.created_dirs = missing_dirs(rank_dir, Path(config.output_dir))
+    try:
+        rank_dir.mkdir(parents=True, exist_ok=True)  # here, so an unwritable place is known at attach
+    except OSError as exc:
+        logger.warning("trainmon: cannot write to %s (%s); outputs are disabled, training goes on",
+                       run_dir, exc.strerror or exc)
+        return run_dir, None
+    return run_dir, rank_dir
+
+
+# Features an integration does not provide yet: enabling them warns once at attach instead of
+# doing nothing silently.
+_UNSUPPORTED: dict[tuple[str, str], str] = {  # (section, framework): one line each
+}
+
+
+GUARDED_FRAMEWORKS = ("torch", "fsdp", "deepspeed", "megatron")
+"""Set-ups whose optimizer step the step guard can hold back (``anomaly.guard``)."""
+_GUARD_DOC = "see docs/actions.md, 'Step guard'"
+
+
+def refuse_unguarded(framework: str, model: Any, optimizer: Any) -> None:
+    """Raise :class:`UnsupportedSetupError` for a set-up the step guard cannot guard correctly (never half-guarded).
+
+    Raises:
+        UnsupportedSetupError: MindSpore; a DeepSpeed or Megatron-Core set-up their guards refuse (fp16, offload,
+            pipeline parallelism, ...: :func:`trainmon.integrations.deepspeed.guard_refusal`,
+            :func:`trainmon.integrations.megatron.guard_refusal`); accelerate's optimizer with a GradScaler (fp16),
+            which puts back the optimizer's original ``step`` around every step.
+    """
+    if framework not in GUARDED_FRAMEWORKS:
+        raise UnsupportedSetupError(
+            f"anomaly.guard is not supported with {framework}: the step guard holds back the step of a torch optimizer "
+            "(plain torch, DDP, FSDP2, HF Trainer and Lightning with torch optimizers), of a DeepSpeed engine or of a "
+            "Megatron-Core optimizer. Set anomaly.guard.enabled: false to monitor this run; " + _GUARD_DOC)
+    reason = None
+    if framework == "deepspeed":
+        from trainmon.integrations.deepspeed import guard_refusal
+
+        reason = guard_refusal(model)
+    elif framework == "megatron":
+        from trainmon.integrations.megatron import guard_refusal as megatron_refusal
+
+        reason = megatron_refusal(model, optimizer)
+    if reason is not None:
+        raise UnsupportedSetupError(f"anomaly.guard is not supported with this {framework} set-up: {reason}. Set "
+                                    f"anomaly.guard.enabled: false to monitor this run; see docs/{framework}.md, "
+                                    "'Step guard'")
+    if type(optimizer).__module__.split(".")[0] == "accelerate" and getattr(optimizer, "scaler", None) is not None:
+        raise UnsupportedSetupError(
+            "anomaly.guard is not supported with accelerate's GradScaler (fp16 mixed precision): accelerate "
+            "replaces optimizer.step around every step, so the guard would be bypassed. Use bf16 (no scaler), or "
+            "set anomaly.guard.enabled: false; " + _GUARD_DOC)
+
+
+def supports(framework: str, section: str) -> bool:
+    return (section, framework) not in _UNSUPPORTED
+
+
+def warn_unsupported(config: MonitorConfig, framework: str) -> None:
+    for section in sorted({section for section, _ in _UNSUPPORTED}):
+        if not supports(framework, section) and getattr(config, section).enabled:
+            logger.warning("trainmon: %s is not supported with %s yet and is off for this run", section, framework)
+    if framework == "mindspore" and config.features.enabled:
+        logger.warning("trainmon: features are computed for torch models only (docs/features.md); off for this run")
+
+
+def specs_of(metrics: dict[str, list[str]], eps: float) -> dict[str, StatsSpec]:
+    return {family: StatsSpec.from_metrics(names, eps) for family, names in metrics.items()}
+
+
+def shared_run_name(world_size: int) -> str:
+    """Rank 0's timestamp, broadcast so every rank writes into the same run directory."""
+    name = default_run_name()
+    if world_size > 1:
+        import torch.distributed as dist
+
+        holder = [name]
+        dist.broadcast_object_list(holder, src=0)
+        name = holder[0]
+    return name
+
+
+def versions(framework: str) -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for package in ("torch", "deepspeed", "megatron-core", "mindspore"):
+        try:
+            out[package] = md.version(package)
+        except md.PackageNotFoundError:
+            continue
+    return out
+
