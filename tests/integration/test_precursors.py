@@ -151,3 +151,29 @@ def test_a_spike_detector_on_a_precursor_series(tmp_path):
     # r <= (1 - beta2^t) / (1 - beta2): at step 6 with beta2 = 0.999 the root mean is at most sqrt(5.985)
     jump = frame[frame["step"] == 5]["g2_v_rms"].to_numpy() / frame[frame["step"] == 4]["g2_v_rms"].to_numpy()
     assert np.all(jump > 1.8) and np.all(frame["g2_v_rms"] <= np.sqrt((1 - 0.999 ** 6) / 0.001)), jump
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of .lr_scheduler.step")
+@pytest.mark.parametrize("kind", ["adam_fused", "adamw_foreach"])
+def test_a_step_the_guard_skips_has_no_precursors(tmp_path, kind):
+    """The step guard skips a step with a NaN gradient: on the fused path (the optimizer is called with the skip flag)
+    its precursor rows are empty (NaN values, no alarm), on the host path (not called) there are none; no
+    ``nonfinite`` event names a precursor row, the steps around it have their rows."""
+    from tests.integration.test_step_guard import GUARD, STEPS, train
+
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"],
+                              "optimizer_states": {"precursors": True},
+                              "anomaly": {"guard": GUARD, "detectors": [{"type": "nonfinite"}]}})
+    model, _ = train(kind, poison="nan", bad=6, monitor=monitor)
+    rank_dir = tmp_path / "run" / "rank0"
+    frame = read_family(rank_dir, "precursors")
+    n_params = len(list(model.parameters()))
+    bad = frame[frame["step"] == 6]
+    if kind == "adam_fused":
+        assert len(bad) == n_params and bad[list(PRECURSOR_METRICS)].isna().all().all()
+    else:
+        assert bad.empty
+    good = frame[frame["step"] != 6]
+    assert len(good) == (STEPS - 1) * n_params and np.isfinite(good[list(PRECURSOR_METRICS)]).all().all()
+    events = [json.loads(line) for line in (rank_dir / "anomalies.jsonl").read_text().splitlines()]
+    assert not [event for event in events if event["family"] == "precursors"], events

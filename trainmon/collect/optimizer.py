@@ -260,8 +260,12 @@ class TorchOptimizerCollector(HookedCollector):
         (the gradients it would have applied, the states it left as they were)."""
         if self.armed and self.optimizer is not None:
             self._pre_step(self.optimizer, (self.optimizer,), {})
-            if self._states:
-                self._post_step(self.optimizer, (self.optimizer,), {})
+            if self._states:  # no precursor rows: their gradient was not folded into the moments
+                precursors, self._precursors = self._precursors, False
+                try:
+                    self._post_step(self.optimizer, (self.optimizer,), {})
+                finally:
+                    self._precursors = precursors
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
         if not self.ctx.collecting:
@@ -363,7 +367,8 @@ class TorchOptimizerCollector(HookedCollector):
                 fused_states = wanted
         orders = self._record_interleaved(rows, skip=("update", "ratio", PRECURSORS, *fused_states))
         if adam_entries:
-            self._record_adam(adam_entries, adam_rows, orders, rows, fused_states, grads)
+            self._record_adam(adam_entries, adam_rows, orders, rows, fused_states, grads,
+                              getattr(optimizer, "found_inf", None))
 
     def _record_interleaved(self, rows: dict[str, list[tuple[str, torch.Tensor, int]]],
                             skip: Sequence[str] = ()) -> dict[str, list[int]]:
@@ -397,11 +402,13 @@ class TorchOptimizerCollector(HookedCollector):
 
     def _record_adam(self, entries: list[AdamEntry], names: list[tuple[str, int]], orders: dict[str, list[int]],
                      rows: dict[str, list[tuple[str, torch.Tensor, int]]], states: Sequence[str],
-                     grads: list[torch.Tensor | None]) -> None:
+                     grads: list[torch.Tensor | None], found_inf: Any = None) -> None:
         """``update``, ``ratio`` and ``precursors`` rows of the Adam-like parameters, without full-size temporaries;
         and the rows of ``states`` (``exp_avg``/``exp_avg_sq``, not recorded yet) from the same read of ``m`` and
         ``v`` where a fused kernel made it, else as any state. ``rows``/``orders``: every family's rows and orders;
-        ``grads``: per entry, the gradient of its precursor row (None: no row)."""
+        ``grads``: per entry, the gradient of its precursor row (None: no row); ``found_inf``: the device flag a fused
+        optimizer was stepped with (a ``GradScaler``'s or the step guard's), whose skipped step leaves its precursor
+        rows empty (:func:`unless_skipped`)."""
         ctx = self.ctx
         update_spec = ctx.specs.get("update") if "update" in self._states else None
         ratio_spec = ctx.specs.get("ratio") if "ratio" in self._states else None
@@ -418,7 +425,7 @@ class TorchOptimizerCollector(HookedCollector):
             parts = [("update", update_spec is not None, update_block), ("ratio", ratio_spec is not None, ratio_block)]
             parts += [(family, family in states, block)
                       for family, block in zip(("exp_avg", "exp_avg_sq"), state_blocks or ())]
-            parts += [(family, True, block)
+            parts += [(family, True, unless_skipped(block, found_inf))
                       for family, block in zip((PRECURSORS, PRECURSORS_TAIL), precursor_blocks or ())]
             for family, wanted, block in parts:
                 if not wanted:
@@ -440,4 +447,19 @@ class TorchOptimizerCollector(HookedCollector):
                                 orders=[family_orders[k] for k in rest] if family_orders else None)
 
 
-__all__ = ["TorchOptimizerCollector", "global_grad_norm"]
+def unless_skipped(partials: torch.Tensor, found_inf: Any) -> torch.Tensor:
+    """``partials``, or zeros (rows of no element: NaN values, no alarm) where ``found_inf``, the device flag a fused
+    optimizer steps with, says the step was skipped: its gradient was not folded into the moments. On the device, no
+    synchronisation.
+
+    Example:
+        >>> unless_skipped(torch.ones(2), torch.tensor(1.0)).tolist(), unless_skipped(torch.ones(2), None).tolist()
+        ([0.0, 0.0], [1.0, 1.0])
+    """
+    if not isinstance(found_inf, torch.Tensor):
+        return partials
+    skipped = found_inf.detach().to(partials.device).reshape(()) > 0
+    return torch.where(skipped, torch.zeros((), dtype=partials.dtype, device=partials.device), partials)
+
+
+__all__ = ["TorchOptimizerCollector", "global_grad_norm", "unless_skipped"]

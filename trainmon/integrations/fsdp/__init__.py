@@ -39,7 +39,7 @@ from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.adam import adam_partials_cpu, adam_update, coupled_groups, precursor_partials, update_ratio
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.optimizer import TorchOptimizerCollector, global_grad_norm
+from trainmon.collect.optimizer import TorchOptimizerCollector, global_grad_norm, unless_skipped
 from trainmon.collect.optimizer_parts import param_groups_of, state_holder, states_of
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.collect.step_hooks import scale_of, unwrap_optimizer
@@ -177,18 +177,19 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
                          for key, value in state.items()}
                 precursors.append((name, vpp_stage, (local_shard(param), local, group), local_shard(param.grad)))
         if precursors:
-            self._precursor_rows(precursors)
+            self._precursor_rows(precursors, getattr(optimizer, "found_inf", None))
 
     def _precursor_rows(self, rows: list[tuple[str, int, tuple[torch.Tensor, dict[str, Any], dict[str, Any]],
-                                                torch.Tensor]]) -> None:
+                                                torch.Tensor]], found_inf: Any = None) -> None:
         """The ``precursors`` rows of the local shards, all at once (the same elementwise sums as on whole tensors:
         the step's collective combines them); a shard that gives none still adds empty ones, so that every rank
-        keeps the same rows."""
+        keeps the same rows; empty ones too where a fused optimizer skipped the step (``found_inf``)."""
         measured = precursor_partials([row[2] for row in rows], [row[3] for row in rows],
                                       coupled_groups([state_holder(part) for part in self.parts]))
         for (name, vpp_stage, (param, _, _), _), partial in zip(rows, measured):
             head, tail = (partial[:8], partial[8:]) if partial is not None else \
                 (empty_partial(param.device), empty_partial(param.device))
+            head, tail = unless_skipped(head, found_inf), unless_skipped(tail, found_inf)
             self._rows.append((PRECURSORS, name, vpp_stage, head))
             self._rows.append((PRECURSORS_TAIL, name, vpp_stage, tail))
 
