@@ -17,7 +17,6 @@ threads: the writers' too), which a noisy neighbour on a shared machine disturbs
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -28,8 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
-from benchmarks.overhead import DTYPES, METRICS6, MODELS  # noqa: E402
 from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
+
+from benchmarks.overhead import DTYPES, METRICS6, MODELS  # noqa: E402
 
 WEIGHTS = {"weight_grads": {"metrics": METRICS6}, "optimizer_states": {"metrics": METRICS6}}
 PRECURSORS = {"weight_grads": {"metrics": METRICS6}, "optimizer_states": {"metrics": METRICS6, "precursors": True}}
