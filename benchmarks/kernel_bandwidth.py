@@ -73,11 +73,16 @@ def main() -> int:
         return 2
     ms = [x.clone().mul_(1e-3) for x in xs]
     vs = [x.clone().square_().mul_(1e-6) for x in xs]
-    coefficients = torch.tensor([v for _ in xs for v in (1.0, 1e-8)], dtype=torch.float32, device="cuda")
+    gs = [x.clone().mul_(1e-2) for x in xs]
+    # (scale, eps', lr, 1 - beta2^t, sign, decay) per tensor
+    coefficients = torch.tensor([v for _ in xs for v in (1.0, 1e-8, 1e-3, 0.1, 1.0, 0.0)], dtype=torch.float32,
+                                device="cuda")
     rows = [("partials", lambda: partials(xs, spec), nbytes),
             ("partials+zeros", lambda: partials(xs, spec_zeros), nbytes),
             ("adam", lambda: kernels.adam_partials(ms, vs, xs, coefficients, spec, spec), 3 * nbytes),
             ("adam+states", lambda: kernels.adam_partials(ms, vs, xs, coefficients, spec, spec, spec), 3 * nbytes),
+            ("adam+precursors", lambda: kernels.adam_partials(ms, vs, xs, coefficients, spec, spec, spec, gs),
+             4 * nbytes),
             ("_foreach_norm", lambda: torch._foreach_norm(xs), nbytes)]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {len(xs)} {args.dtype} tensors, "
           f"{nbytes / 1e9:.2f} GB")

@@ -56,3 +56,40 @@ def assert_close(row: pd.Series, expected: dict[str, float], metrics: list[str],
             assert np.isnan(got), f"{label} {metric}: got {got}, want nan"
         else:
             assert np.isclose(got, want, rtol=rtol, atol=atol), f"{label} {metric}: got {got!r}, want {want!r}"
+
+
+def precursors_np(grad: np.ndarray, exp_avg: np.ndarray, exp_avg_sq: np.ndarray, param: np.ndarray, step: float,
+                  betas: tuple[float, float], eps: float, lr: float, adam_step: np.ndarray | None = None,
+                  coupled_decay: float = 0.0, param_before: np.ndarray | None = None,
+                  maximize: bool = False) -> dict[str, float]:
+    """The ``precursors`` row of one parameter in float64 (docs/precursors.md): ``param`` after the step;
+    ``adam_step`` the step the optimizer took without its decoupled weight decay (default ``lr * update``, from
+    the moments; a test passes ``param_before - param_after - lr * wd * param_before`` measured on the weights).
+    The gradient is the one the moments took: ``-grad`` with ``maximize``, plus ``coupled_decay * param_before``
+    under Adam's coupled (L2) decay."""
+    g, m, v, p = (np.asarray(x, np.float64).ravel() for x in (grad, exp_avg, exp_avg_sq, param))
+    if maximize:
+        g = -g
+    if coupled_decay:
+        g = g + coupled_decay * np.asarray(param_before, np.float64).ravel()
+    update = adam_update_np(m, v, step, betas, eps).ravel()
+    taken = lr * update if adam_step is None else np.asarray(adam_step, np.float64).ravel()
+    v_hat = v / (1 - betas[1] ** step)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        stale = np.where(g != 0, g * g / np.maximum(v_hat, eps * eps), 0.0)
+
+    def cosine(a: np.ndarray, b: np.ndarray) -> float:
+        denominator = np.linalg.norm(a) * np.linalg.norm(b)
+        if np.isnan(denominator):
+            return float("nan")
+        return float(np.clip(np.dot(a, b) / denominator, -1, 1)) if denominator > 0 else 0.0
+
+    param_norm = np.linalg.norm(p)
+    return {
+        "update_weight_ratio": float(np.linalg.norm(taken) / param_norm) if param_norm > 0 else 0.0,
+        "g2_v_rms": float(np.sqrt(np.mean(stale))),
+        "g2_v_max": float(np.max(stale)),
+        "eps_underflow": float(np.mean(np.sqrt(v_hat) < eps)),
+        "cos_update_grad": cosine(update, g),
+        "cos_m_g": cosine(m, g),
+    }

@@ -18,8 +18,9 @@ import pandas as pd
 import pytest
 
 from tests.launch import ROOT, DeepSpeedCases
-from tests.reference import adam_update_np, np_stats, read_family
+from tests.reference import adam_update_np, np_stats, precursors_np, read_family
 from trainmon.anomaly.merge import analyse_run
+from trainmon.base.precursors import PRECURSOR_METRICS
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow
@@ -96,13 +97,50 @@ def test_zero0_matches_numpy(runs):
                 assert np.isclose(row[metric], want[metric], rtol=1e-5, atol=atol), (family, row["name"], metric)
 
 
+def _assert_precursors_close(got: pd.DataFrame, want: pd.DataFrame, label: str, rtol: float = 1e-4) -> None:
+    """Precursor rows equal: relative, or absolute 1e-6 for a cosine near 0 (a dot product of float32 sums)."""
+    assert list(got.index) == list(want.index), f"{label}: rows differ"
+    for metric in PRECURSOR_METRICS:
+        g, w = got[metric].to_numpy(float), want[metric].to_numpy(float)
+        ok = np.isclose(g, w, rtol=rtol, atol=1e-6 if metric.startswith("cos") else 0.0)
+        assert ok.all(), f"{label} {metric}: {list(got.index[~ok])[:3]} got {g[~ok][:3]} want {w[~ok][:3]}"
+
+
+def test_zero0_precursors_match_numpy(runs):
+    """``precursors`` against float64 from the tensors the step used: the averaged gradient, the moments after the
+    step, the weights before and after it (AdamW without weight decay: the applied step is lr * update)."""
+    run = runs["z0"]
+    ref = np.load(run / "ref_rank0.npz")
+    table = read_family(run / "rank0", "precursors")
+    assert len(table) == 3 * len(ref["names"])
+    for _, row in table.iterrows():
+        key = f"{row.step}/{{}}/{row['name']}"
+        want = precursors_np(ref[key.format("grad_reduced")], ref[key.format("exp_avg")],
+                             ref[key.format("exp_avg_sq")], ref[key.format("param_after")],
+                             float(ref[key.format("step")]), (0.9, 0.999), 1e-8, 1e-2,
+                             adam_step=ref[key.format("param")] - ref[key.format("param_after")])
+        for metric, value in want.items():
+            assert np.isclose(row[metric], value, rtol=1e-3, atol=1e-7), (row["name"], row.step, metric, value)
+
+
+@pytest.mark.parametrize("run,ref", [("z1", "z0"), ("z2", "z0"), ("z3", "z0"), ("z3_gas_subset", "z0_gas"),
+                                     ("z1_bf16", "z2_bf16")])
+def test_sharded_precursors_equal_the_unsharded_ones(runs, run, ref):
+    """ZeRO 1/2/3 combine their shards' precursor sums exactly (the inner optimizer's flat partitions, one
+    all-gather with the other rows); bf16 stage 1 and 2 run the same arithmetic."""
+    got = _table(runs[run], "precursors")
+    want = _table(runs[ref], "precursors").loc[got.index]
+    assert len(got) == 3 * len({name for name, _ in got.index})
+    _assert_precursors_close(got, want, f"{run}/precursors", rtol=1e-4 if "gas" in run else 2e-5)
+
+
 @pytest.mark.parametrize("run", ["z0", "z3", "z0_rank1"])
 def test_run_json_records_the_rows_written_once(runs, run):
     """ZeRO-0 (no collective: each rank has the whole averaged gradient) writes the rows once too, as ZeRO 1-3 do,
     and run.json says whose they are (write_replicated_once); with ``ranks: [1]`` rank 1 writes its own."""
     layout = json.loads((runs[run] / "run.json").read_text())["replicated"]
     assert layout["groups"] == ([] if run == "z0_rank1" else [[0, 1]])
-    assert set(layout["families"]) == (set() if run == "z0_rank1" else set(FAMILIES)), layout
+    assert set(layout["families"]) == (set() if run == "z0_rank1" else {*FAMILIES, "precursors"}), layout
     assert (runs[run] / "rank1" / "param.csv").exists() == (run == "z0_rank1")
 
 

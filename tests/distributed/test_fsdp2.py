@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.launch import child_env, free_port
-from tests.reference import METRICS, adam_update_np, assert_close, np_stats, read_family
+from tests.reference import METRICS, adam_update_np, assert_close, np_stats, precursors_np, read_family
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp2_train.py"
 CASES = ("fsdp", "fsdp_nosync", "hsdp_1x2", "hsdp_2x1")
@@ -99,6 +99,29 @@ def test_shard_rows_equal_full_tensors_written_by_the_shard_groups_lowest_rank(r
                 assert_close(_row(frames["ratio"], name, step), np_stats(ratio), METRICS, label=f"{label} ratio")
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_precursor_rows_equal_full_tensors(runs, case):
+    """The ``precursors`` rows of the shards, combined in the step's one collective, against float64 from the full
+    gradient, moments and weights (the update-to-weight ratio from the weights before and after the step)."""
+    refs = _refs(runs / case / "ref_rank0.npz")
+    extra = json.loads((runs / case / "extra_rank0.json").read_text())
+    names = sorted({key.split("|")[2] for key in refs if "|grad_reduced|" in key})
+    for rank in WRITERS[case]:
+        frame = read_family(runs / case / f"rank{rank}", "precursors")
+        assert set(frame.step) == set(COLLECTED) and len(frame) == len(COLLECTED) * len(names), case
+        for step in COLLECTED:
+            for name in names:
+                ref = {key: refs[f"{step}|{key}|{name}"]
+                       for key in ("grad_reduced", "exp_avg", "exp_avg_sq", "param", "param_after", "step")}
+                want = precursors_np(ref["grad_reduced"], ref["exp_avg"], ref["exp_avg_sq"], ref["param_after"],
+                                     float(ref["step"]), tuple(extra["betas"]), extra["eps"], extra["lr"],
+                                     adam_step=ref["param"] - ref["param_after"])
+                row = _row(frame, name, step)
+                for metric, value in want.items():
+                    assert np.isclose(row[metric], value, rtol=1e-3, atol=1e-7), (case, rank, step, name, metric,
+                                                                                  row[metric], value)
+
+
 def test_run_json_records_whose_rows_the_writers_are(runs):
     """The shard groups of two writing ranks are in run.json (write_replicated_once): readers give rank 1 rank 0's
     rows. With ``ranks: [1]`` or shard groups of one, every writing rank wrote its own: nothing is recorded."""
@@ -106,7 +129,8 @@ def test_run_json_records_whose_rows_the_writers_are(runs):
     for case, expected in groups.items():
         layout = json.loads((runs / case / "run.json").read_text())["replicated"]
         assert layout["groups"] == expected, case
-        assert set(layout["families"]) == (set(SHARD_FAMILIES) | {"momentum"} if expected else set()), case
+        assert set(layout["families"]) == (set(SHARD_FAMILIES) | {"momentum", "precursors"} if expected else set()), \
+            case
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -138,6 +138,29 @@ def test_rows_match_numpy_float64_reference(runs: Path, case: str) -> None:
             assert checked, f"{case} rank{rank} {family}: nothing checked"
 
 
+@pytest.mark.parametrize("case", [case for case in REFERENCED if case not in BF16])
+def test_precursor_rows_match_numpy_float64_reference(runs: Path, case: str) -> None:
+    """``precursors`` (TP shards, distributed-optimizer shards, pipeline stages, chained optimizers) against float64
+    numpy from the full tensors: the reduced gradient, Adam recomputed, the full parameter after the step. (bf16:
+    the precursors read the fp32 main parameter, the script's reference has only the bf16 model one.)"""
+    from trainmon.base.precursors import PRECURSOR_METRICS
+
+    for rank in (0, 1):
+        refs = _refs(runs, case, rank)
+        df = _read(runs, case, rank, "precursors")
+        checked = 0
+        for step, step_refs in refs["steps"].items():
+            for key, ref in step_refs["precursors"].items():
+                vpp, name = key.split("|")
+                row = _row(df, int(step), int(vpp), name)
+                for metric in PRECURSOR_METRICS:
+                    assert math.isclose(float(row[metric]), ref[metric], rel_tol=1e-3, abs_tol=1e-6), \
+                        (case, rank, step, key, metric, float(row[metric]), ref[metric])
+                checked += 1
+        assert checked, f"{case} rank{rank}: nothing checked"
+        assert len(df) == checked, (case, rank, len(df), checked)
+
+
 def _by_name(runs: Path, case: str, rank: int, family: str, step: int = 0) -> pd.DataFrame:
     df = _read(runs, case, rank, family)
     return df[df.step == step].set_index("name")[list(METRICS)]

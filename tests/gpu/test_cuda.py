@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.models import TinyNet, batch, loss_fn
-from tests.reference import METRICS, assert_close, np_stats, read_family
+from tests.reference import METRICS, assert_close, np_stats, precursors_np, read_family
 from trainmon import TrainerMonitor
 
 pytestmark = [
@@ -87,7 +87,7 @@ def test_triton_adam_update_and_ratio_match_float64(dtype):
     assert kernels.adam_kernel_takes([p for p in params]), "the Triton Adam kernel is not used on CUDA"
     group = optimizer.param_groups[0]
     items = _adam_items([(p, optimizer.state[p], group) for p in params])
-    coefficients = torch.tensor([[item[3], item[4]] for item in items], dtype=torch.float64).to(CUDA)
+    coefficients = torch.tensor([[float(x) for x in item[3:9]] for item in items], dtype=torch.float64).to(CUDA)
     spec = StatsSpec.from_metrics(METRICS, eps=1e-8)
     with torch.no_grad():
         out = kernels.adam_partials([i[0] for i in items], [i[1] for i in items], [i[2] for i in items],
@@ -113,6 +113,36 @@ def test_triton_adam_update_and_ratio_match_float64(dtype):
                 rtol = 1e-3 if dtype == torch.bfloat16 else 2e-5  # m, v in bf16: the kernel computes in fp32
                 assert np.isclose(values[metric], want[metric], rtol=rtol, atol=1e-5), \
                     (dtype, i, half, metric, values[metric], want[metric])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_precursors_match_float64(dtype):
+    """The precursor rows from the Adam kernel's one read of m, v, p and the gradient (docs/precursors.md)."""
+    from trainmon.base.precursors import finalize_precursors
+    from trainmon.collect.adam import precursor_partials
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, device=CUDA).to(dtype)) for n in (3_000_001, 20_000, 257, 1)]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+            p.grad.view(-1)[:7] = 0.0  # elements without a gradient
+        optimizer.step()
+    group = optimizer.param_groups[0]
+    with torch.no_grad():
+        got = precursor_partials([(p, optimizer.state[p], group) for p in params], [p.grad for p in params])
+    for i, p in enumerate(params):
+        row = got[i]
+        assert row is not None and row.device.type == "cuda"
+        values, _ = finalize_precursors(row[:8].cpu().numpy()[None], row[8:].cpu().numpy()[None])
+        state = optimizer.state[p]
+        want = precursors_np(p.grad.double().cpu().numpy(), state["exp_avg"].double().cpu().numpy(),
+                             state["exp_avg_sq"].double().cpu().numpy(), p.detach().double().cpu().numpy(),
+                             float(state["step"]), group["betas"], group["eps"], group["lr"])
+        for metric, value in want.items():
+            assert np.isclose(values[metric][0], value, rtol=1e-3, atol=1e-6), (dtype, i, metric, values[metric], value)
 
 
 def _run_with_references(tmp_path, dtype: torch.dtype, steps: int = 3, async_results: bool = False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -206,6 +207,52 @@ def test_gradient_accumulation_counts_micro_steps(tmp_path: Path, stats_path: st
     row = reduced[(reduced.step == 1) & (reduced.name == "fc1.weight")].iloc[0]
     assert_close(row, np_stats(expected[0]["fc1.weight"] + expected[1]["fc1.weight"]), METRICS, rtol=2e-4, atol=1e-6)
     assert sorted(set(read_family(rank_dir, "actv").micro_step)) == [0, 1]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adam_weight_decay"])
+def test_precursors_match_numpy_float64(tmp_path: Path, stats_path: str, optimizer: str) -> None:
+    """``precursors`` (docs/precursors.md) against float64 numpy from the tensors the step used: the gradients handed
+    to the optimizer, the moments after the step, the weights before and after it. ``nn.Adam``'s weight decay is
+    coupled (the moments took ``g + wd * p_before``); ``nn.AdamWeightDecay`` decays the weights and has no bias
+    correction (``v_hat = v``)."""
+    from tests.reference import precursors_np
+    from trainmon.base.precursors import PRECURSOR_METRICS
+
+    ms.set_seed(0)
+    net = Mlp()
+    decoupled = optimizer == "adam_weight_decay"
+    opt = nn.AdamWeightDecay(net.trainable_params(), learning_rate=1e-2, beta1=0.9, beta2=0.99, eps=1e-6,
+                             weight_decay=0.1) if decoupled else \
+        nn.Adam(net.trainable_params(), learning_rate=1e-2, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.01)
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"],
+                              "optimizer_states": {"states": ["update"], "precursors": True}})
+    monitor.attach(net, opt)
+    grad_fn = ms.value_and_grad(lambda x, y: nn.MSELoss()(net(x), y), None, opt.parameters)
+    names = [name for name, _ in net.parameters_and_names()]
+    want: dict[tuple[str, int], dict[str, float]] = {}
+    for step in range(3):
+        before = [p.asnumpy().astype(np.float64) for p in opt.parameters]
+        x, y = _data(step)
+        loss, grads = grad_fn(Tensor(x), Tensor(y))
+        opt(grads)
+        for i, name in enumerate(names):
+            m = (opt.moments1 if decoupled else opt.moment1)[i].asnumpy()
+            v = (opt.moments2 if decoupled else opt.moment2)[i].asnumpy()
+            after = opt.parameters[i].asnumpy().astype(np.float64)
+            want[(name, step)] = precursors_np(
+                grads[i].asnumpy(), m, v, after, math.inf if decoupled else step + 1, (0.9, 0.99), 1e-6, 1e-2,
+                adam_step=before[i] - after - 1e-2 * 0.1 * before[i] if decoupled else None,
+                coupled_decay=0.0 if decoupled else 0.01, param_before=before[i])
+        monitor.step(loss=loss)
+    monitor.close()
+    assert not _hooks_left(net, opt)
+    frame = read_family(tmp_path / "run" / "rank0", "precursors")
+    assert list(frame.columns) == ["vpp_stage", "name", "step", "micro_step", *PRECURSOR_METRICS]
+    assert len(frame) == 3 * len(names)
+    for _, row in frame.iterrows():
+        for metric, value in want[(row["name"], row["step"])].items():
+            assert math.isclose(row[metric], value, rel_tol=1e-3, abs_tol=1e-6), \
+                (stats_path, optimizer, row["name"], row["step"], metric, row[metric], value)
 
 
 @pytest.fixture(autouse=True)

@@ -215,7 +215,7 @@ def test_adam_fallback_matches_float64(variant, dtype, amsgrad, monkeypatch):
     spec = StatsSpec.from_metrics(["norm", "min", "max", "mean", "nans", "infs"], eps=1e-8)
     adam_indices, blocks = adam.adam_partials_many(entries, spec, spec)
     assert adam_indices == list(range(len(entries)))
-    (indices, update_block, ratio_block, _), = blocks
+    (indices, update_block, ratio_block, _, _), = blocks
     assert indices == adam_indices
     _assert_adam(update_block, ratio_block, entries, label=variant)
 
@@ -223,12 +223,36 @@ def test_adam_fallback_matches_float64(variant, dtype, amsgrad, monkeypatch):
 def test_adam_fallback_with_device_scalar_constants():
     """Step counters on the device (capturable/fused Adam): 0-d tensor constants, per-piece ops."""
     entries = _adam_entries(torch.float32)
-    items = [(m, v, p, torch.tensor(scale, dtype=torch.float64), torch.tensor(eps, dtype=torch.float64))
-             for m, v, p, scale, eps in _adam_items(entries)]
+    items = [(m, v, p, *(torch.tensor(c, dtype=torch.float64) for c in constants[:4]), *constants[4:])
+             for m, v, p, *constants in _adam_items(entries)]
     spec = StatsSpec.from_metrics(["norm", "min", "max", "mean", "nans", "infs"], eps=1e-8)
     with torch.no_grad():
-        update_block, ratio_block = _adam_torch(items, spec, spec, torch.device("cpu"))
+        update_block, ratio_block, _, precursors = _adam_torch(items, spec, spec, torch.device("cpu"), [])
+    assert precursors is None  # not asked for
     _assert_adam(update_block, ratio_block, entries)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_precursor_fallback_in_pieces_matches_float64(dtype, monkeypatch):
+    """A parameter cut into pieces (the fallback's bounded temporaries) combines its precursor sums exactly."""
+    from tests.reference import precursors_np
+    from trainmon.base.precursors import finalize_precursors
+
+    monkeypatch.setattr(stats, "fused_enabled", False)
+    monkeypatch.setattr(adam, "_TEMPORARY_ELEMENTS", 50000)  # the 196,731-element parameter in 4 pieces
+    entries = _adam_states(dtype)
+    grads = [p.grad for p, _, _ in entries]
+    got = adam.precursor_partials(entries, grads)
+    for (param, state, group), grad, row in zip(entries, grads, got):
+        assert (row is None) == (grad is None)
+        if row is None:
+            continue
+        values, _ = finalize_precursors(row[:8].numpy()[None], row[8:].numpy()[None])
+        want = precursors_np(grad.double().numpy(), state["exp_avg"].double().numpy(),
+                             state["exp_avg_sq"].double().numpy(), param.detach().double().numpy(),
+                             float(state["step"]), group["betas"], group["eps"], group["lr"])
+        for metric, value in want.items():
+            assert np.isclose(values[metric][0], value, rtol=2e-5, atol=1e-7), (metric, values[metric][0], value)
 
 
 class _OutputSizes(TorchDispatchMode):

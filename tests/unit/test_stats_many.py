@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.reference import METRICS, np_stats
+from tests.reference import METRICS, np_stats, precursors_np
+from trainmon.base.precursors import PRECURSOR_METRICS, finalize_precursors
 from trainmon.collect import kernels, stats
 from trainmon.collect.adam import (
     _CHUNK,
@@ -18,6 +19,7 @@ from trainmon.collect.adam import (
     _adam_items,
     _adam_torch,
     adam_partials_many,
+    precursor_partials,
 )
 from trainmon.collect.context import StepContext
 from trainmon.collect.stats import partial_stats, partial_stats_many
@@ -243,7 +245,7 @@ def test_adam_partials_many_match_float64(path, dtype, poison, amsgrad):
     adam, blocks = adam_partials_many(entries, SPEC, SPEC, SPEC)
     assert adam == [0, 2, 3, 4]
     assert sorted(i for indices, *_ in blocks for i in indices) == adam
-    for indices, update_block, ratio_block, states in blocks:
+    for indices, update_block, ratio_block, states, _ in blocks:
         # exp_avg and exp_avg_sq from the same read: by the fused kernel on the device path (not the CPU
         # fast path's float32 numpy views), and only where v is exp_avg_sq itself (AMSGrad reads max_exp_avg_sq)
         fast_path = stats.numpy_viewable(entries[indices[0]][1]["exp_avg"])  # float32 on CPU, unless forced off
@@ -268,7 +270,7 @@ def test_adam_partials_many_computes_only_what_is_asked(path, which):
     entries = _adam_states(torch.float32)
     update_spec, ratio_spec = (SPEC, None) if which == "update" else (None, SPEC)
     _, blocks = adam_partials_many(entries, update_spec, ratio_spec)
-    (_, update_block, ratio_block, states), = blocks
+    (_, update_block, ratio_block, states, _), = blocks
     assert states is None  # not asked for
     skipped = ratio_block if which == "update" else update_block
     assert not skipped.any()
@@ -280,19 +282,57 @@ def test_adam_partials_many_computes_only_what_is_asked(path, which):
 def test_adam_constants_as_device_scalars(implementation):
     """The branch of step counters on the device (capturable/fused Adam): 0-d tensor constants."""
     entries = _adam_states(torch.float32)
-    items = [(m, v, p, torch.tensor(scale, dtype=torch.float64), torch.tensor(eps, dtype=torch.float64))
-             for m, v, p, scale, eps in _adam_items(entries)]
+    items = [(m, v, p, *(torch.tensor(c, dtype=torch.float64) for c in constants[:4]), *constants[4:])
+             for m, v, p, *constants in _adam_items(entries)]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p, _, _ in entries]
     with torch.no_grad():  # as adam_partials_many calls them
         if implementation == "fused":
-            update_block, ratio_block, _ = _adam_fused(items, SPEC, SPEC, None, torch.device("cpu"))
+            update_block, ratio_block, _, precursors = _adam_fused(items, SPEC, SPEC, None, torch.device("cpu"), grads)
         else:
-            update_block, ratio_block = _adam_torch(items, SPEC, SPEC, torch.device("cpu"))
+            update_block, ratio_block, _, precursors = _adam_torch(items, SPEC, SPEC, torch.device("cpu"), grads)
+    heads, tails = (block.view(-1, 8).numpy() for block in precursors)
+    values, _ = finalize_precursors(heads, tails)
     for row, entry in enumerate(entries):
         update, ratio = _adam_reference(*entry)
         for block, want in ((update_block, update), (ratio_block, ratio)):
             got = _metrics(block.view(-1, 8)[row].numpy())
             for metric, value in np_stats(want).items():
                 assert np.isclose(got[metric], value, rtol=2e-5, atol=1e-6, equal_nan=True), (row, metric)
+        param, state, group = entry
+        want_precursors = precursors_np(grads[row].numpy(), state["exp_avg"].numpy(), state["exp_avg_sq"].numpy(),
+                                        param.detach().numpy(), float(state["step"]), group["betas"], group["eps"],
+                                        group["lr"])
+        for metric, value in want_precursors.items():
+            assert np.isclose(values[metric][row], value, rtol=1e-4, atol=1e-6), (row, metric)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
+@pytest.mark.parametrize("poison", [False, True], ids=["finite", "nan"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_precursors_match_float64(path, dtype, poison, amsgrad):
+    """The precursor rows (docs/precursors.md) on every path against float64 from the optimizer's own tensors;
+    a parameter without a gradient has none; a NaN in ``exp_avg`` makes the row non-finite."""
+    entries = _adam_states(dtype, poison, amsgrad)
+    with torch.no_grad():
+        entries[1][0].grad[:5] = 0.0  # elements without a gradient: r = 0 there
+        entries[1][1]["max_exp_avg_sq" if amsgrad else "exp_avg_sq"][:3] = 0.0  # sqrt(v_hat) < eps, with g = 0
+    grads = [p.grad for p, _, _ in entries]
+    got = precursor_partials(entries, grads)
+    assert got[2] is None and all(row is not None for i, row in enumerate(got) if i != 2)
+    for i, ((param, state, group), grad, row) in enumerate(zip(entries, grads, got)):
+        if row is None:
+            continue
+        values, nonfinite = finalize_precursors(row[:8].numpy()[None], row[8:].numpy()[None])
+        v = state["max_exp_avg_sq"] if amsgrad else state["exp_avg_sq"]
+        want = precursors_np(grad.double().numpy(), state["exp_avg"].double().numpy(), v.double().numpy(),
+                             param.detach().double().numpy(), float(state["step"]), group["betas"], group["eps"],
+                             group["lr"])
+        assert nonfinite == [poison and i == 0]
+        assert list(values) == list(PRECURSOR_METRICS)
+        for metric, value in want.items():
+            assert np.isclose(values[metric][0], value, rtol=2e-5, atol=1e-7, equal_nan=True), \
+                (i, metric, values[metric][0], value)
+    assert precursor_partials(entries, [None] * len(entries)) == [None] * len(entries)
 
 
 def test_fused_kernels_are_torch_operators():

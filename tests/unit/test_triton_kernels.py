@@ -70,15 +70,23 @@ _INTERPRETED = textwrap.dedent("""
             ms[0][1] = float("nan")
         if case == 4:
             vs[0][2] = float("inf")  # the update is 0 there (finite): only v's own sums see it
-        coefficients = torch.tensor([[1.7, 1e-8] for _ in sizes], dtype=torch.float64)  # as adam.py makes them
+        # (scale, eps', lr, 1 - beta2^t, sign, decay) as adam.py makes them: maximize with coupled decay in case 5
+        sign, decay = (-1.0, 0.1) if case == 5 else (1.0, 0.0)
+        coefficients = torch.tensor([[1.7, 1e-8, 1e-3, 0.25, sign, decay] for _ in sizes], dtype=torch.float64)
         states = [1, 1, 1, 1, 1] if case % 3 else []  # exp_avg and exp_avg_sq from the same read, or not
-        out = ta.adam_triton(ms, vs, ps, coefficients, [1, 1, 1, 1, 1], [1, 1, 1, 1, 1], states, 1e-3)
-        got = out.view(4, len(sizes), 8).double().tolist()
+        gs = []
+        if case >= 2:  # the precursors from the same read, with m, v, p and the gradient
+            gs = [torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 1e-3).to(dtype) for n in sizes]
+            gs[0][0] = 0.0  # r is 0 there, even where v is 0 too
+            vs[0][0] = 0.0
+            vs[-1][-1] = 1e-18  # sqrt(v_hat) < eps: counted
+        out = ta.adam_triton(ms, vs, ps, gs, coefficients, [1, 1, 1, 1, 1], [1, 1, 1, 1, 1], states, 1e-3)
+        got = out.view(6 if gs else 4, len(sizes), 8).double().tolist()
         if not states:
-            assert not any(any(row) for part in got[2:] for row in part)  # not asked: left 0
-            got = got[:2]
+            assert not any(any(row) for part in got[2:4] for row in part)  # not asked: left 0
         cases.append({"kind": "adam", "m": [t.double().tolist() for t in ms], "v": [t.double().tolist() for t in vs],
-                      "p": [t.double().tolist() for t in ps], "got": got})
+                      "p": [t.double().tolist() for t in ps], "g": [t.double().tolist() for t in gs], "got": got,
+                      "states": bool(states), "sign": sign, "decay": decay})
     json.dump(cases, sys.stdout)
 """)
 
@@ -113,9 +121,27 @@ def test_kernels_in_the_interpreter_match_float64():
                 ratio = np.where(p != 0, update / np.where(p != 0, p, 1.0), 0.0)
             _check(case["got"][0][j], update, 1e-4, f"update case {i} tensor {j}")
             _check(case["got"][1][j], ratio, 1e-4, f"ratio case {i} tensor {j}")
-            if len(case["got"]) == 4:
+            if case["states"]:
                 _check(case["got"][2][j], m, 1e-5, f"exp_avg case {i} tensor {j}")
                 _check(case["got"][3][j], v, 1e-5, f"exp_avg_sq case {i} tensor {j}")
+            if case["g"]:
+                _check_precursors(case["got"][4][j], case["got"][5][j], m, v, p, np.asarray(case["g"][j]),
+                                  case["sign"], case["decay"], f"precursors case {i} tensor {j}")
+
+
+def _check_precursors(head: list[float], tail: list[float], m: np.ndarray, v: np.ndarray, p: np.ndarray,
+                      g: np.ndarray, sign: float, decay: float, label: str) -> None:
+    """The kernel's precursor head and tail against float64 sums of the same arrays (coefficients above:
+    scale 1.7, eps' 1e-8, lr 1e-3, 1 - beta2^t = 0.25); NaN where an input is NaN."""
+    update = m / (np.sqrt(v) + 1e-8) * 1.7
+    g = sign * g + (decay * (p + 1e-3 * update) if decay else 0.0)  # the gradient the moments took
+    with np.errstate(invalid="ignore", divide="ignore"):
+        stale = np.where(g != 0, g * g / np.maximum(v, 1e-16), 0.0) * 0.25
+    want_head = [np.linalg.norm(update), update @ g, 0.0, stale.max(), m @ g, stale.sum(), np.sum(v < 1e-16), m.size]
+    want_tail = [np.linalg.norm(p), 1e-3 * m.size, 0.0, 0.0, g @ g, m @ m, 0.0, m.size]
+    for slot, (got, want) in enumerate(zip(head + tail, want_head + want_tail)):
+        scale = max(abs(want), np.linalg.norm(update) * np.linalg.norm(g) if slot == 1 else 0.0)
+        assert np.isclose(got, want, rtol=1e-4, atol=1e-6 * scale + 1e-12, equal_nan=True), (label, slot, got, want)
 
 
 def test_every_kernel_compiles_for_sm80_and_sm90():
@@ -130,6 +156,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
     span = {"table": "*i64", "n_tensors": "i32", "n_spans": "i32", "spans": "*fp32", "threshold": "fp32"}
     adam = {"table": "*i64", "coefficients": "*fp32", "n_tensors": "i32", "n_spans": "i32", "spans": "*fp32",
             "threshold": "fp32", "state_threshold": "fp32"}
+    combine_precursors = {"first": "*i64", "numels": "*i64", "spans": "*fp32", "coefficients": "*fp64",
+                          "heads": "*fp32", "tails": "*fp32"}
     combine = {"first": "*i64", "numels": "*i64", "spans": "*fp32", "out": "*fp32"}
     kernels = []
     for dtype in (tl.float16, tl.bfloat16, tl.float32):
@@ -137,11 +165,15 @@ def test_every_kernel_compiles_for_sm80_and_sm90():
             kernels.append((tk._span_partials, span, {"DTYPE": dtype, "BLOCK": tk.BLOCK, "ITERS": 16,
                                                       "ALIGNED": flag, "ZEROS": flag}))
             for states in (False, True):
-                kernels.append((ta._adam_span_partials, adam, {
-                    "M_DTYPE": dtype, "V_DTYPE": tl.float32, "P_DTYPE": dtype, "RATIO": flag, "STATES": states,
-                    "BLOCK": ta.ADAM_BLOCK // (2 if states else 1), "ITERS": 32, "ALIGNED": flag, "ZEROS": not flag}))
+                for precursors in (False, True):
+                    kernels.append((ta._adam_span_partials, adam, {
+                        "M_DTYPE": dtype, "V_DTYPE": tl.float32, "P_DTYPE": dtype, "RATIO": flag, "STATES": states,
+                        "BLOCK": ta.ADAM_BLOCK // (2 if states else 1) // (2 if precursors else 1), "ITERS": 32,
+                        "ALIGNED": flag, "ZEROS": not flag, "PRECURSORS": precursors, "G_DTYPE": dtype,
+                        "STRIDE": 48 if precursors else 32}))
     kernels.append((tk.combine_spans, combine, {"STRIDE": 8, "NORM": True, "SUM": True, "ZEROS": True, "NANS": True,
                                                  "INFS": True, "ROWS": 128}))
+    kernels.append((ta._combine_precursors, combine_precursors, {"STRIDE": 48, "ROWS": 128}))
     for arch in (80, 90):
         for fn, signature, constexprs in kernels:
             signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
@@ -182,7 +214,7 @@ def test_a_triton_kernel_that_raises_is_given_up_for_plain_torch_ops(monkeypatch
     state = {"exp_avg": torch.randn(64, dtype=torch.bfloat16) * 1e-3,
              "exp_avg_sq": torch.rand(64, dtype=torch.bfloat16) * 1e-6, "step": torch.tensor(3.0)}
     _, blocks = adam_partials_many([(param, state, {"betas": (0.9, 0.999), "eps": 1e-8})], spec, None, spec)
-    (_, update, _, states), = blocks
+    (_, update, _, states, _), = blocks
     assert "cpu" not in kernels.ADAM_DIRECT
     assert states is None  # the plain torch ops do not measure exp_avg/exp_avg_sq: the collector records them
     m, v = state["exp_avg"].double().numpy() / (1 - 0.9**3), state["exp_avg_sq"].double().numpy() / (1 - 0.999**3)

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from trainmon.base.precursors import PRECURSOR_METRICS, PRECURSORS, finalize_precursors, nan_tail, pair_tails
+
 METRICS: tuple[str, ...] = ("norm", "min", "max", "mean", "zeros", "nans", "infs")
 """Every metric a user may ask for, in canonical order."""
 
@@ -38,16 +40,21 @@ non-finite. Every other feature value that is NaN or Inf does."""
 
 FAMILIES: tuple[str, ...] = (
     "actv", "actv_grad", "grad_unreduced", "grad_reduced",
-    "exp_avg", "exp_avg_sq", "update", "ratio", "momentum", "param", "comm", *FEATURE_METRICS,
+    "exp_avg", "exp_avg_sq", "update", "ratio", "momentum", "param", "comm", *FEATURE_METRICS, PRECURSORS,
 )
 """Row families; each is written to ``rank{R}/{family}.csv``."""
+ROW_METRICS: tuple[str, ...] = tuple(dict.fromkeys(
+    (*METRICS, *(metric for names in FEATURE_METRICS.values() for metric in names), *PRECURSOR_METRICS)))
+"""Every column a row family may have: the statistics of a tensor (:data:`METRICS`), the feature families'
+(:data:`FEATURE_METRICS`) and the ``precursors`` family's own (:data:`~trainmon.base.precursors.PRECURSOR_METRICS`),
+each once."""
 
 PHASE_OF_FAMILY: dict[str, str] = {
     "actv": "forward", "actv_grad": "backward", "grad_unreduced": "backward",
     "grad_reduced": "optimizer", "exp_avg": "optimizer", "exp_avg_sq": "optimizer",
     "update": "optimizer", "ratio": "optimizer", "momentum": "optimizer", "param": "optimizer",
     "comm": "communication", "attn": "forward", "router": "forward", "expert_load": "forward",
-    "weight_features": "optimizer",
+    "weight_features": "optimizer", PRECURSORS: "optimizer",
 }
 PHASES: tuple[str, ...] = ("forward", "backward", "communication", "optimizer", "loss")
 
@@ -63,13 +70,14 @@ GUARD_REASONS: tuple[str, ...] = ("applied", "nonfinite", "max_grad_norm", "z_sc
 
 
 def metrics_of(family: str) -> tuple[str, ...]:
-    """The metrics a row of ``family`` may have: a feature family's own, else the statistics (:data:`METRICS`).
+    """The metrics a row of ``family`` may have: a feature family's own, the ``precursors`` family's own
+    (:data:`~trainmon.base.precursors.PRECURSOR_METRICS`), else the statistics (:data:`METRICS`).
 
     Example:
-        >>> metrics_of("attn"), metrics_of("grad_reduced")[:2]
-        (('max_logit', 'entropy'), ('norm', 'min'))
+        >>> metrics_of("attn"), metrics_of("grad_reduced")[:2], metrics_of("precursors")[:2]
+        (('max_logit', 'entropy'), ('norm', 'min'), ('update_weight_ratio', 'g2_v_rms'))
     """
-    return FEATURE_METRICS.get(family, METRICS)
+    return PRECURSOR_METRICS if family == PRECURSORS else FEATURE_METRICS.get(family, METRICS)
 
 
 # --------------------------------------------------------------------------- row names
@@ -334,17 +342,48 @@ def finalize_many(partials: npt.ArrayLike) -> tuple[dict[str, list[float]], list
     return values, nonfinite.tolist()  # host numpy: no sync
 
 
+def _join_precursors(keys: Sequence[RowKey], partials: npt.NDArray[np.float64]
+                     ) -> tuple[list[RowKey], npt.NDArray[np.float64], dict[int, tuple[dict[str, float], bool]]]:
+    """The keys and partials without the precursor rows' tails, and each precursor row's values and non-finite
+    flag by its index among the kept keys (:func:`~trainmon.base.precursors.finalize_precursors`)."""
+    kept, tails = pair_tails(keys)
+    rows = [j for j, i in enumerate(kept) if keys[i].family == PRECURSORS]
+    joined: dict[int, tuple[dict[str, float], bool]] = {}
+    if rows:
+        heads = partials[[kept[j] for j in rows]]
+        tail_rows = np.stack([partials[tails[j]] if tails[j] >= 0 else nan_tail() for j in rows])
+        values, nonfinite = finalize_precursors(heads, tail_rows)
+        for k, j in enumerate(rows):
+            if tails[j] < 0:  # no tail (a part that failed): what needs it is NaN, which is not the tensors' fault
+                nonfinite[k] = not np.isfinite(heads[k]).all()
+            joined[j] = ({metric: values[metric][k] for metric in PRECURSOR_METRICS}, nonfinite[k])
+    if len(kept) == len(keys):
+        return list(keys), partials, joined
+    return [keys[i] for i in kept], partials[kept], joined
+
+
 def build_record(step: int, rank: int, pp_stage: int, keys: Sequence[RowKey], partials: Any,
                  scalars: dict[str, float], metrics: dict[str, list[str]]) -> StepRecord:
-    """Finalise the host copy of a step into a :class:`StepRecord` (framework-free), all rows at once."""
+    """Finalise the host copy of a step into a :class:`StepRecord` (framework-free), all rows at once.
+
+    A ``precursors`` row is joined here with its second half (a
+    :data:`~trainmon.base.precursors.PRECURSORS_TAIL` key, which makes no row of its own).
+    """
     if not len(keys):
         return StepRecord(step=step, rank=rank, rows=[], scalars=scalars, pp_stage=pp_stage)
+    joined: dict[int, tuple[dict[str, float], bool]] = {}
+    if PRECURSORS in metrics:
+        keys, partials, joined = _join_precursors(keys, np.asarray(partials, dtype=np.float64).reshape(-1, 8))
     columns, nonfinite = finalize_many(partials)
     values: dict[int, list[tuple[float, ...]]] = {}  # per metrics list: every row's values in its order
     features = finalize_features(partials, keys)
     rows = []
     for i, key in enumerate(keys):
         names = metrics[key.family]
+        if i in joined:
+            row_values, row_nonfinite = joined[i]
+            rows.append(Row(key, step, {name: row_values[name] for name in names}, row_nonfinite))
+            continue
         feature = features.get(i)
         if feature is not None:
             rows.append(Row(key, step, dict(zip(names, feature[0])), feature[1]))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
 from typing import Any, TypeAlias, TypeGuard
 
 import numpy as np
@@ -11,8 +12,10 @@ import torch
 from trainmon.base.records import PARTIAL_SLOTS
 from trainmon.collect import kernels
 from trainmon.collect.fallback import bounded_batches
+from trainmon.collect.kernel_ops import ADAM_PARTS, adam_parts
 from trainmon.collect.kernels import ratio_into as _ratio_into
 from trainmon.collect.kernels import update_into as _update_into
+from trainmon.collect.precursor_ops import precursor_rows_torch
 from trainmon.collect.stats import combine_partials_torch, fused_kernel, numpy_viewable, partials_torch
 from trainmon.collect.stats_base import StatsSpec
 
@@ -20,10 +23,13 @@ AdamEntry: TypeAlias = "tuple[torch.Tensor, dict[str, Any], dict[str, Any]]"
 """``(param, state, param_group)`` of one parameter: its optimizer state and its group's settings."""
 Coefficient: TypeAlias = "float | torch.Tensor"
 """A constant of the update: a host float, or a 0-d tensor on the step counter's device (capturable Adam)."""
-_Item: TypeAlias = "tuple[torch.Tensor, torch.Tensor, torch.Tensor, Coefficient, Coefficient]"
-"""``(m, v, param, scale, eps')`` of one parameter (:func:`_adam_items`)."""
-_Piece: TypeAlias = "tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, Coefficient, Coefficient]"
-"""``(owner, m, v, param, scale, eps')``: a whole parameter or a contiguous chunk of parameter ``owner``."""
+_Item: TypeAlias = ("tuple[torch.Tensor, torch.Tensor, torch.Tensor, Coefficient, Coefficient, Coefficient, "
+                     "Coefficient, float, float]")
+"""``(m, v, param, scale, eps', lr, 1 - beta2^t, sign, coupled decay)`` of one parameter (:func:`_adam_items`)."""
+_Piece: TypeAlias = ("tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, Coefficient, Coefficient, "
+                     "torch.Tensor | None, Coefficient, Coefficient, float, float]")
+"""``(owner, m, v, param, scale, eps', grad or None, lr, 1 - beta2^t, sign, coupled decay)``: a whole parameter or
+a contiguous chunk of parameter ``owner``."""
 
 
 def adam_update(state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor | None:
@@ -69,6 +75,43 @@ def _adam_constants(step: Any, beta1: float, beta2: float, eps: float) -> tuple[
     return root_bias2 / (1 - beta1 ** count), eps * root_bias2
 
 
+def decay_is_coupled(group: dict[str, Any], optimizer: Any = None) -> bool:
+    """Whether ``group``'s weight decay is added to the gradient before the moments (Adam's L2 decay) rather than
+    applied to the weights (AdamW): the group's ``decoupled_weight_decay`` (torch >= 2.6), else the optimizer's
+    ``adam_w_mode`` (DeepSpeed's and apex's FusedAdam, DeepSpeedCPUAdam), else whether it is torch's ``Adam``.
+
+    Example:
+        >>> params = [torch.nn.Parameter(torch.ones(1))]
+        >>> adam, adamw = torch.optim.Adam(params, weight_decay=0.1), torch.optim.AdamW(params, weight_decay=0.1)
+        >>> decay_is_coupled(adam.param_groups[0], adam), decay_is_coupled(adamw.param_groups[0], adamw)
+        (True, False)
+    """
+    if not group.get("weight_decay"):
+        return False
+    decoupled = group.get("decoupled_weight_decay")
+    if decoupled is not None:
+        return not decoupled
+    mode = getattr(optimizer, "adam_w_mode", None)
+    if mode is not None:
+        return not mode
+    return isinstance(optimizer, torch.optim.Adam) and not isinstance(optimizer, torch.optim.AdamW)
+
+
+def coupled_groups(optimizers: Sequence[Any]) -> frozenset[int]:
+    """``id`` of every parameter group of ``optimizers`` whose weight decay is coupled (:func:`decay_is_coupled`)."""
+    return frozenset(id(group) for optimizer in optimizers for group in getattr(optimizer, "param_groups", ())
+                     if decay_is_coupled(group, optimizer))
+
+
+def _learning_rate(group: dict[str, Any]) -> Coefficient:
+    """The group's learning rate: a host float (a CPU tensor is read: no sync), a device tensor as it is, or
+    NaN where the group has none (then ``update_weight_ratio`` is NaN)."""
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor):
+        return float(lr.detach().numpy()) if lr.device.type == "cpu" else lr.detach()  # CPU: a view, no sync
+    return float(lr) if isinstance(lr, (int, float)) else math.nan
+
+
 _CHUNK = kernels.CHUNK
 """Elements per chunk of the CPU kernels (:mod:`trainmon.collect.kernels`)."""
 
@@ -86,7 +129,7 @@ def adam_partials_cpu(state: dict[str, Any], group: dict[str, Any], param: torch
     items = _adam_items([(param, state, group)])
     if not items or param.device.type != "cpu":
         return None
-    (m, v, _, scale, eps), = items
+    (m, v, _, scale, eps, *_), = items
     rows = np.zeros((2, PARTIAL_SLOTS), np.float32)
     kernels.adam_partial_into(m, v, param if ratio_spec is not None else None, float(scale), float(eps),
                               update_spec, ratio_spec, rows[0], rows[1])
@@ -94,12 +137,16 @@ def adam_partials_cpu(state: dict[str, Any], group: dict[str, Any], param: torch
             None if ratio_spec is None else torch.from_numpy(rows[1]))
 
 
-def _adam_items(entries: Sequence[AdamEntry]) -> list[_Item]:
-    """``(m, v, param, scale, eps')`` with update = m * scale / (sqrt(v) + eps'), for Adam-like states.
+def _adam_items(entries: Sequence[AdamEntry], coupled: Collection[int] = ()) -> list[_Item]:
+    """``(m, v, param, scale, eps', lr, 1 - beta2^t, sign, decay)`` with update = m * scale / (sqrt(v) + eps'), for
+    Adam-like states.
 
-    ``scale`` and ``eps'`` are host floats where the step counter is a number or a CPU tensor
+    ``scale``, ``eps'`` and ``1 - beta2^t`` are host floats where the step counter is a number or a CPU tensor
     (torch's Adam: the counters are read together, one CPU op, no sync), else 0-d tensors on the
-    counter's device. Entries whose state is not Adam's are left out.
+    counter's device; ``lr`` as :func:`_learning_rate`. The gradient the moments took is ``sign * grad +
+    decay * param_before`` (``sign`` -1 with ``maximize``; ``decay`` the weight decay of a coupled group: one
+    whose ``id`` is in ``coupled`` or that :func:`decay_is_coupled` says so from its keys). Entries whose state
+    is not Adam's are left out.
     """
     adam = [(param, state, group) for param, state, group in entries
             if state.get("exp_avg") is not None and state.get("exp_avg_sq") is not None
@@ -111,6 +158,7 @@ def _adam_items(entries: Sequence[AdamEntry]) -> list[_Item]:
     items: list[_Item] = []
     scale: Coefficient
     eps: Coefficient
+    bias2: Coefficient
     for (param, state, group), host in zip(adam, on_host):
         exp_avg, exp_avg_sq, step = state["exp_avg"], state["exp_avg_sq"], state["step"]
         if group.get("amsgrad") and state.get("max_exp_avg_sq") is not None:
@@ -118,12 +166,17 @@ def _adam_items(entries: Sequence[AdamEntry]) -> list[_Item]:
         beta1, beta2 = group.get("betas", (0.9, 0.999))
         group_eps = group.get("eps", 1e-8)
         if host or not isinstance(step, torch.Tensor):
-            scale, eps = _adam_constants(next(counts) if host else step, beta1, beta2, group_eps)
+            count = next(counts) if host else float(step)
+            scale, eps = _adam_constants(count, beta1, beta2, group_eps)
+            bias2 = 1 - beta2 ** count
         else:  # a step counter on the device (capturable or fused Adam): constants stay there
-            count = step.to(torch.float64 if step.device.type == "cuda" else torch.float32)
-            root_bias2 = (1 - torch.pow(beta2, count)).sqrt()
-            scale, eps = root_bias2 / (1 - torch.pow(beta1, count)), root_bias2 * group_eps
-        items.append((exp_avg, exp_avg_sq, param, scale, eps))
+            count_tensor = step.to(torch.float64 if step.device.type == "cuda" else torch.float32)
+            bias2 = 1 - torch.pow(beta2, count_tensor)
+            root_bias2 = bias2.sqrt()
+            scale, eps = root_bias2 / (1 - torch.pow(beta1, count_tensor)), root_bias2 * group_eps
+        sign = -1.0 if group.get("maximize") else 1.0
+        decay = float(group.get("weight_decay") or 0.0) if id(group) in coupled or decay_is_coupled(group) else 0.0
+        items.append((exp_avg, exp_avg_sq, param, scale, eps, _learning_rate(group), bias2, sign, decay))
     return items
 
 
@@ -131,13 +184,16 @@ _TEMPORARY_ELEMENTS = 1 << 22
 """Plain torch fallback: elements of update (and ratio) temporaries alive at once (16 MiB each in float32)."""
 
 
-AdamBlocks: TypeAlias = "tuple[list[int], torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]"
-"""``(indices, update_block, ratio_block, (exp_avg_block, exp_avg_sq_block) or None)`` of one group."""
+AdamBlocks: TypeAlias = ("tuple[list[int], torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, "
+                         "tuple[torch.Tensor, torch.Tensor] | None]")
+"""``(indices, update_block, ratio_block, (exp_avg_block, exp_avg_sq_block) or None, (precursor_heads,
+precursor_tails) or None)`` of one group."""
 
 
 def adam_partials_many(entries: Sequence[AdamEntry],
                        update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
-                       state_spec: StatsSpec | None = None) -> tuple[list[int], list[AdamBlocks]]:
+                       state_spec: StatsSpec | None = None, grads: Sequence[torch.Tensor | None] | None = None,
+                       coupled: Collection[int] = ()) -> tuple[list[int], list[AdamBlocks]]:
     """Partials of the Adam ``update`` and ``ratio`` of many parameters, without full-size temporaries.
 
     Args:
@@ -145,91 +201,141 @@ def adam_partials_many(entries: Sequence[AdamEntry],
         state_spec: also the statistics of ``exp_avg`` and ``exp_avg_sq``, from the same read, where a
             fused kernel reads them on the device path (the groups whose ``v`` is ``exp_avg_sq`` itself, not
             AMSGrad's ``max_exp_avg_sq``, and of one dtype with ``m``); None: not wanted.
+        grads: per entry, the gradient the step used (None: that parameter has no precursor row): also the
+            precursor rows (:mod:`trainmon.base.precursors`), from the same read of ``m``, ``v`` and the
+            parameter; None: not wanted.
+        coupled: ``id`` of the parameter groups whose weight decay is coupled (:func:`coupled_groups`; only
+            needed where the group does not say so itself, before torch 2.6 and in DeepSpeed's FusedAdam): the
+            precursors then take the gradient plus the decay, as the moments did.
 
     Returns:
         ``(adam, blocks)``: the indices of the entries whose state is Adam's, and per group of
-        them (same device and dtypes) ``(indices, update_block, ratio_block, states)``, flat ``[8 k]``
-        float32 on the device (a block of zeros where its spec is None); ``states`` is the
-        ``(exp_avg, exp_avg_sq)`` blocks, or None where they were not measured here. A fused kernel
-        reads ``m``, ``v`` (and the parameter) once per group; the plain torch fallback computes the
-        update in float32 chunks of bounded size. Never synchronises with the host.
+        them (same device and dtypes) ``(indices, update_block, ratio_block, states, precursors)``, flat
+        ``[8 k]`` float32 on the device (a block of zeros where its spec is None); ``states`` is the
+        ``(exp_avg, exp_avg_sq)`` blocks, or None where they were not measured here; ``precursors`` the
+        ``(heads, tails)`` blocks of a group whose parameters have gradients, else None. A fused kernel
+        reads ``m``, ``v`` (the parameter and the gradient) once per group; the plain torch fallback computes
+        the update in float32 chunks of bounded size. Never synchronises with the host.
     """
-    items = _adam_items(entries)
+    items = _adam_items(entries, coupled)
     adam = [i for i, (_, state, _) in enumerate(entries)
             if state.get("exp_avg") is not None and state.get("exp_avg_sq") is not None
             and state.get("step") is not None]  # the entries _adam_items kept
-    groups: dict[tuple[torch.device, torch.dtype, torch.dtype, torch.dtype, torch.device, bool], list[int]] = {}
-    for j, (m, v, p, _, _) in enumerate(items):
+    wanted = [grads[i] if grads is not None and _pairs(grads[i], items[j][0]) else None for j, i in enumerate(adam)]
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for j, (m, v, p, *_) in enumerate(items):
         own_v = state_spec is None or v is entries[adam[j]][1]["exp_avg_sq"]  # not AMSGrad's max_exp_avg_sq
-        groups.setdefault((m.device, m.dtype, v.dtype, p.dtype, p.device, own_v), []).append(j)
+        grad = wanted[j]
+        grad_key = None if grad is None else (grad.dtype, grad.device, grad.shape == m.shape)
+        groups.setdefault((m.device, m.dtype, v.dtype, p.dtype, p.device, own_v, grad_key), []).append(j)
     blocks: list[AdamBlocks] = []
     with torch.no_grad():
-        for (device, m_dtype, v_dtype, _, _, own_v), members in groups.items():
+        for (device, m_dtype, v_dtype, _, _, own_v, grad_key), members in groups.items():
             chosen = [items[j] for j in members]
+            chosen_grads = [g for g in (wanted[j] for j in members) if g is not None] if grad_key else []
             fused = None
-            if fused_kernel(device) is not None and kernels.adam_kernel_takes([t for item in chosen for t in item[:3]]):
+            tensors = [t for item in chosen for t in item[:3]] + chosen_grads
+            if fused_kernel(device) is not None and kernels.adam_kernel_takes(tensors):
                 # on the CPU fast path (float32 numpy views) m and v are cheaper whole than in the chunks
                 states = state_spec if own_v and m_dtype == v_dtype and not numpy_viewable(chosen[0][0]) else None
-                fused = _adam_fused(chosen, update_spec, ratio_spec, states, device)
+                fused = _adam_fused(chosen, update_spec, ratio_spec, states, device, chosen_grads)
             if fused is None:
-                blocks.append(([adam[j] for j in members], *_adam_torch(chosen, update_spec, ratio_spec, device),
-                               None))
+                blocks.append(([adam[j] for j in members],
+                               *_adam_torch(chosen, update_spec, ratio_spec, device, chosen_grads)))
             else:
                 blocks.append(([adam[j] for j in members], *fused))
     return adam, blocks
 
 
+def _pairs(grad: torch.Tensor | None, exp_avg: torch.Tensor) -> bool:
+    """Whether ``grad`` can be read with ``exp_avg`` element by element (same device and count)."""
+    return grad is not None and grad.device == exp_avg.device and grad.numel() == exp_avg.numel()
+
+
+def precursor_partials(entries: Sequence[AdamEntry], grads: Sequence[torch.Tensor | None],
+                       coupled: Collection[int] = ()) -> list[torch.Tensor | None]:
+    """Per entry, its precursor head and tail as a flat ``[16]`` float32 tensor on its device (None where the state
+    is not Adam's or the gradient is None): for integrations that measure shards one at a time (DeepSpeed,
+    Megatron, FSDP2). The same kernels as :func:`adam_partials_many`; never synchronises with the host.
+    """
+    adam, blocks = adam_partials_many(entries, None, None, None, grads, coupled)
+    out: list[torch.Tensor | None] = [None] * len(entries)
+    for indices, _, _, _, precursors in blocks:
+        if precursors is None:
+            continue
+        heads, tails = (block.view(-1, PARTIAL_SLOTS) for block in precursors)
+        for k, i in enumerate(indices):
+            out[i] = torch.cat([heads[k], tails[k]])
+    del adam
+    return out
+
+
 def _adam_fused(items: list[_Item], update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
-                state_spec: StatsSpec | None, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
-    """One ``trainmon::adam_partials`` for the group: ``m``, ``v`` (and ``p``) read once."""
-    scales, epses = [item[3] for item in items], [item[4] for item in items]
-    if all(isinstance(x, float) for x in scales + epses):
-        coefficients = torch.tensor([scales, epses], dtype=torch.float64).t().contiguous()
+                state_spec: StatsSpec | None, device: torch.device, grads: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None,
+                           tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """One ``trainmon::adam_partials`` for the group: ``m``, ``v`` (``p``, ``g``) read once."""
+    columns = [[item[k] for item in items] for k in range(3, 9)]  # scale, eps', lr, 1 - beta2^t, sign, decay
+    if all(isinstance(x, float) for column in columns for x in column):
+        coefficients = torch.tensor(columns, dtype=torch.float64).t().contiguous()
         if device.type != "cpu":  # pageable host memory, non-blocking: the device is not waited for
             coefficients = coefficients.to(device, non_blocking=True)
     else:
-        coefficients = torch.stack([torch.stack([torch.as_tensor(a, dtype=torch.float64, device=device),
-                                                 torch.as_tensor(b, dtype=torch.float64, device=device)])
-                                    for a, b in zip(scales, epses)])
+        coefficients = torch.stack([torch.stack([torch.as_tensor(x, dtype=torch.float64, device=device)
+                                                 for x in row]) for row in zip(*columns)])
+    read_params = ratio_spec is not None or bool(grads)
     out = kernels.adam_partials([item[0] for item in items], [item[1] for item in items],
-                                [item[2] for item in items] if ratio_spec is not None else [],
-                                coefficients, update_spec, ratio_spec, state_spec)
+                                [item[2] for item in items] if read_params else [],
+                                coefficients, update_spec, ratio_spec, state_spec, grads)
     if out is None:
         return None
-    update, ratio, m, v = out.view(4, -1).unbind()
-    return update, ratio, (m, v) if state_spec is not None else None
+    parts = out.view(adam_parts(grads), -1).unbind()
+    update, ratio, m, v = parts[:ADAM_PARTS]
+    return (update, ratio, (m, v) if state_spec is not None else None,
+            (parts[ADAM_PARTS], parts[ADAM_PARTS + 1]) if grads else None)
 
 
 def _adam_torch(items: list[_Item], update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                device: torch.device, grads: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, None, tuple[torch.Tensor, torch.Tensor] | None]:
     """Plain torch ops: the float32 update (and ratio) of batches of at most ``_TEMPORARY_ELEMENTS`` elements.
 
     A parameter larger than that (contiguous) is cut into pieces whose partials are combined.
     Each batch costs a constant number of ``_foreach`` ops (:func:`_updates`), plus two per
     parameter for the ratio's zero-parameter fix-up (an exact ``masked_fill``: a multi-tensor
     op cannot set 0 where ``update`` is not finite), and its partials one
-    :func:`partials_torch` each.
+    :func:`partials_torch` each. With ``grads`` (one per item), the precursor rows too, about 15 ops per
+    piece (:func:`~trainmon.collect.precursor_ops.precursor_rows_torch`).
     """
     pieces: list[_Piece] = []
-    for i, (m, v, p, scale, eps) in enumerate(items):
+    for i, (m, v, p, scale, eps, lr, bias2, sign, decay) in enumerate(items):
+        g = grads[i] if grads else None
         if m.numel() == 0:
             continue  # an empty parameter keeps a row of zeros
-        if m.is_contiguous() and v.is_contiguous() and p.is_contiguous() and m.numel() > _TEMPORARY_ELEMENTS:
+        contiguous = m.is_contiguous() and v.is_contiguous() and p.is_contiguous() and (g is None or g.is_contiguous())
+        if contiguous and m.numel() > _TEMPORARY_ELEMENTS:
             for chunk in zip(torch.split(m.view(-1), _TEMPORARY_ELEMENTS),
                              torch.split(v.view(-1), _TEMPORARY_ELEMENTS),
-                             torch.split(p.view(-1), _TEMPORARY_ELEMENTS)):
-                pieces.append((i, *chunk, scale, eps))
+                             torch.split(p.view(-1), _TEMPORARY_ELEMENTS),
+                             torch.split(g.view(-1), _TEMPORARY_ELEMENTS) if g is not None
+                             else [None] * -(-m.numel() // _TEMPORARY_ELEMENTS)):
+                pieces.append((i, chunk[0], chunk[1], chunk[2], scale, eps, chunk[3], lr, bias2, sign, decay))
         else:
-            pieces.append((i, m, v, p, scale, eps))
+            pieces.append((i, m, v, p, scale, eps, g, lr, bias2, sign, decay))
     owners: list[int] = []
     parts_u: list[torch.Tensor] = []
     parts_r: list[torch.Tensor] = []
+    parts_p: list[torch.Tensor] = []
     for batch in bounded_batches(pieces, [piece[1].numel() for piece in pieces], _TEMPORARY_ELEMENTS):
         updates = _updates(batch, device)
         owners += [piece[0] for piece in batch]
         if update_spec is not None:
             parts_u.append(partials_torch(updates, update_spec))
+        if grads:
+            rows = [precursor_rows_torch(update, piece[1], piece[2], piece[3], piece[6], piece[5], piece[7], piece[8],
+                                         piece[9], piece[10])
+                    for update, piece in zip(updates, batch) if piece[6] is not None]
+            parts_p.append(torch.stack(rows))  # [k, 16]: head and tail per piece
         if ratio_spec is not None:
             params = [piece[3] for piece in batch]
             ratios = torch._foreach_div(updates, params)
@@ -238,9 +344,13 @@ def _adam_torch(items: list[_Item], update_spec: StatsSpec | None, ratio_spec: S
                 ratio.masked_fill_(param == 0, 0.0)  # a zero parameter gives ratio 0, never Inf
             parts_r.append(partials_torch(ratios, ratio_spec))
     n = len(items)
-    if len(set(owners)) < n:  # empty parameters: rows of zeros
-        return (_rows_of(parts_u, owners, n, device), _rows_of(parts_r, owners, n, device))
-    return (_combine_pieces(parts_u, owners, n, device), _combine_pieces(parts_r, owners, n, device))
+    rows_of = _rows_of if len(set(owners)) < n else _combine_pieces  # empty parameters: rows of zeros
+    precursors = None
+    if grads:
+        stacked = torch.cat(parts_p) if parts_p else torch.zeros(0, 2 * PARTIAL_SLOTS, device=device)
+        precursors = (rows_of([stacked[:, :PARTIAL_SLOTS].reshape(-1)], owners, n, device),
+                      rows_of([stacked[:, PARTIAL_SLOTS:].reshape(-1)], owners, n, device))
+    return rows_of(parts_u, owners, n, device), rows_of(parts_r, owners, n, device), None, precursors
 
 
 def _updates(batch: list[_Piece], device: torch.device) -> list[torch.Tensor]:

@@ -6,10 +6,11 @@ Two torch operators, registered with ``torch.library`` so that they dispatch lik
 - ``trainmon::partials(tensors, flags, eps)``: the ``[8 N]`` partial statistics of ``N`` tensors,
   every slot from one read of each tensor (NaN/Inf counts come free with min/max: no second pass,
   no temporary).
-- ``trainmon::adam_partials(exp_avg, exp_avg_sq, params, coefficients, update_flags, ratio_flags,
+- ``trainmon::adam_partials(exp_avg, exp_avg_sq, params, grads, coefficients, update_flags, ratio_flags,
   state_flags, eps)``: the partials of the Adam update ``m_hat / (sqrt(v_hat) + eps)`` and of
-  ``update / param`` of ``N`` parameters, and those of ``m`` and ``v`` themselves, from one read of
-  ``m``, ``v`` (and ``p``), without the full-size update.
+  ``update / param`` of ``N`` parameters, those of ``m`` and ``v`` themselves, and with ``grads`` the
+  precursor rows (:mod:`trainmon.base.precursors`), from one read of ``m``, ``v`` (``p``, ``g``), without
+  the full-size update.
 
 Kernels: CPU (numpy over cache-sized chunks; bfloat16 is widened chunk by chunk from its bits) and
 CUDA (Triton, :mod:`trainmon.collect.triton_kernels`, where Triton is installed). Devices without
@@ -18,7 +19,9 @@ a kernel use the plain torch ops of :func:`trainmon.collect.fallback.partials_to
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias
 
@@ -28,7 +31,7 @@ import torch
 
 from trainmon.base.records import PARTIAL_SLOTS, combine_partials
 from trainmon.collect.fallback import partials_torch
-from trainmon.collect.kernel_ops import ADAM_PARTS, adam_partials_op, partials_op
+from trainmon.collect.kernel_ops import ADAM_PARTS, PRECURSOR_PARTS, adam_partials_op, adam_parts, partials_op
 from trainmon.collect.stats_base import StatsSpec, partial_numpy
 
 logger = logging.getLogger("trainmon")
@@ -147,55 +150,127 @@ def ratio_into(update: Array, param: Array, out: Array) -> None:
 def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, scale: float, eps: float,
                       update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
                       update_out: Array, ratio_out: Array, state_spec: StatsSpec | None = None,
-                      m_out: Array | None = None, v_out: Array | None = None) -> None:
+                      m_out: Array | None = None, v_out: Array | None = None, *, grad: torch.Tensor | None = None,
+                      lr: float = math.nan, bias2: float = 1.0, sign: float = 1.0, decay: float = 0.0,
+                      precursor_out: Array | None = None) -> None:
     """Update and ratio partials of one CPU parameter, chunk by chunk (no full-size update or ratio); with
-    ``state_spec``, the partials of ``m`` and ``v`` too, from the same chunks."""
+    ``state_spec``, the partials of ``m`` and ``v`` too, from the same chunks; with ``grad`` (and ``p``), the
+    ``[2, 8]`` precursor head and tail into ``precursor_out`` (:mod:`trainmon.base.precursors`; ``lr``,
+    ``bias2 = 1 - beta2^t``, and the gradient the moments took, ``sign * grad + decay * param_before``)."""
     n = m.numel()
     if n == 0:
         return
-    sources = [_numpy_source(t) for t in (m, v, p) if t is not None]
+    precursors = grad is not None and p is not None and precursor_out is not None
+    sources = [_numpy_source(t) for t in (m, v, p, grad if precursors else None) if t is not None]
     if len({values.flags.c_contiguous for values, _ in sources}) > 1:  # rare: align the chunk boundaries
         sources = [(np.ascontiguousarray(values), widen) for values, widen in sources]
     pieces = [list(flat_chunks(values)) for values, _ in sources]
     chunks = len(pieces[0])
-    parts = np.zeros((ADAM_PARTS, chunks, PARTIAL_SLOTS))  # update, ratio, m, v
+    parts = np.zeros((ADAM_PARTS + PRECURSOR_PARTS, chunks, PARTIAL_SLOTS))  # update, ratio, m, v, head, tail
     size = min(n, CHUNK)
-    widened = [np.empty(size, np.float32) if widen else None for _, widen in sources]
+    # the precursors' dot products want float32 (or float64) chunks: float16 ones are widened too
+    widened = [np.empty(size, np.float32) if widen or (precursors and values.dtype == np.float16) else None
+               for values, widen in sources]
     buffer_u, buffer_r = np.empty(size, np.float32), np.empty(size, np.float32)
-    for i in range(chunks):
-        arrays = [_widen(piece[i], wide) if wide is not None else piece[i] for piece, wide in zip(pieces, widened)]
-        k = arrays[0].size
-        u, r = buffer_u[:k], buffer_r[:k]
-        if state_spec is not None:
-            partial_numpy(arrays[0], state_spec, parts[2, i])
-            partial_numpy(arrays[1], state_spec, parts[3, i])
-        update_into(arrays[0], arrays[1], u, scale, eps)
-        if update_spec is not None:
-            partial_numpy(u, update_spec, parts[0, i])
-        if ratio_spec is not None:
-            ratio_into(u, arrays[2], r)
-            partial_numpy(r, ratio_spec, parts[1, i])
+    scratch = np.empty(size, np.float32) if precursors else buffer_r
+    taken = np.empty(size, np.float32) if precursors and (sign != 1.0 or decay) else None
+    eps2 = eps * eps
+    reuse_norm = update_spec is not None and update_spec.norm  # the update's |u| per chunk, computed anyway
+    # g^2 / eps'^2 may overflow to Inf (a huge gradient): a value, not a warning for the user
+    quiet: contextlib.AbstractContextManager[Any] = np.errstate(divide="ignore", invalid="ignore", over="ignore") \
+        if precursors else contextlib.nullcontext()
+    with quiet:
+        for i in range(chunks):
+            arrays = [_widen(piece[i], wide) if wide is not None else piece[i] for piece, wide in zip(pieces, widened)]
+            k = arrays[0].size
+            u, r = buffer_u[:k], buffer_r[:k]
+            if state_spec is not None:
+                partial_numpy(arrays[0], state_spec, parts[2, i])
+                partial_numpy(arrays[1], state_spec, parts[3, i])
+            update_into(arrays[0], arrays[1], u, scale, eps)
+            if update_spec is not None:
+                partial_numpy(u, update_spec, parts[0, i])
+            if ratio_spec is not None:
+                ratio_into(u, arrays[2], r)
+                partial_numpy(r, ratio_spec, parts[1, i])
+            if precursors:
+                g = arrays[3]
+                if taken is not None:  # sign * g + decay * (p + lr * u): p + lr * u are the weights before the step
+                    g = taken[:k]
+                    np.multiply(arrays[3], sign, out=g)
+                    if decay:
+                        before = scratch[:k]  # free until precursor_chunk
+                        np.multiply(u, lr, out=before)
+                        before += arrays[2]
+                        before *= decay
+                        g += before
+                precursor_chunk(u, arrays[0], arrays[1], arrays[2], g, eps2, r, scratch[:k], parts[4, i], parts[5, i],
+                                float(parts[0, i, 0]) if reuse_norm else None)
     for spec, out, part in ((update_spec, update_out, parts[0]), (ratio_spec, ratio_out, parts[1]),
                             (state_spec, m_out, parts[2]), (state_spec, v_out, parts[3])):
         if spec is not None and out is not None:
             out[:] = combine_partials(part[:, None, :])[0]
+    if precursors:
+        assert precursor_out is not None
+        precursor_out[:] = finish_precursors(combine_partials(parts[4:].transpose(1, 0, 2)), lr, bias2)
+
+
+def precursor_chunk(u: Array, m: Array, v: Array, p: Array, g: Array, eps2: float, buffer: Array, other: Array,
+                    head: Array, tail: Array, update_norm: float | None = None) -> None:
+    """One chunk's precursor sums (:mod:`trainmon.base.precursors`) into ``head`` and ``tail``, before the
+    ``1 - beta2^t`` factor and the learning rate (:func:`finish_precursors`): ``r = g^2 / max(v, eps'^2)``
+    (0 where ``g`` is 0), ``eps' = eps * sqrt(1 - beta2^t)`` as in the update. ``buffer``, ``other``: two
+    scratch arrays of the chunk's size (``buffer`` may be the ratio's, which is measured by then);
+    ``update_norm``: the chunk's ``|u|`` where the update's statistics computed it. Call under
+    ``np.errstate(divide="ignore", invalid="ignore", over="ignore")``."""
+    np.multiply(g, g, out=buffer)
+    np.maximum(v, eps2, out=other)
+    if eps2 > 0:  # g = 0 gives 0 / max(v, eps'^2) = 0 by itself
+        np.divide(buffer, other, out=buffer)
+    else:
+        np.divide(buffer, other, out=buffer, where=buffer != 0)  # 0 stays 0 (an element without a gradient)
+    head[0] = np.sqrt(np.dot(u, u)) if update_norm is None else update_norm
+    head[1] = np.dot(u, g)
+    head[3] = buffer.max()
+    head[4] = np.dot(m, g)
+    head[5] = buffer.sum()
+    head[6] = np.count_nonzero(v < eps2)
+    head[7] = tail[7] = u.size
+    tail[0] = np.sqrt(np.dot(p, p))
+    tail[4] = np.dot(g, g)
+    tail[5] = np.dot(m, m)
+
+
+def finish_precursors(combined: Array, lr: float, bias2: float) -> Array:
+    """The ``[2, 8]`` precursor head and tail of a parameter from its combined chunk sums: ``r``'s max and sum
+    times ``1 - beta2^t`` (so that they are of ``g^2 / max(v_hat, eps^2)``), and ``lr * n``."""
+    combined = np.array(combined, dtype=np.float64)
+    combined[0, 3] *= bias2
+    combined[0, 5] *= bias2
+    combined[1, 1] = lr * combined[1, 7]
+    return combined
 
 
 @adam_partials_op.register_kernel("cpu")
 def _adam_partials_cpu(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
-                       coefficients: torch.Tensor, update_flags: list[int], ratio_flags: list[int],
-                       state_flags: list[int], eps: float) -> torch.Tensor:
+                       grads: list[torch.Tensor], coefficients: torch.Tensor, update_flags: list[int],
+                       ratio_flags: list[int], state_flags: list[int], eps: float) -> torch.Tensor:
     update_spec = _spec(update_flags, eps) if update_flags else None
     ratio_spec = _spec(ratio_flags, eps) if ratio_flags else None
     state_spec = _spec(state_flags, eps) if state_flags else None
-    n = len(exp_avg)
-    out = torch.zeros(ADAM_PARTS * PARTIAL_SLOTS * n, dtype=_F32)
-    rows = out.numpy().reshape(ADAM_PARTS, n, PARTIAL_SLOTS)  # CPU view: no sync
+    n, parts = len(exp_avg), adam_parts(grads)
+    out = torch.zeros(parts * PARTIAL_SLOTS * n, dtype=_F32)
+    rows = out.numpy().reshape(parts, n, PARTIAL_SLOTS)  # CPU view: no sync
     constants = coefficients.numpy()  # a CPU tensor: a view, no sync
+    read_params = ratio_spec is not None or bool(grads)
     for i in range(n):
-        adam_partial_into(exp_avg[i], exp_avg_sq[i], params[i] if ratio_spec is not None else None,
+        precursors = rows[ADAM_PARTS:, i] if grads else None
+        adam_partial_into(exp_avg[i], exp_avg_sq[i], params[i] if read_params else None,
                           float(constants[i, 0]), float(constants[i, 1]), update_spec, ratio_spec,
-                          rows[0, i], rows[1, i], state_spec, rows[2, i], rows[3, i])
+                          rows[0, i], rows[1, i], state_spec, rows[2, i], rows[3, i],
+                          grad=grads[i] if grads else None, lr=float(constants[i, 2]),
+                          bias2=float(constants[i, 3]), sign=float(constants[i, 4]), decay=float(constants[i, 5]),
+                          precursor_out=precursors)
     return out
 
 
@@ -271,16 +346,17 @@ def adam_kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:
 
 def adam_partials(exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], params: list[torch.Tensor],
                   coefficients: torch.Tensor, update_spec: StatsSpec | None, ratio_spec: StatsSpec | None,
-                  state_spec: StatsSpec | None = None) -> torch.Tensor | None:
+                  state_spec: StatsSpec | None = None, grads: Sequence[torch.Tensor] = ()) -> torch.Tensor | None:
     """``trainmon::adam_partials``: flat ``[4, N, 8]`` (update, ratio, exp_avg, exp_avg_sq; a part whose spec
-    is None is left 0); None when the kernel failed (then the plain torch ops are used)."""
-    spec = update_spec or ratio_spec
-    assert spec is not None, "adam_partials needs the update or the ratio statistics"
+    is None is left 0), ``[6, N, 8]`` with ``grads`` (the precursor heads and tails); None when the kernel
+    failed (then the plain torch ops are used)."""
+    spec = update_spec or ratio_spec or state_spec
     device_type = exp_avg[0].device.type
     kernel = ADAM_DIRECT.get(device_type, adam_partials_op)
     try:
-        partials: torch.Tensor = kernel(exp_avg, exp_avg_sq, params, coefficients, spec_flags(update_spec),
-                                        spec_flags(ratio_spec), spec_flags(state_spec), spec.eps)
+        partials: torch.Tensor = kernel(exp_avg, exp_avg_sq, params, list(grads), coefficients,
+                                        spec_flags(update_spec), spec_flags(ratio_spec), spec_flags(state_spec),
+                                        spec.eps if spec is not None else 0.0)
         return partials
     except Exception as exc:
         if kernel is adam_partials_op and device_type == "cpu":

@@ -18,7 +18,8 @@ from typing import Any
 
 from trainmon.anomaly.detectors import DETECTORS, check_specs
 from trainmon.anomaly.skips import DETECTOR as GUARD_DETECTOR
-from trainmon.base.records import FAMILIES, FEATURE_METRICS, METRICS
+from trainmon.base.precursors import PRECURSOR_METRICS, PRECURSORS
+from trainmon.base.records import FAMILIES, FEATURE_METRICS, METRICS, ROW_METRICS
 from trainmon.base.schema import each, load, setting, short
 from trainmon.base.targets import check_pattern, compile_pattern
 from trainmon.config import reference
@@ -166,6 +167,13 @@ class OptimizerStatesConfig:
     """Any of exp_avg, exp_avg_sq, update (m_hat / (sqrt(v_hat) + eps)), ratio (update / param), momentum (SGD)."""
     metrics: list[str] = _metrics()
     """Statistics per state tensor."""
+    precursors: bool = False
+    """Family ``precursors``: per Adam parameter, from one read of its gradient, moments and weights after the
+    step (docs/precursors.md): ``update_weight_ratio`` (lr * |update| / |param|), ``g2_v_rms`` and ``g2_v_max``
+    (the root mean and the max over elements of g^2 / max(v_hat, eps^2): the stale second moment of
+    StableAdamW), ``eps_underflow`` (the fraction of elements with sqrt(v_hat) < eps), ``cos_update_grad`` and
+    ``cos_m_g``. Exact under sharding (FSDP2, DeepSpeed ZeRO, Megatron's distributed optimizer); SGD parameters
+    have none. Series for the ``spike`` detector: ``precursors/{name}/{metric}``."""
 
 
 @dataclass
@@ -378,8 +386,7 @@ class TensorBoardConfig:
     Needs ``per_tensor: true``."""
     families: list[str] | None = setting(None, choices=FAMILIES, unique=True)
     """The families written to TensorBoard (summaries and per-tensor tags); null: every family collected."""
-    metrics: list[str] | None = setting(None, choices=(*METRICS, *dict.fromkeys(
-        m for names in FEATURE_METRICS.values() for m in names)), unique=True)
+    metrics: list[str] | None = setting(None, choices=ROW_METRICS, unique=True)
     """The metrics written to TensorBoard (their summaries and per-tensor tags); null: every metric collected."""
 
     def cross_check(self, path: str) -> None:
@@ -632,6 +639,8 @@ def family_metrics(config: MonitorConfig) -> dict[str, list[str]]:
     if config.optimizer_states.enabled:
         for state in config.optimizer_states.states:
             out[state] = config.optimizer_states.metrics
+        if config.optimizer_states.precursors:
+            out[PRECURSORS] = list(PRECURSOR_METRICS)
     if config.params.enabled:
         out["param"] = config.params.metrics
     if config.communication.enabled:

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from trainmon.base.precursors import PRECURSORS
 from trainmon.base.targets import plain_name, select
 from trainmon.collect.hooks import HookRegistry
 
@@ -32,7 +33,7 @@ class AttachOptions:
     scaler: GradScaler | None = None
 
 
-REPLICATED_FAMILIES = ("grad_reduced", "param", "exp_avg", "exp_avg_sq", "momentum", "update", "ratio")
+REPLICATED_FAMILIES = ("grad_reduced", "param", "exp_avg", "exp_avg_sq", "momentum", "update", "ratio", PRECURSORS)
 """The families that can be the same on every rank of a data-parallel group: what the optimizer steps with and
 keeps (``grad_unreduced``, activations and ``comm`` are each rank's own)."""
 

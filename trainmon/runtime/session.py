@@ -68,6 +68,8 @@ class Session:
         self.model, self.optimizer = model, optimizer
         self.options = AttachOptions(**options)
         self.framework = integrations.framework_of(model)
+        if config.enabled and config.anomaly.guard.enabled:  # before the integration is loaded, and any hook exists
+            refuse_unguarded(self.framework, model, optimizer)
         self.integration = integrations.load(self.framework)
         metrics = family_metrics(config)
         self.ctx = StepContext(specs=specs_of(metrics, config.eps), metrics=metrics, step=self.options.start_step,
@@ -89,8 +91,6 @@ class Session:
         self.skips: SkipReporter | None = None
         self.keeper: RollbackKeeper | None = None
         """Health, the skip list and the ``rollback`` action (:mod:`trainmon.actions.rollback`)."""
-        if config.enabled and config.anomaly.guard.enabled:
-            refuse_unguarded(self.framework, model, optimizer)  # before any hook exists
         self.attachment: Attachment = self._attach(config)
         try:
             ranks = check_ranks(config.ranks, self.attachment.world_size, config.absent_ranks)  # those that exist

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from trainmon.base.precursors import PRECURSORS
 from trainmon.base.records import FEATURE_METRICS
 from trainmon.config import family_metrics
 from trainmon.sinks.tensorboard_overview import NONFINITE, TagSelection, overview_tags
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("trainmon")
 
 ACTIVATION_FAMILIES = ("actv", "actv_grad")
-ADAM_FAMILIES = ("exp_avg", "exp_avg_sq", "update", "ratio")
+ADAM_FAMILIES = ("exp_avg", "exp_avg_sq", "update", "ratio", PRECURSORS)
 """Optimizer-state families an Adam-like optimizer (one with ``betas``) writes."""
 
 PARQUET_BYTES_FIXED = 2.0
@@ -48,8 +49,11 @@ PARQUET_BYTES_PER_METRIC = 2.0
 19.5 on synthetic values: docs/store.md); fewer metric columns cost proportionally less."""
 TENSORBOARD_BYTES_PER_POINT = 10
 """Bytes of one TensorBoard scalar beyond its tag's text (protobuf framing and a float32 value)."""
-CSV_VALUE_CHARS = {"norm": 20, "min": 21, "max": 20, "mean": 21, "zeros": 10, "nans": 3, "infs": 3}
-"""Typical text width of one value: ``repr`` of a float32-exact float64 (17 digits), ``0.0`` for the counts."""
+CSV_VALUE_CHARS = {"norm": 20, "min": 21, "max": 20, "mean": 21, "zeros": 10, "nans": 3, "infs": 3,
+                   "update_weight_ratio": 22, "g2_v_rms": 18, "g2_v_max": 18, "eps_underflow": 10,
+                   "cos_update_grad": 20, "cos_m_g": 20}
+"""Typical text width of one value: ``repr`` of a float32-exact float64 (17 digits), ``0.0`` for the counts; the
+precursors' (divisions on the host in float64) ``repr`` of a float64."""
 CSV_STEP_DIGITS = 5
 """Digits of a typical step (10,000 steps)."""
 MB = 1e6

@@ -14,11 +14,13 @@ exported. By default a rank writes, whatever the model size:
   ``0_overview/{name}`` and ``scalars/{name}``), the first :data:`NUMBERED_KEPT` of ``lr/group{i}`` and
   ``loss/micro{m}``, and the other scalars up to :data:`SCALAR_TAGS` tags (a warning names the first one left out).
 
-That is at most 11 tags per family (11 families), 14 for the four model-feature families together (their
-summaries: :data:`OVERVIEW_STATS`), 8 + 40 scalar tags, 6 anomaly tags (3 detector types) and the
-Custom Scalars layout: < 200 (:data:`MAX_TAGS`). :class:`TagSelection` ``per_tensor`` adds the per-tensor tags
-``{family}/{name}/{metric}[/vpp{v}][/micro{m}]`` and the per-parameter grad-probe scalars of the tensors it
-selects, and lifts the bounds on scalars.
+The ``precursors`` family (docs/precursors.md) has its own: ``update_weight_ratio_max``, ``update_weight_ratio_median``,
+``g2_v_rms_max``, ``g2_v_max_max``, ``eps_underflow_max``, ``cos_update_grad_min``, ``cos_m_g_min``.
+That is at most 11 tags per family (11 families of tensor statistics), 14 for the four model-feature families
+together and 7 for the precursors (their summaries: :data:`OVERVIEW_STATS`), 8 + 40 scalar tags, 6 anomaly tags
+(3 detector types) and the Custom Scalars layout: < 200 (:data:`MAX_TAGS`). :class:`TagSelection` ``per_tensor``
+adds the per-tensor tags ``{family}/{name}/{metric}[/vpp{v}][/micro{m}]`` and the per-parameter grad-probe scalars
+of the tensors it selects, and lifts the bounds on scalars.
 
 NaN: a NaN norm is a NaN in the data (an empty tensor's norm is 0), so ``norm_max`` is NaN when any tensor's norm
 is (TensorBoard marks the step with a triangle) and ``norm_argmax`` names the first such tensor; the other
@@ -36,7 +38,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from trainmon.base.records import FAMILIES, FEATURE_METRICS, METRICS, Row
+from trainmon.base.precursors import PRECURSOR_METRICS
+from trainmon.base.records import FAMILIES, FEATURE_METRICS, METRICS, ROW_METRICS, Row
 from trainmon.base.targets import compile_pattern
 
 OVERVIEW_STATS: dict[str, tuple[str, ...]] = {
@@ -46,6 +49,9 @@ OVERVIEW_STATS: dict[str, tuple[str, ...]] = {
     "max_logit": ("max", "median"), "entropy": ("min", "median"), "imbalance": ("max",), "z_loss": ("max",),
     "expert_similarity": ("max",), "tokens": ("min", "max"), "share": (), "spectral_norm": ("max",),
     "stable_rank": ("min", "median"),
+    # the precursors family's (docs/precursors.md): the layer furthest out, and the typical one for the ratio
+    "update_weight_ratio": ("max", "median"), "g2_v_rms": ("max",), "g2_v_max": ("max",), "eps_underflow": ("max",),
+    "cos_update_grad": ("min",), "cos_m_g": ("min",),
 }
 """The summaries of each metric over the tensors of a step (see the module docstring)."""
 NONFINITE = "nonfinite_tensors"
@@ -61,12 +67,13 @@ NUMBERED_KEPT = 4
 SCALAR_TAGS = 40
 """Tags of the other scalars the overview writes at most (each scalar name takes one or two: ``scalars/x``,
 ``0_overview/x``)."""
-MAX_TAGS = ((len(FAMILIES) - len(FEATURE_METRICS)) * (sum(len(OVERVIEW_STATS[m]) for m in METRICS) + 2)
+MAX_TAGS = ((len(FAMILIES) - len(FEATURE_METRICS) - 1) * (sum(len(OVERVIEW_STATS[m]) for m in METRICS) + 2)
             + sum(len(OVERVIEW_STATS[m]) for names in FEATURE_METRICS.values() for m in names)
+            + sum(len(OVERVIEW_STATS[m]) for m in PRECURSOR_METRICS)
             + 2 * (len(RUN_SCALARS) + SCALAR_TAGS // 2) + 2 * 3 + 1)
-"""Tags of an overview at most: per family the summaries, ``nonfinite_tensors`` and the table (a feature family: its
-summaries, no ``norm`` hence neither); the scalars; a count and a text per anomaly detector type; the Custom Scalars
-layout."""
+"""Tags of an overview at most: per family the summaries, ``nonfinite_tensors`` and the table (a feature family and
+``precursors``: their summaries, no ``norm`` hence neither); the scalars; a count and a text per anomaly detector
+type; the Custom Scalars layout."""
 
 
 def summary_tag(family: str, metric: str, stat: str) -> str:
@@ -399,4 +406,4 @@ __all__ = ["MAX_TAGS", "NONFINITE", "NUMBERED_KEPT", "OVERVIEW_STATS", "RUN_SCAL
            "Overview", "TagSelection", "numbered_beyond", "overview_tags", "per_tensor_scalar", "summarise",
            "summary_tag", "table_text"]
 
-assert set(OVERVIEW_STATS) == set(METRICS) | {m for names in FEATURE_METRICS.values() for m in names}
+assert set(OVERVIEW_STATS) == set(ROW_METRICS)

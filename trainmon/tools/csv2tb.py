@@ -28,7 +28,7 @@ import numpy as np
 
 from trainmon.base.inputs import describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
 from trainmon.base.progress import Bar
-from trainmon.base.records import FAMILIES, FEATURE_METRICS, METRICS, split_row_tag
+from trainmon.base.records import FAMILIES, ROW_METRICS, split_row_tag
 from trainmon.errors import ConfigError, UsageError
 from trainmon.sinks import tensorboard as board
 from trainmon.sinks.tensorboard_overview import SCALAR_TAGS, Block, Overview, TagSelection
@@ -70,8 +70,7 @@ def add_parser(sub: Subparsers) -> None:
     parser.add_argument("-o", "--output", help="output directory (default: RUN_DIR/tensorboard)")
     parser.add_argument("--families", nargs="+", choices=[*FAMILIES, "scalars", *_MSPROBE_FAMILIES],
                         help="only these families (summaries and per-tensor tags; scalars: the step's scalars)")
-    feature_metrics = dict.fromkeys(m for names in FEATURE_METRICS.values() for m in names)
-    parser.add_argument("--metrics", nargs="+", choices=[*METRICS, *feature_metrics], help="only these metrics")
+    parser.add_argument("--metrics", nargs="+", choices=ROW_METRICS, help="only these metrics")
     parser.add_argument("--per-tensor", action="store_true",
                         help="also one tag per tensor and metric (thousands of tags on a large model: TensorBoard "
                              "loads them slowly; narrow them with --tensors)")

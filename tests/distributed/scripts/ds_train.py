@@ -134,6 +134,7 @@ def run_case(out: str, case: dict, counter: CollectiveCounter) -> None:
                               "targets": {"params": case.get("params", ["*"])},
                               "activations": {"enabled": case.get("activations", False)},
                               "anomaly": {"actions": ["jsonl"]}, "params": {"enabled": True},
+                              "optimizer_states": {"precursors": True},
                               "ranks": case.get("ranks"), "step_interval": case.get("interval", 1)})
     before = _hook_counts(engine)
     monitor.attach(engine)

@@ -200,7 +200,8 @@ def run_case(out: Path, case: str, counter: CollectiveCounter) -> None:
         "output_dir": str(out), "run_name": case, "sinks": ["csv"], "step_interval": INTERVAL,
         "activations": {"enabled": True, "metrics": ["norm", "max"]},
         "weight_grads": {"metrics": METRICS}, "params": {"enabled": True, "metrics": METRICS},
-        "optimizer_states": {"states": STATES, "metrics": METRICS}, "anomaly": {"actions": ["jsonl"]},
+        "optimizer_states": {"states": STATES, "metrics": METRICS, "precursors": True},
+        "anomaly": {"actions": ["jsonl"]},
         "ranks": [1] if case == "fsdp_nosync" else None})
     before = _hook_keys(net, optimizer)
     monitor.attach(net, optimizer, grad_acc_steps=MICRO)
@@ -239,7 +240,7 @@ def run_case(out: Path, case: str, counter: CollectiveCounter) -> None:
     betas, eps = optimizer.param_groups[0]["betas"], optimizer.param_groups[0]["eps"]
     (case_dir / f"extra_rank{rank}.json").write_text(json.dumps({
         "collectives": collectives, "hooks_left": left, "unsharded_seen": len(unsharded),
-        "betas": list(betas), "eps": eps}))
+        "betas": list(betas), "eps": eps, "lr": optimizer.param_groups[0]["lr"]}))
     dist.barrier()
 
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import mcore_cpu_shim  # CPU-only test shim, shared with examples/megatron_gpt.py
 
 seed_all = mcore_cpu_shim.apply()
@@ -41,6 +42,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
+from tests.reference import precursors_np  # noqa: E402
 from trainmon import TrainerMonitor  # noqa: E402
 from trainmon.integrations.megatron.collect import MegatronParamCollector  # noqa: E402
 
@@ -178,7 +180,7 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
     monitor = TrainerMonitor({
         "output_dir": str(out), "run_name": name, "sinks": ["csv"],
         "activations": {"enabled": activations},
-        "params": {"enabled": True},
+        "params": {"enabled": True}, "optimizer_states": {"precursors": True},
         "anomaly": {"detectors": [{"type": "nonfinite"}], "actions": ["jsonl"]},
     })
     groups: dict = {}
@@ -251,7 +253,7 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
         loss = torch.stack([x["loss"] for x in losses]).mean() if losses else None
         monitor.step(loss=loss)
         step_refs: dict[str, dict] = {f: {} for f in ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq",
-                                                      "update", "ratio", "actv")}
+                                                      "update", "ratio", "actv", "precursors")}
         dp_group, dp = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
         if not ok:  # skipped for non-finite gradients: no optimizer hook ran, Adam's state is unchanged
             skipped.append(step)
@@ -273,6 +275,8 @@ def run_case(name: str, out: Path, tp: int, pp: int, vpp: int | None = None, dis
             step_refs["exp_avg_sq"][pname] = np_stats(v[pname])
             step_refs["update"][pname] = np_stats(update)
             step_refs["ratio"][pname] = np_stats(np.where(after != 0, update / np.where(after != 0, after, 1), 0))
+            step_refs["precursors"][pname] = precursors_np(reduced, m[pname], v[pname], after, step + 1, BETAS, EPS,
+                                                           opt.param_groups[0]["lr"])
         for mname, outs in captured.items():  # mname: the row name
             for micro, array in enumerate(outs):
                 step_refs["actv"][f"{mname}|{micro}"] = np_stats(array)

@@ -54,7 +54,7 @@ class _Selector:
         if row is not None:
             self.family, pattern, self.metric = row
             if not pattern or self.metric not in metrics_of(self.family):
-                raise ConfigError(path, f"row series must be 'family/name/metric' with a metric in "
+                raise ConfigError(path, f"row series must be 'family/name/metric' with a metric of {self.family} in "
                                         f"{list(metrics_of(self.family))}, got {text!r}")
         self.pattern = compile_pattern(pattern, path)
 
@@ -76,7 +76,8 @@ class SpikeConfig:
 
     series: list[str] = setting(["loss"], check=check_series)
     """Scalars by name (``loss``, ``grad_norm``, ``lr/group0``; globs allowed) or rows as
-    ``family/name/metric`` (``grad_reduced/layers.*/norm``; name glob or ``re:`` regex)."""
+    ``family/name/metric`` (``grad_reduced/layers.*/norm``, ``precursors/layers.*/g2_v_rms``; name glob or
+    ``re:`` regex)."""
     method: str = setting("ema", choices=METHODS)
     """ema, mad, log (loss_spike's rules on any positive series) or relative (msprobe AnomalyTurbulence)."""
     threshold: float | None = setting(None, minimum=0.0)

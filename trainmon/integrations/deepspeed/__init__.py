@@ -8,9 +8,11 @@ What is measured where (see ``docs/deepspeed.md``):
 - ``grad_reduced`` and ``param``: the rank-local shards of the averaged gradient and of the fp32
   master parameter at the start of ``engine.step()`` on an accumulation boundary (where
   DeepSpeed documents its gradient accessors as valid); optimizer states, ``update`` and
-  ``ratio`` after it. Partial statistics of the shards are combined across the data-parallel
-  group with ONE all-gather per step for all parameters, and written by the lowest rank of the
-  data-parallel group that ``ranks`` selects (data-parallel rank 0 when ``ranks`` is null).
+  ``ratio`` after it; ``precursors`` in a step post-hook of the torch optimizer DeepSpeed steps (inside
+  ``engine.step()``, where the unscaled, clipped gradient it stepped with is still on the flat partition).
+  Partial statistics of the shards are combined across the data-parallel group with ONE all-gather per step
+  for all parameters, and written by the lowest rank of the data-parallel group that ``ranks`` selects
+  (data-parallel rank 0 when ``ranks`` is null).
 - scalars: ``grad_norm`` (``engine.get_global_grad_norm()``), ``loss_scale`` (fp16),
   ``skipped_steps``, ``step_applied``, ``global_steps``, ``lr/group{i}``.
 
@@ -27,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainmon.base import process_groups
+from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
 from trainmon.collect.activations import ActivationCollector
-from trainmon.collect.adam import adam_update, update_ratio
+from trainmon.collect.adam import AdamEntry, adam_update, coupled_groups, precursor_partials, update_ratio
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector
 from trainmon.collect.stats import combine_partials_torch, empty_partial
@@ -98,13 +101,26 @@ class DeepSpeedShardCollector(HookedCollector):
         self.norm_group = norm_group
         self.norm_world = process_groups.group_size(norm_group, none_is_world=False)
         self._pending: list[tuple[str, str, int, torch.Tensor]] = []
+        self.precursors = PRECURSORS in ctx.specs and self.layout.optimizer is not None
+        self._precursors: dict[str, torch.Tensor] = {}
+        """This step's ``[16]`` precursor partial per parameter name, from the inner optimizer's step hooks."""
         self.guard_norm: torch.Tensor | float | None = None
         """The global norm the step guard judged, on a step DeepSpeed skipped (it reports its own as Inf then)."""
         self.keep(hooks.register_step_pre_hook(self.guarded(self._pre_step)))
         self.keep(hooks.register_step_post_hook(self.guarded(self._post_step)))
 
+    HOOK_GROUPS = ("deepspeed_inner_step",)
+
+    def install_hooks(self) -> None:
+        """The precursors' hook on the torch optimizer DeepSpeed steps: inside ``engine.step()``, where the gradient
+        it steps with (unscaled, clipped) is still on its flat fp32 partition, which DeepSpeed frees right after."""
+        inner = self.layout.optimizer
+        if self.precursors and inner is not None:
+            self.registry.add(self.HOOK_GROUPS[0], inner.register_step_post_hook(self.guarded(self._inner_step)))
+
     def reset(self) -> None:
         self._pending.clear()
+        self._precursors.clear()
 
     def record_guard_norm(self, norm: torch.Tensor | float) -> None:
         """The step guard's global norm of a step DeepSpeed skipped: recorded as ``grad_norm`` instead of the Inf
@@ -188,6 +204,13 @@ class DeepSpeedShardCollector(HookedCollector):
         buffer.add_scalar("global_steps", engine.global_steps)
         for i, lr in enumerate(engine.get_lr()):
             buffer.add_scalar(f"lr/group{i}", lr)
+        if self.precursors and applied:  # every rank the same rows (an empty partial where it measured none)
+            empty = empty_partial(torch.device(engine.device))
+            for name, _, vpp_stage in self.params:
+                partial = self._precursors.get(name)
+                self._pending.append((PRECURSORS, name, vpp_stage, empty if partial is None else partial[:8]))
+                self._pending.append((PRECURSORS_TAIL, name, vpp_stage, empty if partial is None else partial[8:]))
+        self._precursors.clear()
         if not self.states:
             return
         context = layout.adam_context() if ("update" in self.states or "ratio" in self.states) else {}
@@ -213,6 +236,43 @@ class DeepSpeedShardCollector(HookedCollector):
                     master = layout.master(param)
                     ratio = None if master is None else update_ratio(update, master)
                 self._measure("ratio", name, vpp_stage, ratio)
+
+    def _inner_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """After the inner optimizer stepped some of its flat partitions (ZeRO 1/2: one parameter group per call,
+        ZeRO-3: one sub-group): the precursors of the target parameters whose local shard lies in them, read as
+        views of the flat partition, its ``.grad`` and its states at the shard's offset (no copy)."""
+        if not self.ctx.collecting:
+            return
+        stepped = {flat.untyped_storage().data_ptr(): (flat, group)
+                   for group in optimizer.param_groups for flat in group["params"]}
+        entries: list[AdamEntry] = []
+        grads: list[torch.Tensor | None] = []
+        names: list[str] = []
+        for name, param, _ in self.params:
+            master = self.layout.master(param) if name not in self._precursors else None
+            if master is None or master.numel() == 0:
+                continue
+            found = stepped.get(master.untyped_storage().data_ptr())
+            if found is None:
+                continue
+            flat, group = found
+            state = optimizer.state.get(flat)
+            if flat.grad is None or not state or not isinstance(state.get("exp_avg"), torch.Tensor):
+                continue
+            offset, count = master.storage_offset() - flat.storage_offset(), master.numel()
+
+            def piece(tensor: torch.Tensor, offset: int = offset, count: int = count) -> torch.Tensor:
+                return tensor.reshape(-1).narrow(0, offset, count)
+
+            local = {key: piece(value) if isinstance(value, torch.Tensor) and value.numel() == flat.numel() else value
+                     for key, value in state.items()}
+            local.setdefault("step", group.get("step"))
+            entries.append((piece(flat), local, group))
+            grads.append(piece(flat.grad))
+            names.append(name)
+        if entries:
+            measured = precursor_partials(entries, grads, coupled_groups([optimizer]))
+            self._precursors.update((name, partial) for name, partial in zip(names, measured) if partial is not None)
 
     # ------------------------------------------------------------------------- step end
     def before_transfer(self) -> None:

@@ -8,7 +8,7 @@ What is measured where (see ``docs/fsdp.md``):
   found by a forward pre-hook of each FSDP module, or from FSDP2's records for FSDP modules that run
   compiled, which get no hook of trainmon's).
 - ``grad_reduced``, ``param``, optimizer states (Adam ``exp_avg``/``exp_avg_sq``, ``update``,
-  ``ratio``; SGD ``momentum``): measured on this rank's local shard (``DTensor.to_local()``; no
+  ``ratio``, ``precursors``; SGD ``momentum``): measured on this rank's local shard (``DTensor.to_local()``; no
   gather, no redistribution) in the optimizer's step hooks; scalar ``grad_norm`` from the local
   shards' norms at the end of the backward pass (pre-clip). The partial statistics of all of
   them go through ONE ``all_gather`` of an ``[N, 8]`` tensor per collected step over the shard
@@ -35,11 +35,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainmon.base import process_groups
+from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
 from trainmon.collect.activations import ActivationCollector
-from trainmon.collect.adam import adam_partials_cpu, adam_update, update_ratio
+from trainmon.collect.adam import adam_partials_cpu, adam_update, coupled_groups, precursor_partials, update_ratio
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.optimizer import TorchOptimizerCollector, global_grad_norm
-from trainmon.collect.optimizer_parts import param_groups_of, states_of
+from trainmon.collect.optimizer import TorchOptimizerCollector, global_grad_norm, unless_skipped
+from trainmon.collect.optimizer_parts import param_groups_of, state_holder, states_of
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.collect.step_hooks import scale_of, unwrap_optimizer
 from trainmon.integrations.base import (
@@ -113,7 +114,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
             self.unsharded.install()
         if self.optimizer is not None:
             self.registry.add(_STEP, self.optimizer.register_step_pre_hook(self.guarded(self._pre_step)))
-            if self._states:
+            if self._states or self._precursors:
                 self.registry.add(_STEP, self.optimizer.register_step_post_hook(self.guarded(self._post_step)))
 
     def reset(self) -> None:
@@ -158,6 +159,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
             return
         found = states_of(self.parts)
         adam = "update" in self._states or "ratio" in self._states
+        precursors: list[tuple[str, int, tuple[torch.Tensor, dict[str, Any], dict[str, Any]], torch.Tensor]] = []
         for name, param, vpp_stage in self.params:
             state, group = found.get(id(param), (None, {}))
             if not state:
@@ -169,6 +171,27 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
                 self._shard("momentum", name, vpp_stage, state["momentum_buffer"])
             if adam and "exp_avg" in state and "exp_avg_sq" in state:
                 self._adam_rows(name, vpp_stage, state, group, local_shard(param))
+            if self._precursors and param.grad is not None and all(
+                    state.get(key) is not None for key in ("exp_avg", "exp_avg_sq", "step")):
+                local = {key: local_shard(value) if isinstance(value, torch.Tensor) else value
+                         for key, value in state.items()}
+                precursors.append((name, vpp_stage, (local_shard(param), local, group), local_shard(param.grad)))
+        if precursors:
+            self._precursor_rows(precursors, getattr(optimizer, "found_inf", None))
+
+    def _precursor_rows(self, rows: list[tuple[str, int, tuple[torch.Tensor, dict[str, Any], dict[str, Any]],
+                                                torch.Tensor]], found_inf: Any = None) -> None:
+        """The ``precursors`` rows of the local shards, all at once (the same elementwise sums as on whole tensors:
+        the step's collective combines them); a shard that gives none still adds empty ones, so that every rank
+        keeps the same rows; empty ones too where a fused optimizer skipped the step (``found_inf``)."""
+        measured = precursor_partials([row[2] for row in rows], [row[3] for row in rows],
+                                      coupled_groups([state_holder(part) for part in self.parts]))
+        for (name, vpp_stage, (param, _, _), _), partial in zip(rows, measured):
+            head, tail = (partial[:8], partial[8:]) if partial is not None else \
+                (empty_partial(param.device), empty_partial(param.device))
+            head, tail = unless_skipped(head, found_inf), unless_skipped(tail, found_inf)
+            self._rows.append((PRECURSORS, name, vpp_stage, head))
+            self._rows.append((PRECURSORS_TAIL, name, vpp_stage, tail))
 
     def _adam_rows(self, name: str, vpp_stage: int, state: dict[str, Any], group: dict[str, Any],
                    param: torch.Tensor) -> None:

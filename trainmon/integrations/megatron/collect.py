@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainmon.base import process_groups
+from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
 from trainmon.base.records import RowKey, activation_row, module_call
 from trainmon.collect.activations import ActivationCollector, is_root
-from trainmon.collect.adam import adam_update, update_ratio
+from trainmon.collect.adam import AdamEntry, adam_update, coupled_groups, precursor_partials, update_ratio
 from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.collect.stats import combine_partials_torch, empty_partial, partial_stats
@@ -88,7 +89,8 @@ class MegatronParamCollector(HookedCollector):
       the 1F1B and interleaved schedules).
     - ``grad_reduced`` and ``param``: the main parameter and its ``.grad`` in the torch
       optimizer's step pre-hook, i.e. after reduction, unscaling and clipping: what it steps with.
-    - ``exp_avg``, ``exp_avg_sq``, ``update``, ``ratio``: in the torch optimizer's step post-hook.
+    - ``exp_avg``, ``exp_avg_sq``, ``update``, ``ratio``, ``precursors``: in the torch optimizer's step post-hook
+      (the precursors from the main parameter's ``.grad``, the unscaled and clipped gradient the step used).
 
     Args:
         ctx: the monitor's step context.
@@ -108,6 +110,8 @@ class MegatronParamCollector(HookedCollector):
         self.layout = layout
         self.config = config
         self.families = [f for f in ("grad_unreduced",) + _OPTIMIZER_FAMILIES if f in ctx.specs]
+        if PRECURSORS in ctx.specs:  # two slots per parameter: a precursor row and its second half
+            self.families += [PRECURSORS, PRECURSORS_TAIL]
         self._index = {family: i * len(self.params) for i, family in enumerate(self.families)}
         self._optimizers = list({id(m.optimizer): m.optimizer for m in mains.values()}.values())
         device = self.params[0][1].device if self.params else torch.device("cpu")
@@ -131,7 +135,7 @@ class MegatronParamCollector(HookedCollector):
                     hook = self.guarded(self._grad_hook(i))
                     self.registry.add(_GRADS, param.register_post_accumulate_grad_hook(hook))
         wants_pre = any(f in self.ctx.specs for f in ("grad_reduced", "param"))
-        wants_post = any(f in self.ctx.specs for f in ("exp_avg", "exp_avg_sq", "update", "ratio"))
+        wants_post = any(f in self.ctx.specs for f in ("exp_avg", "exp_avg_sq", "update", "ratio", PRECURSORS))
         for optimizer in self._optimizers:
             if wants_pre:
                 self.registry.add(_OPTIMIZER, optimizer.register_step_pre_hook(self.guarded(self._pre_step)))
@@ -175,12 +179,13 @@ class MegatronParamCollector(HookedCollector):
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.ctx.collecting:
-            self._measure(optimizer, ("exp_avg", "exp_avg_sq", "update", "ratio"))
+            self._measure(optimizer, ("exp_avg", "exp_avg_sq", "update", "ratio", PRECURSORS))
 
     def _measure(self, optimizer: torch.optim.Optimizer, families: Sequence[str]) -> None:
         ctx = self.ctx
         families = [f for f in families if f in ctx.specs]
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        precursors: list[tuple[int, AdamEntry, torch.Tensor]] = []  # (slot, entry, gradient), measured together
         for i, (_, param, _) in enumerate(self.params):
             main = self.mains.get(id(param))
             if main is None or main.optimizer is not optimizer:
@@ -191,7 +196,15 @@ class MegatronParamCollector(HookedCollector):
                 slot = self._index[family] + i
                 self._slots.meta[slot] = (ctx.micro_step, ctx.buffer.next_order())
                 self._fired.add(family)
+                if family == PRECURSORS:  # its second half: the same row, in the tail's slot
+                    tail = self._index[PRECURSORS_TAIL] + i
+                    self._slots.meta[tail] = self._slots.meta[slot]
+                    self._fired.add(PRECURSORS_TAIL)
                 if main.main.numel() == 0:
+                    continue
+                if family == PRECURSORS:
+                    if state and main.main.grad is not None:
+                        precursors.append((slot, (main.main, state, group_of[id(main.main)]), main.main.grad))
                     continue
                 if family == "grad_reduced":
                     tensor = main.main.grad
@@ -205,6 +218,14 @@ class MegatronParamCollector(HookedCollector):
                     tensor = update if family == "update" or update is None else update_ratio(update, main.main)
                 if tensor is not None:
                     self._slots.partials[slot] = partial_stats(tensor, ctx.specs[family])
+        if precursors:
+            measured = precursor_partials([p[1] for p in precursors], [p[2] for p in precursors],
+                                          coupled_groups([optimizer]))
+            for (slot, _, _), partial in zip(precursors, measured):
+                if partial is not None:
+                    i = slot - self._index[PRECURSORS]
+                    self._slots.partials[slot] = partial[:8]
+                    self._slots.partials[self._index[PRECURSORS_TAIL] + i] = partial[8:]
 
     # ----------------------------------------------------------------------------- combination
     def _dp_shard_masks(self, device: torch.device) -> list[tuple[Any, torch.Tensor]]:

@@ -30,6 +30,7 @@ import numpy.typing as npt
 import torch
 from mindspore import Tensor, mint
 
+from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
 from trainmon.base.records import PARTIAL_SLOTS, RowKey
 from trainmon.collect.kernels import adam_partial_into, partial_into
 from trainmon.integrations.mindspore.stats import constants, partial_stats, tensor_meta
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from trainmon.collect.context import StepContext
     from trainmon.collect.stats_base import StatsSpec
 
-_ADAM_FAMILIES = ("exp_avg", "exp_avg_sq", "update", "ratio")
+_ADAM_FAMILIES = ("exp_avg", "exp_avg_sq", "update", "ratio", PRECURSORS, PRECURSORS_TAIL)
 HOST_DTYPES = (ms.float16, ms.float32, ms.float64)
 """Dtypes measured on the host (numpy has them); others take the device path."""
 
@@ -103,8 +104,21 @@ class HostNorm(HostEntry):
 
 
 @dataclass
+class HostPrecursors:
+    """What :class:`HostAdam` needs for the ``precursors`` rows: the gradients the step took, the optimizer's fixed
+    learning rate (None: unknown, NaN ratio) and ``nn.Adam``'s coupled weight decay with the parameters it applies
+    to (``optimizer.Precursors``)."""
+
+    grads: list[Tensor]
+    lr: Tensor | None
+    decay: Tensor | None
+    decayed: list[bool]
+
+
+@dataclass
 class HostAdam(HostEntry):
-    """``exp_avg``, ``exp_avg_sq``, ``update`` and ``ratio`` rows of an Adam-like optimizer after its step.
+    """``exp_avg``, ``exp_avg_sq``, ``update``, ``ratio`` and ``precursors`` rows of an Adam-like optimizer after its
+    step.
 
     ``rows[family]`` holds the keys of that family, one per parameter (absent: not measured); the update is
     ``m * scale / (sqrt(v) + eps')`` computed chunk by chunk in float32 (no full-size temporary), with
@@ -120,38 +134,62 @@ class HostAdam(HostEntry):
     params: list[Tensor]
     eps: Tensor | float
     beta_powers: tuple[Tensor, Tensor] | None
+    precursors: HostPrecursors | None = None
 
     def __post_init__(self) -> None:
         self.keys = [key for family in _ADAM_FAMILIES for key in self.rows.get(family, [])]
 
     def measure(self) -> tuple[npt.NDArray[np.float64], dict[str, float]]:
-        scale, eps = 1.0, host_scalar(self.eps) if isinstance(self.eps, Tensor) else float(self.eps)
+        scale, eps, bias2 = 1.0, host_scalar(self.eps) if isinstance(self.eps, Tensor) else float(self.eps), 1.0
         if self.beta_powers is not None:
-            root_bias2 = float(np.sqrt(1.0 - host_scalar(self.beta_powers[1])))
+            bias2 = 1.0 - host_scalar(self.beta_powers[1])
+            root_bias2 = float(np.sqrt(bias2))
             scale, eps = root_bias2 / (1.0 - host_scalar(self.beta_powers[0])), eps * root_bias2
+        extra = self.precursors
+        lr = host_scalar(extra.lr) if extra is not None and extra.lr is not None else float("nan")
+        decay = host_scalar(extra.decay) if extra is not None and extra.decay is not None else 0.0
+        raw_eps = host_scalar(self.eps) if isinstance(self.eps, Tensor) else float(self.eps)
         count = len(self.m)
         parts = {family: np.zeros((count, PARTIAL_SLOTS)) for family in self.rows}
         scratch = np.zeros(PARTIAL_SLOTS)
         state_spec = self.specs.get("exp_avg") or self.specs.get("exp_avg_sq")
         together = state_spec is not None and all(self.specs.get(f, state_spec) == state_spec
                                                   for f in ("exp_avg", "exp_avg_sq"))
-        derived = "update" in self.rows or "ratio" in self.rows
+        derived = "update" in self.rows or "ratio" in self.rows or extra is not None
+        precursor = np.zeros((2, PARTIAL_SLOTS))
         for i in range(count):
             m, v = host_view(self.m[i]), host_view(self.v[i])
-            if derived:  # one chunked pass over m, v (and the parameter) gives the update, ratio and moments
-                p = host_view(self.params[i]) if "ratio" in self.rows else None
+            if derived:  # one chunked pass over m, v (the parameter, the gradient): update, ratio, moments, precursors
+                p = host_view(self.params[i]) if "ratio" in self.rows or extra is not None else None
                 adam_partial_into(m, v, p, scale, eps, self.specs.get("update"), self.specs.get("ratio"),
                                   parts["update"][i] if "update" in parts else scratch,
                                   parts["ratio"][i] if "ratio" in parts else scratch,
                                   state_spec if together else None,
                                   parts["exp_avg"][i] if "exp_avg" in parts else scratch.copy(),
-                                  parts["exp_avg_sq"][i] if "exp_avg_sq" in parts else scratch.copy())
+                                  parts["exp_avg_sq"][i] if "exp_avg_sq" in parts else scratch.copy(),
+                                  grad=self._taken(i, m, v, scale, raw_eps, lr, decay) if extra is not None else None,
+                                  lr=lr, bias2=bias2, precursor_out=precursor if extra is not None else None)
+                if extra is not None:
+                    parts[PRECURSORS][i], parts[PRECURSORS_TAIL][i] = precursor
+                    precursor[:] = 0.0
             if not (derived and together):
                 for family, tensor in (("exp_avg", m), ("exp_avg_sq", v)):
                     if family in parts:
                         partial_into(tensor, self.specs[family], parts[family][i])
         ordered = [parts[family] for family in _ADAM_FAMILIES if family in parts]
         return np.concatenate(ordered) if ordered else np.empty((0, PARTIAL_SLOTS)), {}
+
+    def _taken(self, i: int, m: torch.Tensor, v: torch.Tensor, scale: float, eps: float, lr: float,
+               decay: float) -> torch.Tensor:
+        """The gradient parameter ``i``'s moments took: the one handed to the optimizer, plus ``nn.Adam``'s coupled
+        decay ``decay * p_before``, ``p_before = p + lr * scale * m / (sqrt(v) + eps)`` (``nn.Adam``'s own step,
+        which adds ``eps`` before the bias correction; a float32 temporary of the parameter's size)."""
+        assert self.precursors is not None
+        grad = host_view(self.precursors.grads[i])
+        if not (decay and self.precursors.decayed[i]):
+            return grad
+        step = m.float() / (v.float().sqrt() + eps) * (lr * scale)
+        return grad.float() + decay * (host_view(self.params[i]).float() + step)
 
 
 @dataclass

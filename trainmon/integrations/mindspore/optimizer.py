@@ -13,16 +13,26 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mindspore as ms
 from mindspore import Parameter, Tensor, mint
+from mindspore import nn as ms_nn
 
-from trainmon.base.records import RowKey
+from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
+from trainmon.base.records import PARTIAL_SLOTS, RowKey
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.integrations.mindspore.buffer import buffer_of
-from trainmon.integrations.mindspore.host import HOST_DTYPES, HostAdam, HostNorm, HostRows, host_measurable
+from trainmon.integrations.mindspore.host import (
+    HOST_DTYPES,
+    HostAdam,
+    HostNorm,
+    HostPrecursors,
+    HostRows,
+    host_measurable,
+)
 from trainmon.integrations.mindspore.stats import (
     Group,
     constants,
@@ -30,6 +40,7 @@ from trainmon.integrations.mindspore.stats import (
     group_partials,
     matrix_partials,
     plan_groups,
+    precursor_partials,
     sum_of_squares,
     tensor_meta,
     working_dtype,
@@ -93,12 +104,56 @@ class AdamMoments:
 
     def update(self, m: Tensor, v: Tensor, vhat: Tensor | None, corrections: tuple[Tensor, Tensor] | None) -> Tensor:
         """The update of float32 matrices of moments (rows: parameters)."""
+        v = self.v_hat(v, vhat, corrections)
+        if corrections is not None:
+            m = mint.div(m, corrections[0])
+        return mint.div(m, mint.add(mint.sqrt(v), self.eps_tensor()))
+
+    def v_hat(self, v: Tensor, vhat: Tensor | None, corrections: tuple[Tensor, Tensor] | None) -> Tensor:
+        """The second moment the update divides by: AMSGrad's max, bias-corrected where the optimizer is."""
         if vhat is not None:
             v = mint.maximum(v, vhat)
+        return v if corrections is None else mint.div(v, corrections[1])
+
+    def applied_step(self, m: Tensor, v: Tensor, vhat: Tensor | None, corrections: tuple[Tensor, Tensor] | None,
+                     lr: Tensor) -> Tensor:
+        """What ``nn.Adam`` subtracted from the weights: ``lr * sqrt(1 - beta2^t) / (1 - beta1^t) * m / (sqrt(v) +
+        eps)`` (its ``eps`` is added before the bias correction, unlike the ``update`` family's)."""
+        if vhat is not None:
+            v = mint.maximum(v, vhat)
+        step = mint.div(m, mint.add(mint.sqrt(v), self.eps_tensor()))
         if corrections is not None:
-            m, v = mint.div(m, corrections[0]), mint.div(v, corrections[1])
-        eps = self.eps.reshape(()).astype(_F32) if isinstance(self.eps, Tensor) else constants.scalar(float(self.eps))
-        return mint.div(m, mint.add(mint.sqrt(v), eps))
+            step = mint.div(mint.mul(step, mint.sqrt(corrections[1])), corrections[0])
+        return mint.mul(step, lr)
+
+    def eps_tensor(self) -> Tensor:
+        """``eps`` as a 0-d float32 tensor."""
+        return self.eps.reshape(()).astype(_F32) if isinstance(self.eps, Tensor) else constants.scalar(float(self.eps))
+
+
+class Precursors:
+    """What the ``precursors`` rows of an Adam-like MindSpore optimizer need beyond the moments: the gradients the
+    step took (the optimizer cell's input), its one fixed learning rate (NaN for a schedule or per-group rates: then
+    ``update_weight_ratio`` is NaN) and, for ``nn.Adam``, its coupled weight decay per parameter (``nn.Adam`` adds
+    ``weight_decay * param`` to the gradient of the parameters its ``decay_filter`` kept; ``AdamWeightDecay``
+    decays the weights)."""
+
+    def __init__(self, optimizer: nn.Optimizer, grads: Sequence[Tensor], positions: Sequence[int]) -> None:
+        self.grads = [grads[i] for i in positions]
+        rates = _learning_rates(optimizer)
+        self.lr: Tensor | None = rates[0] if len(rates) == 1 and not getattr(optimizer, "is_group_lr", False) \
+            else None
+        decay = getattr(optimizer, "weight_decay", None)
+        flags = getattr(optimizer, "decay_flags", None)
+        self.decay: Tensor | None = None
+        self.decayed = [False] * len(positions)
+        if isinstance(optimizer, ms_nn.Adam) and isinstance(decay, Tensor) and decay.size == 1 \
+                and flags is not None and len(flags) == len(optimizer.parameters):
+            self.decay = decay.reshape(()).astype(_F32)
+            self.decayed = [bool(flags[i]) for i in positions]
+
+    def lr_tensor(self) -> Tensor:
+        return self.lr.reshape(()).astype(_F32) if self.lr is not None else constants.scalar(math.nan)
 
 
 def update_ratio(update: Tensor, param: Tensor) -> Tensor:
@@ -138,6 +193,7 @@ class MindSporeOptimizerCollector(HookedCollector):
         self.host = host
         self._host_unreduced = host and world_size == 1
         self._states = [s for s in config.optimizer_states.states if s in ctx.specs]
+        self._precursors = PRECURSORS in ctx.specs
         index = {id(p): i for i, p in enumerate(optimizer.parameters)} if optimizer is not None else {}
         # (name, parameter, vpp_stage, index in optimizer.parameters) of the targets the optimizer steps
         self._stepped = [(n, p, v, index[id(p)]) for n, p, v in self.params if id(p) in index]
@@ -159,7 +215,7 @@ class MindSporeOptimizerCollector(HookedCollector):
         if self.optimizer is not None:
             pre_step, post_step = self.guarded(self._pre_step_hook()), self.guarded(self._post_step_hook())
             self.registry.add(_OPTIMIZER, self.optimizer.register_forward_pre_hook(pre_step))
-            if self._states:
+            if self._states or self._precursors:
                 self.registry.add(_OPTIMIZER, self.optimizer.register_forward_hook(post_step))
 
     def _grad_hook(self, name: str, param: Parameter, vpp_stage: int) -> Callable[[Tensor], None]:
@@ -266,13 +322,17 @@ class MindSporeOptimizerCollector(HookedCollector):
                     else:
                         self._record_many(family, every, tensors)
             if adam is not None:
-                self._adam_rows(adam)
+                grads = args[0] if args and isinstance(args[0], (tuple, list)) else None
+                wanted = self._precursors and grads is not None and all(
+                    isinstance(grads[i], Tensor) for i in self._positions)
+                self._adam_rows(adam, Precursors(optimizer, grads, self._positions) if wanted and grads else None)
 
         return hook
 
-    def _adam_rows(self, adam: AdamMoments) -> None:
-        """``exp_avg``, ``exp_avg_sq``, ``update`` and ``ratio`` of Adam-like optimizers: on the host (CPU), else
-        group by group on the device, where the moments' matrices give their statistics and the update."""
+    def _adam_rows(self, adam: AdamMoments, precursors: Precursors | None = None) -> None:
+        """``exp_avg``, ``exp_avg_sq``, ``update``, ``ratio`` and ``precursors`` of Adam-like optimizers: on the host
+        (CPU), else group by group on the device, where the moments' matrices give their statistics and the
+        update."""
         ctx = self.ctx
         positions = self._positions
         m = [adam.m[i] for i in positions]
@@ -281,26 +341,38 @@ class MindSporeOptimizerCollector(HookedCollector):
         params = [p for _, p, _, _ in self._stepped]
         wants = {family: ctx.specs[family] for family in self._states if family in ("exp_avg", "exp_avg_sq",
                                                                                     "update", "ratio")}
-        if not wants:
+        if not wants and precursors is None:
             return
         every = list(range(len(positions)))
-        if self.host and vhat is None and host_measurable([tensor_meta(t) for t in (*m, *v, *params)]):
+        grads = precursors.grads if precursors is not None else []
+        if self.host and vhat is None and host_measurable([tensor_meta(t) for t in (*m, *v, *params, *grads)]):
             keys = {family: self._keys(family, every, self._reserve(family)) for family in wants}
-            buffer_of(ctx).add_host(HostAdam(keys, wants, m, v, params, adam.eps, adam.beta_powers))
+            extra = None
+            if precursors is not None:
+                first = self._reserve(PRECURSORS)
+                keys[PRECURSORS] = self._keys(PRECURSORS, every, first)
+                keys[PRECURSORS_TAIL] = self._keys(PRECURSORS_TAIL, every, first)
+                extra = HostPrecursors(grads, precursors.lr, precursors.decay, precursors.decayed)
+            buffer_of(ctx).add_host(HostAdam(keys, wants, m, v, params, adam.eps, adam.beta_powers, extra))
             return
-        derived = "update" in wants or "ratio" in wants
+        derived = "update" in wants or "ratio" in wants or precursors is not None
         corrections = adam.corrections() if derived else None
-        firsts = {family: self._reserve(family) for family in wants}
-        kinds = [((m[k].dtype, v[k].dtype, None if vhat is None else vhat[k].dtype, dtype), numel)
+        firsts = {family: self._reserve(family) for family in (*wants, *((PRECURSORS,) if precursors else ()))}
+        kinds = [((m[k].dtype, v[k].dtype, None if vhat is None else vhat[k].dtype, dtype,
+                   tensor_meta(grads[k])[0] if grads else None), numel)
                  for k, (dtype, numel) in enumerate(self._param_metas)]  # states are Parameters: no wait
         for group in plan_groups(kinds):
-            m_dtype, v_dtype, vhat_dtype, p_dtype = group.dtype
+            m_dtype, v_dtype, vhat_dtype, p_dtype, g_dtype = group.dtype
             rows = list(group.indices)
             count = len(rows)
             if group.numel == 0:
                 for family in wants:
                     self._add_block(family, rows, group_partials(m, Group(group.indices, 0, m_dtype), wants[family]),
                                     firsts[family])
+                if precursors is not None:  # no element: empty rows
+                    empty = mint.zeros((count * PARTIAL_SLOTS,), dtype=_F32)
+                    self._add_block(PRECURSORS, rows, empty, firsts[PRECURSORS])
+                    self._add_block(PRECURSORS_TAIL, rows, empty, firsts[PRECURSORS])
                 continue
             matrices = {}
             for family, tensors, dtype in (("exp_avg", m, m_dtype), ("exp_avg_sq", v, v_dtype)):
@@ -318,10 +390,23 @@ class MindSporeOptimizerCollector(HookedCollector):
             if "update" in wants:
                 self._add_block("update", rows, matrix_partials(update, wants["update"], count, group.numel, _F32)[0],
                                 firsts["update"])
-            if "ratio" in wants:
-                param = group_matrix(params, Group(group.indices, group.numel, p_dtype), _F32)
+            param = group_matrix(params, Group(group.indices, group.numel, p_dtype), _F32) \
+                if "ratio" in wants or precursors is not None else None
+            if "ratio" in wants and param is not None:
                 self._add_block("ratio", rows, matrix_partials(update_ratio(update, param), wants["ratio"], count,
                                                                group.numel, _F32)[0], firsts["ratio"])
+            if precursors is not None and param is not None:
+                grad = group_matrix(grads, Group(group.indices, group.numel, g_dtype), _F32)
+                lr = precursors.lr_tensor()
+                if precursors.decay is not None and any(precursors.decayed[k] for k in rows):
+                    # nn.Adam's coupled decay: the moments took g + wd * p_before, p_before = p + its own step
+                    column = mint.cat([constants.column(1, 1.0 if precursors.decayed[k] else 0.0, _F32) for k in rows])
+                    before = mint.add(param, adam.applied_step(m32, v32, vhat32, corrections, lr))
+                    grad = mint.add(grad, mint.mul(mint.mul(column, precursors.decay), before))
+                head, tail = precursor_partials(update, m32, adam.v_hat(v32, vhat32, corrections), param, grad,
+                                                adam.eps_tensor(), lr, count, group.numel)
+                self._add_block(PRECURSORS, rows, head, firsts[PRECURSORS])
+                self._add_block(PRECURSORS_TAIL, rows, tail, firsts[PRECURSORS])
 
 
 def _float32(matrix: Tensor, dtype: Any) -> Tensor:

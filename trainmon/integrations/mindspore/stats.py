@@ -116,6 +116,28 @@ def matrix_partials(matrix: Tensor, spec: StatsSpec | Any, rows: int, numel: int
     return (block if dtype == _F32 else block.astype(_F32)), squares
 
 
+def precursor_partials(update: Tensor, m: Tensor, v_hat: Tensor, param: Tensor, grad: Tensor, eps: Tensor,
+                       lr: Tensor, rows: int, numel: int) -> tuple[Tensor, Tensor]:
+    """The precursor heads and tails (:mod:`trainmon.base.precursors`) of ``rows`` parameters, as two flat
+    float32 ``[rows * 8]`` blocks, from ``[rows, numel]`` float32 matrices: the update, ``m``, the bias-corrected
+    ``v_hat`` the update divided by, the parameter after the step and the gradient the moments took. ``eps`` and
+    ``lr`` are 0-d float32 tensors. A few kernels per slot for all rows; no host synchronisation."""
+    zero = constants.column(rows, 0.0, _F32)
+    count = constants.column(rows, float(numel), _F32)
+    floor = mint.mul(eps, eps)
+    squares = mint.mul(grad, grad)
+    stale = mint.where(mint.ne(squares, constants.scalar(0.0)), mint.div(squares, mint.maximum(v_hat, floor)),
+                       constants.scalar(0.0))
+    total = mint.sum(stale, 1, True)
+    top = mint.where(mint.isnan(total), constants.scalar(math.nan), mint.max(stale, 1, True)[0])
+    head = mint.cat([mint.sqrt(mint.sum(mint.mul(update, update), 1, True)), mint.sum(mint.mul(update, grad), 1, True),
+                     zero, top, mint.sum(mint.mul(m, grad), 1, True), total,
+                     mint.sum(mint.lt(v_hat, floor), 1, True, dtype=_F32), count], 1)
+    tail = mint.cat([mint.sqrt(mint.sum(mint.mul(param, param), 1, True)), mint.mul(count, lr), zero, zero,
+                     mint.sum(squares, 1, True), mint.sum(mint.mul(m, m), 1, True), zero, count], 1)
+    return head.reshape(-1), tail.reshape(-1)
+
+
 def _small(matrix: Tensor, eps: float) -> Tensor:
     return matrix == 0 if eps == 0.0 else mint.abs(matrix) < eps
 
