@@ -2,7 +2,7 @@
 
     python benchmarks/precursors.py [--quick] [--workers 2] [--markdown] [--json-dir DIR] [--replace]
                                     [--store-dir DIR] [--monitor-config JSON] [--window 100] [--budget 1.0]
-    python benchmarks/precursors.py --from-json benchmarks/data/precursors [--markdown] [--window N]
+    python benchmarks/precursors.py --from-json benchmarks/data/precursors [--markdown] [--compact] [--window N]
 
 Trains small GPTs on the CPU with trainmon attached (``benchmarks/precursor_runs.py``: healthy runs and four faults
 that make the training itself unstable: a learning-rate ramp, attention logit growth at a high learning rate
@@ -398,21 +398,36 @@ def _cell(summary: Summary, fault: str) -> str:
     return f"{'-' if lead is None else f'{lead:g}'} ({hits}/{events}{f', {early} early' if early else ''})"
 
 
-def table(runs: Sequence[dict[str, Any]], window: int, budget: float, tuned: bool, markdown: bool) -> str:
-    """One row per detector: false alarms per 10,000 healthy steps and, per fault, median lead (recall)."""
+def table(runs: Sequence[dict[str, Any]], window: int, budget: float, tuned: bool, markdown: bool,
+          compact: bool = False) -> str:
+    """One row per detector: false alarms per 10,000 healthy steps and, per fault, median lead (recall).
+
+    ``compact`` leaves out the per-layer rows (``family/column`` series) with no threshold within the budget or
+    no alarm in any window (nor after an onset without an event), and says how many it left out.
+    """
     defaults = {name: next(r["detectors"][name]["default"] for r in runs if name in r["detectors"])
                 for name in dict.fromkeys(n for r in runs for n in r["detectors"])}
-    rows = []
+    series = {name: next(r["detectors"][name]["series"] for r in runs if name in r["detectors"]) for name in defaults}
+    rows, left_out = [], 0
     for name, by_theta in summaries(runs, window).items():
+        per_layer = "/" in series[name]
         theta = tune(by_theta, budget) if tuned else defaults[name]
         if theta is None:
+            if compact and per_layer:
+                left_out += 1
+                continue
             rows.append([name, "none within budget", "-", *("-" for _ in FAULTS)])
             continue
         summary = by_theta[theta]
+        if compact and per_layer and not any(summary.leads.values()) and not any(summary.after_onset.values()):
+            left_out += 1
+            continue
         fa = f"{summary.fa_per_10k:.2f} (<= {summary.fa_upper_95:.1f})"
         rows.append([name, theta, fa, *(_cell(summary, fault) for fault in FAULTS)])
     header = ["detector @ series", "threshold", "FA/10k (95% bound)", *FAULTS]
-    return render(header, rows, markdown)
+    note = (f"\n\n{left_out} per-layer detectors left out: no threshold within the budget, or no warning"
+            if left_out else "")
+    return render(header, rows, markdown) + note
 
 
 def loss_change(run: dict[str, Any], after: int = 100) -> str:
@@ -444,7 +459,7 @@ def render(header: list[str], rows: list[list[str]], markdown: bool) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [header, *rows])
 
 
-def report(runs: Sequence[dict[str, Any]], window: int, budget: float, markdown: bool) -> str:
+def report(runs: Sequence[dict[str, Any]], window: int, budget: float, markdown: bool, compact: bool = False) -> str:
     healthy = sum(r["steps"] for r in runs if r["spec"]["kind"] == "healthy")
     before = sum(min(r["onset"], r["steps"]) for r in runs if r["spec"]["kind"] != "healthy")
     series = sorted({s for r in runs for s, about in r["series"].items() if "layers" in about})
@@ -457,9 +472,9 @@ def report(runs: Sequence[dict[str, Any]], window: int, budget: float, markdown:
              runs_table(runs, markdown), "",
              "At each detector's own threshold: median lead in steps (detected / events; early: runs with an alarm "
              "before the window; a fault without a loss event: the first alarm after the onset, runs with one):", "",
-             table(runs, window, budget, False, markdown), "",
+             table(runs, window, budget, False, markdown, compact), "",
              f"Same false-alarm rate: the most sensitive threshold of each grid with at most {budget:g} false alarm "
-             f"per 10,000 healthy steps:", "", table(runs, window, budget, True, markdown)]
+             f"per 10,000 healthy steps:", "", table(runs, window, budget, True, markdown, compact)]
     return "\n".join(lines)
 
 
@@ -479,6 +494,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=LEAD_WINDOW)
     parser.add_argument("--budget", type=float, default=FA_BUDGET)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--compact", action="store_true",
+                        help="leave out the per-layer detectors that never warn or never get within the budget")
     args = parser.parse_args(argv)
     if args.workers < 1 or args.window < 0 or args.budget < 0:
         parser.error("--workers must be >= 1, --window and --budget >= 0")
@@ -487,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
             runs = load(args.from_json)
         except ResultsError as exc:
             parser.error(str(exc))
-        print(report(runs, args.window, args.budget, args.markdown))
+        print(report(runs, args.window, args.budget, args.markdown, args.compact))
         return
     extra = None
     if args.monitor_config:
@@ -522,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(Path(temporary) / "stores", ignore_errors=True)
     print(f"{len(specs)} runs in {time.perf_counter() - start:.0f} s with {args.workers} workers "
           f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}); results in {json_dir}\n")
-    print(report(load(json_dir), args.window, args.budget, args.markdown))
+    print(report(load(json_dir), args.window, args.budget, args.markdown, args.compact))
 
 
 if __name__ == "__main__":
