@@ -128,19 +128,8 @@ class Guard:
             bypass: when it returns True, ``fn`` is called directly, unguarded (``torch.compiler.is_compiling``:
                 while dynamo traces a hook it must see the hook itself, and an exception there is dynamo's).
         """
-        off = self._off
         self._note(part)
-
-        call = self._call
-
-        @functools.wraps(fn)
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            if bypass is not None and bypass():
-                return fn(*args, **kwargs)
-            return None if part in off else call(part, fn, args, kwargs)
-
-        guarded.__trainmon_guard_part__ = part  # type: ignore[attr-defined]
-        return guarded  # type: ignore[return-value]
+        return GuardedHook(self, part, fn, bypass)  # type: ignore[return-value]
 
     def run(self, part: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call ``fn(*args, **kwargs)`` now, guarded as ``part`` (None when it raised or ``part`` is off)."""
@@ -188,6 +177,61 @@ class Guard:
     def summary(self) -> dict[str, Any]:
         """JSON-ready: ``{"total": n, "parts": [Failure.as_dict(), ...]}``."""
         return {"total": self.total, "parts": [failure.as_dict() for failure in self.failures.values()]}
+
+
+def inert_hook(*args: Any, **kwargs: Any) -> None:
+    """What a copy of one of trainmon's hooks is: a hook that does nothing.
+
+    A deep copy of a monitored module (``copy.deepcopy(model)``: an EMA or reference model) gets this in place of
+    each trainmon hook, so the copy never feeds the monitor; a module pickled whole (``torch.save(model)``) saves
+    it, and loads with it where trainmon is importable (``state_dict`` saves no hook at all).
+    """
+    return None
+
+
+def _inert() -> Callable[..., None]:
+    """:func:`inert_hook` (what unpickling a :class:`GuardedHook` gives)."""
+    return inert_hook
+
+
+def _guarded(part: str, fn: Callable[..., Any], bypass: Callable[[], bool] | None, off: set[str],
+             call: Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any],
+             *args: Any, **kwargs: Any) -> Any:
+    """The body of a :class:`GuardedHook` (its first five arguments bound by it)."""
+    if bypass is not None and bypass():
+        return fn(*args, **kwargs)
+    return None if part in off else call(part, fn, args, kwargs)
+
+
+class GuardedHook(functools.partial):  # type: ignore[type-arg]
+    """A hook or callback under a :class:`Guard` (made by :meth:`Guard.wrap`): ``fn``'s body guarded as ``part``.
+
+    Not a closure, so that copies of the objects holding it stay possible and harmless: a deep copy or a pickle
+    of it is :func:`inert_hook` (a closure cannot be pickled, and ``copy.deepcopy`` shares it, so a deep-copied
+    module would feed the monitor, and ``torch.save(model)`` would raise in the user's loop). A
+    ``functools.partial`` of :func:`_guarded`, so that a call costs what the closure's did (partial's call is C).
+
+    Example:
+        >>> import copy, pickle
+        >>> hook = Guard().wrap("activations", lambda *args: 1)
+        >>> hook(), guarded_part(hook), copy.deepcopy(hook) is inert_hook, pickle.loads(pickle.dumps(hook))()
+        (1, 'activations', True, None)
+    """
+
+    __trainmon_guard_part__: str
+
+    def __new__(cls, guard: Guard, part: str, fn: Callable[..., Any],
+                bypass: Callable[[], bool] | None) -> GuardedHook:
+        self = super().__new__(cls, _guarded, part, fn, bypass, guard._off, guard._call)
+        functools.update_wrapper(self, fn)
+        self.__trainmon_guard_part__ = part
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return inert_hook
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _inert, ()
 
 
 def guarded_part(fn: Callable[..., Any]) -> str | None:

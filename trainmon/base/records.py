@@ -362,6 +362,24 @@ def _join_precursors(keys: Sequence[RowKey], partials: npt.NDArray[np.float64]
     return [keys[i] for i in kept], partials[kept], joined
 
 
+_MASK = re.compile(r"\.input\.[^.]*mask[^.]*(\.\d+)*$", re.IGNORECASE)
+
+
+def is_additive_mask(key: RowKey) -> bool:
+    """Whether the row is a forward input named as a mask (``attn_mask``, ``src_key_padding_mask``,
+    ``attention_mask``, ...): an additive attention mask marks what is masked out with -inf
+    (``nn.Transformer.generate_square_subsequent_mask``), so its -inf are its values, not an anomaly; a NaN or
+    +inf in it still is (:func:`build_record`).
+
+    Example:
+        >>> is_additive_mask(RowKey("actv", "encoder.layers.0.self_attn.input.attn_mask"))
+        True
+        >>> is_additive_mask(RowKey("actv", "encoder.layers.0.self_attn.output.0"))
+        False
+    """
+    return key.family == "actv" and _MASK.search(key.name) is not None
+
+
 def build_record(step: int, rank: int, pp_stage: int, keys: Sequence[RowKey], partials: Any,
                  scalars: dict[str, float], metrics: dict[str, list[str]]) -> StepRecord:
     """Finalise the host copy of a step into a :class:`StepRecord` (framework-free), all rows at once.
@@ -375,6 +393,9 @@ def build_record(step: int, rank: int, pp_stage: int, keys: Sequence[RowKey], pa
     if PRECURSORS in metrics:
         keys, partials, joined = _join_precursors(keys, np.asarray(partials, dtype=np.float64).reshape(-1, 8))
     columns, nonfinite = finalize_many(partials)
+    for i in [i for i, flag in enumerate(nonfinite) if flag and is_additive_mask(keys[i])]:
+        lo, hi = columns["min"][i], columns["max"][i]
+        nonfinite[i] = columns["nans"][i] > 0 or math.isnan(lo) or math.isnan(hi) or hi == math.inf
     values: dict[int, list[tuple[float, ...]]] = {}  # per metrics list: every row's values in its order
     features = finalize_features(partials, keys)
     rows = []

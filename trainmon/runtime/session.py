@@ -14,6 +14,7 @@ from trainmon.base.records import StepRecord, build_record
 from trainmon.base.safe_io import write_json
 from trainmon.collect.buffer import HostStep, PendingScalars, StepBuffer, Transfer
 from trainmon.collect.context import StepContext
+from trainmon.collect.copies import keep_hooks_out_of_copies
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.struct import StructRecorder
 from trainmon.config import ConfigError, MonitorConfig, check_ranks, family_metrics
@@ -91,6 +92,7 @@ class Session:
         self.skips: SkipReporter | None = None
         self.keeper: RollbackKeeper | None = None
         """Health, the skip list and the ``rollback`` action (:mod:`trainmon.actions.rollback`)."""
+        keep_hooks_out_of_copies(model)  # before any hook: a deep copy or a pickle of the model leaves them out
         self.attachment: Attachment = self._attach(config)
         try:
             ranks = check_ranks(config.ranks, self.attachment.world_size, config.absent_ranks)  # those that exist
