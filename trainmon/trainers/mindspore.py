@@ -38,6 +38,7 @@ from typing import Any
 from mindspore.train import Callback, ModelCheckpoint
 
 from trainmon.actions.resume import Rollback, read_rollback
+from trainmon.actions.rollback import RollbackExit
 from trainmon.base.safe_io import write_atomic
 from trainmon.config import MonitorConfig, load_config
 from trainmon.errors import UnsupportedSetupError
@@ -186,12 +187,17 @@ class TrainmonCallback(Callback):  # type: ignore[misc]  # mindspore is untyped
         guard = monitor.guard if monitor is not None else None
         if monitor is None or guard is None:
             return
-        outputs = run_context.original_args().get("net_outputs")
+        args = run_context.original_args()
+        outputs = args.get("net_outputs")
         loss = outputs[0] if isinstance(outputs, (tuple, list)) and outputs else outputs
-        # under the monitor's fail-safe guard: trainmon's own exception never reaches Model.train (a RollbackExit,
-        # the rollback action stopping the run, is not trainmon's failure: it passes, and Model.train's callback
-        # context closes the monitor)
-        guard.run("step", lambda: monitor.step(loss=loss))
+        # under the monitor's fail-safe guard: trainmon's own exception never reaches Model.train
+        try:
+            guard.run("step", lambda: monitor.step(loss=loss))
+        except RollbackExit:  # the rollback action stops the run (not trainmon's failure): the monitor is closed
+            # a file saved in this step (a ModelCheckpoint before this callback) holds the state that rolled back
+            self._tag_checkpoints({"healthy": False, "step": int(args.get("cur_step_num") or 0) + 1})
+            self._release()
+            raise
         self._guarded(self._tag_checkpoints, part="step")
 
     def on_train_end(self, run_context: Any) -> None:
@@ -218,8 +224,8 @@ class TrainmonCallback(Callback):  # type: ignore[misc]  # mindspore is untyped
         self._final = self.monitor.state_dict()
 
     def _tag_checkpoints(self, final: dict[str, Any] | None = None) -> None:
-        """A sidecar for each file a ``ModelCheckpoint`` saved since the last look (``final``: the monitor's state
-        at the end of training, for files saved after it closed)."""
+        """A sidecar for each file a ``ModelCheckpoint`` saved since the last look (``final``: the state when the
+        monitor is closed: at the end of training, or ``{"healthy": False, "step"}`` when a rollback stopped it)."""
         for saver in self._savers:
             path = saver.latest_ckpt_file_name
             if not path or self._tagged.get(id(saver)) == path:
@@ -231,7 +237,7 @@ class TrainmonCallback(Callback):  # type: ignore[misc]  # mindspore is untyped
             else:
                 state = final
             _write_health(Path(path), {"healthy": state.get("healthy", True), "step": state["step"], "rank": self._rank,
-                                       "checkpoint": str(path), "monitor": state})
+                                       "checkpoint": str(path), "monitor": state if "anomaly" in state else None})
 
     # ------------------------------------------------------------------ helpers
     def _guarded(self, fn: Callable[..., Any], *args: Any, part: str) -> None:
