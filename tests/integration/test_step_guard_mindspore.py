@@ -159,30 +159,49 @@ def test_a_failing_guard_applies_the_step_as_without_it(tmp_path: Path, monkeypa
     assert [part["part"] for part in failures["parts"]] == ["step_guard"]
 
 
-def test_one_host_read_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decision reads the ``[P]`` norms on the host once per optimizer call, and nothing else of the guard's."""
-    reads: list[int] = []
-    original = MindSporeStepGuard.norms
+@pytest.fixture(params=["host", "device"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The guard's two ways to measure: on the CPU the gradients' memory on the host (after one wait), elsewhere
+    MindSpore ops on the device and one read of the ``[P]`` norms (forced here by saying the device is not a CPU)."""
+    if request.param == "device":
+        monkeypatch.setattr("trainmon.integrations.mindspore.guard.on_cpu", lambda: False)
+    return str(request.param)
 
-    def counted(self: MindSporeStepGuard, grads: Any) -> Any:
-        reads.append(1)
-        return original(self, grads)
 
-    monkeypatch.setattr(MindSporeStepGuard, "norms", counted)
-    calls: list[int] = []
-    monkeypatch.setattr(Tensor, "asnumpy", _counting(Tensor.asnumpy, calls))
+def test_the_norms_are_the_gradients_norms_with_one_host_read(tmp_path: Path, path: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against float64 numpy; the optimizer's own ``loss_scale`` is divided out (its ``scale_grad`` does). The
+    device path reads the host once per optimizer call (the ``[P]`` norms); the host path reads views of the
+    gradients' host memory (the first waits for the queue)."""
     ms.set_seed(0)
     net = Mlp()
-    opt = _optimizer("sgd", net.trainable_params())
-    guard = MindSporeStepGuard(TrainerMonitor(_config(tmp_path)).config.anomaly.guard, opt, {}, _NoGuard(),
-                               lambda skipped: None)
-    grads = tuple(Tensor(np.ones(p.shape, np.float32)) for p in opt.parameters)
-    for _ in range(3):
-        calls.clear()
+    opt = nn.Momentum(net.trainable_params(), learning_rate=0.1, momentum=0.9, loss_scale=8.0)
+    config = TrainerMonitor(_config(tmp_path)).config.anomaly.guard
+    guard = MindSporeStepGuard(config, opt, {}, _NoGuard(), lambda skipped: None)
+    assert guard.host == (path == "host")
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(p.shape).astype(np.float32) * 8.0 for p in opt.parameters]
+    grads = tuple(Tensor(a) for a in arrays)
+    want = np.array([np.sqrt(np.sum(a.astype(np.float64) ** 2)) / 8.0 for a in arrays])
+    got = guard.host_norms(grads).numpy() if path == "host" else guard.norms(grads)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    opt(grads)  # the first call compiles the optimizer's construct (MindSpore reads constants then)
+    reads: list[int] = []
+    monkeypatch.setattr(Tensor, "asnumpy", _counting(Tensor.asnumpy, reads))
+    for step in range(3):
+        before = len(reads)
         opt(grads)
-        assert len(calls) == 1
+        assert path == "host" or len(reads) - before == 1, step
     guard.close()
-    assert len(reads) == 3 and "construct" not in opt.__dict__
+    assert "construct" not in opt.__dict__ and float(opt.global_step.asnumpy()[0]) == 4
+
+
+@pytest.mark.parametrize("fault", ["nan", "spike"])
+def test_the_device_path_skips_alike(tmp_path: Path, fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("trainmon.integrations.mindspore.guard.on_cpu", lambda: False)
+    got = user_loop("adam", fault, TrainerMonitor(_config(tmp_path)))
+    assert_bit_identical(got, user_loop("adam", None, leave_out=BAD), f"device path {fault}")
+    assert _skipped(tmp_path / "run" / "rank0") == [BAD]
 
 
 class _NoGuard:

@@ -31,7 +31,8 @@ import torch
 from mindspore import Tensor, mint, nn
 
 from trainmon.collect.step_guard import GradientJudge, verdict_scalars
-from trainmon.integrations.mindspore.stats import plan_groups, tensor_meta
+from trainmon.integrations.mindspore.host import HOST_DTYPES, host_view, on_cpu
+from trainmon.integrations.mindspore.stats import group_matrix, plan_groups, tensor_meta
 
 if TYPE_CHECKING:
     from trainmon.base.guard import Guard
@@ -109,6 +110,8 @@ class MindSporeStepGuard:
         self.names = [names.get(id(p), str(p.name)) for p in self.params]
         """The optimizer's parameters' names, in the order of the verdict's ``param`` index."""
         self.metas = [tensor_meta(p) for p in self.params]  # Parameters: read once here, never in the step
+        self.host = on_cpu() and all(dtype in HOST_DTYPES for dtype, _ in self.metas)
+        """MindSpore on the CPU: the gradients are host memory, measured there after one wait for the queue."""
         self.guard = guard
         self.on_decided = on_decided
         self.judge = GradientJudge(settings)
@@ -175,7 +178,7 @@ class MindSporeStepGuard:
         if not isinstance(grads, (tuple, list)) or len(grads) != len(self.params):
             raise TypeError(f"the step guard expected {len(self.params)} gradients (one per optimizer parameter), "
                             f"got {type(grads).__name__}")
-        norms = torch.from_numpy(self.norms(grads))
+        norms = self.host_norms(grads) if self.host else torch.from_numpy(self.norms(grads))
         verdict = self.judge.judge(norms)
         values: list[float] = verdict.tolist()  # host values: the norms' read above is the step's one transfer
         self.verdict = values
@@ -183,23 +186,26 @@ class MindSporeStepGuard:
         self.on_decided(1.0 if skipped else 0.0)
         return skipped
 
+    def host_norms(self, grads: Sequence[Any]) -> torch.Tensor:
+        """``[P]`` float32 gradient norms of CPU gradients: torch views of their memory, measured as the torch guard
+        measures (one ``_foreach_norm`` per dtype)."""
+        self._check_dense(grads)
+        views = [host_view(grad) for grad in grads]  # sync: the first waits for the queue (the step's one wait)
+        norms = self.judge.norms(views)
+        return norms / self.loss_scale if self.loss_scale is not None else norms
+
     def norms(self, grads: Sequence[Any]) -> np.ndarray[Any, np.dtype[np.float32]]:
         """``[P]`` float32 gradient norms, measured on the device and read on the host at once (the sync)."""
-        for i, grad in enumerate(grads):
-            if not isinstance(grad, Tensor):
-                raise TypeError(f"the step guard measures dense gradients; {self.names[i]}'s is "
-                                f"{type(grad).__name__}")
+        self._check_dense(grads)
         order: list[int] = []
         pieces: list[Tensor] = []
         for group in plan_groups(self.metas):
             if not group.numel:
                 continue
-            rows = [grads[i].reshape(1, group.numel) for i in group.indices]
-            matrix = rows[0] if len(rows) == 1 else mint.cat(rows, 0)
-            if group.working_dtype != matrix.dtype:
-                matrix = matrix.astype(group.working_dtype)
+            # a gradient has its parameter's dtype and size (read at attach): no metadata read of a queued tensor
+            matrix = group_matrix(grads, group)
             norms = mint.sqrt(mint.sum(mint.mul(matrix, matrix), 1))
-            pieces.append(norms if norms.dtype == ms.float32 else norms.astype(ms.float32))
+            pieces.append(norms if group.working_dtype == ms.float32 else norms.astype(ms.float32))
             order.extend(group.indices)
         result = np.zeros(len(self.params), np.float32)
         if pieces:
@@ -208,4 +214,10 @@ class MindSporeStepGuard:
         if self.loss_scale is not None:
             result = result / np.float32(self.loss_scale)
         return result
+
+    def _check_dense(self, grads: Sequence[Any]) -> None:
+        for i, grad in enumerate(grads):
+            if not isinstance(grad, Tensor):
+                raise TypeError(f"the step guard measures dense gradients; {self.names[i]}'s is "
+                                f"{type(grad).__name__}")
 
