@@ -26,7 +26,7 @@ from tests.faults import patched  # noqa: E402
 from tests.integration.test_mindspore_families import Mlp, _data, _hooks_left  # noqa: E402
 from trainmon import TrainerMonitor, read_rollback  # noqa: E402
 from trainmon.actions.rollback import RollbackExit  # noqa: E402
-from trainmon.errors import UnsupportedSetupError  # noqa: E402
+from trainmon.errors import AnomalyError, UnsupportedSetupError  # noqa: E402
 from trainmon.integrations.mindspore.guard import MindSporeStepGuard  # noqa: E402
 from trainmon.trainers.mindspore import TrainmonCallback, health_path, read_health  # noqa: E402
 
@@ -136,6 +136,36 @@ def test_a_poisoned_step_is_not_applied_in_a_users_loop(tmp_path: Path, kind: st
     skip_list = [json.loads(line) for line in (rank_dir / "skip_list.jsonl").read_text().splitlines()]
     assert [(e["step"], e["batch"]) for e in skip_list if not e["applied"]] == [
         (BAD, {"samples": [[2 * BATCH * BAD, 2 * BATCH * (BAD + 1)]]})]
+
+
+def test_skipped_steps_in_a_row_escalate(tmp_path: Path) -> None:
+    """``escalate_after: 2``: the second NaN step in a row raises AnomalyError at the end of that step (the raise
+    action of ``escalate``), after the guard kept both steps out of the weights."""
+    ms.set_seed(0)
+    net = Mlp()
+    opt = _optimizer("adam", net.trainable_params())
+    grad_fn = ms.value_and_grad(lambda x, y: nn.MSELoss()(net(x), y), None, opt.parameters)
+    monitor = TrainerMonitor(_config(tmp_path, escalate_after=2)).attach(net, opt)
+    before: dict[str, np.ndarray] = {}
+    with pytest.raises(AnomalyError, match="2 steps in a row skipped by the step guard"):
+        for step in range(STEPS):
+            x, y = _data(step, n=BATCH)
+            if step == BAD:
+                x[0, 0] = np.nan
+                before = _state(net, opt)
+            loss, grads = grad_fn(Tensor(x), Tensor(y))
+            opt(grads)
+            monitor.step(loss=loss)
+            if step == BAD:  # the weights are still finite: the next step's gradient is poisoned by its data only
+                assert_bit_identical(_state(net, opt), before, "first skip")
+                loss, grads = grad_fn(Tensor(np.full_like(x, np.nan)), Tensor(y))
+                opt(grads)
+                monitor.step(loss=loss)
+    monitor.close()
+    assert_bit_identical(_state(net, opt), before, "two skips")
+    events = _guard_events(tmp_path / "run" / "rank0")
+    assert [(e["step"], e["metric"]) for e in events] == [(BAD, "norm"), (BAD + 1, "norm"),
+                                                          (BAD + 1, "skipped_in_a_row")]
 
 
 def test_without_the_guard_the_poisoned_step_is_applied(tmp_path: Path) -> None:

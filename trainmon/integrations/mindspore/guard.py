@@ -6,10 +6,16 @@ and ``beta2_power`` (``nn.Adam``), and ``global_step``, the step a learning-rate
 a dynamic list) reads its position from. No MindSpore optimizer takes a ``found_inf`` flag, so the guard decides on
 the host, as ``nn.TrainOneStepWithLossScaleCell`` decides an overflow: ``construct`` is wrapped on the instance (the
 class is never patched; undone by :meth:`MindSporeStepGuard.close`); before it runs, the gradients it was handed are
-measured on the device (one ``sqrt(sum(g * g))`` per parameter, tensors of one size and dtype measured together) and
-the ``[P]`` norms are read on the host in **one** transfer, then judged by
-:class:`~trainmon.collect.step_guard.GradientJudge` (the torch guard's rules and history, on the host's CPU). On a
-skip ``construct`` is not called: nothing of the optimizer changes, bit for bit as a run that never saw the batch.
+measured and judged by :class:`~trainmon.collect.step_guard.GradientJudge` (the torch guard's rules and history, on
+the host's CPU), with one wait for the device per step:
+
+- on the CPU (gradients in float16/32/64), the gradients are host memory: torch views of it, after the first
+  ``asnumpy()`` waited for MindSpore's queue, measured as the torch guard measures (one ``_foreach_norm``);
+- elsewhere, one ``sqrt(sum(g * g))`` per parameter on the device (tensors of one size and dtype together) and the
+  ``[P]`` norms read on the host in **one** transfer.
+
+On a skip ``construct`` is not called: nothing of the optimizer changes, bit for bit as a run that never saw the
+batch.
 
 MindSpore compiles an optimizer's ``construct`` (``@jit``) by looking the method up on the instance, so the wrapper
 takes itself off the instance while the optimizer's own ``construct`` runs (and compiles) and puts itself back after.
