@@ -138,6 +138,19 @@ def test_a_poisoned_step_is_not_applied_in_a_users_loop(tmp_path: Path, kind: st
         (BAD, {"samples": [[2 * BATCH * BAD, 2 * BATCH * (BAD + 1)]]})]
 
 
+def test_a_skipped_step_writes_no_precursor_rows(tmp_path: Path) -> None:
+    """The optimizer-state rows of a skipped step are the states it left alone; the precursor rows, which fold the
+    step's gradient into the moments, are not written for it."""
+    import pandas as pd
+
+    config = {**_config(tmp_path), "optimizer_states": {"precursors": True}}
+    got = user_loop("adam", "nan", TrainerMonitor(config))
+    assert_bit_identical(got, user_loop("adam", None, leave_out=BAD), "precursors on")
+    rank_dir = tmp_path / "run" / "rank0"
+    assert sorted(set(pd.read_csv(rank_dir / "precursors.csv").step)) == [s for s in range(STEPS) if s != BAD]
+    assert sorted(set(pd.read_csv(rank_dir / "exp_avg.csv").step)) == list(range(STEPS))
+
+
 def test_skipped_steps_in_a_row_escalate(tmp_path: Path) -> None:
     """``escalate_after: 2``: the second NaN step in a row raises AnomalyError at the end of that step (the raise
     action of ``escalate``), after the guard kept both steps out of the weights."""

@@ -195,7 +195,11 @@ class TrainmonCallback(Callback):  # type: ignore[misc]  # mindspore is untyped
             guard.run("step", lambda: monitor.step(loss=loss))
         except RollbackExit:  # the rollback action stops the run (not trainmon's failure): the monitor is closed
             # a file saved in this step (a ModelCheckpoint before this callback) holds the state that rolled back
-            self._tag_checkpoints({"healthy": False, "step": int(args.get("cur_step_num") or 0) + 1})
+            try:
+                self._tag_checkpoints({"healthy": False, "step": int(args.get("cur_step_num") or 0) + 1})
+            except Exception as exc:  # the monitor is closed (no guard left); the rollback's exit goes on
+                logger.warning("trainmon: could not tag the checkpoint of the stopping step (%s: %s)",
+                               type(exc).__name__, exc)
             self._release()
             raise
         self._guarded(self._tag_checkpoints, part="step")
