@@ -72,7 +72,8 @@ def build_actions(session: Session, config: MonitorConfig) -> dict[str, HandOffA
 
 def guard_steps(session: Session, config: MonitorConfig) -> None:
     """The step guard on the attached optimizer, and its host side (``anomaly.guard``): the integration's own guard
-    where it has one (DeepSpeed, Megatron-Core: their overflow paths), else the torch guard on the optimizer."""
+    where it has one (DeepSpeed, Megatron-Core: their overflow paths; MindSpore: the optimizer cell's ``construct``),
+    else the torch guard on the optimizer."""
     from trainmon.anomaly.skips import SkipReporter
     from trainmon.collect.step_guard import GuardedSteps, StepGuard
     from trainmon.integrations.base import named_parameters
