@@ -11,6 +11,9 @@ and ``optimizer(grads)``, on the CPU. Every step is collected except in ``uncoll
   activations   weights + every cell's activations and activation gradients
   forward_activations  weights + every cell's activations, without their gradients (no cell backward hooks)
   uncollected   activations, with ``step_interval: 100``: the steps measured are not collected
+  guard         the step guard on (``anomaly.guard.enabled: true``, its default rules), nothing collected: what
+                the guard's decision adds to a step (its norms, one host read, the rules)
+  guard_off     the same monitor without the guard (nothing collected)
 The method is ``benchmarks/overhead.py``'s: 2 warm-up steps, rounds alternate the cases (same seed and
 data), per case the median step of each round, then the best round, so a noisy neighbour on a shared
 machine does not decide the ratio. ``--profile CASE`` prints cProfile's top entries for that case instead.
@@ -37,6 +40,8 @@ CASES: dict[str, dict[str, Any] | None] = {
     "activations": {"activations": {"enabled": True}},
     "forward_activations": {"activations": {"enabled": True, "backward": False}},
     "uncollected": {"activations": {"enabled": True}, "step_interval": 100, "start_step": 1},
+    "guard": {"anomaly": {"detectors": [], "guard": {"enabled": True}}, "step_interval": 100, "start_step": 1},
+    "guard_off": {"step_interval": 100, "start_step": 1},
 }
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 

@@ -53,6 +53,8 @@ FAULTS: dict[str, Fault] = {
     "deepspeed_step_guard": Fault("trainmon.integrations.deepspeed.guard", "DeepSpeedStepGuard", "_decide",
                                   "step_guard"),
     "megatron_step_guard": Fault("trainmon.integrations.megatron.guard", "MegatronStepGuard", "_decide", "step_guard"),
+    "mindspore_step_guard": Fault("trainmon.integrations.mindspore.guard", "MindSporeStepGuard", "_decide",
+                                  "step_guard"),
     # the anomaly detectors
     "anomaly": Fault("trainmon.anomaly.engine", "AnomalyEngine", "process", "anomaly"),
     # the step model (a root forward pre-hook): fatal, the whole monitor stops

@@ -72,7 +72,8 @@ def build_actions(session: Session, config: MonitorConfig) -> dict[str, HandOffA
 
 def guard_steps(session: Session, config: MonitorConfig) -> None:
     """The step guard on the attached optimizer, and its host side (``anomaly.guard``): the integration's own guard
-    where it has one (DeepSpeed, Megatron-Core: their overflow paths), else the torch guard on the optimizer."""
+    where it has one (DeepSpeed, Megatron-Core: their overflow paths; MindSpore: the optimizer cell's ``construct``),
+    else the torch guard on the optimizer."""
     from trainmon.anomaly.skips import SkipReporter
     from trainmon.collect.step_guard import GuardedSteps, StepGuard
     from trainmon.integrations.base import named_parameters
@@ -117,7 +118,7 @@ _UNSUPPORTED: dict[tuple[str, str], str] = {  # (section, framework): one line e
 }
 
 
-GUARDED_FRAMEWORKS = ("torch", "fsdp", "deepspeed", "megatron")
+GUARDED_FRAMEWORKS = ("torch", "fsdp", "deepspeed", "megatron", "mindspore")
 """Set-ups whose optimizer step the step guard can hold back (``anomaly.guard``)."""
 _GUARD_DOC = "see docs/actions.md, 'Step guard'"
 
@@ -126,16 +127,18 @@ def refuse_unguarded(framework: str, model: Any, optimizer: Any) -> None:
     """Raise :class:`UnsupportedSetupError` for a set-up the step guard cannot guard correctly (never half-guarded).
 
     Raises:
-        UnsupportedSetupError: MindSpore; a DeepSpeed or Megatron-Core set-up their guards refuse (fp16, offload,
-            pipeline parallelism, ...: :func:`trainmon.integrations.deepspeed.guard_refusal`,
-            :func:`trainmon.integrations.megatron.guard_refusal`); accelerate's optimizer with a GradScaler (fp16),
-            which puts back the optimizer's original ``step`` around every step.
+        UnsupportedSetupError: a DeepSpeed, Megatron-Core or MindSpore set-up their guards refuse (fp16, offload,
+            pipeline parallelism, graph mode, ...: :func:`trainmon.integrations.deepspeed.guard_refusal`,
+            :func:`trainmon.integrations.megatron.guard_refusal`,
+            :func:`trainmon.integrations.mindspore.guard.guard_refusal`); accelerate's optimizer with a GradScaler
+            (fp16), which puts back the optimizer's original ``step`` around every step.
     """
     if framework not in GUARDED_FRAMEWORKS:
         raise UnsupportedSetupError(
             f"anomaly.guard is not supported with {framework}: the step guard holds back the step of a torch optimizer "
-            "(plain torch, DDP, FSDP2, HF Trainer and Lightning with torch optimizers), of a DeepSpeed engine or of a "
-            "Megatron-Core optimizer. Set anomaly.guard.enabled: false to monitor this run; " + _GUARD_DOC)
+            "(plain torch, DDP, FSDP2, HF Trainer and Lightning with torch optimizers), of a DeepSpeed engine, of a "
+            "Megatron-Core optimizer or of a MindSpore optimizer cell (PyNative). Set anomaly.guard.enabled: false to "
+            "monitor this run; " + _GUARD_DOC)
     reason = None
     if framework == "deepspeed":
         from trainmon.integrations.deepspeed import guard_refusal
@@ -145,6 +148,10 @@ def refuse_unguarded(framework: str, model: Any, optimizer: Any) -> None:
         from trainmon.integrations.megatron import guard_refusal as megatron_refusal
 
         reason = megatron_refusal(model, optimizer)
+    elif framework == "mindspore":
+        from trainmon.integrations.mindspore.guard import guard_refusal as mindspore_refusal
+
+        reason = mindspore_refusal(model, optimizer)
     if reason is not None:
         raise UnsupportedSetupError(f"anomaly.guard is not supported with this {framework} set-up: {reason}. Set "
                                     f"anomaly.guard.enabled: false to monitor this run; see docs/{framework}.md, "

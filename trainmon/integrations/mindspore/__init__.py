@@ -133,9 +133,14 @@ def attach(ctx: StepContext, config: MonitorConfig, model: nn.Cell, optimizer: n
 
         # First, as torch's: collectives of the other collectors at the end of the step are not measured.
         collectors.insert(0, MindSporeCommCollector(ctx, config.communication, root=model, optimizer=optimizer))
+    step_guard = None
+    if optimizer is not None and config.enabled and config.anomaly.guard.enabled:
+        from trainmon.integrations.mindspore.guard import step_guard_factory
+
+        step_guard = step_guard_factory(optimizer, {id(param): name for name, param, _ in params})
     return Attachment(collectors=collectors, roots=[(model, 0)], modules=named_cells,
                       optimizer=OptimizerStepHooks(optimizer) if optimizer is not None else None,
-                      registry=registry, rank=rank, world_size=world_size)
+                      registry=registry, rank=rank, world_size=world_size, step_guard=step_guard)
 
 
 __all__ = ["MindSporeStepBuffer", "OptimizerStepHooks", "attach", "buffer_of", "dist_layout", "new_buffer",

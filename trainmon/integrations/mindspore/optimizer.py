@@ -203,8 +203,21 @@ class MindSporeOptimizerCollector(HookedCollector):
         # Parameters' shapes and dtypes do not change: read once here, never in a hook.
         self._param_metas = [tensor_meta(p) for _, p, _, _ in self._stepped]
         self._every_grad = len(set(self._positions)) == len(index)
+        self._not_taken = False
+        """The step guard skipped this step's ``construct``: the post-step hook writes no precursor rows (the
+        gradient was not folded into the moments)."""
+        if optimizer is not None:
+            ctx.step_not_taken.append(self._step_not_taken)
 
     HOOK_GROUPS = (_GRADS, _OPTIMIZER)
+
+    def release(self) -> None:
+        if self._step_not_taken in self.ctx.step_not_taken:
+            self.ctx.step_not_taken.remove(self._step_not_taken)
+
+    def _step_not_taken(self) -> None:
+        """The step guard decided not to apply the step (inside the optimizer cell's call, before its forward hook)."""
+        self._not_taken = True
 
     def install_hooks(self) -> None:
         if "grad_unreduced" in self.ctx.specs:
@@ -237,6 +250,7 @@ class MindSporeOptimizerCollector(HookedCollector):
     def _pre_step_hook(self) -> Callable[[nn.Optimizer, tuple[Any, ...]], None]:
         def hook(optimizer: nn.Optimizer, args: tuple[Any, ...]) -> None:
             ctx = self.ctx
+            self._not_taken = False  # the guard decides after this hook, inside the call
             if not ctx.collecting:
                 return
             grads = args[0] if args and isinstance(args[0], (tuple, list)) else None
@@ -321,9 +335,10 @@ class MindSporeOptimizerCollector(HookedCollector):
                         self._record_host(family, every, tensors)
                     else:
                         self._record_many(family, every, tensors)
+            not_taken, self._not_taken = self._not_taken, False
             if adam is not None:
                 grads = args[0] if args and isinstance(args[0], (tuple, list)) else None
-                wanted = self._precursors and grads is not None and all(
+                wanted = self._precursors and not not_taken and grads is not None and all(
                     isinstance(grads[i], Tensor) for i in self._positions)
                 self._adam_rows(adam, Precursors(optimizer, grads, self._positions) if wanted and grads else None)
 
