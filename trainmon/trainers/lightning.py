@@ -171,7 +171,8 @@ class TrainmonCallback(Callback):
     def _batch_identity(self, trainer: Any, batch: Any, batch_idx: int) -> None:
         assert self.monitor is not None
         epoch, data = int(trainer.current_epoch), self._data
-        self.monitor.batch(data.identity(epoch) if data is not None else {"batches": [[epoch, batch_idx, batch_idx + 1]]})
+        identity = data.identity(epoch) if data is not None else {"batches": [[epoch, batch_idx, batch_idx + 1]]}
+        self.monitor.batch(identity)
         if self.batch_ids is not None:
             self.monitor.batch(self.batch_ids(batch))
 

@@ -23,8 +23,8 @@ itself: the steps whose samples it leaves out are not left out again; their batc
 loader (exact when they are whole batches of the loader's order: a sequential sampler on one process).
 
 **Lengths.** The loader's length is the epoch's batches less those left out, as for a run that never had them.
-Lightning plans every epoch from the length at the start of the fit: set ``Trainer(reload_dataloaders_every_n_epochs=1)``
-when later epochs are longer (a warning says so).
+Lightning plans every epoch from the length at the start of the fit: set
+``Trainer(reload_dataloaders_every_n_epochs=1)`` when later epochs are longer (a warning says so).
 
 Refused at the start of the fit (:class:`~trainmon.errors.UnsupportedSetupError`), when data must be left out: a
 loader that is not a torch ``DataLoader``, an ``IterableDataset`` (no indices), a batch sampler other than torch's
@@ -306,8 +306,8 @@ def rebuild_loader(loader: object, plan: BatchPlan, mid_epoch: bool) -> DataLoad
         from lightning.pytorch.trainer.states import RunningStage
         from lightning.pytorch.utilities.data import _update_dataloader
     except ImportError:  # the older package name
-        from pytorch_lightning.trainer.states import RunningStage  # type: ignore[no-redef]
-        from pytorch_lightning.utilities.data import _update_dataloader  # type: ignore[no-redef]
+        from pytorch_lightning.trainer.states import RunningStage  # type: ignore[assignment]
+        from pytorch_lightning.utilities.data import _update_dataloader  # type: ignore[assignment]
     try:
         rebuilt: DataLoader[Any] = _update_dataloader(loader, sampler, mode=RunningStage.TRAINING)
     except Exception as exc:  # TypeError, or Lightning's MisconfigurationException: its init arguments are unknown
