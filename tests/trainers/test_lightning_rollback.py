@@ -9,6 +9,9 @@ order; the checkpoint round trip is exact). Checkpoints mid-epoch (two rollbacks
 positions count the batch it left out) and at the end of an epoch; with a ``trainmon.SkipSampler`` of the user's
 in the loader, the same result (nothing left out twice).
 
+Under DDP (2 processes, gloo; scripts/lightning_ddp_skip.py): after Lightning's ``DistributedSampler`` injection each
+rank leaves out its own batches at the rollback's positions.
+
 In process: the sampler wrapper under a ``DistributedSampler`` (the per-rank batches Lightning's injection makes),
 a short last batch, the user's SkipSampler found inside Lightning's ``DistributedSamplerWrapper``, ``rollback=``
 without a checkpoint, and the set-ups refused when the fit starts.
@@ -111,6 +114,22 @@ def test_lightning_resumes_an_end_of_epoch_checkpoint_without_the_poisoned_batch
     reference = _run(tmp_path, "end", "reference")
     assert reference.returncode == 0, reference.stderr[-3000:]
     _check_against_reference(tmp_path, runs=2)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_under_ddp_each_rank_leaves_out_its_own_batches_after_lightnings_sampler_injection(tmp_path):
+    """Two ranks (gloo), a plain ``DataLoader``: Lightning injects ``DistributedSampler(shuffle=True)``; with a rollback
+    naming batches 1 and 3 of epoch 0, each rank trains on its own batches less its batches 1 and 3."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    script = Path(__file__).parent / "scripts" / "lightning_ddp_skip.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, text=True, capture_output=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)]
+    for seen in ranks:
+        assert len(seen["plain"]) == 5
+        assert seen["skipped"] == [batch for i, batch in enumerate(seen["plain"]) if i not in (1, 3)]
+    assert sorted(i for seen in ranks for batch in seen["plain"] for i in batch) == list(range(40))  # split by rank
 
 
 # ----------------------------------------------------------------------------- in process
