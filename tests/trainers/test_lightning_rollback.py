@@ -14,7 +14,7 @@ rank leaves out its own batches at the rollback's positions.
 
 In process: the sampler wrapper under a ``DistributedSampler`` (the per-rank batches Lightning's injection makes),
 a short last batch, the user's SkipSampler found inside Lightning's ``DistributedSamplerWrapper``, ``rollback=``
-without a checkpoint, and the set-ups refused when the fit starts.
+without a checkpoint, a shuffled loader (samples left out), and the set-ups refused when the fit starts.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ import torch
 L = pytest.importorskip("lightning.pytorch", reason="lightning is not installed")
 
 from trainmon.actions.resume import Rollback  # noqa: E402
+from trainmon.actions.skip_batches import BatchPlan, SkipBatches  # noqa: E402
 from trainmon.actions.skip_list import SkipList, SkipSampler  # noqa: E402
 from trainmon.errors import UnsupportedSetupError  # noqa: E402
 from trainmon.trainers.lightning import TrainmonCallback  # noqa: E402
-from trainmon.trainers.lightning_data import BatchPlan, SkipBatches, user_skip_samplers  # noqa: E402
+from trainmon.trainers.lightning_data import user_skip_samplers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXIT = 17
@@ -180,7 +181,7 @@ class _Module(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         index, ones = batch
-        self.seen.append(int(index.reshape(-1)[0]))
+        self.seen += index.reshape(-1).tolist()
         return self.net(ones.reshape(-1, 2)).sum()
 
     def train_dataloader(self):
@@ -190,15 +191,17 @@ class _Module(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def _fit(module, callback, **options) -> L.Trainer:
-    trainer = L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+def _fit(module, callback, max_epochs=1, **options) -> L.Trainer:
+    trainer = L.Trainer(max_epochs=max_epochs, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, accelerator="cpu", devices=1, callbacks=[callback], **options)
     trainer.fit(module)
     return trainer
 
 
-def _given(tmp_path, batches) -> Rollback:
+def _given(tmp_path, batches, samples=None) -> Rollback:
     entries = [{"step": 0, "batch": {"batches": [list(b)]}} for b in batches]
+    for entry, ranges in zip(entries, samples or []):
+        entry["batch"]["samples"] = ranges
     return Rollback(path=tmp_path / "rollback.json", step=0, rank=0, exit_code=EXIT, reason="", checkpoint=None,
                     resume_step=0, skip=SkipList(entries))
 
@@ -211,6 +214,24 @@ def test_a_given_rollback_is_left_out_from_the_start_and_the_strategy_is_restore
     trainer = _fit(module, callback)
     assert module.seen == [0, 1, 4, 5]
     assert "process_dataloader" not in vars(trainer.strategy)  # the wrapper is gone after the fit
+
+
+def test_a_shuffled_loader_leaves_out_the_samples_or_is_refused_without_them(tmp_path):
+    """torch's ``RandomSampler`` draws its order anew in the resumed run: positions name other data there, so the
+    rollback's samples (``batch_ids=``) are left out, in every epoch; without samples the fit is refused."""
+    data = [(torch.tensor([i]), torch.ones(2)) for i in range(12)]
+    config = {"output_dir": str(tmp_path / "tm"), "sinks": []}
+    module = _Module(torch.utils.data.DataLoader(data, batch_size=3, shuffle=True))
+    rollback = _given(tmp_path, [(0, 1, 2)], samples=[[[3, 6]]])
+    _fit(module, TrainmonCallback(config, rollback=rollback), max_epochs=2)
+    assert sorted(module.seen) == sorted(2 * [i for i in range(12) if not 3 <= i < 6])
+
+    module = _Module(torch.utils.data.DataLoader(data, batch_size=3, shuffle=True))
+    with pytest.raises(UnsupportedSetupError, match="RandomSampler.*batch_ids="):
+        L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                  enable_checkpointing=False, accelerator="cpu", devices=1,
+                  callbacks=[TrainmonCallback(config, rollback=_given(tmp_path, [(0, 1, 2)]))]).fit(module)
+    assert module.seen == []
 
 
 class _Stream(torch.utils.data.IterableDataset):
