@@ -6,8 +6,9 @@ checkpoint folder says which are); run again with ``trainer.train(resume_from_ch
 callback leaves that batch out. The truth is the same Trainer without trainmon on data without that batch: the
 Trainer's own logged losses and the final parameters equal it bit for bit.
 
-Lightning: saved checkpoints carry the state's health (``on_save_checkpoint``), and each step's events name the
-step's batch (``[epoch, batch_idx, batch_idx + 1]``).
+Lightning: saved checkpoints carry the state's health (``on_save_checkpoint``), each step's events name the
+step's batch (``[epoch, position, position + 1]``), and the resumed fit leaves the poisoned batch out of a plain
+``DataLoader(batch_size=None)`` (end to end against a reference: test_lightning_rollback.py).
 """
 
 from __future__ import annotations
@@ -120,8 +121,7 @@ def test_lightning_tags_checkpoints_rolls_back_and_finds_the_rollback_on_resume(
               .splitlines()]
     assert events[0]["step"] == bad and events[0]["batch"] == {"batches": [[0, bad, bad + 1]]}
 
-    batches[bad] = data(bad)  # resumed without the poison (Lightning leaves data out through your sampler)
-    resumed = fit(ckpt_path=str(saved))
+    resumed = fit(ckpt_path=str(saved))  # the poisoned batch is still in the data: the callback leaves it out
     assert resumed.rollback is not None and resumed.rollback.checkpoint == str(saved)
     later = torch.load(tmp_path / "ckpt" / "epoch=0-step=4.ckpt", weights_only=False)["trainmon"]
     assert later["healthy"] is True and later["monitor"]["health"]["last_healthy"]["checkpoint"] == later["checkpoint"]

@@ -16,12 +16,17 @@ What the callback does (see docs/lightning.md):
   the sum of the normalised batch losses Lightning returns (automatic optimisation: their mean
   over the accumulated batches), or their mean (manual). Steps are numbered like
   ``trainer.global_step`` before the update, as ``self.log`` in ``training_step`` numbers them;
-- each step's data: the batches ``[epoch, batch_idx, batch_idx + 1]`` of its micro-steps, and the sample indices
-  ``batch_ids(batch)`` returns when given (docs/actions.md, "Rollback");
-- ``on_save_checkpoint`` adds ``checkpoint["trainmon"]``: whether the state is healthy, the checkpoint's path and
-  the monitor's state (``monitor.state_dict(checkpoint=path)``); resuming (``trainer.fit(..., ckpt_path=...)``),
-  the callback loads that state, and the rollback that names the checkpoint, if any, is :attr:`rollback` (its
-  samples are left out by the ``trainmon.SkipSampler`` of your data loader);
+- each step's data: the training data loader's batches ``[epoch, position, position + 1]`` of its micro-steps
+  (positions count every batch the loader yields, left out or not), and the sample indices ``batch_ids(batch)``
+  returns when given (docs/actions.md, "Rollback");
+- ``on_save_checkpoint`` adds ``checkpoint["trainmon"]``: whether the state is healthy, the checkpoint's path, the
+  monitor's state (``monitor.state_dict(checkpoint=path)``) and the data the run leaves out; resuming
+  (``trainer.fit(..., ckpt_path=...)``), the callback loads that state, and the rollback that names the checkpoint,
+  if any, is :attr:`rollback`;
+- resuming from a rollback's checkpoint (or from a checkpoint of a run that resumed from one), the batches of its
+  skip list are left out of the training data loader, and a mid-epoch checkpoint resumes where its run was in the
+  epoch (:class:`~trainmon.trainers.lightning_data.TrainData`: from ``setup`` to ``teardown`` it wraps the
+  strategy's ``process_dataloader``); a set-up whose batches cannot be left out is refused when the fit starts;
 - ``on_train_end`` and ``on_exception`` close the monitor;
 - fail-safe: a refusal at attach (:class:`~trainmon.errors.ConfigError`,
   :class:`~trainmon.errors.UnsupportedSetupError`) is raised when training starts; any other exception of
@@ -40,13 +45,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data import DataLoader
 
 from trainmon.actions.resume import Rollback, read_rollback
 from trainmon.actions.rollback import RollbackExit
+from trainmon.actions.skip_list import SkipList
 from trainmon.config import MonitorConfig, load_config
+from trainmon.errors import UnsupportedSetupError
 from trainmon.integrations.losses import output_loss
 from trainmon.monitor import TrainerMonitor
 from trainmon.trainers.attaching import attach_or_train_on, ddp_options
+from trainmon.trainers.lightning_data import TrainData
 
 if TYPE_CHECKING:
     from trainmon.runtime.lifecycle import StepLifecycle
@@ -67,23 +76,33 @@ class TrainmonCallback(Callback):
         config: a trainmon config (path to YAML/JSON, dict, :class:`MonitorConfig`, or None).
         batch_ids: ``batch -> sample indices`` (anything ``monitor.batch`` takes), for each training batch: the
             step's events, the skip list and a rollback then name its samples.
+        rollback: the rollback to resume from (a :class:`~trainmon.actions.rollback.Rollback`, or a path for
+            :func:`~trainmon.actions.rollback.read_rollback`); default: the newest rollback in the monitor's
+            ``output_dir`` that names the checkpoint ``trainer.fit(..., ckpt_path=...)`` resumes from.
         **attach_options: extra keyword arguments for :meth:`TrainerMonitor.attach`.
 
     Attributes:
-        rollback: when ``trainer.fit(..., ckpt_path=...)`` resumes from the checkpoint a rollback names (found in
-            the monitor's ``output_dir``), that :class:`~trainmon.actions.rollback.Rollback`.
+        rollback: the rollback this fit resumes from (its batches are left out of the training data loader), else
+            None.
+
+    Raises:
+        UnsupportedSetupError: when the fit starts, resuming from a rollback with a training data loader whose
+            batches cannot be left out (docs/lightning.md).
 
     Example:
         >>> trainer = L.Trainer(max_steps=100, callbacks=[TrainmonCallback("monitor.yaml")])  # doctest: +SKIP
     """
 
     def __init__(self, config: MonitorConfig | dict[str, Any] | str | Path | None = None,
-                 batch_ids: Callable[[Any], object] | None = None, **attach_options: Any) -> None:
+                 batch_ids: Callable[[Any], object] | None = None, rollback: Rollback | str | Path | None = None,
+                 **attach_options: Any) -> None:
         self.config = config
         self.batch_ids = batch_ids
         self.attach_options = attach_options
         self.monitor: TrainerMonitor | None = None
         self.rollback: Rollback | None = None
+        self._given_rollback = rollback
+        self._data: TrainData | None = None
         TrainerMonitor(config)  # validate the config now, not when training starts
         self._losses: list[torch.Tensor] = []
         self._global_step = 0
@@ -91,7 +110,23 @@ class TrainmonCallback(Callback):
         self._loaded: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self._close_data()
+            self._data = TrainData(trainer, self._skip_in_effect)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit":
+            self._close_data()
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        data = self._data
+        if data is not None and data.plan is not None and not isinstance(trainer.train_dataloader, DataLoader):
+            raise UnsupportedSetupError(
+                "trainmon's TrainmonCallback resumes from a checkpoint whose run leaves data out (a rollback), but "
+                f"this fit has several training data loaders ({type(trainer.train_dataloader).__name__}): the batch "
+                "positions of a rollback name one loader's batches. Train from one DataLoader, or leave the data out "
+                "yourself (callback.rollback).")
         attach_or_train_on(lambda: self._attach(trainer, pl_module), self._release, "this Lightning run")
 
     def _attach(self, trainer: Any, pl_module: Any) -> None:
@@ -112,7 +147,8 @@ class TrainmonCallback(Callback):
             except ValueError as exc:
                 logger.warning("trainmon: the checkpoint's monitor state is not loaded (%s); the detectors warm up "
                                "again", exc)
-        self.rollback = self._find_rollback(getattr(trainer, "ckpt_path", None))
+        if self._data is None:  # (setup not called: a fit driven by hand)
+            self.rollback = self._find_rollback(getattr(trainer, "ckpt_path", None))
         if self.rollback is not None:
             self.monitor.resume(self.rollback)
         self._lifecycle().drive_by_callbacks()
@@ -125,6 +161,7 @@ class TrainmonCallback(Callback):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self._release()
+        self._close_data()
 
     # ------------------------------------------------------------------ micro-steps and steps
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -133,7 +170,9 @@ class TrainmonCallback(Callback):
 
     def _batch_identity(self, trainer: Any, batch: Any, batch_idx: int) -> None:
         assert self.monitor is not None
-        self.monitor.batch({"batches": [[int(trainer.current_epoch), batch_idx, batch_idx + 1]]})
+        epoch, data = int(trainer.current_epoch), self._data
+        identity = data.identity(epoch) if data is not None else {"batches": [[epoch, batch_idx, batch_idx + 1]]}
+        self.monitor.batch(identity)
         if self.batch_ids is not None:
             self.monitor.batch(self.batch_ids(batch))
 
@@ -147,12 +186,29 @@ class TrainmonCallback(Callback):
         state = self.monitor.state_dict(checkpoint=path)
         checkpoint["trainmon"] = {"healthy": state.get("healthy", True), "step": state["step"], "checkpoint": path,
                                   "monitor": state}
+        skip = self._data.skip if self._data is not None else None
+        if skip is not None and len(skip):
+            checkpoint["trainmon"]["skip"] = skip.entries  # a resume from this checkpoint leaves that data out too
 
     def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get("trainmon")
         self._loaded = saved if isinstance(saved, dict) else None  # loaded into the monitor when it attaches
 
+    def _skip_in_effect(self) -> SkipList | None:
+        """The data this fit leaves out: the rollback's (found for the checkpoint, or given) and what the
+        checkpoint's run left out (``checkpoint["trainmon"]["skip"]``); also sets :attr:`rollback`."""
+        trainer = self._data.trainer if self._data is not None else None
+        self.rollback = self._find_rollback(getattr(trainer, "ckpt_path", None))
+        saved = (self._loaded or {}).get("skip")
+        skip = SkipList(entry for entry in saved if isinstance(entry, dict)) if isinstance(saved, list) else SkipList()
+        if self.rollback is not None:
+            skip = skip.union(self.rollback.skip)
+        return skip
+
     def _find_rollback(self, checkpoint: str | None) -> Rollback | None:
+        given = self._given_rollback
+        if given is not None:
+            return given if isinstance(given, Rollback) else read_rollback(given)
         if not checkpoint:
             return None
         config = load_config(self.config)
@@ -206,6 +262,11 @@ class TrainmonCallback(Callback):
         if self.monitor is not None:
             self.monitor.close()
             self.monitor = None
+
+    def _close_data(self) -> None:
+        if self._data is not None:
+            self._data.close()
+            self._data = None
 
 
 def _saved_path(trainer: Any) -> str | None:
