@@ -296,14 +296,14 @@ def test_kill_9_during_a_level_merge_loses_and_repeats_no_row(tmp_path, where):
 
     check()
     resumed = ParquetSink(tmp_path / "rank0", roll_seconds=0.0)
-    resumed.write(StepRecord_(rolled + 1000))
+    resumed.write(_step_record(rolled + 1000))
     resumed.close()
     after = sorted(folder.glob("*.parquet"))
     assert len(after) == len(live) + 1  # the superseded parts removed, the new writer's one added
     check(1)
 
 
-def StepRecord_(step: int):  # noqa: N802
+def _step_record(step: int):  # type: ignore[no-untyped-def]
     from trainmon.base.records import Row, RowKey, StepRecord
 
     rows = [Row(RowKey("grad_reduced", f"w{i}", order=i), step, {"norm": 0.5}, False) for i in range(4)]

@@ -26,8 +26,8 @@ import json
 import os
 import re
 import stat
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO, Any
 
 __all__ = ["UnsafePathError", "atomic_output", "open_output", "write_atomic", "make_dirs", "remove_file"]

@@ -2,12 +2,12 @@
 rolled and merged by :mod:`.store_parts`).
 
 Rows are kept in memory per table on the writer thread and rolled into a small Parquet file at most every
-``roll_seconds`` (when the :class:`~trainmon.base.threads.OutputThread` flushes), every ``max_rows`` rows, and
-once no record came for ``flush_seconds`` (:meth:`ParquetSink.idle`);
-runs of ``fan_in`` small files are merged into one larger part, and at close the remaining small files are
-merged too. Each file is written whole under a hidden name and renamed, never over an existing file, with no
-symlink followed (:mod:`trainmon.base.safe_io`): a ``kill -9`` leaves every file readable and loses what was
-not rolled yet (at most ``roll_seconds`` of rows, or the step being written).
+``roll_seconds`` (when the :class:`~trainmon.base.threads.OutputThread` flushes), every ``max_rows`` rows, and once
+no record came for ``flush_seconds`` (:meth:`ParquetSink.idle`); runs of ``fan_in`` small files are merged into one
+larger part, 8 of those into one part of the next level (and so on: :class:`~.store_parts.TableParts`), and at close
+the remaining small files are merged too. Each file is written whole under a hidden name and renamed, never over an
+existing file, with no symlink followed (:mod:`trainmon.base.safe_io`): a ``kill -9`` leaves every file readable and
+loses what was not rolled yet (at most ``roll_seconds`` of rows, or the step being written).
 
 Columns of a row table: ``step`` (int64), ``micro_step``, ``vpp_stage``, ``pp_stage``, ``order`` (int32),
 ``phase``, ``name`` (dictionary-encoded strings), ``nonfinite`` (bool), then one float64 column per configured

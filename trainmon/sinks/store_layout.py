@@ -144,7 +144,7 @@ def parquet_bytes(table: pa.Table, compression_level: int = 3, row_group_bytes: 
     if row_group_bytes is not None and table.num_rows:
         rows = max(1, row_group_bytes * table.num_rows // max(table.nbytes, 1))
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, row_group_size=rows, **parquet_options(table.schema, compression_level))  # type: ignore[arg-type]
+    pq.write_table(table, sink, row_group_size=rows, **parquet_options(table.schema, compression_level))
     return bytes(sink.getvalue())
 
 

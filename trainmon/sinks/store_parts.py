@@ -3,15 +3,16 @@
 The run store's file policy (:mod:`.store_layout`, docs/store.md) in one place, for every writer of the store (the
 Parquet sink's row tables, the grad probe's tables): each :meth:`TableParts.add` writes one small part whole under a
 hidden name and renames it into place, never over an existing file; runs of ``fan_in`` small parts (or of
-``merge_rows`` rows, or ``merge_bytes`` bytes) are merged into one part of level 1. Merged parts are merged again
-in levels (size-tiered, as a log-structured merge tree): as soon as ``level_fan_in`` parts of level k accumulate they
+``merge_rows`` rows, or ``merge_bytes`` bytes) are merged into one part of level 1. Merged parts are merged again in
+levels (size-tiered, as a log-structured merge tree): as soon as ``level_fan_in`` parts of level k accumulate they
 become one part of level k + 1, streamed row group by row group (its memory is a row group's, not the part's). A
 table's folder of a rank thus holds at most ``fan_in - 1`` small parts and ``level_fan_in - 1`` parts per level
-however long the run, and each row is written ``2 + log_{level_fan_in}(parts of level 1)`` times at most (once small,
-once per level; :meth:`TableParts.close` merges only the small parts). Every merge writes its part first (under a hidden name,
-renamed into place) and removes its inputs after: the part's sequence range covers its inputs' (nested across
-levels), so a crash in between leaves parts :func:`~.store_layout.live_parts` skips and the next writer removes.
-A small part that alone reaches ``merge_bytes`` is already of the merged size: it joins level 1 as it is.
+however long the run, and each row is written at most ``2 + log_{level_fan_in}(n / fan_in)`` times for ``n`` small
+parts (once small, once per level; :meth:`TableParts.close` merges only the small parts). Every merge writes its
+part first (under a hidden name, renamed into place) and removes its inputs after: the part's sequence range covers
+its inputs' (nested across levels), so a crash in between leaves parts :func:`~.store_layout.live_parts` skips and
+the next writer removes. A small part that alone reaches ``merge_bytes`` is already of the merged size: it joins
+level 1 as it is.
 
 Before the first part of each schema, the writer marks that schema in the folder
 (:func:`~.store_layout.schema_mark_name`): readers learn from the listing alone whether a table has one schema.
@@ -19,6 +20,7 @@ Before the first part of each schema, the writer marks that schema in the folder
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -113,10 +115,8 @@ class TableParts:
         token = schema_token(table.schema)
         if token not in self._marked:  # before the part: a part is never there without its schema's mark
             mark = self.directory / schema_mark_name(self.writer, token)
-            try:
+            with contextlib.suppress(FileExistsError):
                 write_atomic(mark, _schema_text(table.schema), root=self.root, exclusive=True)
-            except FileExistsError:
-                pass
             self._marked.add(token)
         seq = self._sequence()
         data = self._encode(table, 1)
@@ -193,7 +193,7 @@ class TableParts:
         schema = pa.unify_schemas(schemas, promote_options="permissive")
         path = self.directory / self._name(parts)
         with atomic_output(path, self.root) as out, \
-                pq.ParquetWriter(out, schema, **parquet_options(schema, 3)) as writer:  # type: ignore[arg-type]
+                pq.ParquetWriter(out, schema, **parquet_options(schema, 3)) as writer:
             buffered: list[pa.Table] = []
             rows = size = 0
             for group in self._row_groups(parts):
