@@ -174,6 +174,17 @@ def schema_mark_name(writer: str, token: str) -> str:
     return f"_schema-{writer}-{token}.json"
 
 
+def schema_mark_bytes(schema: pa.Schema) -> bytes:
+    """A mark's content: the schema's columns and types, one a line (for a reader's eyes; readers use names).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> schema_mark_bytes(pa.schema([("step", pa.int64())]))
+        b'step\\tint64\\n'
+    """
+    return "".join(f"{field.name}\t{field.type}\n" for field in schema).encode()
+
+
 def parse_schema_mark(name: str) -> tuple[str, str] | None:
     """``(writer, token)`` of a :func:`schema_mark_name`; None for any other name.
 

@@ -35,6 +35,7 @@ from trainmon.sinks.store_layout import (
     parquet_options,
     parse_part,
     part_name,
+    schema_mark_bytes,
     schema_mark_name,
     schema_token,
 )
@@ -116,7 +117,7 @@ class TableParts:
         if token not in self._marked:  # before the part: a part is never there without its schema's mark
             mark = self.directory / schema_mark_name(self.writer, token)
             with contextlib.suppress(FileExistsError):
-                write_atomic(mark, _schema_text(table.schema), root=self.root, exclusive=True)
+                write_atomic(mark, schema_mark_bytes(table.schema), root=self.root, exclusive=True)
             self._marked.add(token)
         seq = self._sequence()
         data = self._encode(table, 1)
@@ -243,7 +244,3 @@ class TableParts:
                 logger.info("trainmon: removing %s (merged into a larger part before a crash)", part.path)
                 remove_file(part.path, self.root)
 
-
-def _schema_text(schema: pa.Schema) -> bytes:
-    """The mark's content: the schema's columns and types, one a line (for a reader's eyes; readers use names)."""
-    return "".join(f"{field.name}\t{field.type}\n" for field in schema).encode()
