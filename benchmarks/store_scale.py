@@ -65,6 +65,10 @@ class StepClock:
         return self.now
 
 
+SINK_CPU = [0.0]
+"""CPU seconds of the process spent in the sinks (:func:`write_run` adds them; robust to other jobs' load)."""
+
+
 def write_run(run_dir: Path, ranks: int, tensors: int, steps: int, step_seconds: float,
               seed: int = 0) -> tuple[int, float, tuple[int, int, int]]:
     """Write the synthetic run; returns (rows, seconds spent in the sinks, (nan step, nan rank, nan order))."""
@@ -100,14 +104,16 @@ def write_run(run_dir: Path, ranks: int, tensors: int, steps: int, step_seconds:
             rows_of_step = [Row(key, step, dict(zip(METRICS, v)), f) for key, v, f in zip(keys, values, bad.tolist())]
             record = StepRecord(step=step, rank=rank, rows=rows_of_step, scalars={"loss": float(2.0 + rng.normal())})
             clock.now += step_seconds
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             sink.write(record)
             sink.flush()
             sink_seconds += time.perf_counter() - start
+            SINK_CPU[0] += time.process_time() - cpu
             rows += tensors
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         sink.close()
         sink_seconds += time.perf_counter() - start
+        SINK_CPU[0] += time.process_time() - cpu
     return rows, sink_seconds, nan_at
 
 
@@ -224,7 +230,8 @@ def main() -> None:
         tables = {p.parent.parent.name for p in files}
         print(f"wrote {rows:,} rows ({args.ranks} ranks x {args.tensors} rows x {args.steps} steps) in {total:.1f} s; "
               f"sinks' own time {sink_seconds:.1f} s = {rows * len(METRICS) / sink_seconds:,.0f} values/s "
-              f"({rows / sink_seconds:,.0f} rows/s) per process")
+              f"({rows / sink_seconds:,.0f} rows/s) per process; CPU {SINK_CPU[0]:.1f} s = "
+              f"{rows * len(METRICS) / SINK_CPU[0]:,.0f} values per CPU second ({load()})")
         print(f"store: {row_bytes / rows:.2f} bytes per row ({row_bytes / 1e6:.1f} MB of row tables), "
               f"{len(files)} files = {len(files) / (len(tables) * args.ranks):.1f} per table and rank ({load()})")
         if args.replicate > 1:
