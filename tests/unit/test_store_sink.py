@@ -375,3 +375,46 @@ def test_a_writer_whose_metrics_change_marks_both_schemas(tmp_path):
 def _view_sql(run: Path, view: str) -> str:
     con = open_run(run)
     return str(con.execute("SELECT sql FROM duckdb_views() WHERE view_name = ?", [view]).fetchall()[0][0])
+
+
+def test_tools_give_the_same_answers_over_merge_levels(tmp_path, capsys):
+    """The same records written with one merge at close and with merges of merges at every other file (fan-ins of
+    2: four levels): query, analyse and report give the same answers from both."""
+    import re
+
+    from trainmon.tools.cli import main
+
+    runs = {}
+    for label, fans in (("flat", {}), ("levels", {"fan_in": 2, "level_fan_in": 2})):
+        run = runs[label] = tmp_path / label / "run"
+        for rank in range(2):
+            sink = ParquetSink(run / f"rank{rank}", roll_seconds=0.0, **fans)
+            for step in range(20):
+                sink.write(record(step, ("norm", "max", "nans"), rank=rank))
+                sink.flush()
+            sink.close()
+    parts = {label: len(list((run / "store" / "grad_reduced").rglob("*.parquet"))) for label, run in runs.items()}
+    assert parts == {"flat": 2, "levels": 2 * 2}  # a rank's 20 files: parts of 16 (level 4) and 4 (level 2)
+
+    def answers(run: Path) -> tuple[str, str, dict, str]:
+        capsys.readouterr()
+        assert main(["query", str(run), "SELECT * FROM grad_reduced ORDER BY rank, step, \"order\"",
+                     "--format", "csv"]) == 0
+        rows = capsys.readouterr().out
+        assert main(["query", str(run), "SELECT * FROM actv ORDER BY rank, step", "--format", "csv"]) == 0
+        actv = capsys.readouterr().out
+        assert main(["analyse", str(run), "-o", str(run.parent / "a.json")]) == 0
+        analysed = json.loads((run.parent / "a.json").read_text())
+        analysed.pop("run_dir", None)
+        assert main(["report", str(run), "-o", str(run.parent / "r.html")]) == 0
+        page = re.search(r'<script id="report-data" type="application/json">(.*?)</script>',
+                         (run.parent / "r.html").read_text(), re.S)
+        assert page is not None
+        data = json.loads(page.group(1))
+        for key in ("run_dir", "run_name", "generated"):
+            data["summary"].pop(key)
+        return rows, actv, analysed, json.dumps(data, sort_keys=True)
+
+    flat, levels = answers(runs["flat"]), answers(runs["levels"])
+    assert flat[0].count("\n") == 2 * 20 * 3 + 1 and flat[2]["first_nonfinite_row"]["step"] == 0 and flat[2]["spread"]
+    assert flat == levels

@@ -90,18 +90,19 @@ class ParquetSink:
         max_rows: rows of one table kept in memory before they are rolled whatever the time.
         fan_in: small files merged into one part as soon as there are this many.
         merge_rows: small files merged as soon as they hold this many rows (bounds a merge's memory).
+        level_fan_in: merged parts of one level merged into one of the next as soon as there are this many.
         clock: the time source (tests replace it).
     """
 
     name = "parquet"
 
     def __init__(self, rank_dir: Path, root: Path | None = None, *, roll_seconds: float = 2.0,
-                 max_rows: int = 1 << 18, fan_in: int = 64, merge_rows: int = 1 << 22,
+                 max_rows: int = 1 << 18, fan_in: int = 64, merge_rows: int = 1 << 22, level_fan_in: int = 8,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.rank_dir = Path(rank_dir)
         self.root = Path(root) if root is not None else self.rank_dir.parent
         self.roll_seconds, self.max_rows, self.fan_in = roll_seconds, max_rows, max(2, fan_in)
-        self.merge_rows = merge_rows
+        self.merge_rows, self.level_fan_in = merge_rows, level_fan_in
         self.writer_token = os.urandom(4).hex()
         self._clock = clock
         self._last_roll = clock()
@@ -174,5 +175,5 @@ class ParquetSink:
         if parts is None:
             parts = self._parts[name] = TableParts(table_dir(self.root, name, self._rank), self.root,
                                                    self.writer_token, self._sequence, fan_in=self.fan_in,
-                                                   merge_rows=self.merge_rows)
+                                                   merge_rows=self.merge_rows, level_fan_in=self.level_fan_in)
         parts.add(table.arrow(), *table.step_range())
