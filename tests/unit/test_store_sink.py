@@ -418,3 +418,33 @@ def test_tools_give_the_same_answers_over_merge_levels(tmp_path, capsys):
     flat, levels = answers(runs["flat"]), answers(runs["levels"])
     assert flat[0].count("\n") == 2 * 20 * 3 + 1 and flat[2]["first_nonfinite_row"]["step"] == 0 and flat[2]["spread"]
     assert flat == levels
+
+
+def test_a_failed_level_merge_stops_merging_and_loses_nothing(tmp_path, monkeypatch):
+    """A merge of merged parts that fails (a full disk) raises to the sink's caller and stops this writer's merges for
+    good: its inputs stay where they are, and no later merge's sequence range can cover them (readers would take
+    them for merged and skip them). Every row is read back once."""
+    import trainmon.sinks.store_parts as store_parts
+
+    folder = tmp_path / "store" / "t" / "rank=0"
+    parts = TableParts(folder, tmp_path, "ab", itertools.count().__next__, fan_in=2, level_fan_in=2)
+    for step in range(2):
+        parts.add(_step_table(step), step, step)
+    original = store_parts.atomic_output
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store_parts, "atomic_output", full)
+    parts.add(_step_table(2), 2, 2)
+    with pytest.raises(OSError, match="No space"):
+        parts.add(_step_table(3), 3, 3)  # 2-3 merged (level 1), then 0-1 and 2-3 fail to merge (level 2)
+    monkeypatch.setattr(store_parts, "atomic_output", original)
+    for step in range(4, 12):
+        parts.add(_step_table(step), step, step)
+    parts.close()
+    names = [p.name for p in _parts_of(folder)]
+    assert len(names) == 2 + 8 and names[:2] == [part_name(0, 1, "ab", 0, 1), part_name(2, 3, "ab", 2, 3)]
+    assert len(live_parts(_parts_of(folder))) == 10
+    con = open_run(tmp_path)
+    assert con.execute("SELECT count(*), count(DISTINCT step) FROM t").fetchall() == [(60, 12)]

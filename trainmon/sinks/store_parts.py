@@ -99,6 +99,7 @@ class TableParts:
         self._bytes = 0
         self._marked: set[str] = set()
         self._repaired = False
+        self._stopped = False  # a merge failed: no more merges (one could cover a part left out of the levels)
 
     @property
     def _small(self) -> list[Part]:
@@ -124,9 +125,12 @@ class TableParts:
         path = self.directory / part_name(first_step, last_step, self.writer, seq, seq)
         write_atomic(path, data, root=self.root, exclusive=True)
         part = Part(path, first_step, last_step, self.writer, seq, seq)
+        if self._stopped:
+            return path
         if self.merge_bytes is not None and len(data) >= self.merge_bytes:
             self.merge()  # the small parts before it: their sequence range stays below this part's
-            self._push(1, part)  # of the merged size already
+            with self._guard():
+                self._push(1, part)  # of the merged size already
             return path
         self._small.append(part)
         self._rows += table.num_rows
@@ -144,20 +148,23 @@ class TableParts:
         import pyarrow.parquet as pq
 
         small, self._levels[0], self._rows, self._bytes = self._small, [], 0, 0
-        if len(small) < 2:
-            for part in small:
-                self._push(1, part)
+        if self._stopped:
             return
-        tables = []
-        for part in small:
-            with open_output(part.path, "rb", self.root) as handle:
-                tables.append(pq.ParquetFile(handle).read())  # pq.read_table would import pandas (~0.5 s)
-        merged = pa.concat_tables(tables, promote_options="default")
-        path = self.directory / self._name(small)
-        write_atomic(path, self._encode(merged, 3), root=self.root, exclusive=True)
-        for part in small:
-            remove_file(part.path, self.root)
-        self._push(1, self._part(path, small))
+        with self._guard():
+            if len(small) < 2:
+                for part in small:
+                    self._push(1, part)
+                return
+            tables = []
+            for part in small:
+                with open_output(part.path, "rb", self.root) as handle:
+                    tables.append(pq.ParquetFile(handle).read())  # pq.read_table would import pandas (~0.5 s)
+            merged = pa.concat_tables(tables, promote_options="default")
+            path = self.directory / self._name(small)
+            write_atomic(path, self._encode(merged, 3), root=self.root, exclusive=True)
+            for part in small:
+                remove_file(part.path, self.root)
+            self._push(1, self._part(path, small))
 
     def close(self) -> None:
         """Merge the small parts not merged yet into one (a writer's last act on the table), as :meth:`merge`.
@@ -167,6 +174,19 @@ class TableParts:
         for a file or two fewer per level.
         """
         self.merge()
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Stop merging for good when a merge fails (a full disk, a removed folder): its inputs would be out of
+        the levels, and a later merge's sequence range could cover them, so that readers took them for merged.
+        The parts written stay as they are; later ones stay small."""
+        try:
+            yield
+        except BaseException:
+            self._stopped = True
+            logger.warning("trainmon: a merge in %s failed: %s keeps its parts there as they are from now on",
+                           self.directory, self.writer)
+            raise
 
     def _push(self, level: int, part: Part) -> None:
         """Add ``part`` to ``level``; merge the level into one part of the next while it holds ``level_fan_in``."""
