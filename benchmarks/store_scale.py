@@ -15,6 +15,10 @@ zeros float64 quotients as trainmon computes them, spikes (x1000) in 1 row of 10
 rank and one tensor mid-run that spreads to the later rows of that rank and to every rank in the next step
 (after which the run recovers: a run that stays NaN would make the files unrealistically small).
 
+``--query RUN``: only time the queries on a run written before (kept with ``--keep``), in a fresh process: the first
+call reads what the page cache does not hold. Every timing is printed with the load average (other jobs on the
+machine slow it).
+
 Prints bytes per row, files per table and rank, the writer's throughput (metric values per second, the sink's
 own time: rows to columns, Parquet encoding, files), and the time of two queries over all ranks:
 the first non-finite origin in execution order, and a per-(step, tensor) cross-rank aggregate.
@@ -23,6 +27,7 @@ the first non-finite origin in execution order, and a per-(step, tensor) cross-r
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -60,6 +65,10 @@ class StepClock:
         return self.now
 
 
+SINK_CPU = [0.0]
+"""CPU seconds of the process spent in the sinks (:func:`write_run` adds them; robust to other jobs' load)."""
+
+
 def write_run(run_dir: Path, ranks: int, tensors: int, steps: int, step_seconds: float,
               seed: int = 0) -> tuple[int, float, tuple[int, int, int]]:
     """Write the synthetic run; returns (rows, seconds spent in the sinks, (nan step, nan rank, nan order))."""
@@ -95,14 +104,16 @@ def write_run(run_dir: Path, ranks: int, tensors: int, steps: int, step_seconds:
             rows_of_step = [Row(key, step, dict(zip(METRICS, v)), f) for key, v, f in zip(keys, values, bad.tolist())]
             record = StepRecord(step=step, rank=rank, rows=rows_of_step, scalars={"loss": float(2.0 + rng.normal())})
             clock.now += step_seconds
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             sink.write(record)
             sink.flush()
             sink_seconds += time.perf_counter() - start
+            SINK_CPU[0] += time.process_time() - cpu
             rows += tensors
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         sink.close()
         sink_seconds += time.perf_counter() - start
+        SINK_CPU[0] += time.process_time() - cpu
     return rows, sink_seconds, nan_at
 
 
@@ -153,6 +164,42 @@ def real_run(out: Path, steps: int) -> None:
           f"{rows:,} rows; Parquet {parquet / rows:.2f} bytes per row, CSV {csv / rows:.2f}")
 
 
+def load() -> str:
+    return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def count_files(run_dir: Path) -> None:
+    """Files per table and rank (the most and the mean) and the store's bytes."""
+    counts: dict[tuple[str, str], int] = {}
+    size = 0
+    for path in (run_dir / "store").rglob("part-*.parquet"):
+        key = (path.parent.parent.name, path.parent.name)
+        counts[key] = counts.get(key, 0) + 1
+        size += path.stat().st_size
+    if counts:
+        print(f"{sum(counts.values()):,} parts ({size / 1e9:.2f} GB) in {len(counts):,} folders of a table and rank: "
+              f"at most {max(counts.values())}, {sum(counts.values()) / len(counts):.1f} on average")
+
+
+def time_queries(run_dir: Path, nan_at: tuple[int, int, int] | None) -> None:
+    """Time open_run and the two queries (the first call, then the best of two more), each with the load."""
+    start = time.perf_counter()
+    con = open_run(run_dir)
+    print(f"open_run: {time.perf_counter() - start:.2f} s ({load()})")
+    rows = con.execute("SELECT count(*) FROM grad_reduced").fetchall()[0][0] * 2
+    for label, sql in (("first non-finite origin", FIRST_NONFINITE), ("cross-rank aggregate", CROSS_RANK)):
+        timings = []
+        for _ in range(3):
+            start = time.perf_counter()
+            result = con.execute(sql).fetchall()
+            timings.append(time.perf_counter() - start)
+            print(f"  {label}: {timings[-1]:.2f} s ({load()})", flush=True)
+        print(f"{label}: first {timings[0]:.2f} s, best {min(timings[1:]):.2f} s over {rows:,} rows -> {result}")
+    origin = con.execute(FIRST_NONFINITE).fetchall()[0]
+    if nan_at is not None:
+        assert (origin[1], origin[0], origin[5]) == nan_at, (origin, nan_at)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=64)
@@ -163,7 +210,12 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the run")
     parser.add_argument("--real-steps", type=int, default=0, help="instead: a real torch run of this many steps")
     parser.add_argument("--replicate", type=int, default=1, help="copy the ranks' files K - 1 times as more ranks")
+    parser.add_argument("--query", type=Path, default=None, help="only time the queries on this run (its run/)")
     args = parser.parse_args()
+    if args.query is not None:
+        count_files(args.query)
+        time_queries(args.query, None)
+        return
     root = Path(tempfile.mkdtemp(dir=args.dir))
     run_dir = root / "run"
     try:
@@ -178,25 +230,18 @@ def main() -> None:
         tables = {p.parent.parent.name for p in files}
         print(f"wrote {rows:,} rows ({args.ranks} ranks x {args.tensors} rows x {args.steps} steps) in {total:.1f} s; "
               f"sinks' own time {sink_seconds:.1f} s = {rows * len(METRICS) / sink_seconds:,.0f} values/s "
-              f"({rows / sink_seconds:,.0f} rows/s) per process")
+              f"({rows / sink_seconds:,.0f} rows/s) per process; CPU {SINK_CPU[0]:.1f} s = "
+              f"{rows * len(METRICS) / SINK_CPU[0]:,.0f} values per CPU second ({load()})")
         print(f"store: {row_bytes / rows:.2f} bytes per row ({row_bytes / 1e6:.1f} MB of row tables), "
-              f"{len(files)} files = {len(files) / (len(tables) * args.ranks):.1f} per table and rank")
+              f"{len(files)} files = {len(files) / (len(tables) * args.ranks):.1f} per table and rank ({load()})")
         if args.replicate > 1:
             start = time.perf_counter()
             made = replicate(run_dir, args.ranks, args.replicate)
             rows *= args.replicate
             print(f"copied the {args.ranks} ranks' files {args.replicate - 1} times ({made:,} files, "
                   f"{time.perf_counter() - start:.0f} s): {args.ranks * args.replicate} ranks, {rows:,} rows")
-        con = open_run(run_dir)
-        for label, sql in (("first non-finite origin", FIRST_NONFINITE), ("cross-rank aggregate", CROSS_RANK)):
-            timings = []
-            for _ in range(3):
-                start = time.perf_counter()
-                result = con.execute(sql).fetchall()
-                timings.append(time.perf_counter() - start)
-            print(f"{label}: best {min(timings):.2f} s, first {timings[0]:.2f} s over {rows:,} rows -> {result}")
-        origin = con.execute(FIRST_NONFINITE).fetchall()[0]
-        assert (origin[1], origin[0], origin[5]) == nan_at, (origin, nan_at)
+            count_files(run_dir)
+        time_queries(run_dir, nan_at)
     finally:
         if args.keep:
             print(f"kept {run_dir}")

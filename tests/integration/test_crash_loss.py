@@ -196,6 +196,120 @@ def test_kill_9_leaves_a_readable_store(tmp_path):
         connection.close()
 
 
+# The sink with tiny merge fans (2 small parts -> level 1, 2 parts of a level -> the next), a file per step: level
+# merges at every other step. The child says when it is inside a level merge (``merging``: a row group of the part
+# being written; ``removing``: the part is in place, its inputs not all removed yet) and stops there a moment.
+MERGE_CHILD = textwrap.dedent('''
+    import sys, time
+    from pathlib import Path
+    import pyarrow.parquet as pq
+    from trainmon.base.records import Row, RowKey, StepRecord
+    import trainmon.sinks.store_parts as store_parts
+    from trainmon.sinks.parquet import ParquetSink
+
+    where = sys.argv[2]
+    write_table, remove_file = pq.ParquetWriter.write_table, store_parts.remove_file
+    stream, init = store_parts.TableParts._stream, store_parts.TableParts.__init__
+    streams = [0, False]  # level merges begun, inside one
+
+    def streaming(self, parts):
+        streams[0] += 1
+        streams[1] = True
+        try:
+            return stream(self, parts)
+        finally:
+            streams[1] = False
+
+    def writing(self, table, row_group_size=None):
+        write_table(self, table, row_group_size=row_group_size)
+        if where == "merging" and streams[1] and streams[0] > 3:
+            print("merging", flush=True)
+            time.sleep(0.2)
+
+    def removing(path, root=None):
+        if where == "removing" and streams[1] and streams[0] > 3:
+            print("removing", flush=True)
+            time.sleep(0.2)
+        remove_file(path, root)
+
+    def tiny(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "level_fan_in": 2, "row_group_rows": 6})
+
+    pq.ParquetWriter.write_table, store_parts.remove_file = writing, removing
+    store_parts.TableParts._stream, store_parts.TableParts.__init__ = streaming, tiny
+    sink = ParquetSink(Path(sys.argv[1]) / "rank0", roll_seconds=0.0, fan_in=2)
+    for step in range(100000):
+        rows = [Row(RowKey("grad_reduced", f"w{i}", order=i), step, {"norm": step + i / 8}, False) for i in range(4)]
+        sink.write(StepRecord(step=step, rank=0, rows=rows))
+        sink.flush()  # roll_seconds 0: every step is a small part once flush returns
+        print("step", step, flush=True)
+''')
+
+
+@pytest.mark.parametrize("where", ["merging", "removing"])
+def test_kill_9_during_a_level_merge_loses_and_repeats_no_row(tmp_path, where):
+    """SIGKILL while a merge of merged parts writes its part (``merging``) or removes its inputs (``removing``):
+    every part reads whole, open_run reads every step that was rolled exactly once (no duplicate: the inputs left
+    behind lie inside the merged part's sequence range), and the next writer removes the superseded parts."""
+    import pyarrow.parquet as pq
+
+    from trainmon.sinks.parquet import ParquetSink
+    from trainmon.sinks.store_layout import live_parts
+    from trainmon.tools.store import open_run
+
+    script = tmp_path / "child.py"
+    script.write_text(MERGE_CHILD)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path), where], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    rolled = -1
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("step"):
+                rolled = int(line.split()[1])
+            elif line.strip() == where:
+                break
+    finally:
+        process.send_signal(signal.SIGKILL)
+        rest, err = process.communicate(timeout=30)
+    assert rolled >= 8, err
+    folder = tmp_path / "store" / "grad_reduced" / "rank=0"
+    parts = sorted(folder.glob("*.parquet"))
+    for path in parts:
+        with open(path, "rb") as handle:
+            assert pq.read_table(handle).num_rows > 0, path
+    live = live_parts(parts)
+    if where == "removing":
+        assert len(live) < len(parts), "no input was left behind"
+    assert max(part.hi - part.lo for part in live) > 2, "no merge of merged parts happened"
+
+    def check(added: int = 0) -> None:
+        con = open_run(tmp_path)
+        try:
+            steps = con.execute("SELECT step, count(*) FROM grad_reduced GROUP BY step ORDER BY step").fetchall()
+        finally:
+            con.close()
+        assert [n for _, n in steps] == [4] * len(steps)  # no row twice
+        assert [s for s, _ in steps][: rolled + 1] == list(range(rolled + 1))  # none rolled before the kill lost
+        assert len(steps) <= rolled + 2 + added  # at most the step written when killed
+
+    check()
+    resumed = ParquetSink(tmp_path / "rank0", roll_seconds=0.0)
+    resumed.write(_step_record(rolled + 1000))
+    resumed.close()
+    after = sorted(folder.glob("*.parquet"))
+    assert len(after) == len(live) + 1  # the superseded parts removed, the new writer's one added
+    check(1)
+
+
+def _step_record(step: int):  # type: ignore[no-untyped-def]
+    from trainmon.base.records import Row, RowKey, StepRecord
+
+    rows = [Row(RowKey("grad_reduced", f"w{i}", order=i), step, {"norm": 0.5}, False) for i in range(4)]
+    return StepRecord(step=step, rank=0, rows=rows)
+
+
 def main(runs: int) -> None:
     """Measure ``runs`` kills of each kind at varying step counts; print the steps lost per run, median and max."""
     import random

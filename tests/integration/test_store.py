@@ -159,8 +159,10 @@ def test_anomaly_events_are_stored_at_close(run):
 def test_store_files_are_merged_at_close(run):
     run_dir, _, _ = run
     for family in FAMILIES + ["scalars"]:
-        files = list((run_dir / "store" / family / "rank=0").iterdir())
+        files = list((run_dir / "store" / family / "rank=0").glob("*.parquet"))
         assert len(files) == 1 and files[0].name.startswith("part-000000000-000000003-"), (family, files)
+        marks = list((run_dir / "store" / family / "rank=0").glob("_schema-*.json"))  # one schema, marked
+        assert len(marks) == 1 and marks[0].name.startswith(f"_schema-{files[0].name.split('-')[3]}-")
 
 
 def _query(*args: str) -> subprocess.CompletedProcess[str]:

@@ -152,7 +152,7 @@ def store_run(tmp: Path, content: bytes | None = None) -> Path:
     sink.write(StepRecord(0, 0, rows=[Row(RowKey("grad_reduced", "w"), 0, {"norm": 1.0}, False)]))
     sink.close()
     if content is not None:
-        (part,) = (tmp / "run" / "store" / "grad_reduced" / "rank=0").iterdir()
+        (part,) = (tmp / "run" / "store" / "grad_reduced" / "rank=0").glob("*.parquet")
         part.write_bytes(content)
     return tmp / "run"
 

@@ -137,6 +137,9 @@ def test_query_and_analyse_work_after_convert(csv_run, capsys):
     con = open_run(csv_run)
     assert con.execute("SELECT count(*) FROM anomalies").fetchall() == [(3,)]  # the cut line is not an event
     assert con.execute("SELECT count(DISTINCT rank) FROM grad_reduced").fetchall() == [(2,)]
+    sql = dict(con.execute("SELECT view_name, sql FROM duckdb_views() WHERE NOT internal").fetchall())
+    assert "union_by_name = false" in sql["scalars"]  # the parts' schema is marked, as the sink marks it
+    assert "union_by_name = true" in sql["grad_reduced"]  # rank 0's metrics change mid-run: by name
     con.close()
     capsys.readouterr()
     assert main(["query", str(csv_run), "SELECT rank, count(*) AS n FROM actv GROUP BY rank ORDER BY rank",

@@ -260,3 +260,47 @@ def test_writing_imports_no_pandas(tmp_path):
                             env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(scan_directions(tmp_path)[0]) == 3
+
+
+def test_level_merges_keep_the_probe_tables(tmp_path):
+    """fan_in 2: 20 rolls make 10 parts of level 1, 8 of which are merged into one of level 2 (streamed): the tables
+    keep their metadata, every step's bits come back exactly, the summary rows in order."""
+    clock = Clock()
+    store = ProbeStore(tmp_path, 0, "L1", [], clock=clock, fan_in=2)
+    for step in range(20):
+        metas, stats, bits, _ = step_data(step, [300, 70])
+        store.write_step(step, metas, stats, None, bits)
+        clock.now += 3
+        store.flush()
+    store.close()
+    parts = live_parts(files(tmp_path, GRAD_DIRECTIONS))
+    assert [(p.first_step, p.last_step) for p in parts] == [(0, 15), (16, 17), (18, 19)]
+    for path in files(tmp_path, GRAD_DIRECTIONS):
+        with open(path, "rb") as handle:
+            assert b"trainmon.grad_directions" in pq.read_schema(handle).metadata
+    tree = scan_directions(tmp_path)
+    for step in range(20):
+        _, _, _, signs = step_data(step, [300, 70])
+        for i, size in enumerate((300, 70)):
+            stored = tree[0][step][(0, f"p{i}")].bits()
+            np.testing.assert_array_equal(np.unpackbits(stored, bitorder="little")[:size], signs[i])
+    assert read_summary(files(tmp_path, GRAD_PROBE)).column("step").to_pylist() == [s for s in range(20) for _ in "ab"]
+
+
+def test_a_level_merge_of_parts_of_other_columns_keeps_them_all(tmp_path):
+    """A writer whose columns change (metrics added mid-run) merges parts of both schemas by name, streamed: the
+    merged part has every column, nulls where a part had none."""
+    folder = tmp_path / "store" / "t" / "rank=0"
+    parts = TableParts(folder, tmp_path, "ab", itertools.count().__next__, fan_in=2, level_fan_in=2)
+    for step in range(8):
+        columns = {"step": pa.array([step], pa.int64()), "norm": pa.array([step / 2])}
+        if step >= 4:
+            columns["max"] = pa.array([step * 2.0])
+        parts.add(pa.table(columns), step, step)
+    (merged,) = sorted(folder.glob("*.parquet"))
+    with open(merged, "rb") as handle:
+        table = pq.read_table(handle)
+    assert table.column_names == ["step", "norm", "max"]
+    assert table.column("max").to_pylist() == [None] * 4 + [8.0, 10.0, 12.0, 14.0]
+    assert table.column("norm").to_pylist() == [s / 2 for s in range(8)]
+    assert len(list(folder.glob("_schema-*"))) == 2

@@ -26,10 +26,11 @@ import json
 import os
 import re
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["UnsafePathError", "open_output", "write_atomic", "make_dirs", "remove_file"]
+__all__ = ["UnsafePathError", "atomic_output", "open_output", "write_atomic", "make_dirs", "remove_file"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -261,6 +262,44 @@ def write_atomic(path: Path, data: bytes, root: Path | None = None, *, exclusive
                 _link_exclusive(tmp_name, name, dir_fd)
             else:
                 os.replace(tmp_name, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name, dir_fd=dir_fd)
+            raise
+    finally:
+        os.close(dir_fd)
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path, root: Path | None = None) -> Iterator[IO[bytes]]:
+    """A binary file to write ``path`` through, as :func:`write_atomic` with ``exclusive`` writes it, for data too
+    large to hold in memory: the data goes to a hidden temporary file beside ``path``, which is linked into place
+    when the block ends without an exception (and removed when it raises). Never over an existing file.
+
+    Raises:
+        FileExistsError: ``path`` exists (at the end of the block).
+        UnsafePathError: a symlink or non-directory below ``root``.
+        OSError: the write failed (the temporary file is removed).
+    """
+    root, directories, name = _parts(path, root)
+    tmp_name = f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    if not _RELATIVE:
+        target = _check_path_fallback(root, directories, name, create=True)
+        tmp = target.with_name(tmp_name)
+        try:
+            with open(tmp, "xb") as handle:
+                yield handle
+            os.link(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return
+    dir_fd = _open_dir(root, directories, create=True)
+    try:
+        fd = os.open(tmp_name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666, dir_fd=dir_fd)
+        try:
+            with io.BufferedWriter(io.FileIO(fd, "w", closefd=True), 1 << 20) as handle:
+                yield handle
+            _link_exclusive(tmp_name, name, dir_fd)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp_name, dir_fd=dir_fd)

@@ -9,8 +9,9 @@ parameter of more than :data:`CHUNK_ELEMENTS` stored elements takes one row per 
 :class:`ProbeStore` writes them on the probe's writer thread through :class:`~trainmon.sinks.store_parts.TableParts`:
 rows stay in memory at most ``roll_seconds`` (or ``roll_bytes``, 256 MiB, of bits), then each table gets one small
 part (written whole and renamed: a ``kill -9`` leaves readable files); runs of 64 small parts, or of ``merge_bytes``
-(256 MiB) of bits, are merged into one, and a part of 256 MiB or more is kept as it is. The files of a rank do not
-depend on the number of parameters: per table at most one per 64 rolls or per 256 MiB of bits, plus 63 small ones.
+(256 MiB) of bits, are merged into one, and a part of 256 MiB or more is kept as it is; 8 merged parts of a level
+are merged into one of the next (streamed, row groups of 64 MiB). The files of a rank do not depend on the number
+of parameters: per table at most 7 per level of merges (8^k x 64 rolls or 8^k x 256 MiB of bits), plus 63 small ones.
 :func:`scan_directions` and :func:`read_summary` read them back (``trainmon grad-compare``, ``trainmon report``).
 """
 
@@ -92,7 +93,8 @@ class ProbeStore:
         max_rows: summary rows kept in memory before they are written whatever the time.
         fan_in: small parts merged into one as soon as there are this many.
         merge_bytes: small ``grad_directions`` parts merged as soon as they hold this many bytes (a part this
-            large alone is kept as it is, never written again): bounds a merge's memory and the bytes it rewrites.
+            large alone is kept as it is, not merged with the small ones): bounds a merge's memory and the bytes it
+            rewrites. Merged parts are merged again in levels (:class:`~trainmon.sinks.store_parts.TableParts`).
         clock: the time source (tests replace it).
     """
 

@@ -2,12 +2,12 @@
 rolled and merged by :mod:`.store_parts`).
 
 Rows are kept in memory per table on the writer thread and rolled into a small Parquet file at most every
-``roll_seconds`` (when the :class:`~trainmon.base.threads.OutputThread` flushes), every ``max_rows`` rows, and
-once no record came for ``flush_seconds`` (:meth:`ParquetSink.idle`);
-runs of ``fan_in`` small files are merged into one larger part, and at close the remaining small files are
-merged too. Each file is written whole under a hidden name and renamed, never over an existing file, with no
-symlink followed (:mod:`trainmon.base.safe_io`): a ``kill -9`` leaves every file readable and loses what was
-not rolled yet (at most ``roll_seconds`` of rows, or the step being written).
+``roll_seconds`` (when the :class:`~trainmon.base.threads.OutputThread` flushes), every ``max_rows`` rows, and once
+no record came for ``flush_seconds`` (:meth:`ParquetSink.idle`); runs of ``fan_in`` small files are merged into one
+larger part, 8 of those into one part of the next level (and so on: :class:`~.store_parts.TableParts`), and at close
+the remaining small files are merged too. Each file is written whole under a hidden name and renamed, never over an
+existing file, with no symlink followed (:mod:`trainmon.base.safe_io`): a ``kill -9`` leaves every file readable and
+loses what was not rolled yet (at most ``roll_seconds`` of rows, or the step being written).
 
 Columns of a row table: ``step`` (int64), ``micro_step``, ``vpp_stage``, ``pp_stage``, ``order`` (int32),
 ``phase``, ``name`` (dictionary-encoded strings), ``nonfinite`` (bool), then one float64 column per configured
@@ -90,18 +90,19 @@ class ParquetSink:
         max_rows: rows of one table kept in memory before they are rolled whatever the time.
         fan_in: small files merged into one part as soon as there are this many.
         merge_rows: small files merged as soon as they hold this many rows (bounds a merge's memory).
+        level_fan_in: merged parts of one level merged into one of the next as soon as there are this many.
         clock: the time source (tests replace it).
     """
 
     name = "parquet"
 
     def __init__(self, rank_dir: Path, root: Path | None = None, *, roll_seconds: float = 2.0,
-                 max_rows: int = 1 << 18, fan_in: int = 64, merge_rows: int = 1 << 22,
+                 max_rows: int = 1 << 18, fan_in: int = 64, merge_rows: int = 1 << 22, level_fan_in: int = 8,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.rank_dir = Path(rank_dir)
         self.root = Path(root) if root is not None else self.rank_dir.parent
         self.roll_seconds, self.max_rows, self.fan_in = roll_seconds, max_rows, max(2, fan_in)
-        self.merge_rows = merge_rows
+        self.merge_rows, self.level_fan_in = merge_rows, level_fan_in
         self.writer_token = os.urandom(4).hex()
         self._clock = clock
         self._last_roll = clock()
@@ -174,5 +175,5 @@ class ParquetSink:
         if parts is None:
             parts = self._parts[name] = TableParts(table_dir(self.root, name, self._rank), self.root,
                                                    self.writer_token, self._sequence, fan_in=self.fan_in,
-                                                   merge_rows=self.merge_rows)
+                                                   merge_rows=self.merge_rows, level_fan_in=self.level_fan_in)
         parts.add(table.arrow(), *table.step_range())

@@ -20,6 +20,7 @@ a reader never sees half a file, and hidden names (``.``) are skipped by DuckDB'
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ KEY_COLUMNS: tuple[str, ...] = ("step", "micro_step", "vpp_stage", "pp_stage", "
 """The columns of a row table before its metric columns (one DOUBLE column per configured metric)."""
 
 _DICTIONARY = ("name", "phase", "family", "metric", "detector", "shape", "dtype", "sample")
+_MARK = re.compile(r"^_schema-([0-9a-f]+)-([0-9a-f]+)\.json$")
 _PART = re.compile(r"^part-(\d+)-(\d+)-([0-9a-f]+)-(\d+)-(\d+)\.parquet$")
 
 
@@ -121,19 +123,91 @@ def table_dir(run_dir: Path, table: str, rank: int) -> Path:
     return Path(run_dir) / STORE_DIR / table / f"rank={rank}"
 
 
+def parquet_options(schema: pa.Schema, compression_level: int = 3) -> dict[str, object]:
+    """The ``pyarrow.parquet`` writer options of the store's files: zstd, dictionary-encoded names,
+    BYTE_STREAM_SPLIT floats (their zero low mantissa bytes compress away), statistics for step-range pruning."""
+    import pyarrow as pa
+
+    floats = [f.name for f in schema if pa.types.is_floating(f.type)]
+    return {"compression": "zstd", "compression_level": compression_level,
+            "use_dictionary": [c for c in _DICTIONARY if c in schema.names],
+            "use_byte_stream_split": floats or False, "write_statistics": True}
+
+
 def parquet_bytes(table: pa.Table, compression_level: int = 3, row_group_bytes: int | None = None) -> bytes:
-    """``table`` as a Parquet file: zstd, dictionary-encoded names, BYTE_STREAM_SPLIT floats (their zero low
-    mantissa bytes compress away), statistics for step-range pruning; with ``row_group_bytes``, row groups of
-    about that many bytes of data (a reader decodes a row group's column whole: large binary values need it)."""
+    """``table`` as a Parquet file (:func:`parquet_options`); with ``row_group_bytes``, row groups of about that
+    many bytes of data (a reader decodes a row group's column whole: large binary values need it)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    floats = [f.name for f in table.schema if pa.types.is_floating(f.type)]
     rows = None
     if row_group_bytes is not None and table.num_rows:
         rows = max(1, row_group_bytes * table.num_rows // max(table.nbytes, 1))
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd", compression_level=compression_level,
-                   use_dictionary=[c for c in _DICTIONARY if c in table.column_names],
-                   use_byte_stream_split=floats or False, write_statistics=True, row_group_size=rows)
+    pq.write_table(table, sink, row_group_size=rows, **parquet_options(table.schema, compression_level))
     return bytes(sink.getvalue())
+
+
+def schema_token(schema: pa.Schema) -> str:
+    """A short digest of a schema's column names and types, in order (its metadata left out).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> schema_token(pa.schema([("step", pa.int64())])) == schema_token(pa.schema([("step", pa.int64())]))
+        True
+    """
+    text = "\n".join(f"{field.name}\t{field.type}" for field in schema)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def schema_mark_name(writer: str, token: str) -> str:
+    """The file that says a writer wrote parts of the schema ``token`` in its folder.
+
+    Every writer of :class:`~trainmon.sinks.store_parts.TableParts` marks each schema it writes in a table's
+    folder of a rank before the first part of that schema, so a reader learns from the folder's listing alone
+    whether all parts of a table have one schema (``_`` names: DuckDB's list, Dask and Spark skip them).
+
+    Example:
+        >>> schema_mark_name("0a1b2c3d", "00ff00ff00ff00ff")
+        '_schema-0a1b2c3d-00ff00ff00ff00ff.json'
+    """
+    return f"_schema-{writer}-{token}.json"
+
+
+def schema_mark_bytes(schema: pa.Schema) -> bytes:
+    """A mark's content: the schema's columns and types, one a line (for a reader's eyes; readers use names).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> schema_mark_bytes(pa.schema([("step", pa.int64())]))
+        b'step\\tint64\\n'
+    """
+    return "".join(f"{field.name}\t{field.type}\n" for field in schema).encode()
+
+
+def parse_schema_mark(name: str) -> tuple[str, str] | None:
+    """``(writer, token)`` of a :func:`schema_mark_name`; None for any other name.
+
+    Example:
+        >>> parse_schema_mark("_schema-0a1b2c3d-00ff00ff00ff00ff.json")
+        ('0a1b2c3d', '00ff00ff00ff00ff')
+    """
+    found = _MARK.match(name)
+    return None if found is None else (found.group(1), found.group(2))
+
+
+def schema_of_marks(parts: list[Part], names: list[str]) -> str | None:
+    """The one schema token of ``parts`` (live parts of a table's folder of a rank) when every part's writer
+    marked exactly one schema in the folder's file ``names``; None when a writer marked none (a run older than
+    the marks, a converted one) or several (its metrics changed)."""
+    marks: dict[str, set[str]] = {}
+    for name in names:
+        mark = parse_schema_mark(name)
+        if mark is not None:
+            marks.setdefault(mark[0], set()).add(mark[1])
+    tokens: set[str] = set()
+    for writer in {part.writer for part in parts}:
+        if len(marks.get(writer, ())) != 1:
+            return None
+        tokens |= marks[writer]
+    return tokens.pop() if len(tokens) == 1 else None

@@ -53,7 +53,16 @@ from trainmon.base.records import FAMILIES, PHASE_OF_FAMILY
 from trainmon.base.safe_io import make_dirs, write_atomic
 from trainmon.errors import UsageError
 from trainmon.sinks.store_events import EVENTS_FILE, events_table
-from trainmon.sinks.store_layout import ANOMALIES, SCALARS, STORE_DIR, parquet_bytes, part_name
+from trainmon.sinks.store_layout import (
+    ANOMALIES,
+    SCALARS,
+    STORE_DIR,
+    parquet_bytes,
+    part_name,
+    schema_mark_bytes,
+    schema_mark_name,
+    schema_token,
+)
 from trainmon.tools.msprobe_output import RANK_FOLDER, csv_family, layout_of, msprobe_rows, rank_folders
 from trainmon.tools.readers import MAX_FIELD, CsvFormatError, Table, family_of, read_table_blocks
 
@@ -104,6 +113,7 @@ class _Writer:
     seq: int = 0
     rows: int = 0
     tables: set[str] = field(default_factory=set)
+    marks: set[Path] = field(default_factory=set)
 
     def write(self, path: Path, data: bytes) -> None:
         """Write one file of the store being made.
@@ -120,7 +130,12 @@ class _Writer:
     def part(self, table: str, rank: int, data: pa.Table) -> None:
         steps = data.column("step").to_numpy()
         name = part_name(int(steps.min()), int(steps.max()), self.token, self.seq, self.seq)
-        self.write(self.staging / table / f"rank={rank}" / name, parquet_bytes(data))
+        folder = self.staging / table / f"rank={rank}"
+        mark = folder / schema_mark_name(self.token, schema_token(data.schema))
+        if mark not in self.marks:  # as the sink marks its schemas: the views need no union_by_name
+            self.write(mark, schema_mark_bytes(data.schema))
+            self.marks.add(mark)
+        self.write(folder / name, parquet_bytes(data))
         self.seq += 1
         self.rows += data.num_rows
         self.tables.add(table)

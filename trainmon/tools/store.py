@@ -30,7 +30,7 @@ import pyarrow as pa
 
 from trainmon.base.inputs import is_dir, rank_dirs_of
 from trainmon.sinks.store_events import EVENT_SCHEMA, events_of_rank, stored_ranges, unstored_events
-from trainmon.sinks.store_layout import ANOMALIES, STORE_DIR, live_parts, table_dir
+from trainmon.sinks.store_layout import ANOMALIES, STORE_DIR, live_parts, schema_of_marks, table_dir
 from trainmon.sinks.store_replicas import ReplicaLayoutError, replica_layouts, replica_map
 from trainmon.tools.store_reader import StoreError  # its home: report and csv2tb catch it without importing duckdb
 
@@ -46,20 +46,36 @@ def table_files(run_dir: str | os.PathLike[str]) -> dict[str, list[Path]]:
     Raises:
         StoreError: ``run_dir`` has no ``store/`` folder.
     """
+    return {table: files for table, (files, _) in table_sources(run_dir).items()}
+
+
+def table_sources(run_dir: str | os.PathLike[str]) -> dict[str, tuple[list[Path], bool]]:
+    """The live Parquet parts of each table of a run's store (every rank), by table name, and whether they all
+    have one schema: every writer of every rank marked one schema in its folder, the same
+    (:func:`~trainmon.sinks.store_layout.schema_of_marks`; learnt from the listings, no file read).
+
+    Raises:
+        StoreError: ``run_dir`` has no ``store/`` folder.
+    """
     store = Path(run_dir) / STORE_DIR
     if not is_dir(store):
         raise StoreError(f"{run_dir} has no {STORE_DIR}/ folder (a run written with sinks: [parquet] has one)")
-    tables: dict[str, list[Path]] = {}
+    tables: dict[str, tuple[list[Path], bool]] = {}
     try:
         for table in sorted(store.iterdir()):
             if not is_dir(table) or table.name.startswith((".", "_")) or table.name == ANOMALIES:
                 continue
             files: list[Path] = []
+            tokens: set[str | None] = set()
             for rank_dir in sorted(table.glob("rank=*")):
                 if is_dir(rank_dir):
-                    files += [part.path for part in live_parts(sorted(rank_dir.iterdir()))]
+                    entries = sorted(rank_dir.iterdir())
+                    parts = live_parts(entries)
+                    if parts:
+                        files += [part.path for part in parts]
+                        tokens.add(schema_of_marks(parts, [entry.name for entry in entries]))
             if files:
-                tables[table.name] = files
+                tables[table.name] = (files, len(tokens) == 1 and None not in tokens)
     except OSError as exc:
         raise StoreError(f"{store}: cannot list the store ({exc.strerror or exc})") from None
     return tables
@@ -161,7 +177,7 @@ def open_run(run_dir: str | os.PathLike[str],
     if not is_dir(path):
         what = "is not a directory" if os.path.lexists(path) else "does not exist"
         raise StoreError(f"run directory {run_dir} {what}")
-    tables = table_files(path)
+    tables = table_sources(path)
     replicas = read_replicas(path)
     try:
         event_files, unstored = anomaly_sources(path)
@@ -175,8 +191,11 @@ def open_run(run_dir: str | os.PathLike[str],
             con.execute("SET enable_progress_bar = false")
         if replicas.num_rows:
             con.register(REPLICAS, replicas)
-        for table, files in tables.items():
-            source = f"read_parquet({_list(files)}, hive_partitioning = true, union_by_name = true)"
+        for table, (files, one_schema) in tables.items():
+            # union_by_name reads every file's schema when the view is bound (twice the time of a query over
+            # 10^5 files): only where the parts' schemas may differ (a resumed run with other metrics, old runs)
+            union = "false" if one_schema else "true"
+            source = f"read_parquet({_list(files)}, hive_partitioning = true, union_by_name = {union})"
             con.execute(f"CREATE OR REPLACE VIEW {_identifier(table)} AS "
                         f"{_family_view(table, source, table in replicated)}")
         _create_anomalies(con, event_files, unstored)
@@ -227,4 +246,4 @@ def describe(connection: duckdb.DuckDBPyConnection) -> str:
 
 
 __all__ = ["EVENT_COLUMNS", "REPLICAS", "UNSTORED_EVENTS", "anomaly_sources", "describe", "event_ranks", "open_run",
-           "read_anomalies", "read_replicas", "table_files", "views"]
+           "read_anomalies", "read_replicas", "table_files", "table_sources", "views"]
