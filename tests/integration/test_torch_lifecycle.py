@@ -165,6 +165,43 @@ def test_the_optimizer_hook_ends_steps_without_monitor_step(tmp_path):
     assert sorted(set(read_family(tmp_path / "run" / "rank0", "exp_avg")["step"])) == [0, 1, 2]
 
 
+@pytest.mark.parametrize("loop", ["evaluate_then_step", "lbfgs_closure"])
+def test_an_evaluation_before_monitor_step_ends_no_step(tmp_path, caplog, loop):
+    """Loops that evaluate between the optimizer's step and ``monitor.step()`` (pytorch/examples'
+    time_sequence_prediction: LBFGS with a closure, then a no_grad forward): one monitor step per optimizer step.
+    Before, the evaluation's forward ended the first step early and every later step was numbered one too high."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    lbfgs = loop == "lbfgs_closure"
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3) if lbfgs else \
+        torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"],
+                              "weight_grads": {"enabled": True}})
+    monitor.attach(model, optimizer)
+    losses = []
+    for step in range(4):
+        def closure(step=step):
+            optimizer.zero_grad()
+            loss = loss_fn(model, *batch(step))
+            loss.backward()
+            return loss
+        if lbfgs:
+            loss = optimizer.step(closure)
+        else:
+            loss = closure()
+            optimizer.step()
+        losses.append(loss.item())
+        with torch.no_grad():
+            model(batch(100)[0])  # the evaluation
+        monitor.step(loss=loss)
+    monitor.close()
+    scalars = read_family(tmp_path / "run" / "rank0", "scalars")
+    logged = scalars[scalars["name"] == "loss"]
+    assert list(logged["step"]) == [0, 1, 2, 3] and list(logged["value"]) == pytest.approx(losses, rel=1e-6)
+    assert sorted(set(read_family(tmp_path / "run" / "rank0", "grad_reduced")["step"])) == [0, 1, 2, 3]
+    assert "empty" not in caplog.text
+
+
 def test_unwritable_output_dir_warns_once_and_training_completes(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

@@ -16,8 +16,9 @@ A *monitor step* is one optimizer step. Within it:
   :class:`StepContext.backward_end` subscribers run then) and the optimizer steps with them at
   its step pre-hook (after a closure's backward, after ``GradScaler.unscale_``, after clipping);
 - the step **ends** when the user calls ``monitor.step()``, or, for users who do not, at the
-  first root forward after the optimizer stepped or a ``GradScaler.update()`` ran (so a step
-  the scaler skipped still ends, and step numbers stay aligned);
+  first training root forward after the optimizer stepped or a ``GradScaler.update()`` ran (so a step
+  the scaler skipped still ends, and step numbers stay aligned; an evaluation forward in between, which
+  a loop calling ``monitor.step()`` after it may run, ends nothing);
 - whether the step was **applied**: with a ``GradScaler`` from its ``found_inf`` (scalar
   ``step_skipped``, with ``loss_scale``), otherwise from whether the optimizer's step ran.
 
@@ -190,10 +191,12 @@ class StepLifecycle:
         self.ctx.forwards += 1
 
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
-        self._maybe_end()
+        training = torch.is_grad_enabled() and module.training
+        if training:  # an evaluation between the optimizer's step and monitor.step() does not end the step
+            self._maybe_end()
         self._drop_failed_backward()
         ctx = self.ctx
-        if not (torch.is_grad_enabled() and module.training):
+        if not training:
             # evaluation / no_grad / inference_mode: not a micro-step, no rows
             self._suspended.append(ctx.collecting)
             ctx.collecting = False
