@@ -58,7 +58,7 @@ FAULTS: dict[str, Fault] = {
     # the anomaly detectors
     "anomaly": Fault("trainmon.anomaly.engine", "AnomalyEngine", "process", "anomaly"),
     # the step model (a root forward pre-hook): fatal, the whole monitor stops
-    "step_model": Fault("trainmon.runtime.lifecycle", "StepLifecycle", "_maybe_end", "step"),
+    "step_model": Fault("trainmon.runtime.lifecycle", "StepLifecycle", "_maybe_end_training", "step"),
     # a torch.distributed collective wrapper
     "collective": Fault("trainmon.collect.comm", "CommCollector", "_measure", "communication"),
     # DeepSpeed: the engine's step wrapper (ZeRO shards' statistics)

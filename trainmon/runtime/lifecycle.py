@@ -15,10 +15,12 @@ A *monitor step* is one optimizer step. Within it:
 - the gradients are final at the **end of the backward pass** (after data-parallel reduction;
   :class:`StepContext.backward_end` subscribers run then) and the optimizer steps with them at
   its step pre-hook (after a closure's backward, after ``GradScaler.unscale_``, after clipping);
-- the step **ends** when the user calls ``monitor.step()``, or, for users who do not, at the
-  first training root forward after the optimizer stepped or a ``GradScaler.update()`` ran (so a step
-  the scaler skipped still ends, and step numbers stay aligned; an evaluation forward in between, which
-  a loop calling ``monitor.step()`` after it may run, ends nothing);
+- the step **ends** when the user calls ``monitor.step()``, or, for users who do not (and in the first step,
+  before it is known), at the first training root forward after the optimizer stepped or a
+  ``GradScaler.update()`` ran (so a step the scaler skipped still ends, and step numbers stay aligned) that is
+  called from where the step's first training forward was: the next iteration's. A forward from elsewhere is
+  still this iteration's (a GAN's discriminator called again for the generator's loss), and an evaluation
+  forward (no grad, eval mode) ends nothing;
 - whether the step was **applied**: with a ``GradScaler`` from its ``found_inf`` (scalar
   ``step_skipped``, with ``loss_scale``), otherwise from whether the optimizer's step ran.
 
@@ -31,6 +33,8 @@ torch ``GradScaler`` at its ``update()``.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -92,6 +96,8 @@ class StepLifecycle:
         self.forwards: dict[int, int] = {}
         self.optimizer_stepped = False
         self.scaler_updated = False
+        self.first_site: tuple[tuple[str, int], ...] | None = None
+        """Where the user's code called this step's first training forward (kept while steps end by themselves)."""
         self.skip_flags: list[torch.Tensor | float] = []
         """This step's verdicts on whether the update was skipped: a GradScaler's, the step guard's."""
         self._pending: _Frame | None = None
@@ -183,6 +189,22 @@ class StepLifecycle:
         if self.finished and not self.user_steps:
             self._end_step()  # the user does not call monitor.step()
 
+    def _maybe_end_training(self) -> None:
+        """Before a training root forward, when the user does not call ``monitor.step()`` (or has not yet): the
+        step ends here when the optimizer stepped and this forward is the next iteration's, i.e. called from where
+        the step's first training forward was. A forward from elsewhere is still this iteration's (a GAN's
+        discriminator, called again for the generator's loss after its own optimizer stepped)."""
+        if self.user_steps:
+            return
+        if self.finished:
+            site = _call_site()
+            if self.first_site is not None and site != self.first_site:
+                return
+            self._end_step()
+            self.first_site = site
+        elif self.first_site is None:
+            self.first_site = _call_site()
+
     def _forward_pre_plain(self, module: Any, args: Any) -> None:
         self._maybe_end()
         count = self.forwards.get(id(module), 0)
@@ -193,7 +215,7 @@ class StepLifecycle:
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         training = torch.is_grad_enabled() and module.training
         if training:  # an evaluation between the optimizer's step and monitor.step() does not end the step
-            self._maybe_end()
+            self._maybe_end_training()
         self._drop_failed_backward()
         ctx = self.ctx
         if not training:
@@ -373,6 +395,23 @@ class StepLifecycle:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message, *args)
+
+
+_LIBRARIES = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(os.path.dirname(__file__)) + os.sep)
+"""torch's and trainmon's folders: frames there are not the user's code."""
+
+
+def _call_site(depth: int = 3) -> tuple[tuple[str, int], ...]:
+    """The first ``depth`` frames of the caller's stack outside torch and trainmon (file, line): where the user's
+    code called a forward. Read only at the first training forward of a step, while steps end by themselves."""
+    site: list[tuple[str, int]] = []
+    frame = sys._getframe(1)
+    while frame is not None and len(site) < depth:
+        name = frame.f_code.co_filename
+        if not name.startswith(_LIBRARIES):
+            site.append((name, frame.f_lineno))
+        frame = frame.f_back  # type: ignore[assignment]
+    return tuple(site)
 
 
 def _any_skipped(flags: list[torch.Tensor | float]) -> torch.Tensor | float:
