@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainmon.anomaly.detectors.base import Detector
+from trainmon.anomaly.detectors.growth import GrowthConfig, GrowthDetector
+from trainmon.anomaly.detectors.level import LevelConfig, LevelDetector
 from trainmon.anomaly.detectors.loss_spike import LossSpikeConfig, LossSpikeDetector
 from trainmon.anomaly.detectors.nonfinite import NonfiniteConfig, NonfiniteDetector
 from trainmon.anomaly.detectors.spike import SpikeConfig, SpikeDetector
@@ -17,6 +19,8 @@ DETECTORS: dict[str, type[Detector[object]]] = {
     NonfiniteDetector.type_name: NonfiniteDetector,
     SpikeDetector.type_name: SpikeDetector,
     LossSpikeDetector.type_name: LossSpikeDetector,
+    GrowthDetector.type_name: GrowthDetector,
+    LevelDetector.type_name: LevelDetector,
 }
 """Detector classes by their ``type``."""
 
