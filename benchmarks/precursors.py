@@ -176,10 +176,26 @@ def read_store(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, tuple[np
     return scalars, layered, online
 
 
+SERIES_TYPES = frozenset({"spike", "growth", "level"})
+"""trainmon's detector types that watch chosen series: their events are labelled by type and series."""
+
+
+def spec_label(spec: dict[str, Any]) -> str:
+    """A default detector's label in the tables: its type, and for a detector of chosen series the first series'
+    family or scalar (``spike grad_norm``, ``spike grad_reduced``, ``growth attn``, ``level precursors``).
+
+    Example:
+        >>> spec_label({"type": "spike", "series": ["grad_reduced/*/norm"]}), spec_label({"type": "loss_spike"})
+        ('spike grad_reduced', 'loss_spike')
+    """
+    kind = str(spec["type"])
+    return kind if kind not in SERIES_TYPES else f"{kind} {str(spec.get('series', ['loss'])[0]).split('/')[0]}"
+
+
 def replay_engine(run_dir: Path, scalars: dict[str, np.ndarray]) -> dict[str, list[int]]:
     """trainmon's anomaly engine with its default detectors over the stored rows and scalars, step by step (what
-    ran online): alarm steps of all of them (``all``) and of each (``nonfinite``, ``loss_spike``,
-    ``spike grad_norm``, ``spike grad_reduced``)."""
+    ran online): alarm steps of all of them (``all``) and of each (:func:`spec_label`: ``nonfinite``,
+    ``loss_spike``, ``spike grad_norm``, ``spike grad_reduced``, ...)."""
     from trainmon.anomaly.engine import AnomalyEngine
     from trainmon.base.records import FAMILIES, Row, RowKey, StepRecord
     from trainmon.config import AnomalyConfig
@@ -202,8 +218,7 @@ def replay_engine(run_dir: Path, scalars: dict[str, np.ndarray]) -> dict[str, li
                     {m: float(v) for m, v in zip(metrics, stats) if v is not None}, bool(nonfinite)))
     finally:
         con.close()
-    out: dict[str, list[int]] = {"all": [], "nonfinite": [], "loss_spike": [], "spike grad_norm": [],
-                                 "spike grad_reduced": []}
+    out: dict[str, list[int]] = {"all": [], **{spec_label(spec): [] for spec in engine.specs}}
     for step in range(len(scalars.get("loss", []))):
         # a scalar absent from a step is NaN in the array (a NaN loss or grad norm stays: it is a value)
         values = {name: float(series[step]) for name, series in scalars.items()
@@ -214,7 +229,7 @@ def replay_engine(run_dir: Path, scalars: dict[str, np.ndarray]) -> dict[str, li
             out["all"].append(step)
         for event in events:
             where = event.name if event.family == "scalars" else event.family
-            label = event.detector if event.detector != "spike" else f"spike {where}"
+            label = event.detector if event.detector not in SERIES_TYPES else f"{event.detector} {where}"
             if label in out and (not out[label] or out[label][-1] != step):
                 out[label].append(step)
     engine.close()

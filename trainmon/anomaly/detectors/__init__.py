@@ -35,8 +35,9 @@ DEFAULT_DETECTORS: tuple[dict[str, Any], ...] = (
 """The detectors that run unless ``anomaly.default_detectors: false``; the user's ``anomaly.detectors`` are added
 to them (:func:`effective_specs`). Read-only: copy before changing."""
 
-__all__ = ["DEFAULT_DETECTORS", "DETECTORS", "Detector", "GRAD_NORM_DEFAULT", "LossSpikeConfig", "LossSpikeDetector",
-           "NonfiniteConfig", "NonfiniteDetector", "PER_LAYER_DEFAULT", "SpikeConfig", "SpikeDetector",
+__all__ = ["DEFAULT_DETECTORS", "DETECTORS", "Detector", "GRAD_NORM_DEFAULT", "GrowthConfig", "GrowthDetector",
+           "LevelConfig", "LevelDetector", "LossSpikeConfig", "LossSpikeDetector", "NonfiniteConfig",
+           "NonfiniteDetector", "PER_LAYER_DEFAULT", "SERIES_TYPES", "SpikeConfig", "SpikeDetector",
            "build_detectors", "check_specs", "effective_specs", "load_spec"]
 
 
@@ -90,20 +91,26 @@ def build_detectors(specs: Sequence[Mapping[str, Any]], path: str = "anomaly.det
     return [cls(config) for cls, config in _specs(specs, path)]
 
 
+SERIES_TYPES: frozenset[str] = frozenset({SpikeDetector.type_name, GrowthDetector.type_name, LevelDetector.type_name})
+"""Detector types that watch chosen ``series`` (default ``[loss]``): a user spec of one of them replaces a default
+of its type only when they share a series entry."""
+
+
 def _watched(spec: Mapping[str, Any]) -> tuple[str, frozenset[str]]:
-    """What a spec watches: its type and, for ``spike``, its series (a spike without ``series`` watches ``loss``)."""
+    """What a spec watches: its type and, for the :data:`SERIES_TYPES`, its series (``loss`` when not given)."""
     kind = str(spec.get("type"))
-    if kind != SpikeDetector.type_name:
+    if kind not in SERIES_TYPES:
         return kind, frozenset()
     series = spec.get("series", ["loss"])
     return kind, frozenset(str(s) for s in series) if isinstance(series, (list, tuple)) else frozenset()
 
 
 def _replaces(spec: Mapping[str, Any], default: Mapping[str, Any]) -> bool:
-    """A user spec replaces a default of its type that watches the same thing (a ``spike`` sharing a series entry)."""
+    """A user spec replaces a default of its type that watches the same thing (a ``spike``, ``growth`` or ``level``
+    sharing a series entry)."""
     kind, series = _watched(spec)
     default_kind, default_series = _watched(default)
-    return kind == default_kind and (kind != SpikeDetector.type_name or bool(series & default_series))
+    return kind == default_kind and (kind not in SERIES_TYPES or bool(series & default_series))
 
 
 def effective_specs(specs: Sequence[Mapping[str, Any]], defaults: bool = True) -> list[dict[str, Any]]:
