@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from trainmon.anomaly.detectors import GRAD_NORM_DEFAULT, build_detectors, effective_specs
+from trainmon.anomaly.detectors import ADDED_DEFAULTS, build_detectors, effective_specs
 from trainmon.anomaly.events import AnomalyEvent, utc_now
 from trainmon.anomaly.ordering import order_events
 from trainmon.anomaly.responses import JsonlAction, LogAction, logger
@@ -209,8 +209,9 @@ class AnomalyEngine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output.
 
-        A state saved before the global grad-norm watch was a default (the three defaults ``nonfinite``,
-        ``loss_spike``, per-layer ``spike``) loads into the detectors it has; the grad-norm watch starts fresh.
+        A state saved with an earlier set of defaults (:data:`~trainmon.anomaly.detectors.ADDED_DEFAULTS`: the
+        three defaults before the global grad-norm watch, the four before the growth and level watches) loads into
+        the detectors it has; the defaults added since start fresh.
 
         Raises:
             ValueError: the state does not match the detectors that run (count or types).
@@ -220,10 +221,13 @@ class AnomalyEngine:
             raise ValueError("not an anomaly engine state (missing version/detectors)")
         saved_types = [item.get("type") if isinstance(item, Mapping) else None for item in saved]
         targets = list(self.detectors)
-        if saved_types != [d.type_name for d in targets] and GRAD_NORM_DEFAULT in self.specs:
-            older = [d for d, spec in zip(self.detectors, self.specs) if spec != GRAD_NORM_DEFAULT]
+        for cut in range(len(ADDED_DEFAULTS) - 1, -1, -1):  # the latest additions first
+            if saved_types == [d.type_name for d in targets]:
+                break
+            later = [spec for added in ADDED_DEFAULTS[cut:] for spec in added]
+            older = [d for d, spec in zip(self.detectors, self.specs) if spec not in later]
             if saved_types == [d.type_name for d in older]:
-                targets = older  # saved before the grad-norm watch existed: it starts fresh
+                targets = older  # saved before those defaults existed: they start fresh
         types = [d.type_name for d in targets]
         if saved_types != types:
             raise ValueError(f"anomaly state holds detectors {saved_types}, the config has {types} (with "

@@ -30,15 +30,34 @@ GRAD_NORM_DEFAULT: dict[str, Any] = {"type": "spike", "series": ["grad_norm"], "
                                      "min_relative_change": 2.2, "range_factor": 3.0}
 """The global gradient norm watch: a jump above 3.2x its level with z > 7, or above 3x its recent range; tuned on
 ``benchmarks/anomaly_detectors.py`` to stay under 1 false alarm per 10,000 healthy steps in every regime."""
+GRAD_NORM_DROP_DEFAULT: dict[str, Any] = {"type": "spike", "series": ["grad_norm"], "method": "log",
+                                          "direction": "down", "threshold": 7.0, "min_relative_change": 9.0,
+                                          "range_factor": 10.0}
+"""The global grad norm collapsing: below a tenth of its level with z > 7, or below a tenth of the smallest of the
+100 norms before the level window (a loss-scale bug, gradients under Adam's epsilon, a detached graph)."""
+ATTN_GROWTH_DEFAULT: dict[str, Any] = {"type": "growth", "series": ["attn/*/max_logit"], "window": 40,
+                                       "factor": 3.0, "min_value": 30.0}
+"""A head's largest attention logit climbing block after block to 3x within 40 collected steps, to above 30 (with
+the attn family on; docs/anomaly.md, "Lead time")."""
+EPS_LEVEL_DEFAULT: dict[str, Any] = {"type": "level", "series": ["precursors/*/eps_underflow"], "threshold": 0.9,
+                                     "persist": 5}
+"""Adam's epsilon underflow: over 90% of a tensor's elements with sqrt(v) < eps, 5 steps in a row (with the
+precursors family on)."""
 DEFAULT_DETECTORS: tuple[dict[str, Any], ...] = (
-    {"type": "nonfinite"}, {"type": "loss_spike"}, PER_LAYER_DEFAULT, GRAD_NORM_DEFAULT)
+    {"type": "nonfinite"}, {"type": "loss_spike"}, PER_LAYER_DEFAULT, GRAD_NORM_DEFAULT, GRAD_NORM_DROP_DEFAULT,
+    ATTN_GROWTH_DEFAULT, EPS_LEVEL_DEFAULT)
 """The detectors that run unless ``anomaly.default_detectors: false``; the user's ``anomaly.detectors`` are added
 to them (:func:`effective_specs`). Read-only: copy before changing."""
+ADDED_DEFAULTS: tuple[tuple[dict[str, Any], ...], ...] = (
+    (GRAD_NORM_DEFAULT,), (GRAD_NORM_DROP_DEFAULT, ATTN_GROWTH_DEFAULT, EPS_LEVEL_DEFAULT))
+"""The defaults added after the first three, in the order they came: an engine state saved before them loads
+into the others, and they start fresh."""
 
-__all__ = ["DEFAULT_DETECTORS", "DETECTORS", "Detector", "GRAD_NORM_DEFAULT", "GrowthConfig", "GrowthDetector",
-           "LevelConfig", "LevelDetector", "LossSpikeConfig", "LossSpikeDetector", "NonfiniteConfig",
-           "NonfiniteDetector", "PER_LAYER_DEFAULT", "SERIES_TYPES", "SpikeConfig", "SpikeDetector",
-           "build_detectors", "check_specs", "effective_specs", "load_spec"]
+__all__ = ["ADDED_DEFAULTS", "ATTN_GROWTH_DEFAULT", "DEFAULT_DETECTORS", "DETECTORS", "Detector", "EPS_LEVEL_DEFAULT",
+           "GRAD_NORM_DEFAULT", "GRAD_NORM_DROP_DEFAULT", "GrowthConfig", "GrowthDetector", "LevelConfig",
+           "LevelDetector", "LossSpikeConfig", "LossSpikeDetector", "NonfiniteConfig", "NonfiniteDetector",
+           "PER_LAYER_DEFAULT", "SERIES_TYPES", "SpikeConfig", "SpikeDetector", "build_detectors", "check_specs",
+           "effective_specs", "load_spec"]
 
 
 def load_spec(spec: object, path: str) -> tuple[type[Detector[object]], object]:
