@@ -138,13 +138,13 @@ def effective_specs(specs: Sequence[Mapping[str, Any]], defaults: bool = True) -
 
     A user spec replaces the defaults it overlaps instead of running next to them: a ``nonfinite`` or
     ``loss_spike`` spec replaces that default; a ``spike`` spec replaces each default ``spike`` sharing a
-    ``series`` entry with it (``series: [grad_norm]`` replaces the grad-norm watch, ``["grad_reduced/*/norm"]``
+    ``series`` entry with it (``series: [grad_norm]`` replaces both grad-norm watches, ``["grad_reduced/*/norm"]``
     the per-layer warning). It takes the place of the first default it replaces; the other user specs follow
     the defaults, in their order.
 
     Example:
-        >>> [(s["type"], s.get("series")) for s in effective_specs([{"type": "spike", "series": ["grad_norm"]}])]
-        [('nonfinite', None), ('loss_spike', None), ('spike', ['grad_reduced/*/norm']), ('spike', ['grad_norm'])]
+        >>> [(s["type"], s.get("series")) for s in effective_specs([{"type": "spike", "series": ["grad_norm"]}])][2:]
+        [('spike', ['grad_reduced/*/norm']), ('spike', ['grad_norm']), ('growth', ['attn/*/max_logit']), ('level', ['precursors/*/eps_underflow'])]
         >>> effective_specs([{"type": "nonfinite"}], defaults=False)
         [{'type': 'nonfinite'}]
     """
