@@ -143,8 +143,9 @@ def effective_specs(specs: Sequence[Mapping[str, Any]], defaults: bool = True) -
     the defaults, in their order.
 
     Example:
-        >>> [(s["type"], s.get("series")) for s in effective_specs([{"type": "spike", "series": ["grad_norm"]}])][2:]
-        [('spike', ['grad_reduced/*/norm']), ('spike', ['grad_norm']), ('growth', ['attn/*/max_logit']), ('level', ['precursors/*/eps_underflow'])]
+        >>> specs = effective_specs([{"type": "spike", "series": ["grad_norm"]}])
+        >>> [s["type"] for s in specs], specs[3]
+        (['nonfinite', 'loss_spike', 'spike', 'spike', 'growth', 'level'], {'type': 'spike', 'series': ['grad_norm']})
         >>> effective_specs([{"type": "nonfinite"}], defaults=False)
         [{'type': 'nonfinite'}]
     """
