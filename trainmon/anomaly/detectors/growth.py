@@ -14,8 +14,8 @@ times the one that fired (or after it fell back below it). ``persist`` asks the 
 in a row; ``min_value`` ignores climbs that end below an absolute level (a series that grows from a small start,
 as attention logits do early in training). Values that are not finite or not positive are skipped (not fed).
 
-Cost per selected series and collected step: ``blocks`` medians of ``window / blocks`` values (about 10 us for
-100 values in 4 blocks).
+Cost per selected series and collected step: ``blocks`` medians of ``window / blocks`` values (14-40 us measured on
+the 2-core development machine under load, 100 series, windows of 100 and 40).
 """
 
 from __future__ import annotations
