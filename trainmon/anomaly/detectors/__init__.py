@@ -96,7 +96,7 @@ def build_detectors(specs: Sequence[Mapping[str, Any]], path: str = "anomaly.det
     """Validate detector specs and build the detectors, in spec order.
 
     Args:
-        specs: ``[{type: nonfinite|spike|loss_spike, ...fields}]``.
+        specs: ``[{type: nonfinite|spike|loss_spike|growth|level, ...fields}]``.
         path: dotted config key of the list, used in error messages.
 
     Raises:
