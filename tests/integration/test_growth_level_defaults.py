@@ -12,7 +12,7 @@ import torch
 from trainmon import TrainerMonitor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from tiny_gpt import TinyGPT, gpt_loss, make_batch  # noqa: E402
+from tiny_gpt import TinyGPT, gpt_loss, make_batch
 
 GROW_FROM, STEPS, GROWTH = 50, 100, 1.08
 
@@ -55,7 +55,7 @@ def test_growth_default_fires_on_a_growing_attention_logit_only(tmp_path):
     assert all(family == "attn" and name.startswith("blocks.0.attn.head") for _, _, family, name in growth)
     first = growth[0][0]
     # a full window of 40 steps, 3x from the first block's median to the last's, the last above 30
-    assert GROW_FROM < first and largest[first] > 30 and math.isfinite(largest[first])
+    assert first > GROW_FROM and largest[first] > 30 and math.isfinite(largest[first])
     assert not [e for e in events if e[1] == "level"]
     quiet, _, _ = _run(tmp_path, grow=False)
     assert not [e for e in quiet if e[1] in ("growth", "level")]
