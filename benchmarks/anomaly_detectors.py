@@ -56,7 +56,6 @@ from benchmarks.detector_baselines import (  # noqa: E402
 )
 from trainmon.anomaly.detectors import (  # noqa: E402
     DEFAULT_DETECTORS,
-    GRAD_NORM_DEFAULT,
     PER_LAYER_DEFAULT,
     build_detectors,
 )
@@ -238,10 +237,13 @@ class PerLayer:
 
 DetectorFactory = Callable[[Curve], Any]
 
-TRAINMON_DEFAULT = [dict(s) for s in DEFAULT_DETECTORS if s["type"] in ("nonfinite", "loss_spike")]
+TRAINMON_DEFAULT = [dict(s) for s in DEFAULT_DETECTORS
+                    if s["type"] in ("nonfinite", "loss_spike") or "loss" in s.get("series", ())]
 """The default ``anomaly.detectors`` that watch the loss."""
-TRAINMON_GRAD_DEFAULT = [{"type": "nonfinite", "scalars": ["grad_norm"]}, dict(GRAD_NORM_DEFAULT)]
-"""The default global grad-norm watch (with the default ``nonfinite`` on ``grad_norm``)."""
+TRAINMON_GRAD_DEFAULT = [{"type": "nonfinite", "scalars": ["grad_norm"]},
+                         *(dict(s) for s in DEFAULT_DETECTORS if "grad_norm" in s.get("series", ()))]
+"""The default global grad-norm watches (with the default ``nonfinite`` on ``grad_norm``): the spike watch
+(:data:`GRAD_NORM_DEFAULT`) and any other default on ``grad_norm``."""
 TRAINMON_GRAD = [{"type": "nonfinite", "scalars": ["grad_norm"]},
                  {"type": "spike", "series": ["grad_norm"], "method": "log"}]
 TRAINMON_LAYERS = [dict(PER_LAYER_DEFAULT)]

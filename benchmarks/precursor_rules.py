@@ -199,6 +199,22 @@ def trainmon_scalar(values: Array, thresholds: Sequence[float], spec: dict[str, 
     return alarms
 
 
+def trainmon_field(values: Array, thresholds: Sequence[float], spec: dict[str, Any], field: str) -> Alarms:
+    """A trainmon detector of chosen series (``growth``, ``level``) built from ``spec`` with its ``field`` set to
+    each threshold, fed every column of a step as a scalar of its own (``c0``, ``c1``, ...; each a series of the
+    detector, as a layer's row is); alarms where a column raised an event."""
+    steps, columns = values.shape
+    alarms = np.zeros((len(thresholds), steps, columns), dtype=bool)
+    names = [f"c{c}" for c in range(columns)]
+    for g, threshold in enumerate(thresholds):
+        detector = build_detectors([{**spec, "series": ["c*"], field: float(threshold)}], "benchmark")[0]
+        for t in range(steps):
+            record = StepRecord(step=t, rank=0, scalars=dict(zip(names, values[t].tolist())))
+            for event in detector.update(record, ""):
+                alarms[g, t, int(event.name[1:])] = True
+    return alarms
+
+
 GRAD_NORM_SPEC: dict[str, Any] = dict(GRAD_NORM_DEFAULT)
 LOSS_SPIKE_SPEC: dict[str, Any] = {"type": "loss_spike"}
 
@@ -214,4 +230,4 @@ def finite_or_nan(values: Sequence[float]) -> Array:
 
 
 __all__ = ["GRAD_NORM_SPEC", "LOSS_SPIKE_SPEC", "any_column", "finite_or_nan", "foundry", "lightning", "megatron",
-           "skip_step", "trainmon_log", "trainmon_scalar", "turbulence", "zclip"]
+           "skip_step", "trainmon_field", "trainmon_log", "trainmon_scalar", "turbulence", "zclip"]

@@ -206,12 +206,14 @@ def monitor_config(out_dir: Path, name: str, extra: dict[str, Any] | None = None
     return merged(config, extra or {}), enabled
 
 
+FLUSH_TIMEOUT = 120.0
+"""The most seconds a wait for the outputs may take (a store that still lacks steps then fails the run's check)."""
+
+
 def wait_for_outputs(monitor: Any) -> None:
-    """Let the monitor's outputs write what is queued (a private hook of the monitor's session: the benchmark
-    trades training speed for a complete store, which trainmon itself never does)."""
-    writer = getattr(getattr(monitor, "_session", None), "writer", None)
-    if writer is not None:
-        writer.wait()
+    """Let the monitor's outputs write what is queued (``monitor.flush``: the benchmark trades training speed for a
+    complete store, which trainmon itself never does)."""
+    monitor.flush(timeout=FLUSH_TIMEOUT)
 
 
 def train(spec: RunSpec, out_dir: Path, extra: dict[str, Any] | None = None) -> tuple[Path, list[float]]:

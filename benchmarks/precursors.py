@@ -58,6 +58,7 @@ from benchmarks.leadtime import (  # noqa: E402
     to_ranges,
     tune,
 )
+from trainmon.anomaly.detectors import ATTN_GROWTH_DEFAULT, EPS_LEVEL_DEFAULT  # noqa: E402
 
 JSON_DIR = ROOT / "benchmarks" / "data" / "precursors"
 META_COLUMNS = frozenset({"step", "micro_step", "vpp_stage", "pp_stage", "order", "phase", "name", "nonfinite", "rank"})
@@ -102,6 +103,8 @@ RULES: dict[str, Rule] = {
     "lightning": lambda v, th, n: rules.lightning(v, th),
     "turbulence_ema": lambda v, th, n: rules.turbulence(v, th, "ema"),
     "turbulence_121": lambda v, th, n: rules.turbulence(v, th, "1.2.1"),
+    "trainmon_growth": lambda v, th, n: rules.trainmon_field(v, th, dict(ATTN_GROWTH_DEFAULT), "factor"),
+    "trainmon_level": lambda v, th, n: rules.trainmon_field(v, th, dict(EPS_LEVEL_DEFAULT), "threshold"),
 }
 
 SCALAR_DETECTORS: tuple[DetectorDef, ...] = (
@@ -126,6 +129,14 @@ LAYER_RULES: tuple[tuple[str, str, tuple[float, ...], float], ...] = (
     ("msprobe 26.2 Turbulence", "turbulence_ema", TURBULENCE, 0.5),
 )
 """Rules applied to every per-layer series (``family/column``) of the store."""
+FAMILY_DETECTORS: tuple[DetectorDef, ...] = (
+    DetectorDef("trainmon growth (window 40, min 30)", "attn/max_logit", "trainmon_growth",
+                (1.5, 2.0, 3.0, 4.0, 6.0, 10.0), 3.0),
+    DetectorDef("trainmon level (persist 5)", "precursors/eps_underflow", "trainmon_level",
+                (0.1, 0.3, 0.5, 0.7, 0.9, 0.99), 0.9),
+)
+"""trainmon's rules of the optional families' defaults on their series, on a grid of their ``factor`` and
+``threshold`` (evaluated when the series is in the store)."""
 ENGINE = "trainmon defaults (engine replay)"
 
 
@@ -176,10 +187,30 @@ def read_store(run_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, tuple[np
     return scalars, layered, online
 
 
+SERIES_TYPES = frozenset({"spike", "growth", "level"})
+"""trainmon's detector types that watch chosen series: their events are labelled by type and series."""
+
+
+def spec_label(spec: dict[str, Any]) -> str:
+    """A default detector's label in the tables: its type, and for a detector of chosen series the first series'
+    family or scalar, and ``down`` for a downward rule (``spike grad_norm``, ``spike grad_norm down``,
+    ``spike grad_reduced``, ``growth attn``, ``level precursors``).
+
+    Example:
+        >>> spec_label({"type": "spike", "series": ["grad_reduced/*/norm"]}), spec_label({"type": "loss_spike"})
+        ('spike grad_reduced', 'loss_spike')
+    """
+    kind = str(spec["type"])
+    if kind not in SERIES_TYPES:
+        return kind
+    down = " down" if spec.get("direction") == "down" else ""
+    return f"{kind} {str(spec.get('series', ['loss'])[0]).split('/')[0]}{down}"
+
+
 def replay_engine(run_dir: Path, scalars: dict[str, np.ndarray]) -> dict[str, list[int]]:
     """trainmon's anomaly engine with its default detectors over the stored rows and scalars, step by step (what
-    ran online): alarm steps of all of them (``all``) and of each (``nonfinite``, ``loss_spike``,
-    ``spike grad_norm``, ``spike grad_reduced``)."""
+    ran online): alarm steps of all of them (``all``) and of each (:func:`spec_label`: ``nonfinite``,
+    ``loss_spike``, ``spike grad_norm``, ``spike grad_reduced``, ...)."""
     from trainmon.anomaly.engine import AnomalyEngine
     from trainmon.base.records import FAMILIES, Row, RowKey, StepRecord
     from trainmon.config import AnomalyConfig
@@ -202,8 +233,7 @@ def replay_engine(run_dir: Path, scalars: dict[str, np.ndarray]) -> dict[str, li
                     {m: float(v) for m, v in zip(metrics, stats) if v is not None}, bool(nonfinite)))
     finally:
         con.close()
-    out: dict[str, list[int]] = {"all": [], "nonfinite": [], "loss_spike": [], "spike grad_norm": [],
-                                 "spike grad_reduced": []}
+    out: dict[str, list[int]] = {"all": [], **{spec_label(spec): [] for spec in engine.specs}}
     for step in range(len(scalars.get("loss", []))):
         # a scalar absent from a step is NaN in the array (a NaN loss or grad norm stays: it is a value)
         values = {name: float(series[step]) for name, series in scalars.items()
@@ -214,7 +244,9 @@ def replay_engine(run_dir: Path, scalars: dict[str, np.ndarray]) -> dict[str, li
             out["all"].append(step)
         for event in events:
             where = event.name if event.family == "scalars" else event.family
-            label = event.detector if event.detector != "spike" else f"spike {where}"
+            label = event.detector if event.detector not in SERIES_TYPES else f"{event.detector} {where}"
+            if event.detector == "spike" and event.value < event.baseline:
+                label += " down"  # the grad-norm drop watch (spike rules of the defaults look one way each)
             if label in out and (not out[label] or out[label][-1] != step):
                 out[label].append(step)
     engine.close()
@@ -224,7 +256,7 @@ def replay_engine(run_dir: Path, scalars: dict[str, np.ndarray]) -> dict[str, li
 # ------------------------------------------------------------------------------------------- one run
 def detectors_for(layered: dict[str, Any]) -> list[DetectorDef]:
     """The scalar detectors and every layer rule on every per-layer series present."""
-    out = list(SCALAR_DETECTORS)
+    out = list(SCALAR_DETECTORS) + [d for d in FAMILY_DETECTORS if d.series in layered]
     for series in sorted(layered):
         out += [DetectorDef(name, series, rule, grid, default) for name, rule, grid, default in LAYER_RULES]
     return out

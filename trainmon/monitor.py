@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -191,6 +192,35 @@ class TrainerMonitor:
         identity = batch_identity(samples)
         if self._session.keeper is not None:
             self._session.keeper.add_batch(identity)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until what the monitor handed to its outputs so far is written and flushed: the records of the
+        steps whose values reached the host (``scalars.csv``, TensorBoard, the store, ...), one-off files, and
+        ``anomalies.jsonl``. Training never waits on the outputs otherwise (they run on threads of their own and
+        drop what they cannot keep up with); call this where a reader in the same process needs the files now
+        (a test, a benchmark, before copying the run away). It does not wait for the device: an uncollected
+        step whose copy has not ended yet is written later.
+
+        Args:
+            timeout: the most seconds this call waits (a stuck disk never blocks training longer).
+
+        Returns:
+            True when everything was written within ``timeout`` (also before ``attach`` and after ``close``,
+            which writes everything itself); False when something is still queued.
+
+        Raises:
+            ValueError: ``timeout`` is not a finite number >= 0.
+
+        Example:
+            >>> TrainerMonitor({"sinks": []}).flush(timeout=1.0)  # not attached: nothing to wait for
+            True
+        """
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+                or timeout < 0:
+            raise ValueError(f"flush(timeout=...) must be a finite number of seconds >= 0, got {timeout!r}")
+        if self._session is None:
+            return True
+        return self._session.flush(float(timeout))
 
     def dump(self, modules: list[str], steps: list[int] | None = None) -> list[str]:
         """Dump ``modules`` (names, globs, ``re:``) on ``steps`` (default: the next step).

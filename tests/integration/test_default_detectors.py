@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from trainmon import TrainerMonitor
-from trainmon.anomaly.detectors import DEFAULT_DETECTORS, GRAD_NORM_DEFAULT, PER_LAYER_DEFAULT
+from trainmon.anomaly.detectors import (
+    ATTN_GROWTH_DEFAULT,
+    DEFAULT_DETECTORS,
+    EPS_LEVEL_DEFAULT,
+    GRAD_NORM_DEFAULT,
+    GRAD_NORM_DROP_DEFAULT,
+    PER_LAYER_DEFAULT,
+)
 from trainmon.anomaly.engine import AnomalyEngine
 from trainmon.config import load_config
 
@@ -53,6 +60,13 @@ def test_a_one_step_8x_grad_norm_jump_is_reported_by_default(tmp_path):
     assert _run(tmp_path, "", jump=1.0) == []  # the same run without the jump: nothing
 
 
+def test_a_collapse_of_the_global_grad_norm_is_reported_by_default(tmp_path):
+    # gradients x 1e-3 for one step (a loss-scale bug): the drop watch; the loss handed to the monitor is the plain one
+    for seed in range(2):
+        assert _run(tmp_path, "", jump=1e-3, seed=seed) == [(JUMP_AT, "spike", "grad_norm")], seed
+    assert _run(tmp_path, "", jump=0.3, seed=0) == []  # a 3x smaller step is no collapse
+
+
 def test_user_detectors_are_added_to_the_defaults(tmp_path):
     user = "  detectors: [{type: spike, series: [loss]}]\n"
     # the user's spike on the loss did not switch off the grad-norm watch
@@ -60,7 +74,8 @@ def test_user_detectors_are_added_to_the_defaults(tmp_path):
     config = load_config({"anomaly": {"detectors": [{"type": "spike", "series": ["loss"]}]}})
     engine = AnomalyEngine(config.anomaly, rank=0, rank_dir=None)
     assert engine.specs == [*DEFAULT_DETECTORS, {"type": "spike", "series": ["loss"]}]
-    assert [d.type_name for d in engine.detectors] == ["nonfinite", "loss_spike", "spike", "spike", "spike"]
+    assert [d.type_name for d in engine.detectors] == ["nonfinite", "loss_spike", "spike", "spike", "spike", "growth",
+                                                       "level", "spike"]
 
 
 def test_default_detectors_false_runs_only_the_users(tmp_path):
@@ -78,8 +93,18 @@ def test_a_user_spec_on_a_default_series_replaces_that_default(tmp_path):
     mine = {"type": "spike", "series": ["grad_norm"], "method": "mad"}
     config = load_config({"anomaly": {"detectors": [{"type": "nonfinite", "scalars": ["loss"]}, mine]}})
     specs = AnomalyEngine(config.anomaly, rank=0, rank_dir=None).specs
-    assert specs == [{"type": "nonfinite", "scalars": ["loss"]}, {"type": "loss_spike"}, PER_LAYER_DEFAULT, mine]
-    assert GRAD_NORM_DEFAULT not in specs
+    # both grad-norm defaults (the jump and the drop watch) share its series: the user's takes their place
+    assert specs == [{"type": "nonfinite", "scalars": ["loss"]}, {"type": "loss_spike"}, PER_LAYER_DEFAULT, mine,
+                     ATTN_GROWTH_DEFAULT, EPS_LEVEL_DEFAULT]
+    assert GRAD_NORM_DEFAULT not in specs and GRAD_NORM_DROP_DEFAULT not in specs
+    # a growth or level spec replaces a default of its type only when it shares a series
+    other = [{"type": "growth", "series": ["grad_norm"]}, {"type": "level", "series": ["loss"], "threshold": 9.0}]
+    config = load_config({"anomaly": {"detectors": other}})
+    assert AnomalyEngine(config.anomaly, rank=0, rank_dir=None).specs == [*DEFAULT_DETECTORS, *other]
+    mine = {"type": "growth", "series": ["attn/*/max_logit"], "factor": 10.0}
+    config = load_config({"anomaly": {"detectors": [mine]}})
+    assert AnomalyEngine(config.anomaly, rank=0, rank_dir=None).specs == [
+        spec if spec is not ATTN_GROWTH_DEFAULT else mine for spec in DEFAULT_DETECTORS]
     assert _run(tmp_path, "  detectors: [{type: spike, series: [grad_norm], method: log, "
                           "min_relative_change: 9.0, range_factor: 0}]\n") == []  # the user's 10x rule only
 
@@ -99,4 +124,4 @@ def test_run_json_records_the_detectors_that_run(tmp_path):
     monitor.close()
     detectors = json.loads((tmp_path / "run" / "run.json").read_text())["anomaly_detectors"]
     assert [spec["type"] for spec in detectors][:2] == ["nonfinite", "loss_spike"]
-    assert {"type": "spike", "series": ["loss"]} in detectors and len(detectors) == 5
+    assert {"type": "spike", "series": ["loss"]} in detectors and len(detectors) == len(DEFAULT_DETECTORS) + 1

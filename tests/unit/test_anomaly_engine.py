@@ -133,20 +133,25 @@ def test_engine_state_dict_round_trip_and_mismatch():
                       None).load_state_dict(state)
 
 
-def test_a_state_saved_with_the_three_earlier_defaults_loads_into_the_four_defaults():
-    # A checkpoint of a run with the earlier default list [nonfinite, loss_spike, per-layer spike]
-    # (anomaly.detectors unset) resumes with the grad-norm watch added, which starts fresh.
+@pytest.mark.parametrize("defaults", [3, 4])
+def test_a_state_saved_with_earlier_defaults_loads_into_the_current_defaults(defaults):
+    # A checkpoint of a run with an earlier default list ([nonfinite, loss_spike, per-layer spike], then with the
+    # grad-norm watch) resumes with the defaults added since, which start fresh.
     earlier = [{"type": "nonfinite"}, {"type": "loss_spike"},
-               {"type": "spike", "series": ["grad_reduced/*/norm"], "method": "log", "persist": 3}]
+               {"type": "spike", "series": ["grad_reduced/*/norm"], "method": "log", "persist": 3},
+               {"type": "spike", "series": ["grad_norm"], "method": "log", "threshold": 7.0,
+                "min_relative_change": 2.2, "range_factor": 3.0}][:defaults]
     saved = AnomalyEngine(AnomalyConfig(detectors=earlier, default_detectors=False, actions=[]), 0, None)
     for step in range(20):
         saved.process(record(step, loss=1.0 + 0.01 * (step % 3), grad_norm=1.0))
     state = json.loads(json.dumps(saved.state_dict()))
-    assert [d["type"] for d in state["detectors"]] == ["nonfinite", "loss_spike", "spike"]
+    assert [d["type"] for d in state["detectors"]] == ["nonfinite", "loss_spike", "spike", "spike"][:defaults]
     resumed = AnomalyEngine(AnomalyConfig(actions=[]), 0, None)
     resumed.load_state_dict(state)
-    assert resumed.state_dict()["detectors"][:3] == state["detectors"]
-    assert resumed.state_dict()["detectors"][3] == {"type": "spike", "state": {"series": []}}  # fresh
+    now = resumed.state_dict()["detectors"]
+    assert [d["type"] for d in now] == ["nonfinite", "loss_spike", "spike", "spike", "spike", "growth", "level"]
+    assert now[:defaults] == state["detectors"]
+    assert all(d["state"] == {"series": []} for d in now[defaults:])  # fresh
     assert [e.name for e in resumed.process(record(20, loss=5.0, grad_norm=1.0))] == ["loss"]  # warm loss_spike
     with pytest.raises(ValueError, match="holds detectors"):
         AnomalyEngine(AnomalyConfig(detectors=[{"type": "spike", "series": ["lr"]}], actions=[]), 0,

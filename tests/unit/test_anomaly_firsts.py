@@ -90,7 +90,8 @@ def test_cli_names_first_nonfinite_and_first_spike_apart(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, expected", [
     (["--detector", "nonfinte"], "trainmon analyse: error: --detector: unknown detector 'nonfinte'; the run's events "
-                                 "come from nonfinite, spike (trainmon's detectors: loss_spike, nonfinite, spike)"),
+                                 "come from nonfinite, spike (trainmon's detectors: growth, level, loss_spike, "
+                                 "nonfinite, spike)"),
     (["--detector", "spike,,nonfinite"], "--detector: expected detector names"),
     (["--detector", ""], "--detector: expected detector names"),
 ])

@@ -118,3 +118,28 @@ def test_any_column_and_scalar_detectors() -> None:
     fired = rules.trainmon_scalar(values, [6.0], rules.LOSS_SPIKE_SPEC, "loss")
     assert fired.shape == (1, len(values), 1) and fired[0, 350, 0]
     assert rules.any_column(np.zeros((2, 5, 3), dtype=bool)).shape == (2, 5)
+
+
+@pytest.mark.parametrize("spec, field, thresholds", [
+    ({"type": "growth", "series": ["x"], "window": 40, "min_value": 30.0}, "factor", (1.5, 3.0)),
+    ({"type": "level", "series": ["x"], "persist": 5}, "threshold", (0.5, 0.9)),
+])
+def test_trainmon_field_equals_one_detector_per_row_series(spec: dict[str, Any], field: str,
+                                                           thresholds: tuple[float, ...]) -> None:
+    """The benchmark feeds columns as scalars; the detector fed ``attn``/``precursors`` rows fires on the same steps."""
+    rng = np.random.default_rng(7)
+    values = np.exp(np.cumsum(0.08 * rng.standard_normal((300, 3)), axis=0)) * (20.0 if field == "factor" else 0.5)
+    values[200:, 0] *= 1.1 ** np.minimum(np.arange(100), 50)  # a column that climbs 117x over 50 steps
+    values[50, 1], values[60, 2] = math.nan, math.inf
+    family, metric = ("attn", "max_logit") if field == "factor" else ("precursors", "eps_underflow")
+    alarms = rules.trainmon_field(values, thresholds, spec, field)
+    for g, threshold in enumerate(thresholds):
+        detector = build_detectors([{**spec, "series": [f"{family}/*/{metric}"], field: threshold}])[0]
+        expected = np.zeros((300, 3), dtype=bool)
+        for t in range(300):
+            rows = [Row(RowKey(family, f"layer{c}", 0, 0, c), t, {metric: float(values[t, c])},
+                        not math.isfinite(values[t, c])) for c in range(3)]
+            for event in detector.update(StepRecord(step=t, rank=0, rows=rows), ""):
+                expected[t, int(event.name[5:])] = True
+        assert np.array_equal(alarms[g], expected), threshold
+        assert expected.any(), threshold  # the series do cross: the comparison is not vacuous

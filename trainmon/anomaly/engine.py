@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from trainmon.anomaly.detectors import GRAD_NORM_DEFAULT, build_detectors, effective_specs
+from trainmon.anomaly.detectors import ADDED_DEFAULTS, build_detectors, effective_specs
 from trainmon.anomaly.events import AnomalyEvent, utc_now
 from trainmon.anomaly.ordering import order_events
 from trainmon.anomaly.responses import JsonlAction, LogAction, logger
@@ -209,8 +209,9 @@ class AnomalyEngine:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output.
 
-        A state saved before the global grad-norm watch was a default (the three defaults ``nonfinite``,
-        ``loss_spike``, per-layer ``spike``) loads into the detectors it has; the grad-norm watch starts fresh.
+        A state saved with an earlier set of defaults (:data:`~trainmon.anomaly.detectors.ADDED_DEFAULTS`: the
+        three defaults before the global grad-norm watch, the four before the growth and level watches) loads into
+        the detectors it has; the defaults added since start fresh.
 
         Raises:
             ValueError: the state does not match the detectors that run (count or types).
@@ -219,18 +220,29 @@ class AnomalyEngine:
         if state.get("version") != _STATE_VERSION or not isinstance(saved, list):
             raise ValueError("not an anomaly engine state (missing version/detectors)")
         saved_types = [item.get("type") if isinstance(item, Mapping) else None for item in saved]
-        targets = list(self.detectors)
-        if saved_types != [d.type_name for d in targets] and GRAD_NORM_DEFAULT in self.specs:
-            older = [d for d, spec in zip(self.detectors, self.specs) if spec != GRAD_NORM_DEFAULT]
-            if saved_types == [d.type_name for d in older]:
-                targets = older  # saved before the grad-norm watch existed: it starts fresh
-        types = [d.type_name for d in targets]
-        if saved_types != types:
-            raise ValueError(f"anomaly state holds detectors {saved_types}, the config has {types} (with "
-                             f"anomaly.default_detectors: {str(self.config.default_detectors).lower()}); configure "
-                             f"the detectors the checkpoint was saved with")
-        for detector, item in zip(targets, saved):
-            detector.load_state_dict(item["state"])
+        # Candidates: every detector, then without the defaults added since (the latest additions first). Each is
+        # tried on fresh detectors: one whose saved state does not fit (a user's spike sliding into a default's
+        # place) is refused, and the engine keeps its state.
+        candidates = [list(range(len(self.detectors)))]
+        for cut in range(len(ADDED_DEFAULTS) - 1, -1, -1):
+            later = [spec for added in ADDED_DEFAULTS[cut:] for spec in added]
+            candidates.append([i for i, spec in enumerate(self.specs) if spec not in later])
+        for indices in candidates:
+            if saved_types != [self.detectors[i].type_name for i in indices]:
+                continue
+            loaded = build_detectors([self.specs[i] for i in indices], "anomaly.detectors")
+            try:
+                for detector, item in zip(loaded, saved):
+                    detector.load_state_dict(item["state"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            for i, detector in zip(indices, loaded):
+                self.detectors[i] = detector  # the defaults left out start fresh
+            return
+        types = [d.type_name for d in self.detectors]
+        raise ValueError(f"anomaly state holds detectors {saved_types}, the config has {types} (with "
+                         f"anomaly.default_detectors: {str(self.config.default_detectors).lower()}); configure "
+                         f"the detectors the checkpoint was saved with")
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until the events of the steps processed so far are in ``anomalies.jsonl``.

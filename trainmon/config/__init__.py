@@ -400,15 +400,18 @@ class AnomalyConfig:
     """Anomaly detectors and what happens when they fire."""
 
     detectors: list[dict[str, Any]] = setting([], check=check_specs)
-    """Detector specs, each ``{type: nonfinite|spike|loss_spike, ...}`` (docs/anomaly.md), run in addition to the
-    default detectors (``default_detectors``). A spec replaces the default it overlaps rather than running next
-    to it: a ``nonfinite`` or ``loss_spike`` spec replaces that default, a ``spike`` spec each default ``spike``
-    sharing a ``series`` entry with it."""
+    """Detector specs, each ``{type: nonfinite|spike|loss_spike|growth|level, ...}`` (docs/anomaly.md), run in
+    addition to the default detectors (``default_detectors``). A spec replaces the default it overlaps rather than
+    running next to it: a ``nonfinite`` or ``loss_spike`` spec replaces that default, a ``spike``, ``growth`` or
+    ``level`` spec each default of its type sharing a ``series`` entry with it."""
     default_detectors: bool = True
     """Run the default detectors: ``nonfinite``, ``loss_spike``, the per-layer gradient early warning
-    (``{type: spike, series: ["grad_reduced/*/norm"], method: log, persist: 3}``) and the global gradient norm
+    (``{type: spike, series: ["grad_reduced/*/norm"], method: log, persist: 3}``), the global gradient norm
     watch (``{type: spike, series: [grad_norm], method: log, threshold: 7, min_relative_change: 2.2,
-    range_factor: 3}``: a jump above 3.2x its level). ``false``: only ``detectors`` run."""
+    range_factor: 3}``: a jump above 3.2x its level) and drop watch (the same, ``direction: down``, 10x), the
+    attention logit growth (``{type: growth, series: ["attn/*/max_logit"], window: 40, factor: 3, min_value: 30}``)
+    and Adam's epsilon underflow (``{type: level, series: ["precursors/*/eps_underflow"], threshold: 0.9,
+    persist: 5}``). ``false``: only ``detectors`` run."""
     actions: list[str] = setting(["log", "jsonl"], choices=ACTIONS, unique=True)
     """Any of log, jsonl, callback, raise, dump, free_benchmark, rollback (stop the run with
     ``rollback.exit_code`` on an event of ``rollback.detectors``, naming the last healthy checkpoint and the data

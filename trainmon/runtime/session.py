@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -321,6 +322,17 @@ class Session:
             return
         if error is not None and self.deferred is None:
             self.deferred = error
+
+    def flush(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds until what was handed to the outputs (the records, one-off files, the
+        anomaly events) is written and flushed; False when something is still queued then. Never raises."""
+        deadline = time.monotonic() + timeout
+        try:
+            written = self.writer.wait(timeout)
+            return self.anomaly.flush(max(0.0, deadline - time.monotonic())) and written
+        except Exception as exc:  # trainmon's own failure must not reach the training loop
+            logger.warning("trainmon: flush failed (%s: %s)", type(exc).__name__, exc)
+            return False
 
     def _finish(self, step: int, host: HostStep) -> tuple[StepRecord, AnomalyError | None]:
         """The host side of a collected step: its record, handed to the writer and the anomaly engine."""

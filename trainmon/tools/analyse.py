@@ -70,8 +70,8 @@ def selected_detectors(values: list[list[str]] | None) -> list[str] | None:
 def add_detector_option(parser: argparse.ArgumentParser) -> None:
     """``--detector NAME`` (repeatable or a comma list), shared by ``analyse`` and ``report``."""
     parser.add_argument("--detector", dest="detectors", action="append", type=detectors_arg, metavar="NAME",
-                        help="only the events of this detector (nonfinite, spike, loss_spike, or msprobe's rule "
-                             "names); repeat it or give a comma list")
+                        help="only the events of this detector (nonfinite, spike, loss_spike, growth, level, or "
+                             "msprobe's rule names); repeat it or give a comma list")
 
 
 def _positive(text: str) -> int:

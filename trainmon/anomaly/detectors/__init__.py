@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainmon.anomaly.detectors.base import Detector
+from trainmon.anomaly.detectors.growth import GrowthConfig, GrowthDetector
+from trainmon.anomaly.detectors.level import LevelConfig, LevelDetector
 from trainmon.anomaly.detectors.loss_spike import LossSpikeConfig, LossSpikeDetector
 from trainmon.anomaly.detectors.nonfinite import NonfiniteConfig, NonfiniteDetector
 from trainmon.anomaly.detectors.spike import SpikeConfig, SpikeDetector
@@ -17,6 +19,8 @@ DETECTORS: dict[str, type[Detector[object]]] = {
     NonfiniteDetector.type_name: NonfiniteDetector,
     SpikeDetector.type_name: SpikeDetector,
     LossSpikeDetector.type_name: LossSpikeDetector,
+    GrowthDetector.type_name: GrowthDetector,
+    LevelDetector.type_name: LevelDetector,
 }
 """Detector classes by their ``type``."""
 
@@ -26,14 +30,34 @@ GRAD_NORM_DEFAULT: dict[str, Any] = {"type": "spike", "series": ["grad_norm"], "
                                      "min_relative_change": 2.2, "range_factor": 3.0}
 """The global gradient norm watch: a jump above 3.2x its level with z > 7, or above 3x its recent range; tuned on
 ``benchmarks/anomaly_detectors.py`` to stay under 1 false alarm per 10,000 healthy steps in every regime."""
+GRAD_NORM_DROP_DEFAULT: dict[str, Any] = {"type": "spike", "series": ["grad_norm"], "method": "log",
+                                          "direction": "down", "threshold": 7.0, "min_relative_change": 9.0,
+                                          "range_factor": 10.0}
+"""The global grad norm collapsing: below a tenth of its level with z > 7, or below a tenth of the smallest of the
+100 norms before the level window (a loss-scale bug, gradients under Adam's epsilon, a detached graph)."""
+ATTN_GROWTH_DEFAULT: dict[str, Any] = {"type": "growth", "series": ["attn/*/max_logit"], "window": 40,
+                                       "factor": 3.0, "min_value": 30.0}
+"""A head's largest attention logit climbing block after block to 3x within 40 collected steps, to above 30 (with
+the attn family on; docs/anomaly.md, "Lead time")."""
+EPS_LEVEL_DEFAULT: dict[str, Any] = {"type": "level", "series": ["precursors/*/eps_underflow"], "threshold": 0.9,
+                                     "persist": 5}
+"""Adam's epsilon underflow: over 90% of a tensor's elements with sqrt(v) < eps, 5 steps in a row (with the
+precursors family on)."""
 DEFAULT_DETECTORS: tuple[dict[str, Any], ...] = (
-    {"type": "nonfinite"}, {"type": "loss_spike"}, PER_LAYER_DEFAULT, GRAD_NORM_DEFAULT)
+    {"type": "nonfinite"}, {"type": "loss_spike"}, PER_LAYER_DEFAULT, GRAD_NORM_DEFAULT, GRAD_NORM_DROP_DEFAULT,
+    ATTN_GROWTH_DEFAULT, EPS_LEVEL_DEFAULT)
 """The detectors that run unless ``anomaly.default_detectors: false``; the user's ``anomaly.detectors`` are added
 to them (:func:`effective_specs`). Read-only: copy before changing."""
+ADDED_DEFAULTS: tuple[tuple[dict[str, Any], ...], ...] = (
+    (GRAD_NORM_DEFAULT,), (GRAD_NORM_DROP_DEFAULT, ATTN_GROWTH_DEFAULT, EPS_LEVEL_DEFAULT))
+"""The defaults added after the first three, in the order they came: an engine state saved before them loads
+into the others, and they start fresh."""
 
-__all__ = ["DEFAULT_DETECTORS", "DETECTORS", "Detector", "GRAD_NORM_DEFAULT", "LossSpikeConfig", "LossSpikeDetector",
-           "NonfiniteConfig", "NonfiniteDetector", "PER_LAYER_DEFAULT", "SpikeConfig", "SpikeDetector",
-           "build_detectors", "check_specs", "effective_specs", "load_spec"]
+__all__ = ["ADDED_DEFAULTS", "ATTN_GROWTH_DEFAULT", "DEFAULT_DETECTORS", "DETECTORS", "Detector", "EPS_LEVEL_DEFAULT",
+           "GRAD_NORM_DEFAULT", "GRAD_NORM_DROP_DEFAULT", "GrowthConfig", "GrowthDetector", "LevelConfig",
+           "LevelDetector", "LossSpikeConfig", "LossSpikeDetector", "NonfiniteConfig", "NonfiniteDetector",
+           "PER_LAYER_DEFAULT", "SERIES_TYPES", "SpikeConfig", "SpikeDetector", "build_detectors", "check_specs",
+           "effective_specs", "load_spec"]
 
 
 def load_spec(spec: object, path: str) -> tuple[type[Detector[object]], object]:
@@ -72,7 +96,7 @@ def build_detectors(specs: Sequence[Mapping[str, Any]], path: str = "anomaly.det
     """Validate detector specs and build the detectors, in spec order.
 
     Args:
-        specs: ``[{type: nonfinite|spike|loss_spike, ...fields}]``.
+        specs: ``[{type: nonfinite|spike|loss_spike|growth|level, ...fields}]``.
         path: dotted config key of the list, used in error messages.
 
     Raises:
@@ -86,20 +110,26 @@ def build_detectors(specs: Sequence[Mapping[str, Any]], path: str = "anomaly.det
     return [cls(config) for cls, config in _specs(specs, path)]
 
 
+SERIES_TYPES: frozenset[str] = frozenset({SpikeDetector.type_name, GrowthDetector.type_name, LevelDetector.type_name})
+"""Detector types that watch chosen ``series`` (default ``[loss]``): a user spec of one of them replaces a default
+of its type only when they share a series entry."""
+
+
 def _watched(spec: Mapping[str, Any]) -> tuple[str, frozenset[str]]:
-    """What a spec watches: its type and, for ``spike``, its series (a spike without ``series`` watches ``loss``)."""
+    """What a spec watches: its type and, for the :data:`SERIES_TYPES`, its series (``loss`` when not given)."""
     kind = str(spec.get("type"))
-    if kind != SpikeDetector.type_name:
+    if kind not in SERIES_TYPES:
         return kind, frozenset()
     series = spec.get("series", ["loss"])
     return kind, frozenset(str(s) for s in series) if isinstance(series, (list, tuple)) else frozenset()
 
 
 def _replaces(spec: Mapping[str, Any], default: Mapping[str, Any]) -> bool:
-    """A user spec replaces a default of its type that watches the same thing (a ``spike`` sharing a series entry)."""
+    """A user spec replaces a default of its type that watches the same thing (a ``spike``, ``growth`` or ``level``
+    sharing a series entry)."""
     kind, series = _watched(spec)
     default_kind, default_series = _watched(default)
-    return kind == default_kind and (kind != SpikeDetector.type_name or bool(series & default_series))
+    return kind == default_kind and (kind not in SERIES_TYPES or bool(series & default_series))
 
 
 def effective_specs(specs: Sequence[Mapping[str, Any]], defaults: bool = True) -> list[dict[str, Any]]:
@@ -108,13 +138,14 @@ def effective_specs(specs: Sequence[Mapping[str, Any]], defaults: bool = True) -
 
     A user spec replaces the defaults it overlaps instead of running next to them: a ``nonfinite`` or
     ``loss_spike`` spec replaces that default; a ``spike`` spec replaces each default ``spike`` sharing a
-    ``series`` entry with it (``series: [grad_norm]`` replaces the grad-norm watch, ``["grad_reduced/*/norm"]``
+    ``series`` entry with it (``series: [grad_norm]`` replaces both grad-norm watches, ``["grad_reduced/*/norm"]``
     the per-layer warning). It takes the place of the first default it replaces; the other user specs follow
     the defaults, in their order.
 
     Example:
-        >>> [(s["type"], s.get("series")) for s in effective_specs([{"type": "spike", "series": ["grad_norm"]}])]
-        [('nonfinite', None), ('loss_spike', None), ('spike', ['grad_reduced/*/norm']), ('spike', ['grad_norm'])]
+        >>> specs = effective_specs([{"type": "spike", "series": ["grad_norm"]}])
+        >>> [s["type"] for s in specs], specs[3]
+        (['nonfinite', 'loss_spike', 'spike', 'spike', 'growth', 'level'], {'type': 'spike', 'series': ['grad_norm']})
         >>> effective_specs([{"type": "nonfinite"}], defaults=False)
         [{'type': 'nonfinite'}]
     """

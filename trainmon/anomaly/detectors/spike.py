@@ -43,7 +43,7 @@ METHODS: tuple[str, ...] = ("ema", "mad", "relative", "log")
 _MAD_TO_STD = 1.4826  # MAD of a normal distribution times this is its standard deviation
 
 
-class _Selector:
+class SeriesSelector:
     """One entry of ``series``: a scalar name pattern or a ``family/name/metric`` row pattern."""
 
     def __init__(self, text: str, path: str) -> None:
@@ -63,11 +63,11 @@ class _Selector:
 
 
 def check_series(series: list[str], path: str) -> None:
-    """The ``series`` rule: at least one, each a valid selector (:class:`_Selector`)."""
+    """The ``series`` rule: at least one, each a valid selector (:class:`SeriesSelector`)."""
     if not series:
         raise ConfigError(path, "must name at least one series")
     for i, text in enumerate(series):
-        _Selector(text, f"{path}[{i}]")
+        SeriesSelector(text, f"{path}[{i}]")
 
 
 @dataclass
@@ -150,7 +150,7 @@ class SpikeDetector(Detector[SpikeConfig]):
 
     def __init__(self, config: SpikeConfig) -> None:
         super().__init__(config)
-        self.selectors = [_Selector(text, f"series[{i}]") for i, text in enumerate(config.series)]
+        self.selectors = [SeriesSelector(text, f"series[{i}]") for i, text in enumerate(config.series)]
         self.threshold = config.threshold if config.threshold is not None else _DEFAULT_THRESHOLD[config.method]
         self.warmup = config.warmup if config.warmup is not None else _DEFAULT_WARMUP[config.method]
         self.warmup = max(self.warmup, 1)  # a baseline needs at least one earlier value
