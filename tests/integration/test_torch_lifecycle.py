@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -200,6 +201,36 @@ def test_an_evaluation_before_monitor_step_ends_no_step(tmp_path, caplog, loop):
     assert list(logged["step"]) == [0, 1, 2, 3] and list(logged["value"]) == pytest.approx(losses, rel=1e-6)
     assert sorted(set(read_family(tmp_path / "run" / "rank0", "grad_reduced")["step"])) == [0, 1, 2, 3]
     assert "empty" not in caplog.text
+
+
+def test_without_an_optimizer_the_gradients_are_measured_and_what_needs_it_is_named(tmp_path, caplog):
+    """pytorch/examples' regression: a bare ``nn.Linear`` updated by hand (``param.data.add_(-0.1 * param.grad)``),
+    ``attach(fc)``. The gradients are the loop's own (float64 numpy), and one warning names the families that
+    are read at an optimizer's step, which are not written (before, they were left out silently)."""
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(4, 1)
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": "run", "sinks": ["csv"], "step_interval": 1,
+                              "params": {"enabled": True}})
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        monitor.attach(fc)
+    truth = []
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        fc.zero_grad()
+        loss = torch.nn.functional.smooth_l1_loss(fc(x), x.sum(1, keepdim=True))
+        loss.backward()
+        truth.append({name: np.linalg.norm(p.grad.double().numpy()) for name, p in fc.named_parameters()})
+        for param in fc.parameters():
+            param.data.add_(-0.1 * param.grad)
+        monitor.step(loss=loss)
+    monitor.close()
+    warned = [r.getMessage() for r in caplog.records if "got no optimizer" in r.getMessage()]
+    assert len(warned) == 1 and all(f in warned[0] for f in ("grad_reduced", "optimizer_states", "params")), warned
+    rows = read_family(tmp_path / "run" / "rank0", "grad_unreduced")
+    for step, norms in enumerate(truth):
+        got = rows[rows["step"] == step].set_index("name")["norm"]
+        assert got.to_dict() == pytest.approx(norms, rel=1e-6)
+    assert not (tmp_path / "run" / "rank0" / "param.csv").exists()
 
 
 def test_unwritable_output_dir_warns_once_and_training_completes(tmp_path, caplog):

@@ -39,6 +39,7 @@ from trainmon.runtime.setup import (
     supports,
     versions,
     warn_unsupported,
+    warn_without_optimizer,
 )
 from trainmon.runtime.sizing import log_sizing
 from trainmon.sinks import SinkWriter, build_sinks
@@ -98,6 +99,7 @@ class Session:
         try:
             ranks = check_ranks(config.ranks, self.attachment.world_size, config.absent_ranks)  # those that exist
             warn_unsupported(config, self.framework)
+            warn_without_optimizer(config, self.framework, optimizer)
             self.ctx.pp_stage = self.attachment.pp_stage
             self._hook_boundaries()
             rank = self.attachment.rank

@@ -167,6 +167,21 @@ def supports(framework: str, section: str) -> bool:
     return (section, framework) not in _UNSUPPORTED
 
 
+def warn_without_optimizer(config: MonitorConfig, framework: str, optimizer: Any) -> None:
+    """One warning when a torch model is attached without its optimizer and the config asks for what is read at the
+    optimizer's step (the reduced gradients, optimizer states, parameters): those are not written, and nothing else
+    would say so (``attach(model)`` is right for activations alone)."""
+    if optimizer is not None or framework not in ("torch", "fsdp"):
+        return
+    wanted = [name for name, on in (("weight_grads (grad_reduced)", config.weight_grads.enabled),
+                                    ("optimizer_states", config.optimizer_states.enabled),
+                                    ("params", config.params.enabled)) if on]
+    if wanted:
+        logger.warning("trainmon: attach() got no optimizer, so %s are not written (they are read at the optimizer's "
+                       "step; grad_unreduced and activations are): pass it, attach(model, optimizer), or turn them "
+                       "off", ", ".join(wanted))
+
+
 def warn_unsupported(config: MonitorConfig, framework: str) -> None:
     for section in sorted({section for section, _ in _UNSUPPORTED}):
         if not supports(framework, section) and getattr(config, section).enabled:
