@@ -233,6 +233,28 @@ def test_without_an_optimizer_the_gradients_are_measured_and_what_needs_it_is_na
     assert not (tmp_path / "run" / "rank0" / "param.csv").exists()
 
 
+def test_runs_started_in_the_same_second_never_share_a_default_run_dir(tmp_path, monkeypatch, caplog):
+    """Independent processes started together (pytorch/examples' mnist_hogwild workers, a sweep) got the same
+    timestamp as run name and appended to one run, their rows mixed. The default name is now claimed: the second
+    run of the same second is ``{stamp}-1``. The same second is made certain here by fixing the clock's name."""
+    monkeypatch.setattr("trainmon.runtime.setup.default_run_name", lambda: "20261129-000000")
+    runs = []
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        for seed in range(2):
+            torch.manual_seed(seed)
+            model = TinyNet()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            monitor = TrainerMonitor({"output_dir": str(tmp_path), "sinks": ["csv"]})
+            monitor.attach(model, optimizer)
+            _train(model, optimizer, monitor, 2)
+            runs.append(monitor.run_dir)
+            monitor.close()
+    assert [run.name for run in runs] == ["20261129-000000", "20261129-000000-1"]
+    assert "already holds a run" not in caplog.text
+    for run in runs:
+        assert list(read_family(run / "rank0", "scalars").query("name == 'loss'")["step"]) == [0, 1]
+
+
 def test_unwritable_output_dir_warns_once_and_training_completes(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

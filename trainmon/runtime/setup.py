@@ -97,12 +97,18 @@ def guard_steps(session: Session, config: MonitorConfig) -> None:
 def make_dirs(session: Session, config: MonitorConfig) -> tuple[Path, Path | None]:
     """The run directory and this rank's (None when the rank writes nothing or cannot write there: warned);
     the directories made are kept in ``session.created_dirs`` for a failed attach to remove."""
-    run_name = config.run_name or shared_run_name(session.attachment.world_size)
-    run_dir = Path(config.output_dir) / run_name
+    output_dir = Path(config.output_dir)
+    claimed: list[Path] = []
+    if config.run_name:
+        run_name = config.run_name
+    else:
+        run_name, claimed = shared_run_name(session.attachment.world_size, session.attachment.rank, output_dir)
+    run_dir = output_dir / run_name
     if not session.writes:
+        session.created_dirs = claimed
         return run_dir, None
     rank_dir = run_dir / f"rank{session.attachment.rank}"
-    session.created_dirs = missing_dirs(rank_dir, Path(config.output_dir))
+    session.created_dirs = missing_dirs(rank_dir, output_dir) + claimed  # the run's folder, when claimed here
     try:
         rank_dir.mkdir(parents=True, exist_ok=True)  # here, so an unwritable place is known at attach
     except OSError as exc:
@@ -194,16 +200,46 @@ def specs_of(metrics: dict[str, list[str]], eps: float) -> dict[str, StatsSpec]:
     return {family: StatsSpec.from_metrics(names, eps) for family, names in metrics.items()}
 
 
-def shared_run_name(world_size: int) -> str:
-    """Rank 0's timestamp, broadcast so every rank writes into the same run directory."""
-    name = default_run_name()
+def claim_run_name(output_dir: Path) -> tuple[str, list[Path]]:
+    """A default run name no other run has: the UTC timestamp, or the timestamp and ``-1``, ``-2``, ... when a run
+    of that second exists (independent processes started together: hogwild workers, a sweep, test workers; they
+    would otherwise append to one run). The folder is made here, exclusively, so two processes never get the same
+    one; returns the name and the folders made (deepest first, for a failed attach to remove). Where the folder
+    cannot be made (an unwritable place, warned later) the timestamp is returned and nothing is made.
+
+    Example:
+        >>> import tempfile
+        >>> top = Path(tempfile.mkdtemp())
+        >>> first, second = claim_run_name(top)[0], claim_run_name(top)[0]
+        >>> second.startswith(first) and second != first
+        True
+    """
+    stamp = default_run_name()
+    for index in range(10_000):
+        name = stamp if index == 0 else f"{stamp}-{index}"
+        made = missing_dirs(output_dir / name, output_dir)
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / name).mkdir()
+        except FileExistsError:
+            continue
+        except OSError:
+            return stamp, []
+        return name, made
+    return stamp, []
+
+
+def shared_run_name(world_size: int, rank: int, output_dir: Path) -> tuple[str, list[Path]]:
+    """Rank 0's claimed run name (:func:`claim_run_name`), broadcast so every rank writes into the same run
+    directory; and the folders this rank made."""
+    name, made = claim_run_name(output_dir) if rank == 0 or world_size == 1 else (default_run_name(), [])
     if world_size > 1:
         import torch.distributed as dist
 
         holder = [name]
         dist.broadcast_object_list(holder, src=0)
         name = holder[0]
-    return name
+    return name, made
 
 
 def versions(framework: str) -> dict[str, str]:
