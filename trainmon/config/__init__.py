@@ -487,7 +487,8 @@ class MonitorConfig:
     output_dir: str = "./trainmon_output"
     """Directory that receives ``{run_name}/``."""
     run_name: str | None = setting(None, check=_directory_name)
-    """Run directory name; default a UTC timestamp (shared by all ranks)."""
+    """Run directory name; default a UTC timestamp (shared by all ranks; ``-1``, ``-2``, ... added when a run of
+    that second exists: independent processes never share a default run). A name given here appends to its run."""
     sinks: list[str] = setting(["parquet", "tensorboard"], choices=SINKS, unique=True)
     """Outputs: parquet (the run store: docs/store.md), tensorboard (what it writes: ``tensorboard``), csv."""
     ranks: list[int] | None = setting(None, minimum=0, unique=True, check=_some_rank)
