@@ -12,10 +12,12 @@ import json
 
 import numpy as np
 import pandas as pd
+import pytest
 import torch
 from torch import nn
 
 from trainmon import TrainerMonitor
+from trainmon.tools.cli import main as cli_main
 
 SEQ, D = 6, 8
 
@@ -32,11 +34,13 @@ class CausalLM(nn.Module):
         return self.head(self.encoder(self.embed(tokens), mask=mask))
 
 
-def _run(tmp_path, name: str, poison_step: int | None) -> tuple[list[dict], pd.DataFrame, torch.Tensor]:
+def _run(tmp_path, name: str, poison_step: int | None,
+         sinks: tuple[str, ...] = ("csv",)) -> tuple[list[dict], pd.DataFrame, torch.Tensor]:
     torch.manual_seed(0)
     model = CausalLM()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": name, "sinks": ["csv"], "step_interval": 1,
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": name, "sinks": list(sinks),
+                              "step_interval": 1,
                               "activations": {"enabled": True, "metrics": ["norm", "min", "max", "nans", "infs"]}})
     monitor.attach(model, optimizer)
     mask = nn.Transformer.generate_square_subsequent_mask(SEQ)
@@ -67,3 +71,28 @@ def test_a_causal_masks_minus_inf_is_no_anomaly_and_a_nan_in_it_is(tmp_path):
     events, _, _ = _run(tmp_path, "poisoned", poison_step=2)
     nonfinite = [e for e in events if e["detector"] == "nonfinite"]
     assert [e["step"] for e in nonfinite][:1] == [2] and "mask" in nonfinite[0]["name"], nonfinite
+
+
+def test_tensorboards_overview_counts_a_nan_in_a_mask_not_its_minus_inf(tmp_path):
+    """The overview's ``actv/nonfinite_tensors`` (the sink's, and ``csv2tb``'s from the CSV rows) agrees."""
+    pytest.importorskip("tensorboard", reason="reading event files back needs tensorboard")
+    sinks = ("csv", "tensorboard")
+    _run(tmp_path, "healthy", poison_step=None, sinks=sinks)
+    assert _overview_nonfinite(tmp_path / "healthy" / "rank0") == {step: 0.0 for step in range(4)}
+    _run(tmp_path, "poisoned", poison_step=2, sinks=sinks)
+    assert _overview_nonfinite(tmp_path / "poisoned" / "rank0")[2] >= 1
+
+    # csv2tb from the CSV rows gives TensorBoard the same overview as the sink did
+    assert cli_main(["csv2tb", str(tmp_path / "healthy"), "-o", str(tmp_path / "tb")]) == 0
+    exported = [path.parent for path in (tmp_path / "tb").rglob("events.out.tfevents.*")]
+    counts = [_overview_nonfinite(path) for path in exported]
+    assert {step: 0.0 for step in range(4)} in counts and all(set(c.values()) <= {0.0} for c in counts), counts
+
+
+def _overview_nonfinite(log_dir) -> dict[int, float]:
+    """The overview's ``actv/nonfinite_tensors`` per step, as TensorBoard reads it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0}).Reload()
+    tags = [tag for tag in events.Tags()["scalars"] if tag.endswith("actv/nonfinite_tensors")]
+    return {event.step: event.value for tag in tags for event in events.Scalars(tag)}

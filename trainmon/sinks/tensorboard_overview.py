@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from trainmon.base.precursors import PRECURSOR_METRICS
-from trainmon.base.records import FAMILIES, FEATURE_METRICS, METRICS, ROW_METRICS, Row
+from trainmon.base.records import FAMILIES, FEATURE_METRICS, METRICS, ROW_METRICS, Row, RowKey, is_additive_mask
 from trainmon.base.targets import compile_pattern
 
 OVERVIEW_STATS: dict[str, tuple[str, ...]] = {
@@ -183,6 +183,18 @@ class _Family:
     """``(name, vpp_stage, micro_step) -> index``, by first appearance."""
     written: int = 0
     last_step: int = -1
+    masks: list[bool] = field(default_factory=list)
+    """Per index: whether the tensor is an attention mask (:func:`~trainmon.base.records.is_additive_mask`)."""
+
+    def mask_flags(self, family: str, index: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_] | None:
+        """Whether each row (by its table index) is an attention mask, whose -inf are not non-finite values; None
+        when the family has none."""
+        if len(self.masks) < len(self.labels):
+            new = list(self.labels)[len(self.masks):]
+            self.masks += [is_additive_mask(RowKey(family, name)) for name, _, _ in new]
+        if not any(self.masks):
+            return None
+        return np.asarray(self.masks, bool)[index]
 
 
 def _label(name: str, vpp: int, micro: int) -> str:
@@ -316,7 +328,8 @@ class Overview:
                    steps: npt.NDArray[np.int64]) -> list[Block]:
         chosen = [m for m in metrics if self.selection.metric(m)]
         columns = {metric: values[:, j] for j, metric in enumerate(metrics)}
-        series = summarise({m: columns[m] for m in chosen}, starts, index, nonfinite_of=columns)
+        series = summarise({m: columns[m] for m in chosen}, starts, index, nonfinite_of=columns,
+                           masks=state.mask_flags(family, index))
         tags = {name: f"{family}/{name}" for name in series}
         # size of the table after each step: 1 + the largest index seen so far
         sizes = np.maximum.accumulate(np.maximum.reduceat(index, starts)) + 1 if "norm_argmax" in series else None
@@ -338,7 +351,8 @@ class Overview:
 
 def summarise(columns: dict[str, npt.NDArray[np.float64]], starts: npt.NDArray[np.int64],
               index: npt.NDArray[np.int64] | None = None,
-              nonfinite_of: dict[str, npt.NDArray[np.float64]] | None = None) -> dict[str, npt.NDArray[np.float64]]:
+              nonfinite_of: dict[str, npt.NDArray[np.float64]] | None = None,
+              masks: npt.NDArray[np.bool_] | None = None) -> dict[str, npt.NDArray[np.float64]]:
     """The summaries of :data:`OVERVIEW_STATS` per group of rows (group i: rows ``starts[i]:starts[i + 1]``).
 
     Args:
@@ -346,6 +360,8 @@ def summarise(columns: dict[str, npt.NDArray[np.float64]], starts: npt.NDArray[n
         starts: the first row of each group (increasing, from 0; no group empty).
         index: the table index of each row (``norm_argmax`` gives the index of its group's ``norm_max`` row).
         nonfinite_of: the columns ``nonfinite_tensors`` is counted from (default ``columns``).
+        masks: whether each row is an attention mask: its -inf (an infinite norm, ``infs``) are its values, and it
+            counts as non-finite only with a NaN (a NaN norm, ``nans``) or a +inf ``max``, as the rows' own flags.
 
     Returns:
         ``{metric}_{stat}`` (and ``nonfinite_tensors``) -> one value per group.
@@ -386,6 +402,15 @@ def summarise(columns: dict[str, npt.NDArray[np.float64]], starts: npt.NDArray[n
             for metric in ("nans", "infs"):
                 if metric in source:
                     flags |= source[metric] > 0
+            if masks is not None and masks.any():  # a mask's -inf: only NaN or +inf count
+                own = np.zeros(count, bool)
+                if "norm" in source:
+                    own |= np.isnan(source["norm"])
+                if "nans" in source:
+                    own |= source["nans"] > 0
+                if "max" in source:
+                    own |= source["max"] == np.inf
+                flags = np.where(masks, own, flags)
             out[NONFINITE] = np.add.reduceat(flags.astype(np.float64), starts)
     return out
 
