@@ -138,3 +138,35 @@ def test_a_failure_of_trainmon_inside_lightning_never_reaches_fit(tmp_path, monk
         assert torch.equal(got[name], param), name
     warnings = [r.getMessage() for r in caplog.records if "is off for the rest of this run" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].startswith(f"trainmon: {part} failed"), warnings
+
+
+class _TwoOptimizers(_Module):
+    """A GAN-shaped module: two optimizers, manual optimisation."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+        self.other = MLP()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for opt, net in zip(self.optimizers(), (self.net, self.other)):
+            loss = torch.nn.functional.mse_loss(net(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net.parameters(), lr=1e-2), torch.optim.SGD(self.other.parameters(), lr=1e-2)]
+
+
+def test_several_optimizers_are_warned_about_once(tmp_path, caplog):
+    """The monitor follows the first optimizer (docs/lightning.md): a module with two says so when the fit starts."""
+    torch.manual_seed(0)
+    config = {"output_dir": str(tmp_path / "tm"), "run_name": "run", "sinks": ["csv"]}
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", devices=1, callbacks=[TrainmonCallback(config)])
+    with caplog.at_level("WARNING", logger="trainmon"):
+        trainer.fit(_TwoOptimizers(), _loader(4, 0))
+    warned = [r.getMessage() for r in caplog.records if "has 2 optimizers" in r.getMessage()]
+    assert len(warned) == 1, caplog.text

@@ -131,6 +131,10 @@ class TrainmonCallback(Callback):
 
     def _attach(self, trainer: Any, pl_module: Any) -> None:
         optimizers = list(trainer.optimizers)
+        if len(optimizers) > 1:
+            logger.warning("trainmon: this LightningModule has %d optimizers (a GAN?); the monitor follows the first "
+                           "one: its steps, its optimizer states and its parameters' gradients are the monitor's, the "
+                           "others' are not (docs/lightning.md)", len(optimizers))
         options: dict[str, Any] = {"grad_acc_steps": max(1, int(trainer.accumulate_grad_batches)),
                                    "start_step": int(trainer.global_step)}
         scaler = getattr(getattr(trainer.strategy, "precision_plugin", None), "scaler", None)
