@@ -44,11 +44,14 @@ class HookDict(OrderedDict[int, Any]):
         >>> theirs = module.register_forward_hook(print)
         >>> list(pickle.loads(pickle.dumps(module))._forward_hooks.values()) == [print]
         True
+        >>> type(module._forward_hooks)() == {}      # as code copying a module's dicts makes one: a plain dict
+        True
     """
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any = None) -> None:
         super().__init__()
-        self._module = weakref.ref(module)
+        # None (``type(hooks)()``, as code that copies a module's dicts writes it): keeps every entry, as a plain dict
+        self._module = weakref.ref(module) if module is not None else lambda: None
 
     def copy(self) -> HookDict:
         """A copy in the module (``OrderedDict.copy`` would call the constructor with the items)."""
@@ -59,7 +62,7 @@ class HookDict(OrderedDict[int, Any]):
 
     def _theirs(self) -> Iterator[tuple[int, Any]]:
         module = self._module()
-        ours = set() if module is None else {key for name in _HOOKS for key, hook in
+        ours: set[int] = set() if module is None else {key for name in _HOOKS for key, hook in
                                               getattr(module, name, {}).items() if isinstance(hook, GuardedHook)}
         return ((key, value) for key, value in self.items() if key not in ours)
 
