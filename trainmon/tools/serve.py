@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -357,6 +358,10 @@ def _columns(text: str) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    # Ctrl-C (SIGINT) stops the server however it was started: a process started in the background of a script
+    # inherits SIGINT ignored, and then Python raises no KeyboardInterrupt
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     views = open_views(Path(args.run_dir), args.max_columns, selected_detectors(args.detectors))
     try:
         try:
