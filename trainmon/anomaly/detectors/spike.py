@@ -62,6 +62,28 @@ class SeriesSelector:
         return self.pattern.matches(name)
 
 
+class SeriesSelection:
+    """What a detector's ``series`` select: the metrics of each row or scalar, cached by ``(family, name)``.
+
+    Example:
+        >>> SeriesSelection(["grad_reduced/*/norm", "loss"]).metrics_for("grad_reduced", "fc.weight")
+        ['norm']
+    """
+
+    def __init__(self, series: list[str]) -> None:
+        self.selectors = [SeriesSelector(text, f"series[{i}]") for i, text in enumerate(series)]
+        self._wanted: dict[tuple[str, str], list[str]] = {}  # (family, name) -> metrics (cache)
+
+    def metrics_for(self, family: str, name: str) -> list[str]:
+        """The metrics of a row (``family`` ``""``: a scalar) that the series select."""
+        cached = self._wanted.get((family, name))
+        if cached is None:
+            cached = sorted({s.metric for s in self.selectors
+                             if (s.family == family if family else s.family is None) and s.matches(name)})
+            self._wanted[(family, name)] = cached
+        return cached
+
+
 def check_series(series: list[str], path: str) -> None:
     """The ``series`` rule: at least one, each a valid selector (:class:`SeriesSelector`)."""
     if not series:
@@ -150,7 +172,7 @@ class SpikeDetector(Detector[SpikeConfig]):
 
     def __init__(self, config: SpikeConfig) -> None:
         super().__init__(config)
-        self.selectors = [SeriesSelector(text, f"series[{i}]") for i, text in enumerate(config.series)]
+        self._metrics_for = SeriesSelection(config.series).metrics_for
         self.threshold = config.threshold if config.threshold is not None else _DEFAULT_THRESHOLD[config.method]
         self.warmup = config.warmup if config.warmup is not None else _DEFAULT_WARMUP[config.method]
         self.warmup = max(self.warmup, 1)  # a baseline needs at least one earlier value
@@ -163,16 +185,6 @@ class SpikeDetector(Detector[SpikeConfig]):
                               # the young phase is never less strict than the rest of the run
                               early_relative_change=max(LogRules.early_relative_change, self.min_relative_change))
         self.series: dict[tuple[str, str, str, int, int], _Series | LogLevelSeries] = {}
-        self._wanted: dict[tuple[str, str], list[str]] = {}  # (family, name) -> metrics (cache)
-
-    # ----------------------------------------------------------------- selection
-    def _metrics_for(self, family: str, name: str) -> list[str]:
-        cached = self._wanted.get((family, name))
-        if cached is None:
-            cached = sorted({s.metric for s in self.selectors
-                             if (s.family == family if family else s.family is None) and s.matches(name)})
-            self._wanted[(family, name)] = cached
-        return cached
 
     # ----------------------------------------------------------------- scoring
     def _check(self, state: _Series, value: float) -> tuple[bool, float, float]:

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from trainmon.anomaly.detectors.spike import SeriesSelector
+from trainmon.anomaly.detectors.spike import SeriesSelection
 from trainmon.anomaly.ordering import describe
 from trainmon.base.records import Row, StepRecord
 
@@ -29,7 +29,7 @@ class Observed:
     row: Row | None
 
 
-class SeriesWatch:
+class SeriesWatch(SeriesSelection):
     """The selected finite values of each step (non-finite values are left to ``nonfinite``).
 
     Args:
@@ -40,19 +40,6 @@ class SeriesWatch:
         >>> [(o.key, o.value) for o in watch.values(StepRecord(0, 0, scalars={"grad_norm": 2.0, "loss": 1.0}))]
         [(('', 'grad_norm', 'value', 0, 0), 2.0)]
     """
-
-    def __init__(self, series: list[str]) -> None:
-        self.selectors = [SeriesSelector(text, f"series[{i}]") for i, text in enumerate(series)]
-        self._wanted: dict[tuple[str, str], list[str]] = {}  # (family, name) -> metrics (cache)
-
-    def metrics_for(self, family: str, name: str) -> list[str]:
-        """The metrics of a row (``family`` ``""``: a scalar) that the series select."""
-        cached = self._wanted.get((family, name))
-        if cached is None:
-            cached = sorted({s.metric for s in self.selectors
-                             if (s.family == family if family else s.family is None) and s.matches(name)})
-            self._wanted[(family, name)] = cached
-        return cached
 
     def values(self, record: StepRecord) -> Iterator[Observed]:
         """The step's selected finite values: rows in record order, then scalars."""
