@@ -93,16 +93,25 @@ class RunSpec:
 
 
 def plan(healthy_runs: int, healthy_steps: int, fault_seeds: int, fault_onset: int = 500,
-         fault_steps: int = 450) -> list[RunSpec]:
+         fault_steps: int = 450, first_seed: int = 0) -> list[RunSpec]:
     """The runs of one benchmark: healthy runs cycling through the variants, then each fault with each seed
-    (onsets staggered by 25 steps so that the faults do not all start at one step of one schedule)."""
-    runs = [RunSpec(f"healthy-{HEALTHY_VARIANTS[i % len(HEALTHY_VARIANTS)]}-s{i}", "healthy", i, healthy_steps,
+    (onsets staggered by 25 steps so that the faults do not all start at one step of one schedule).
+    ``first_seed`` shifts every seed (healthy ``first_seed + i``, faults ``first_seed + 100 + i``): the held-out
+    runs, whose data, initialisation and batches no threshold was chosen on.
+
+    Example:
+        >>> [s.name for s in plan(2, 10, 1, first_seed=1000)][:3]
+        ['healthy-base-s1000', 'healthy-lr_1e-2-s1001', 'lr_ramp-s1100']
+    """
+    runs = [RunSpec(f"healthy-{HEALTHY_VARIANTS[i % len(HEALTHY_VARIANTS)]}-s{first_seed + i}", "healthy",
+                    first_seed + i, healthy_steps,
                     fault_onset if HEALTHY_VARIANTS[i % len(HEALTHY_VARIANTS)] == "qk_norm_high_lr" else None,
                     HEALTHY_VARIANTS[i % len(HEALTHY_VARIANTS)]) for i in range(healthy_runs)]
     for fault in FAULTS:
         for seed in range(fault_seeds):
             onset = fault_onset + 25 * (seed % 4)
-            runs.append(RunSpec(f"{fault}-s{100 + seed}", fault, 100 + seed, onset + fault_steps, onset))
+            runs.append(RunSpec(f"{fault}-s{first_seed + 100 + seed}", fault, first_seed + 100 + seed,
+                                onset + fault_steps, onset))
     return runs
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/precursors.py [--quick] [--workers 2] [--markdown] [--json-dir DIR] [--replace]
                                     [--store-dir DIR] [--monitor-config JSON] [--window 100] [--budget 1.0]
+                                    [--first-seed 1000]
     python benchmarks/precursors.py --from-json benchmarks/data/precursors [--markdown] [--compact] [--window N]
 
 Trains small GPTs on the CPU with trainmon attached (``benchmarks/precursor_runs.py``: healthy runs and four faults
@@ -523,14 +524,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--store-dir", type=Path, default=None, help="keep the runs' stores here")
     parser.add_argument("--monitor-config", type=str, default=None,
                         help="JSON merged into each run's trainmon config (e.g. to turn on more families)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="shift every run's seed (held-out runs: --first-seed 1000; default 0, the tuning runs)")
     parser.add_argument("--window", type=int, default=LEAD_WINDOW)
     parser.add_argument("--budget", type=float, default=FA_BUDGET)
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--compact", action="store_true",
                         help="leave out the per-layer detectors that never warn or never get within the budget")
     args = parser.parse_args(argv)
-    if args.workers < 1 or args.window < 0 or args.budget < 0:
-        parser.error("--workers must be >= 1, --window and --budget >= 0")
+    if args.workers < 1 or args.window < 0 or args.budget < 0 or args.first_seed < 0:
+        parser.error("--workers must be >= 1, --window, --budget and --first-seed >= 0")
     if args.from_json is not None:
         try:
             runs = load(args.from_json)
@@ -548,7 +551,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--monitor-config must be a JSON object")
     from benchmarks.precursor_runs import plan
 
-    specs = plan(4, 700, 1) if args.quick else plan(8, 2500, 4)
+    sizes = (4, 700, 1) if args.quick else (8, 2500, 4)
+    specs = plan(*sizes, first_seed=args.first_seed)
     temporary = tempfile.mkdtemp(prefix="precursors-")
     json_dir = args.json_dir or (Path(temporary) / "json" if args.quick else JSON_DIR)
     json_dir.mkdir(parents=True, exist_ok=True)
