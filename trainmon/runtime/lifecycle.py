@@ -131,6 +131,7 @@ class StepLifecycle:
         guarded = self.guarded
         for root in roots:
             if isinstance(root, torch.nn.Module):
+                self.ctx.training_forward_open = False  # until a training forward of the root begins
                 self.registry.add(_ROOTS, root.register_forward_pre_hook(guarded(self._forward_pre)))
                 self.registry.add(_ROOTS, root.register_forward_hook(guarded(self._forward_ok)))
                 self.registry.add(_ROOTS, root.register_forward_hook(guarded(self._forward_done), always_call=True))
@@ -147,6 +148,7 @@ class StepLifecycle:
         """
         self.registry.remove(_ROOTS)
         self.drive_by_trainer = True
+        self.ctx.training_forward_open = True  # the root's forwards are not followed
         if self.optimizer is not None:
             self.hook_optimizer(self.optimizer)
 
@@ -245,6 +247,7 @@ class StepLifecycle:
         ctx.forwards += 1
         ctx.micro_step = self.forwards.get(id(module), 0)
         self._frames.append(_Frame(root=id(module), mark=len(ctx.buffer.keys), micro=ctx.micro_step))
+        ctx.training_forward_open = True
 
     def _forward_ok(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._frames:
@@ -254,6 +257,7 @@ class StepLifecycle:
         if not self._frames:
             return
         frame = self._frames.pop()
+        self.ctx.training_forward_open = any(open_frame.root != -1 for open_frame in self._frames)
         if frame.root == -1:
             if self._suspended:
                 self.ctx.collecting = self._suspended.pop()
