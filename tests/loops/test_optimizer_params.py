@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.loops.common import assert_rows_match, config, rows
+from tests.loops.common import assert_rows_match, config, global_norm, rows, scalars
 from tests.reference import METRICS
 from trainmon import TrainerMonitor
 
@@ -155,3 +155,47 @@ def test_a_parameter_unfrozen_later_has_its_rows_again(tmp_path):
             assert_rows_match(rows(tmp_path, family), step, used[step])
         assert_rows_match(rows(tmp_path, "param"), step, params[step])
 
+
+
+@pytest.mark.parametrize("interval", [1, 2], ids=["every_step", "change_on_an_uncollected_step"])
+def test_parameters_added_with_add_param_group_have_their_rows(tmp_path, interval):
+    """Progressive unfreezing: the optimizer starts with the head only; at step 3 the backbone is unfrozen and handed
+    to it with ``add_param_group`` (its own lr), a StepLR on both groups. Before, the backbone had no
+    ``grad_unreduced``, ``grad_reduced``, ``param`` or ``exp_avg`` rows (the optimizer's parameters were read once, at
+    attach), while ``grad_norm`` counted it: now every parameter the optimizer steps has its rows, equal to float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model[0].requires_grad_(False)
+    optimizer = torch.optim.AdamW(model[2].parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    cfg = config(tmp_path, step_interval=interval, params={"enabled": True, "metrics": METRICS},
+                 optimizer_states={"enabled": True, "states": ["exp_avg"], "metrics": METRICS})
+    monitor = TrainerMonitor(cfg).attach(model, optimizer)
+    used, params, states, lrs = {}, {}, {}, {}
+    for step in range(6):
+        if step == 3:
+            model[0].requires_grad_(True)
+            optimizer.add_param_group({"params": list(model[0].parameters()), "lr": 1e-3})
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+        nn.functional.mse_loss(model(x), y).backward()
+        used[step] = {n: p.grad.double().numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
+        params[step] = {n: p.detach().double().numpy().copy() for n, p in model.named_parameters() if p.requires_grad}
+        lrs[step] = [group["lr"] for group in optimizer.param_groups]
+        optimizer.step()
+        states[step] = {n: optimizer.state[p]["exp_avg"].double().numpy().copy()
+                        for n, p in model.named_parameters() if p in optimizer.state}
+        optimizer.zero_grad()
+        scheduler.step()
+        monitor.step()
+    monitor.close()
+    assert len(used[2]) == 2 and len(used[3]) == 4
+    values = scalars(tmp_path)
+    for step in range(0, 6, interval):
+        for family in ("grad_unreduced", "grad_reduced"):
+            assert_rows_match(rows(tmp_path, family), step, used[step])
+        assert_rows_match(rows(tmp_path, "param"), step, params[step])
+        assert_rows_match(rows(tmp_path, "exp_avg"), step, states[step])
+        assert values.loc[step, "grad_norm"] == pytest.approx(global_norm(used[step]), rel=1e-5)
+        for i, lr in enumerate(lrs[step]):
+            assert values.loc[step, f"lr/group{i}"] == pytest.approx(lr)

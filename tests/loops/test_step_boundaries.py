@@ -134,6 +134,72 @@ def test_eval_forwards_between_steps_record_nothing(tmp_path, user_steps, eval_m
     assert set(unreduced.micro_step) == {1}
 
 
+class _VAE(torch.nn.Module):
+    """pytorch/examples' VAE (smaller): its evaluation draws samples with ``model.decode(z)``, a method that calls
+    submodules itself, not through the model's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc21, self.fc22 = torch.nn.Linear(16, 12), torch.nn.Linear(12, 4), torch.nn.Linear(12, 4)
+        self.fc3, self.fc4 = torch.nn.Linear(4, 12), torch.nn.Linear(12, 16)
+
+    def decode(self, z):
+        return torch.sigmoid(self.fc4(torch.relu(self.fc3(z))))
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        mu, logvar = self.fc21(h), self.fc22(h)
+        return self.decode(mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)), mu, logvar
+
+
+@pytest.mark.parametrize("user_steps", [True, False], ids=["monitor.step", "no-monitor.step"])
+def test_an_evaluation_calling_submodules_under_no_grad_records_nothing(tmp_path, user_steps):
+    """vae/main.py's test(): after each epoch, ``model.eval()``, then under ``torch.no_grad()`` test forwards and
+    ``sample = model.decode(torch.randn(64, 20))``. Before, decode's fc3 and fc4 calls were recorded into the epoch's
+    last training step as second calls (``fc3.call1.output``, ...) of its micro-step. The truth: the activations the
+    test's own hooks read in the training forwards."""
+    torch.manual_seed(0)
+    model = _VAE()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    monitor = TrainerMonitor(config(tmp_path, activations=ACTIVATIONS)).attach(model, optimizer)
+    seen: list[dict[str, np.ndarray]] = []
+    handles = [getattr(model, name).register_forward_hook(
+        lambda module, args, out, name=name: seen[-1].__setitem__(name, out.detach().double().numpy())
+        if torch.is_grad_enabled() else None) for name in ("fc3", "fc4")]
+    step = 0
+    for _ in range(2):
+        model.train()
+        for _ in range(3):
+            seen.append({})
+            x = torch.rand(8, 16)
+            recon, mu, logvar = model(x)
+            loss = torch.nn.functional.binary_cross_entropy(recon, x, reduction="sum") - 0.5 * torch.sum(
+                1 + logvar - mu.pow(2) - logvar.exp())
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if user_steps:
+                monitor.step(loss=loss)
+            step += 1
+        model.eval()
+        with torch.no_grad():
+            model(torch.rand(8, 16))
+            model.decode(torch.randn(6, 4))
+    monitor.close()
+    for handle in handles:
+        handle.remove()
+    actv = rows(tmp_path, "actv")
+    assert sorted(set(actv.step)) == list(range(step))
+    for at_step, reference in enumerate(seen):
+        at = actv[actv.step == at_step]
+        assert sorted(at.name) == sorted(f"fc{k}.{side}" for k in ("1", "21", "22", "3", "4")
+                                         for side in ("input", "output")), at_step
+        assert set(at.micro_step) == {0}
+        for name, array in reference.items():
+            got = at[at.name == f"{name}.output"]["norm"].iloc[0]
+            assert np.isclose(got, np.linalg.norm(array), rtol=1e-5), (at_step, name)
+
+
 class _Flaky(torch.nn.Module):
     """An MLP whose forward or backward raises when told to (an OOM the user catches and skips)."""
 

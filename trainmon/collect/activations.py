@@ -294,11 +294,16 @@ class ActivationCollector(HookedCollector):
         if tensor.numel():  # no element, no statistics: an empty row would read as NaN
             self.ctx.grouped.record(family, row, tensor, vpp_stage, micro_step)
 
+    def evaluating(self) -> bool:
+        """A forward under ``no_grad`` outside the root's training forwards: an evaluation calling submodules
+        itself (``model.decode(z)``), recorded nowhere, as an evaluation forward of the root."""
+        return not torch.is_grad_enabled() and not self.ctx.training_forward_open
+
     def forward_hook(self, name: str, vpp_stage: int) -> ForwardHook:
         """The hook ``(module, args, kwargs, output)`` that records the ``actv`` rows of module ``name``."""
 
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if not self.ctx.collecting:
+            if not self.ctx.collecting or self.evaluating():
                 return
             call = self.next_call(name, vpp_stage)
             if not in_backward():  # in a backward: activation checkpointing's re-run
@@ -312,7 +317,7 @@ class ActivationCollector(HookedCollector):
         key = (name, vpp_stage)
 
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if not self.ctx.collecting:
+            if not self.ctx.collecting or self.evaluating():
                 return
             call = self.next_call(name, vpp_stage)
             self._open.setdefault(key, []).append(call)
@@ -329,7 +334,7 @@ class ActivationCollector(HookedCollector):
         module_inputs = backward and self.config.inputs and self.grad_hooks == "module"
 
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if not self.ctx.collecting:
+            if not self.ctx.collecting or self.evaluating():
                 return
             calls = self._open.get(key)
             call = calls.pop() if numbered_before and calls else self.next_call(name, vpp_stage)

@@ -137,6 +137,10 @@ class StepContext:
     forwards: int = 0
     """Training root forwards begun so far (each one a pass: a forward that raises and is retried is a new one)."""
     collecting: bool = False
+    training_forward_open: bool = True
+    """Whether a training forward of the root may be in flight: False only while the step model, following the
+    root's forwards, knows that none is; a forward under ``no_grad`` then is an evaluation's (``model.decode(z)``
+    for samples), not activation checkpointing's first pass, and records no rows. [lifecycle]"""
     grad_acc_steps: int = 1
     pp_stage: int = 0
     buffer_factory: Callable[[], Buffer] = StepBuffer

@@ -107,11 +107,11 @@ class TorchOptimizerCollector(HookedCollector):
         self.parts = optimizer_parts(optimizer) if optimizer is not None else []
         """The optimizers holding the states and settings (``[optimizer]`` unless it is a container)."""
         super().__init__(ctx, registry)
-        if optimizer is not None:  # what the optimizer does not hold is not measured (frozen LoRA bases)
-            held = {id(p) for group in param_groups_of(self.parts) for p in group["params"]}
-            params = [item for item in params if id(item[1]) in held]
-        self.params = list(params)
         self.optimizer = optimizer
+        self._targets = list(params)
+        """Every target parameter; the ones the optimizer holds are measured (:meth:`_follow_param_groups`)."""
+        self._held_size = self._group_size()
+        self.params = self._held_targets()  # what the optimizer does not hold is not measured (frozen LoRA bases)
         self.config = config
         self._states = [s for s in config.optimizer_states.states if s in ctx.specs]
         self._precursors = PRECURSORS in ctx.specs
@@ -135,15 +135,41 @@ class TorchOptimizerCollector(HookedCollector):
     pass is read at its end); False where the hooks fire on other tensors (FSDP2's unsharded parameters)."""
 
     def install_hooks(self) -> None:
-        if "grad_unreduced" in self.ctx.specs:
-            for name, param, vpp_stage in self.params:
-                if param.requires_grad:
-                    hook = self.guarded(self._grad_hook(name, vpp_stage))
-                    self.registry.add(_GRADS, post_accumulate_grad_hook(param, hook))
+        self._follow_param_groups()
+        self._hook_grads(self.params)
         if self.optimizer is not None:
             self.registry.add(_OPTIMIZER, self.optimizer.register_step_pre_hook(self.guarded(self._pre_step)))
             if self._states or self._precursors:
                 self.registry.add(_OPTIMIZER, self.optimizer.register_step_post_hook(self.guarded(self._post_step)))
+
+    def _hook_grads(self, params: Sequence[tuple[str, torch.nn.Parameter, int]]) -> None:
+        if "grad_unreduced" in self.ctx.specs:
+            for name, param, vpp_stage in params:
+                if param.requires_grad:
+                    hook = self.guarded(self._grad_hook(name, vpp_stage))
+                    self.registry.add(_GRADS, post_accumulate_grad_hook(param, hook))
+
+    def _group_size(self) -> int:
+        return sum(len(group["params"]) for group in param_groups_of(self.parts))
+
+    def _held_targets(self) -> list[tuple[str, torch.nn.Parameter, int]]:
+        if self.optimizer is None:
+            return list(self._targets)
+        held = {id(p) for group in param_groups_of(self.parts) for p in group["params"]}
+        return [item for item in self._targets if id(item[1]) in held]
+
+    def _follow_param_groups(self) -> None:
+        """The optimizer's parameters changed since (``add_param_group``: a backbone unfrozen and handed to the
+        optimizer mid-run): measure the targets it holds now, from this backward pass on (a few additions per
+        group, once per pass while nothing changes). The new parameters' gradient hooks are added now; in the pass
+        that ends now their gradients are read at its end (:meth:`_measure_missing`)."""
+        if self.optimizer is None or (size := self._group_size()) == self._held_size:
+            return
+        self._held_size = size
+        known = {id(item[1]) for item in self.params}
+        self.params = self._held_targets()
+        if self.armed and self.reads_missing_grads:  # (FSDP2's hooks are on the unsharded parameters: not here)
+            self._hook_grads([item for item in self.params if id(item[1]) not in known])
 
     def before_transfer(self) -> None:
         self._backward_end_rows()
@@ -188,6 +214,8 @@ class TorchOptimizerCollector(HookedCollector):
 
     def _backward_end_rows(self) -> None:
         """End of a backward pass: the noted gradients, then those that got no gradient in this pass."""
+        if self.ctx.collecting:
+            self._follow_param_groups()
         self._measure_pending()
         self._measure_missing()
 

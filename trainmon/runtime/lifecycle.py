@@ -20,7 +20,10 @@ A *monitor step* is one optimizer step. Within it:
   ``GradScaler.update()`` ran (so a step the scaler skipped still ends, and step numbers stay aligned) that is
   called from where the step's first training forward was: the next iteration's. A forward from elsewhere is
   still this iteration's (a GAN's discriminator called again for the generator's loss), and an evaluation
-  forward (no grad, eval mode) ends nothing;
+  forward (no grad, eval mode) ends nothing. A step in which no training forward of the attached module ran (its
+  forward called as ``model.forward(x)``, which runs no module hook, as pytorch/examples' forward-forward layers do)
+  has nothing later to mark the next iteration: it ends at the optimizer's step (at ``GradScaler.update()`` under a
+  scaler), and a ``monitor.step()`` right after that closes the same step;
 - whether the step was **applied**: with a ``GradScaler`` from its ``found_inf`` (scalar
   ``step_skipped``, with ``loss_scale``), otherwise from whether the optimizer's step ran.
 
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from trainmon.collect.activations import named_tensors
 from trainmon.collect.hooks import H, HookRegistry
@@ -88,12 +92,20 @@ class StepLifecycle:
         self.optimizer: Optimizer | None = None
         self.scaler: ScalerHooks | None = None
         self.user_steps = False
+        self.closing = False
+        """The monitor is closing: a step it ends now never reached its optimizer step (not a skipped step)."""
+        self.drive_by_trainer = False
+        """A trainer's callbacks say where micro-steps begin and steps end (:meth:`drive_by_callbacks`)."""
+        self.ended_without_forward = False
+        """The step model just ended a step at its optimizer step because no training forward of the root ran in it
+        (:meth:`_end_without_forward`); a ``monitor.step()`` before anything else closes that same step."""
         self._warned: set[str] = set()
         self.reset()
 
     def reset(self) -> None:
         """The state of a new step."""
         self.forwards: dict[int, int] = {}
+        self.ended_without_forward = False
         self.optimizer_stepped = False
         self.scaler_updated = False
         self.first_site: tuple[tuple[str, int], ...] | None = None
@@ -119,6 +131,7 @@ class StepLifecycle:
         guarded = self.guarded
         for root in roots:
             if isinstance(root, torch.nn.Module):
+                self.ctx.training_forward_open = False  # until a training forward of the root begins
                 self.registry.add(_ROOTS, root.register_forward_pre_hook(guarded(self._forward_pre)))
                 self.registry.add(_ROOTS, root.register_forward_hook(guarded(self._forward_ok)))
                 self.registry.add(_ROOTS, root.register_forward_hook(guarded(self._forward_done), always_call=True))
@@ -134,6 +147,8 @@ class StepLifecycle:
         :meth:`backward_ended`, :meth:`suspend` and :meth:`resume`.
         """
         self.registry.remove(_ROOTS)
+        self.drive_by_trainer = True
+        self.ctx.training_forward_open = True  # the root's forwards are not followed
         if self.optimizer is not None:
             self.hook_optimizer(self.optimizer)
 
@@ -158,6 +173,11 @@ class StepLifecycle:
         self.optimizer = optimizer
         if optimizer is not None and hasattr(optimizer, "register_step_post_hook"):
             self.registry.add(_ROOTS, optimizer.register_step_post_hook(self.guarded(self._optimizer_post)))
+        if isinstance(optimizer, torch.optim.Optimizer) and not self.drive_by_trainer:
+            # torch runs the global post-hooks after every instance's: a step ended there changes the optimizer's
+            # own hooks (collectors arm and disarm) after torch iterated over them, never while it does
+            self.registry.add(_ROOTS, register_optimizer_step_post_hook(
+                self.guarded(self._after_optimizer_step)))
 
     def hook_scaler(self, scaler: GradScaler | None) -> None:
         if scaler is not None and self.scaler is None:
@@ -227,6 +247,7 @@ class StepLifecycle:
         ctx.forwards += 1
         ctx.micro_step = self.forwards.get(id(module), 0)
         self._frames.append(_Frame(root=id(module), mark=len(ctx.buffer.keys), micro=ctx.micro_step))
+        ctx.training_forward_open = True
 
     def _forward_ok(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._frames:
@@ -236,6 +257,7 @@ class StepLifecycle:
         if not self._frames:
             return
         frame = self._frames.pop()
+        self.ctx.training_forward_open = any(open_frame.root != -1 for open_frame in self._frames)
         if frame.root == -1:
             if self._suspended:
                 self.ctx.collecting = self._suspended.pop()
@@ -350,15 +372,30 @@ class StepLifecycle:
     def _optimizer_post(self, *args: Any) -> None:
         self.optimizer_stepped = True
 
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Every torch optimizer's step ends here, after its own post-hooks (the collectors' states are read)."""
+        if optimizer is self.optimizer and self.scaler is None:  # under a scaler, its update() reads the step's verdict
+            self._end_without_forward()
+
     def _scaler_update(self, scale: torch.Tensor | None, skipped: torch.Tensor | None) -> None:
         self.scaler_updated = True
         ctx = self.ctx
-        if not ctx.collecting:
+        if ctx.collecting:
+            if scale is not None:
+                ctx.buffer.add_scalar("loss_scale", scale)
+            if skipped is not None:
+                self.skip_flags.append(skipped)
+        self._end_without_forward()
+
+    def _end_without_forward(self) -> None:
+        """The optimizer stepped (or the scaler decided) in a step where no training forward of the root ran: the
+        root's forward was called as ``model.forward(x)`` (no module hook runs), or ran in eval mode. No later forward
+        will mark the next iteration, so, unless the user calls ``monitor.step()``, the step ends now (else every
+        later iteration would fall into this step)."""
+        if self.user_steps or self.forwards or self.drive_by_trainer:
             return
-        if scale is not None:
-            ctx.buffer.add_scalar("loss_scale", scale)
-        if skipped is not None:
-            self.skip_flags.append(skipped)
+        self._end_step()
+        self.ended_without_forward = True
 
     def step_guarded(self, skipped: torch.Tensor | float) -> None:
         """The step guard decided this step (1: the update is skipped): the step is over, as after the optimizer's
@@ -385,8 +422,10 @@ class StepLifecycle:
             return {"step_skipped": _any_skipped(self.skip_flags)}
         ctx, buffer = self.ctx, self.ctx.buffer
         known = "step_skipped" in buffer.scalar_names or "step_skipped" in buffer.host_scalars
-        if (ctx.collecting and not known and self.optimizer is not None and self.forwards
+        if (ctx.collecting and not known and self.optimizer is not None and self.forwards and not self.closing
                 and hasattr(self.optimizer, "register_step_post_hook")):
+            # (a step ended by close() before its optimizer step - forwards after the last one, a crash - was not
+            # skipped: it never came to its update)
             # nothing (scaler, engine) told us: the step was skipped when the optimizer's step did not run
             return {"step_skipped": 0.0 if self.optimizer_stepped else 1.0}
         return {}

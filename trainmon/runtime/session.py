@@ -245,6 +245,15 @@ class Session:
         lifecycle = self.lifecycle
         lifecycle.user_steps = lifecycle.user_steps or by_user
         ctx = self.ctx
+        if by_user and lifecycle.ended_without_forward and not lifecycle.active and not len(ctx.buffer):
+            # the step model ended this step at its optimizer step (no forward of the model ran in it): this call
+            # closes that same step, whose scalars go to the detectors and the outputs as an uncollected step's
+            lifecycle.ended_without_forward = False
+            if loss is not None:
+                scalars = {"loss": loss if not hasattr(loss, "detach") else loss.detach().float().mean(), **scalars}
+            if scalars and self.writes and self.config.enabled and not guard.off("loss"):
+                guard.run("loss", self.pending.add, ctx.step - 1, scalars)
+            return None
         if by_user and self.attachment.micro_steps_by_user and not lifecycle.optimizer_stepped:
             # DeepSpeed: engine.step() after every micro-batch; only a boundary ends a monitor step.
             if loss is not None and ctx.collecting:
@@ -462,6 +471,7 @@ class Session:
     def close(self) -> None:
         try:
             if self.ctx.collecting and len(self.ctx.buffer) and self.lifecycle.active:
+                self.lifecycle.closing = True
                 self.end_step(None, {}, by_user=False)  # the last step when the user never called step()
             self.finish_in_flight()  # async_results: the last collected step
             self._take_pending(before=math.inf)  # the uncollected steps after it
