@@ -15,41 +15,35 @@ with msprobe's meaning, or warned about once with the reason. The semantics are 
   msprobe's ``anomaly.json``), not tensors; ``AnomalyTurbulence`` watches every monitored row.
 
 msprobe's names (squashed names, target patterns, rows of target specs) live in
-:mod:`trainmon.config.msprobe_names`, the value types it accepts in :mod:`trainmon.config.msprobe_checks`; this module
-reads a config and translates it key by key (and re-exports the names' functions), recording which msprobe key
-each trainmon key comes from (:class:`~trainmon.config.msprobe_checks.MsprobeKeys`) so that later errors name
-msprobe's keys.
+:mod:`trainmon.config.msprobe_names`, the value types it accepts in :mod:`trainmon.config.msprobe_checks`, its
+``targets`` keys become patterns in :mod:`trainmon.config.msprobe_targets`, its ``alert`` an ``anomaly`` section in
+:mod:`trainmon.config.msprobe_alert`, and the keys not honoured are warned about by
+:mod:`trainmon.config.msprobe_notes`. This module reads a config and translates it key by key, recording which
+msprobe key each trainmon key comes from (:class:`~trainmon.config.msprobe_checks.MsprobeKeys`) so that later errors
+name msprobe's keys.
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainmon.base.records import ACTIVATION_KINDS
-from trainmon.base.targets import OPTIONAL
 from trainmon.config.files import parse_json, read_text
-from trainmon.config.msprobe_checks import KNOWN_KEYS, MsprobeKeys, check_types
-from trainmon.config.msprobe_names import TARGET_SPEC, module_pattern, param_pattern
+from trainmon.config.msprobe_alert import translate_alert
+from trainmon.config.msprobe_checks import MsprobeKeys, check_types
+from trainmon.config.msprobe_notes import MsprobeNotes
+from trainmon.config.msprobe_targets import MsprobeTargets
 from trainmon.errors import ConfigError
 
 __all__ = ["DEFAULT_OUTPUT_DIR", "OUTPUT_DIR_VARIABLE", "read_msprobe", "translate_msprobe"]
-
-logger = logging.getLogger("trainmon")
 
 DEFAULT_OUTPUT_DIR = "./monitor_output"
 """msprobe's output folder when ``MONITOR_OUTPUT_DIR`` is not set."""
 OUTPUT_DIR_VARIABLE = "MONITOR_OUTPUT_DIR"
 
 _OPS = ("norm", "min", "max", "mean", "zeros", "nans")
-_FAMILY_OF_SECTION = {"activations": ("actv", "actv_grad"), "weight_grads": ("grad_unreduced", "grad_reduced"),
-                      "optimizer_states": (), "params": ("param",), "communication": ("comm",)}
-_KINDS = tuple(kind for kinds in ACTIVATION_KINDS.values() for kind in kinds)  # msprobe's are trainmon's
-_VPP_KEY = re.compile(r"(\d+):(.*)", re.DOTALL)
-_PARAM_SWITCHES = ("wg_distribution", "mv_distribution", "ur_distribution", "param_distribution", "mg_direction")
 _SAME_KEYS = ("start_step", "step_interval", "collect_times", "eps", "print_struct")
 _KEY_OF_SECTION = {"ranks": "module_ranks", "sinks": "format", "activations": "xy_distribution",
                    "weight_grads": "wg_distribution", "optimizer_states": "mv_distribution",
@@ -92,8 +86,9 @@ def read_msprobe(path: Path, environ: Mapping[str, str] | None = None) -> tuple[
     return translation.run(), translation.keys
 
 
-class _Translation:
-    """One msprobe config on its way to a trainmon dict (see :func:`translate_msprobe`)."""
+class _Translation(MsprobeNotes):
+    """One msprobe config on its way to a trainmon dict (see :func:`translate_msprobe`), warning about each key it
+    cannot honour as msprobe means it (:class:`MsprobeNotes`)."""
 
     def __init__(self, data: dict[str, Any], environ: Mapping[str, str], path: Path) -> None:
         self.data = data
@@ -106,8 +101,8 @@ class _Translation:
             "optimizer_states": {"enabled": False},
             "params": {"enabled": False},
         }
-        self.squash = bool(data.get("squash_name", True))  # msprobe 1.2.1's default (False in 26.x)
-        self.warned: set[tuple[str, str]] = set()
+        super().__init__()
+        self.targets = MsprobeTargets(data, self.keys, self)
 
     def run(self) -> dict[str, Any]:
         data, out = self.data, self.out
@@ -126,8 +121,8 @@ class _Translation:
         self._features()
         self._schedule()
         self._outputs()
-        out["anomaly"] = self._alert(data.get("alert", {}))
-        self._warn_rest()
+        out["anomaly"] = translate_alert(data.get("alert", {}), out, self)
+        self.rest(data)
         return out
 
     # ------------------------------------------------------------------------------- families
@@ -137,14 +132,15 @@ class _Translation:
         xy = bool(data.get("xy_distribution"))
         targets = data.get("targets") or {"": {}}  # msprobe: no targets is the whole model
         all_xy = bool(data.get("all_xy")) or (xy and not data.get("targets"))
-        params = self._params(targets)
+        params = self.targets.params(targets)
         if xy:
-            out["activations"].update(enabled=True, **self._modules(targets, all_xy))
+            out["targets"], root = self.targets.modules(targets, all_xy)
+            out["activations"].update(enabled=True, **root)
         out["targets"] = {**out.get("targets", {}), "params": params}
-        self._key_patterns(targets, by_module=xy and not all_xy and not data.get("print_struct"))
+        self.targets.key_patterns(targets, by_module=xy and not all_xy and not data.get("print_struct"))
         if data.get("forward_only") and data.get("backward_only"):
-            self._differs("forward_only", "forward_only and backward_only together monitor no activation "
-                                          "(msprobe warns too)")
+            self.differs("forward_only", "forward_only and backward_only together monitor no activation "
+                                         "(msprobe warns too)")
         if data.get("forward_only"):
             out["activations"]["backward"] = False
         if data.get("backward_only"):
@@ -157,7 +153,7 @@ class _Translation:
             self.out["weight_grads"]["enabled"] = True
             self.out["weight_grads"]["per_micro_step"] = bool(data.get("monitor_mbs_grad"))
         elif data.get("monitor_mbs_grad"):
-            self._cannot("monitor_mbs_grad", "it only acts with wg_distribution: true (as in msprobe)")
+            self.cannot("monitor_mbs_grad", "it only acts with wg_distribution: true (as in msprobe)")
 
     def _optimizer_states(self) -> None:
         """``mv_distribution`` and ``ur_distribution``."""
@@ -167,10 +163,10 @@ class _Translation:
         if states:
             self.out["optimizer_states"].update(enabled=True, states=states)
         if data.get("ur_distribution"):
-            self._differs("ur_distribution", "trainmon writes statistics of the Adam update m_hat/(sqrt(v_hat)+eps) "
-                                             "(family update) instead of heatmap images; msprobe's 'ratio' heatmap "
-                                             "(m_hat/sqrt(v_hat), the update without eps) has no family of its own "
-                                             "(trainmon's ratio family is update/param)")
+            self.differs("ur_distribution", "trainmon writes statistics of the Adam update m_hat/(sqrt(v_hat)+eps) "
+                                            "(family update) instead of heatmap images; msprobe's 'ratio' heatmap "
+                                            "(m_hat/sqrt(v_hat), the update without eps) has no family of its own "
+                                            "(trainmon's ratio family is update/param)")
 
     def _features(self) -> None:
         """``recording_l2_features``, ``l2_targets`` and ``sa_order``: msprobe 26's L2 features (docs/features.md)."""
@@ -179,118 +175,47 @@ class _Translation:
         if not data.get("recording_l2_features"):
             for key in ("l2_targets", "sa_order"):
                 if data.get(key):
-                    self._cannot(key, "it acts only with recording_l2_features: true (as in msprobe)")
+                    self.cannot(key, "it acts only with recording_l2_features: true (as in msprobe)")
             return
         features: dict[str, Any] = {}
         attention = l2.get("attention_hook") or []  # msprobe: missing or [] collects nothing
         if attention:
             layout = "sbhd" if str(data.get("sa_order", "s,b,h,d")).replace(" ", "") == "s,b,h,d" else "bshd"
-            features["attention"] = {"enabled": True, "modules": self._l2_modules(attention, "attention", ("",)),
+            features["attention"] = {"enabled": True, "modules": self.targets.l2_modules(attention, "attention", ("",)),
                                      "inputs": layout, "causal": True}
-            self._differs("l2_targets.attention_hook", "trainmon scores every head, on query_rows (64) query rows "
-                                                       "spread over the batch, against all keys, and writes "
-                                                       "max_logit (the largest logit) and entropy per head (family "
-                                                       "attn); msprobe scores head 0 of sequence 0 only, the whole "
-                                                       "seq x seq matrix, and writes entropy and softmax_max (the "
-                                                       "mean over rows of the largest softmax probability)")
+            self.differs("l2_targets.attention_hook", "trainmon scores every head, on query_rows (64) query rows "
+                                                      "spread over the batch, against all keys, and writes "
+                                                      "max_logit (the largest logit) and entropy per head (family "
+                                                      "attn); msprobe scores head 0 of sequence 0 only, the whole "
+                                                      "seq x seq matrix, and writes entropy and softmax_max (the "
+                                                      "mean over rows of the largest softmax probability)")
         if "linear_hook" in l2:
-            params = self._l2_modules(l2["linear_hook"], "weights", (".weight", ".wg"))
+            params = self.targets.l2_modules(l2["linear_hook"], "weights", (".weight", ".wg"))
             # msprobe's [] is every module with a 2-D weight (or wg) that is not an embedding
             features["weights"] = {"enabled": True, "params": params or ["re:(^|\\.)(weight|wg)$"],
                                    "embeddings": False}
-            self._differs("l2_targets.linear_hook", "trainmon's stable_rank is ||W||_F^2 / sigma_1^2 (msprobe's sr: "
-                                                    "||W||_F / sigma_1, its square root) and its spectral_norm is "
-                                                    "msprobe's kernel_norm (sigma_1), estimated by power iterations "
-                                                    "continued from one collected step to the next (msprobe: 3 from a "
-                                                    "random start each time); family weight_features")
+            self.differs("l2_targets.linear_hook", "trainmon's stable_rank is ||W||_F^2 / sigma_1^2 (msprobe's sr: "
+                                                   "||W||_F / sigma_1, its square root) and its spectral_norm is "
+                                                   "msprobe's kernel_norm (sigma_1), estimated by power iterations "
+                                                   "continued from one collected step to the next (msprobe: 3 from a "
+                                                   "random start each time); family weight_features")
         if not features:
-            self._cannot("recording_l2_features", "l2_targets names no attention_hook or linear_hook module "
-                                                  "(msprobe collects nothing either)")
+            self.cannot("recording_l2_features", "l2_targets names no attention_hook or linear_hook module "
+                                                 "(msprobe collects nothing either)")
         self.out["features"] = features
-
-    def _l2_modules(self, names: list[str], section: str, suffixes: tuple[str, ...]) -> list[str]:
-        """The patterns of ``l2_targets`` module names (``"{chunk}:"`` prefix, squashed names), each with each of
-        ``suffixes``."""
-        hook = "attention_hook" if section == "attention" else "linear_hook"
-        key = "modules" if section == "attention" else "params"
-        patterns: list[str] = []
-        for name in names:
-            for suffix in suffixes:
-                self.keys.keys[f"features.{section}.{key}[{len(patterns)}]"] = f"l2_targets.{hook}"
-                patterns.append(module_pattern(self._split(name) + suffix, self.squash, name + suffix))
-        return patterns
-
-    # ------------------------------------------------------------------------------- targets
-    def _split(self, key: str) -> str:
-        """``key`` without msprobe's ``"{chunk}:"`` prefix (warned about when the chunk is not 0)."""
-        match = _VPP_KEY.fullmatch(key)
-        if match is None:
-            return key
-        if match.group(1) != "0":
-            self._differs("targets", f"{key!r}: trainmon applies a target to every virtual-pipeline chunk "
-                                     f"(msprobe's {match.group(1)}: prefix limits it to chunk {match.group(1)})")
-        return match.group(2)
-
-    def _modules(self, targets: dict[str, Any], all_xy: bool) -> dict[str, Any]:
-        """The ``activations`` and ``targets.modules`` settings of msprobe's module selection."""
-        for key, spec in targets.items():
-            self._check_specs(key, spec)
-        if all_xy or self.data.get("print_struct"):
-            # msprobe hooks every module of named_modules(), the root ("", rows ".input", ...) first
-            self.out["targets"] = {"modules": [f"{OPTIONAL}*"]}
-            return {"root": True}
-        patterns: list[str] = []
-        for key in targets:
-            name = self._split(key)
-            if name:  # "" is the root module: activations.root
-                self.keys.keys[f"targets.modules[{len(patterns)}]"] = _target_key(key)
-                patterns.append(module_pattern(name, self.squash, key))
-        self.out["targets"] = {"modules": patterns}  # [] when the root is the only module key
-        return {"root": True} if "" in map(self._split, targets) else {}
-
-    def _key_patterns(self, targets: dict[str, Any], by_module: bool) -> None:
-        """What each ``targets`` key selects on its own (:attr:`MsprobeKeys.targets`), to report at ``attach`` the
-        keys that select nothing monitored: modules when they are hooked by key, parameters when a family of
-        theirs is on."""
-        by_param = any(self.data.get(key) for key in _PARAM_SWITCHES)
-        for key in targets if by_module or by_param else ():
-            name = self._split(key)
-            modules = (module_pattern(name, self.squash, key) if name else f"{OPTIONAL}re:^$") if by_module else None
-            params = (f"{OPTIONAL}*" if "0:".startswith(key) else param_pattern(name, self.squash and name != key, key)
-                      ) if by_param else None
-            self.keys.targets[key] = (modules, params)
-
-    def _check_specs(self, key: str, spec: dict[str, Any]) -> None:
-        for kind, value in spec.items():
-            if kind not in _KINDS:
-                self._cannot(f"targets.{key}.{kind}", "msprobe knows input, output, input_grad and output_grad")
-            elif not isinstance(value, str) or TARGET_SPEC.fullmatch(value) is None:
-                self._cannot(f"targets.{key}.{kind}", f"spec {str(value)[:40]!r} is neither 'tensor' nor "
-                                                      "'tuple[n]:i' (msprobe ignores it too)")
-
-    def _params(self, targets: dict[str, Any]) -> list[str]:
-        """msprobe's parameter rule: the name, ``"0:" + name`` or ``"0:" + squashed name`` starts with a key."""
-        patterns: list[str] = []
-        for key in targets:
-            if "0:".startswith(key):  # "", "0" and "0:" are prefixes of every "0:{name}"
-                return ["*"]
-            name = self._split(key)
-            self.keys.keys[f"targets.params[{len(patterns)}]"] = _target_key(key)
-            patterns.append(param_pattern(name, self.squash and name != key, key))
-        return patterns
 
     # ------------------------------------------------------------------------------- other keys
     def _metrics(self, ops: list[str]) -> list[str]:
         known = [op for op in ops if op in _OPS]
         for op in ops:
             if op in ("shape", "dtype"):
-                self._cannot(f"ops: {op!r}", "trainmon records shapes and dtypes once, in module_struct.json "
-                                             "(print_struct: true)")
+                self.cannot(f"ops: {op!r}", "trainmon records shapes and dtypes once, in module_struct.json "
+                                            "(print_struct: true)")
             elif op == "id":
-                self._cannot("ops: 'id'", "it is the value of a 0-d tensor (NaN otherwise); trainmon's "
-                                          "min/max/mean of such a tensor are that value")
+                self.cannot("ops: 'id'", "it is the value of a 0-d tensor (NaN otherwise); trainmon's "
+                                         "min/max/mean of such a tensor are that value")
             elif op not in _OPS:
-                self._cannot(f"ops: {op!r}", f"msprobe's ops are {list(_OPS)}, id, shape, dtype; trainmon adds infs")
+                self.cannot(f"ops: {op!r}", f"msprobe's ops are {list(_OPS)}, id, shape, dtype; trainmon adds infs")
         return list(dict.fromkeys(known)) or ["norm"]  # msprobe: no valid op means norm
 
     def _schedule(self) -> None:
@@ -308,17 +233,17 @@ class _Translation:
         if data.get("module_ranks"):
             self._ranks(data["module_ranks"])
         if data.get("print_struct"):
-            self._differs("print_struct", "trainmon writes module_struct.json and goes on training with the "
-                                          "configured families (msprobe records only the structure and raises "
-                                          "at the first optimizer step)")
+            self.differs("print_struct", "trainmon writes module_struct.json and goes on training with the "
+                                         "configured families (msprobe records only the structure and raises "
+                                         "at the first optimizer step)")
 
     def _ranks(self, ranks: list[int]) -> None:
         """``module_ranks``: msprobe monitors the listed ranks that exist and ignores the others, so a config written
         for a larger job runs on a smaller one (``absent_ranks: skip`` warns about them at ``attach``)."""
         negative = [rank for rank in ranks if rank < 0]
         if negative:
-            self._warn_once("trainmon: msprobe config key %s: %s", "module_ranks",
-                            f"ranks {negative} exist in no job; ignored, as msprobe ignores them")
+            self.warn_once("trainmon: msprobe config key %s: %s", "module_ranks",
+                           f"ranks {negative} exist in no job; ignored, as msprobe ignores them")
         ranks = [rank for rank in dict.fromkeys(ranks) if rank >= 0]
         if not ranks:
             raise ConfigError(str(self.keys.path), "msprobe key module_ranks: lists no rank that can exist "
@@ -336,10 +261,10 @@ class _Translation:
                 self.out["tensorboard"] = {"per_tensor": True}
         elif fmt == "api":
             self.out["sinks"] = []
-            self._differs("format", "'api' writes no file, as in msprobe; read the values from the StepRecord "
-                                    "that monitor.step() returns (msprobe's generate_*_metrics methods do not exist)")
+            self.differs("format", "'api' writes no file, as in msprobe; read the values from the StepRecord "
+                                   "that monitor.step() returns (msprobe's generate_*_metrics methods do not exist)")
         else:
-            self._cannot(f"format: {fmt!r}", "msprobe knows csv, tensorboard and api")
+            self.cannot(f"format: {fmt!r}", "msprobe knows csv, tensorboard and api")
 
     def _communication(self) -> dict[str, Any]:
         section: dict[str, Any] = {}
@@ -349,94 +274,14 @@ class _Translation:
             section["call_sites"] = True
             section["call_site_filter"] = "|".join(_codeline_regex(str(line)) for line in lines)
         if cc.get("cc_log_only"):
-            self._cannot("cc_distribution.cc_log_only", "trainmon does not stop training to print the "
-                                                        "collectives' call stacks; set communication.call_sites "
-                                                        "to see them in the row names")
+            self.cannot("cc_distribution.cc_log_only", "trainmon does not stop training to print the "
+                                                       "collectives' call stacks; set communication.call_sites "
+                                                       "to see them in the row names")
         for key in cc:
             if key not in ("enable", "cc_codeline", "cc_pre_hook", "cc_log_only"):
-                self._cannot(f"cc_distribution.{key}", "msprobe knows enable, cc_codeline, cc_pre_hook, cc_log_only")
+                self.cannot(f"cc_distribution.{key}", "msprobe knows enable, cc_codeline, cc_pre_hook, cc_log_only")
         # cc_pre_hook: trainmon always measures a collective's inputs (msprobe's pre-hook) and outputs.
         return section
-
-    def _alert(self, alert: dict[str, Any]) -> dict[str, Any]:
-        detectors: list[dict[str, Any]] = [{"type": "nonfinite"}]
-        for rule in alert.get("rules") or []:
-            name = rule.get("rule_name")
-            args = rule.get("args") or {}
-            if name == "AnomalyTurbulence" and "threshold" in args:
-                detectors.append({"type": "spike", "method": "relative", "threshold": float(args["threshold"]),
-                                  "series": self._turbulence_series()})
-            elif name == "AnomalyNan":
-                if args.get("threshold") is not None:
-                    self._cannot("alert.rules: AnomalyNan threshold", "trainmon has no |value| > threshold detector; "
-                                                                      "its nonfinite detector reports NaN and Inf")
-            else:
-                self._cannot(f"alert.rules: {str(name)[:40]!r}", "msprobe knows AnomalyTurbulence (with args."
-                                                                 "threshold) and AnomalyNan; msprobe skips it too")
-        if alert.get("inform"):
-            self._cannot("alert.inform", "trainmon sends no database or e-mail message; register a function with "
-                                         "monitor.on_anomaly and the callback action")
-        actions = ["log", "jsonl"] if alert.get("dump") else ["log"]
-        return {"detectors": detectors, "actions": actions}
-
-    def _turbulence_series(self) -> list[str]:
-        """msprobe 1.2.1 scans every value it writes (each row and each op) with AnomalyTurbulence."""
-        out = self.out
-        metrics = out["activations"]["metrics"]
-        families = [family for section, names in _FAMILY_OF_SECTION.items() if out.get(section, {}).get("enabled")
-                    for family in names]
-        if out["activations"].get("enabled") and not out["activations"].get("forward", True):
-            families.remove("actv")
-        if out["activations"].get("enabled") and not out["activations"].get("backward", True):
-            families.remove("actv_grad")
-        if out["optimizer_states"]["enabled"]:  # msprobe draws the update as heatmaps, which it does not scan
-            families += [state for state in out["optimizer_states"]["states"] if state != "update"]
-        series = [f"{family}/*/{metric}" for family in families for metric in metrics]
-        if out.get("grad_probe", {}).get("mg_direction"):
-            series.append("grad_probe/*/mg_direction")
-        return series or ["grad_norm"]
-
-    def _warn_rest(self) -> None:
-        data = self.data
-        dynamic = ("msprobe reads it in dynamic mode (DYNAMIC_MONITOR=true) only; trainmon does not re-read a "
-                   "msprobe file while training: convert it to a trainmon YAML file and set dynamic.watch: true")
-        not_honoured = [
-            ("ndigits", "ndigits" in data, "trainmon writes every value at full precision"),
-            ("step_count_per_record", data.get("step_count_per_record", 1) != 1,
-             "trainmon writes one CSV per family; its step column says which step a row belongs to"),
-            ("append_output", bool(data.get("append_output")), "set run_name to the run to continue: trainmon "
-                                                               "appends to it"),
-            ("switch", "switch" in data, dynamic),
-            ("dynamic_on", "dynamic_on" in data, dynamic),
-            ("mg_distribution", bool(data.get("mg_distribution")), "msprobe itself only checks its type; "
-             "mg_direction is the key that compares gradient and momentum directions"),
-            ("stack_info", bool(data.get("stack_info")), "trainmon records call stacks of the dumped modules only "
-                                                         "(dump.stack)"),
-            *((key, True, "msprobe 1.2.1 and 26.x have no such monitor key") for key in data if key not in KNOWN_KEYS),
-        ]
-        if data.get("squash_name"):
-            self._differs("squash_name", "trainmon writes full module and parameter names; msprobe's squashed "
-                                         "name is the part after the first layers. (docs/msprobe.md); targets "
-                                         "given as squashed names still select the same modules")
-        for key, applies, why in not_honoured:
-            if applies:
-                self._cannot(key, why)
-
-    def _cannot(self, key: str, why: str) -> None:
-        self._warn_once("trainmon: msprobe config key %s is not honoured (%s)", key, why)
-
-    def _differs(self, key: str, why: str) -> None:
-        self._warn_once("trainmon: msprobe config key %s is honoured with a difference: %s", key, why)
-
-    def _warn_once(self, text: str, key: str, why: str) -> None:
-        if (key, why) not in self.warned:
-            self.warned.add((key, why))
-            logger.warning(text, key, why)
-
-
-def _target_key(key: str) -> str:
-    """How messages name a msprobe ``targets`` key."""
-    return f"targets.{key}" if key else 'targets.""'
 
 
 def _codeline_regex(codeline: str) -> str:

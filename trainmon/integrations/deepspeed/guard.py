@@ -22,6 +22,9 @@ ZeRO-0 in fp32 has no wrapper: the engine steps the torch optimizer, and DeepSpe
 verdict is read on the host (one synchronisation per step), a skipped step does not call the optimizer's ``step``,
 and the guard tells the engine through the attribute DeepSpeed's wrappers use, ``optimizer.overflow`` (set for that
 step only), so that the engine handles it as its own skip.
+
+:func:`guard_refusal` says at ``attach`` which set-ups the guard cannot hold back exactly; :func:`guard_factory`
+builds it for an attachment.
 """
 
 from __future__ import annotations
@@ -34,11 +37,16 @@ import torch
 
 from trainmon.collect.step_guard import GradientJudge, verdict_scalars
 from trainmon.collect.step_hooks import StepWrapper
+from trainmon.integrations.deepspeed.groups import partition_group
+from trainmon.integrations.deepspeed.shards import layout_for
 
 if TYPE_CHECKING:
     from trainmon.base.guard import Guard
     from trainmon.base.types import DeepSpeedParameter
+    from trainmon.collect.step_guard import GuardedSteps, GuardFactory
     from trainmon.config import GuardConfig
+    from trainmon.integrations.base import AttachOptions
+    from trainmon.integrations.deepspeed.collect import DeepSpeedShardCollector
     from trainmon.integrations.deepspeed.shards import ShardLayout
 
 PART = "step_guard"
@@ -220,3 +228,55 @@ class DeepSpeedStepGuard:
         if overflow or skip is None:
             return overflow
         return bool(self.guard.run(PART, lambda: skip.item() > 0))  # sync: after DeepSpeed's own in check()
+
+
+def guard_refusal(engine: Any) -> str | None:
+    """Why the step guard cannot hold back this engine's steps exactly, or None when it can.
+
+    Supported: ``DeepSpeedEngine`` (not the pipeline engine) in fp32 or bf16 under ZeRO 0-3 without offload, with
+    DeepSpeed's ZeRO 1/2, ZeRO-3, BF16 or unfused ZeRO-0 bf16 optimizer, or a torch optimizer under ZeRO-0 fp32.
+    """
+    from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if not isinstance(engine, DeepSpeedEngine):
+        return None  # attach() says what it needs
+    if isinstance(engine, PipelineEngine):
+        return "DeepSpeed's PipelineEngine (train_batch) is not supported by the step guard yet"
+    if engine.fp16_enabled():
+        return ("fp16 is not supported: DeepSpeed's overflow skip also lowers its dynamic loss scale, so a step the "
+                "guard skips would change the run's later loss scales (use bf16)")
+    if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
+        return "torch autocast with DeepSpeed's GradScaler is not supported (a GradScaler skips its own steps)"
+    optimizer = engine.optimizer
+    if optimizer is None:
+        return "the engine has no optimizer"
+    kind = optimizer_kind(optimizer)
+    if kind is None:
+        return (f"DeepSpeed's optimizer wrapper {type(optimizer).__name__} is not supported (supported: ZeRO 1/2 and "
+                "3, the BF16 optimizer, ZeRO-0 bf16's unfused wrapper, a torch optimizer under ZeRO-0 fp32)")
+    if kind == "zero" and optimizer.cpu_offload or kind == "zero3" and (
+            optimizer.offload_optimizer or getattr(optimizer, "offload_param", False)):
+        return "ZeRO-Offload is not supported (DeepSpeed checks offloaded gradients for overflow during backward)"
+    if kind == "zero" and not optimizer.compute_grad_norm:
+        return "zero_optimization.compute_grad_norm: false is not supported (DeepSpeed then checks no norm)"
+    if kind == "zero" and optimizer.dtype == torch.bfloat16 and not optimizer.check_grad_overflow:
+        return ("bf16.check_grad_overflow: false is not supported: DeepSpeed then applies a step whatever its norm, "
+                "so it has no skip to take")
+    return None
+
+
+def guard_factory(engine: Any, params: list[tuple[str, DeepSpeedParameter, int]], options: AttachOptions,
+                  collector: DeepSpeedShardCollector | None) -> GuardFactory:
+    """Builds the step guard on ``engine`` (``anomaly.guard``): every trainable parameter, judged from this rank's
+    shards of the reduced gradients (summed over the group they are spread over)."""
+
+    def build(settings: GuardConfig, guard: Guard, on_decided: Callable[[torch.Tensor | float], None]
+              ) -> GuardedSteps:
+        trainable = [item for item in params if item[1].requires_grad]
+        layout = layout_for(engine, [param for _, param, _ in trainable])
+        group = None if layout.replicated else partition_group(engine, trainable, options)
+        return DeepSpeedStepGuard(settings, engine, layout, [(name, param) for name, param, _ in trainable], guard,
+                                  on_decided, group, None if collector is None else collector.record_guard_norm)
+
+    return build

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from trainmon.actions.frameworks import TorchFramework
-from trainmon.integrations.megatron import unwrap
+from trainmon.integrations.megatron.chunks import unwrap
 from trainmon.integrations.megatron.collect import unreduced_grad
 
 

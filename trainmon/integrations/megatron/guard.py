@@ -18,7 +18,8 @@ in ``clip_grad_norm`` already). On a skip ``prepare_grads`` returns True without
 the optimizer changes (main parameters, states, step counts) and ``step()`` returns ``update_successful`` False.
 
 :class:`~trainmon.integrations.megatron.rerun.RerunValidation` feeds the same judgement to Megatron's rerun state
-machine from inside the forward-backward loop (:meth:`MegatronStepGuard.peek`).
+machine from inside the forward-backward loop (:meth:`MegatronStepGuard.peek`). :func:`guard_refusal` says at
+``attach`` which set-ups the guard cannot hold back exactly; :func:`guard_factory` builds it for an attachment.
 """
 
 from __future__ import annotations
@@ -30,12 +31,16 @@ import torch
 
 from trainmon.collect.step_guard import GradientJudge, verdict_scalars
 from trainmon.collect.step_hooks import StepWrapper, installed_wrapper
+from trainmon.errors import UnsupportedSetupError
+from trainmon.integrations.megatron.groups import probe_group
+from trainmon.integrations.megatron.optimizer import leaf_optimizers, main_params
 
 if TYPE_CHECKING:
     from trainmon.base.guard import Guard
     from trainmon.base.types import MegatronParameter
+    from trainmon.collect.step_guard import GuardedSteps, GuardFactory
     from trainmon.config import GuardConfig
-    from trainmon.integrations.megatron.collect import MainParam
+    from trainmon.integrations.megatron.collect import GroupLayout, MainParam
 
 PART = "step_guard"
 
@@ -126,3 +131,56 @@ class MegatronStepGuard:
         values: list[float] = verdict.tolist()  # sync: the one host read of the step (prepare_grads returns a bool)
         self.verdict = values
         return values[0] > 0
+
+
+def guard_refusal(model: Any, optimizer: Any) -> str | None:
+    """Why the step guard cannot hold back this Megatron-Core set-up's steps exactly, or None when it can.
+
+    Supported: one model chunk (no pipeline parallelism), tensor and data parallelism (also the distributed
+    optimizer), fp32 and bf16 without a loss scaler; or a plain torch optimizer over chunks without Megatron's DDP
+    (the torch guard then).
+    """
+    from megatron.core import parallel_state as ps
+
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if optimizer is None:
+        return "the step guard needs the optimizer: pass it to attach(chunks, optimizer)"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if any(hasattr(p, "main_grad") for chunk in chunks for p in chunk.parameters()):
+            return ("a torch optimizer over Megatron DDP chunks steps param.grad while the gradients live in "
+                    "param.main_grad: pass the Megatron optimizer (get_megatron_optimizer)")
+        return None
+    if len(chunks) > 1 or ps.model_parallel_is_initialized() and (
+            ps.get_pipeline_model_parallel_world_size() > 1):
+        return "pipeline parallelism is not supported by the step guard yet"
+    if ps.model_parallel_is_initialized() and ps.get_expert_model_parallel_world_size() > 1:
+        return "expert parallelism is not supported by the step guard yet"
+    try:
+        main_params(optimizer)
+    except TypeError as exc:
+        return str(exc)
+    for leaf in leaf_optimizers(optimizer):
+        if getattr(leaf, "grad_scaler", None) is not None:
+            return ("a loss scaler (fp16, or loss_scale set) is not supported: it skips its own steps and counts "
+                    "the others; use bf16 or fp32")
+        if getattr(getattr(leaf, "ddp_config", None), "use_megatron_fsdp", False):
+            return "Megatron FSDP is not supported by the step guard yet"
+    return None
+
+
+def guard_factory(optimizer: Any, params: list[tuple[str, MegatronParameter, int]], mains: dict[int, MainParam],
+                  layout: GroupLayout) -> GuardFactory:
+    """Builds the step guard on ``optimizer`` (``anomaly.guard``): every parameter it steps, judged from this rank's
+    pieces of the reduced gradients (summed over the ranks that hold pieces of a parameter)."""
+
+    def build(settings: GuardConfig, guard: Guard, on_decided: Callable[[torch.Tensor | float], None]
+              ) -> GuardedSteps:
+        try:
+            sharded, group = probe_group(mains, layout, user="anomaly.guard")
+        except ValueError as exc:
+            raise UnsupportedSetupError(str(exc)) from exc
+        held = [(name, param) for name, param, _ in params if id(param) in mains and param.requires_grad]
+        return MegatronStepGuard(settings, optimizer, held, mains, layout.tp_rank, group if sharded else None, guard,
+                                 on_decided)
+
+    return build

@@ -18,7 +18,7 @@ import mindspore as ms
 import torch
 from mindspore import Parameter, Tensor
 
-from trainmon.integrations.mindspore.optimizer import state_tuple
+from trainmon.integrations.mindspore.optimizer_states import state_tuple
 
 if TYPE_CHECKING:
     from mindspore import nn
