@@ -131,8 +131,8 @@ LAYER_RULES: tuple[tuple[str, str, tuple[float, ...], float], ...] = (
 )
 """Rules applied to every per-layer series (``family/column``) of the store."""
 FAMILY_DETECTORS: tuple[DetectorDef, ...] = (
-    DetectorDef("trainmon growth (window 40, min 30)", "attn/max_logit", "trainmon_growth",
-                (1.5, 2.0, 3.0, 4.0, 6.0, 10.0), 3.0),
+    DetectorDef("trainmon growth (largest head, window 40, min 30)", "attn/max_logit", "trainmon_growth",
+                (1.5, 2.0, 3.0, 4.0, 6.0, 10.0), float(ATTN_GROWTH_DEFAULT["factor"])),
     DetectorDef("trainmon level (persist 5)", "precursors/eps_underflow", "trainmon_level",
                 (0.1, 0.3, 0.5, 0.7, 0.9, 0.99), 0.9),
 )
@@ -362,6 +362,18 @@ def evaluate(spec: dict[str, Any], run_dir: Path, trained: Sequence[float] | Non
     }
 
 
+def reevaluate_one(json_path: str, store_root: str) -> str:
+    """Evaluate a kept store again with the installed trainmon (its detectors, its defaults) and rewrite the run's
+    JSON in place (in a worker process); the training, its losses and the online events are the store's."""
+    path = Path(json_path)
+    old = json.loads(path.read_text())
+    start = time.perf_counter()
+    result = evaluate(old["spec"], Path(store_root) / old["spec"]["name"])
+    result["seconds"] = {**old.get("seconds", {}), "evaluate": round(time.perf_counter() - start, 1)}
+    path.write_text(json.dumps(result, separators=(",", ":")) + "\n")
+    return f"{old['spec']['name']}: evaluated again in {result['seconds']['evaluate']:.0f} s"
+
+
 def run_one(spec_dict: dict[str, Any], store_root: str, json_dir: str, extra: dict[str, Any] | None) -> str:
     """Train one run, evaluate it and write ``{json_dir}/{name}.json`` (in a worker process)."""
     from benchmarks.precursor_runs import RunSpec, train
@@ -376,6 +388,16 @@ def run_one(spec_dict: dict[str, Any], store_root: str, json_dir: str, extra: di
     path.write_text(json.dumps(result, separators=(",", ":")) + "\n")
     return (f"{spec.name}: {result['steps']} steps, event {result['event']}, train {trained:.0f} s, "
             f"evaluate {result['seconds']['evaluate']:.0f} s")
+
+
+def reevaluate(json_dir: Path, store_root: Path, workers: int) -> None:
+    """:func:`reevaluate_one` for every run of ``json_dir`` whose store is in ``store_root``."""
+    paths = [p for p in sorted(json_dir.glob("*.json")) if (store_root / p.stem).is_dir()]
+    start = time.perf_counter()
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+        jobs = [pool.submit(reevaluate_one, str(p), str(store_root)) for p in paths]
+        for done, job in enumerate(jobs, 1):
+            print(f"[{done}/{len(jobs)} {time.perf_counter() - start:.0f} s] {job.result()}", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------------- tables
@@ -522,6 +544,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replace", action="store_true", help="replace the results already in --json-dir")
     parser.add_argument("--from-json", type=Path, default=None, help="recompute the tables from these results")
     parser.add_argument("--store-dir", type=Path, default=None, help="keep the runs' stores here")
+    parser.add_argument("--reevaluate", action="store_true",
+                        help="no training: evaluate the stores kept in --store-dir again and rewrite --json-dir's "
+                             "results (after a change of the detectors)")
     parser.add_argument("--monitor-config", type=str, default=None,
                         help="JSON merged into each run's trainmon config (e.g. to turn on more families)")
     parser.add_argument("--first-seed", type=int, default=0,
@@ -549,6 +574,12 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--monitor-config is not JSON: {exc}")
         if not isinstance(extra, dict):
             parser.error("--monitor-config must be a JSON object")
+    if args.reevaluate:
+        if args.store_dir is None or args.json_dir is None:
+            parser.error("--reevaluate needs --store-dir (the kept stores) and --json-dir (their results)")
+        reevaluate(args.json_dir, args.store_dir, args.workers)
+        print(report(load(args.json_dir), args.window, args.budget, args.markdown, args.compact))
+        return
     from benchmarks.precursor_runs import plan
 
     sizes = (4, 700, 1) if args.quick else (8, 2500, 4)

@@ -54,7 +54,7 @@ def test_growth_default_fires_on_a_growing_attention_logit_only(tmp_path):
     assert growth, (events, largest)
     assert all(family == "attn" and name.startswith("blocks.0.attn.head") for _, _, family, name in growth)
     first = growth[0][0]
-    # a full window of 40 steps, 3x from the first block's median to the last's, the last above 30
+    # a full window of 40 steps, 2x from the first block's median to the last's, the last above 30
     assert first > GROW_FROM and largest[first] > 30 and math.isfinite(largest[first])
     assert not [e for e in events if e[1] == "level"]
     quiet, _, _ = _run(tmp_path, grow=False)
@@ -72,14 +72,19 @@ def test_the_attention_and_precursor_rows_reach_the_defaults(tmp_path):
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": "r", "sinks": [],
                               "optimizer_states": {"precursors": True}, "features": {"attention": {"enabled": True}}})
+    largest = []
     with monitor.attach(model, optimizer):
         for step in range(3):
             loss = gpt_loss(model, *make_batch(step, 8, 16, 64))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            monitor.step(loss=loss.detach())
+            record = monitor.step(loss=loss.detach())
+            heads = {row.key.name: row.values["max_logit"] for row in record.rows if row.key.family == "attn"}
+            assert sorted(heads) == [f"blocks.{b}.attn.head{h}" for b in range(2) for h in range(4)]
+            largest.append(max(heads.values()))
         state = monitor.state_dict()["anomaly"]["detectors"]
     growth, level = state[-2]["state"]["series"], state[-1]["state"]["series"]
-    assert sorted(key[1] for key, _ in growth) == [f"blocks.{b}.attn.head{h}" for b in range(2) for h in range(4)]
+    # the growth default watches one series: the largest of the 8 heads' max_logit at each step
+    assert [key for key, _ in growth] == [["*", "max", "value", 0, 0]] and growth[0][1]["values"] == largest
     assert {key[0] for key, _ in level} == {"precursors"} and len(level) >= 8  # one per Adam weight matrix at least

@@ -113,6 +113,35 @@ def test_growth_on_rows_names_the_head_and_round_trips():
     assert second.state_dict() == whole.state_dict()
 
 
+def _heads(step: int, logits: list[float]) -> StepRecord:
+    return StepRecord(step, 0, rows=[Row(RowKey("attn", f"blocks.{h // 2}.attn.head{h % 2}", 0, 0, h), step,
+                                         {"max_logit": v}, False) for h, v in enumerate(logits)])
+
+
+def test_growth_reduce_max_watches_the_largest_value_of_each_step():
+    spec = {"type": "growth", "series": ["attn/*/max_logit"], "window": 20, "blocks": 4, "factor": 2.0,
+            "reduce": "max"}
+    # a small head triples while the largest stays flat: each head on its own fires, the largest does not
+    small = [[3.0 * 1.06 ** s, 100.0, 50.0, 20.0] for s in range(60)]
+    assert [r.step for r in map(_heads, range(60), small) if build_detectors([spec])[0].update(r, "")] == []
+    per_head = build_detectors([{**spec, "reduce": "none"}])[0]
+    assert any(per_head.update(_heads(s, v), "") for s, v in enumerate(small))
+    # the largest value climbs while the head holding it changes: one series, the largest of each step (numpy)
+    rng = np.random.default_rng(0)
+    logits = np.exp(rng.normal(0, 0.3, (120, 4))) * 20
+    logits[60:, :] *= 1.04 ** np.arange(60)[:, None] * rng.uniform(0.8, 1.0, (60, 4))
+    detector = build_detectors([spec])[0]
+    events = [e for s in range(120) for e in detector.update(_heads(s, logits[s].tolist()), "")]
+    assert [e.step for e in events] == _reference_growth(logits.max(axis=1), 20, 4, 2.0)
+    first = events[0]  # the event names the head that held the largest value at that step
+    head = int(logits[first.step].argmax())
+    assert first.name == f"blocks.{head // 2}.attn.head{head % 2}"
+    assert first.value == pytest.approx(logits[first.step].max()) and "the largest of attn/*/max_logit" in first.message
+    again = build_detectors([spec])[0]
+    again.load_state_dict(json.loads(json.dumps(detector.state_dict())))
+    assert again.state_dict() == detector.state_dict()
+
+
 # ------------------------------------------------------------------------------------------------- level
 LEVEL = {"type": "level", "series": ["precursors/*/eps_underflow"], "threshold": 0.5, "persist": 3}
 
@@ -175,6 +204,7 @@ def test_level_events_and_state_round_trip():
     ({"type": "growth", "min_value": -1}, "anomaly.detectors[0].min_value", ">= 0"),
     ({"type": "growth", "series": []}, "anomaly.detectors[0].series", "at least one"),
     ({"type": "growth", "window": 100, "persit": 2}, "anomaly.detectors[0].persit", "unknown key"),
+    ({"type": "growth", "reduce": "min"}, "anomaly.detectors[0].reduce", "max"),
 ])
 def test_bad_specs_fail_at_construction_naming_the_key(spec, key, words):
     with pytest.raises(ConfigError) as info:
