@@ -27,6 +27,7 @@ FloatArray: TypeAlias = "npt.NDArray[np.floating[Any]]"
 _NUMPY_FLOATS: dict[torch.dtype, type[np.floating[Any]]] = {
     torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 _TORCH_FLOATS = {numpy_type: torch_type for torch_type, numpy_type in _NUMPY_FLOATS.items()}
+_minimum, _maximum = np.minimum.reduce, np.maximum.reduce
 vector_norm: Callable[..., torch.Tensor] = torch.linalg.vector_norm
 """``torch.linalg.vector_norm``, typed (torch leaves it unannotated)."""
 
@@ -81,15 +82,16 @@ def partial_numpy(values: FloatArray, spec: StatsSpec, out: FloatArray) -> Float
             out[0] = _norm(torch.from_numpy(values)).numpy()  # CPU views, no sync
     if spec.sum:
         out[1] = torch.from_numpy(values).sum(dtype=_F32).numpy()  # torch's CPU sum (4x numpy's); CPU view: no sync
-    lo, hi = values.min(), values.max()
+    lo, hi = _minimum(values, axis=None), _maximum(values, axis=None)  # values.min(), .max() without their wrapper
     out[2], out[3] = lo, hi
-    if spec.norm and math.isinf(out[0]) and np.isfinite(lo) and np.isfinite(hi):  # math.isinf: 10x np.isfinite
+    finite = math.isfinite(lo) and math.isfinite(hi)  # math: 10x np.isfinite on a scalar
+    if spec.norm and finite and math.isinf(out[0]):
         out[0] = _wide_norm(values)  # finite values whose float32 squares overflowed (rare: |x| > ~1.8e19)
     if spec.zeros:
         threshold = zero_threshold(spec.eps, _TORCH_FLOATS[values.dtype.type])
         out[4] = np.count_nonzero(values == 0) if threshold == 0 else np.count_nonzero(
             (values > -threshold) & (values < threshold))
-    if not (np.isfinite(lo) and np.isfinite(hi)):  # finite min and max: no NaN or Inf anywhere
+    if not finite:  # finite min and max: no NaN or Inf anywhere
         if spec.nans:
             out[5] = np.count_nonzero(np.isnan(values))
         if spec.infs:
