@@ -1,7 +1,6 @@
 """The step's dedup cache (``StepContext.cached``): a tensor measured once a step, also when it comes back as
 another view of the same elements (torch hands a module backward hook's forward hooks aliases of the inputs
-and outputs); never across an in-place change, another view of other elements, or a base that died. And the
-one-chunk combination of the CPU Adam kernel, bit for bit the general one."""
+and outputs); never across an in-place change, another view of other elements, or a base that died."""
 
 from __future__ import annotations
 
@@ -12,9 +11,7 @@ import pytest
 import torch
 
 from tests.reference import METRICS, np_stats
-from trainmon.base.records import combine_partials
 from trainmon.collect.context import StepContext, alias_key
-from trainmon.collect.kernels import combine_chunks
 from trainmon.collect.stats_base import StatsSpec
 
 SPEC = StatsSpec.from_metrics(METRICS, eps=1e-8)
@@ -120,26 +117,3 @@ def test_the_cache_is_forgotten_with_the_step():
     ctx.new_step()
     ctx.record("actv", "c", x.view(5))
     assert len(measured) == 3
-
-
-def test_one_chunk_combines_as_combine_partials_bit_for_bit():
-    rng = np.random.default_rng(0)
-    special = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, 3.4e38, 5e-324]
-    for _ in range(20000):
-        part = rng.standard_normal((1, 8)) * 10.0 ** rng.integers(-40, 40)
-        for j in range(8):
-            if rng.random() < 0.25:
-                part[0, j] = special[rng.integers(len(special))]
-        if rng.random() < 0.5:
-            part[0, 7] = float(rng.integers(0, 3))
-        for dtype in (np.float32, np.float64):
-            want, got = np.zeros(8, dtype), np.zeros(8, dtype)
-            with np.errstate(all="ignore"):
-                want[:] = combine_partials(part[:, None, :])[0]
-                combine_chunks(part, got)
-            assert want.tobytes() == got.tobytes(), (part, want, got)
-    two = rng.standard_normal((2, 8))
-    want, got = np.zeros(8), np.zeros(8)
-    want[:] = combine_partials(two[:, None, :])[0]
-    combine_chunks(two, got)
-    assert want.tobytes() == got.tobytes()

@@ -80,10 +80,10 @@ def partial_numpy(values: FloatArray, spec: StatsSpec, out: FloatArray) -> Float
             out[0] = np.sqrt(np.dot(flat, flat))
         else:
             out[0] = _norm(torch.from_numpy(values)).numpy()  # CPU views, no sync
+    lo, hi = bounds(values)  # between two forward passes: its backward chunks start where the last one ended
+    out[2], out[3] = lo, hi
     if spec.sum:
         out[1] = torch.from_numpy(values).sum(dtype=_F32).numpy()  # torch's CPU sum (4x numpy's); CPU view: no sync
-    lo, hi = _minimum(values, axis=None), _maximum(values, axis=None)  # values.min(), .max() without their wrapper
-    out[2], out[3] = lo, hi
     finite = math.isfinite(lo) and math.isfinite(hi)  # math: 10x np.isfinite on a scalar
     if spec.norm and finite and math.isinf(out[0]):
         out[0] = _wide_norm(values)  # finite values whose float32 squares overflowed (rare: |x| > ~1.8e19)
@@ -98,6 +98,37 @@ def partial_numpy(values: FloatArray, spec: StatsSpec, out: FloatArray) -> Float
             out[6] = np.count_nonzero(np.isinf(values))
     out[7] = values.size
     return out
+
+
+BOUNDS_CHUNK = 131072
+"""Elements per chunk of :func:`bounds` (512 KB of float32: min and max of a chunk in one read of memory)."""
+
+
+def bounds(values: FloatArray) -> tuple[Any, Any]:
+    """``(values.min(), values.max())``, the same values.
+
+    An array larger than the CPU's L2 cache would be read from memory twice; chunk by chunk, the max reads
+    what the min just brought into the cache, and the chunks go backwards, so that the first ones are still
+    in the cache from the pass before (a 3-4 MB activation: 10-20% of its statistics' time). Min and max
+    take no rounding, so the chunks' combine to the same values, except that which zero's sign a zero
+    extreme has, or which NaN a NaN one is, depends on the order of reading: those (rare) are read again
+    whole, as before.
+
+    Example:
+        >>> [float(bound) for bound in bounds(np.array([3.0, -1.0, 2.0]))]
+        [-1.0, 3.0]
+    """
+    if values.size > 3 * BOUNDS_CHUNK and values.flags.c_contiguous:
+        flat = values.reshape(-1)  # contiguous: a view
+        lows, highs = [], []
+        for start in range(BOUNDS_CHUNK * ((flat.size - 1) // BOUNDS_CHUNK), -1, -BOUNDS_CHUNK):
+            piece = flat[start:start + BOUNDS_CHUNK]
+            lows.append(_minimum(piece))
+            highs.append(_maximum(piece))
+        lo, hi = _minimum(lows), _maximum(highs)
+        if lo != 0 and hi != 0 and not (math.isnan(lo) or math.isnan(hi)):
+            return lo, hi
+    return _minimum(values, axis=None), _maximum(values, axis=None)  # values.min(), .max() without their wrapper
 
 
 def _wide_norm(values: FloatArray, chunk: int = 65536) -> float:
