@@ -1,6 +1,7 @@
 """Shortcuts of the CPU statistics that must give the very values of the general code, bit for bit: the chunked
 min/max of large arrays (:func:`trainmon.collect.stats_base.bounds`) and the one-chunk combination of the Adam
-kernel (:func:`trainmon.collect.kernels.combine_chunks`)."""
+kernel (:func:`trainmon.collect.kernels.combine_chunks`) and its update/param ratio without its zero fix-up where it
+changes nothing (:func:`trainmon.collect.kernels.ratio_into`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from trainmon.base.records import combine_partials
-from trainmon.collect.kernels import combine_chunks
+from trainmon.collect.kernels import combine_chunks, ratio_into
 from trainmon.collect.stats_base import BOUNDS_CHUNK, bounds
 
 
@@ -59,3 +60,29 @@ def test_one_chunk_combines_as_combine_partials_bit_for_bit():
     want[:] = combine_partials(two[:, None, :])[0]
     combine_chunks(two, got)
     assert want.tobytes() == got.tobytes()
+
+
+def test_ratio_skips_its_fix_up_only_where_it_changes_nothing():
+    rng = np.random.default_rng(2)
+    for case in ("plain", "zero_params", "negative_zero", "nan_update", "huge"):
+        update = rng.standard_normal(4096).astype(np.float32)
+        param = rng.standard_normal(4096).astype(np.float32)
+        if case == "zero_params":
+            param[rng.integers(0, 4096, 7)] = 0.0
+        elif case == "negative_zero":
+            param[rng.integers(0, 4096, 7)] = -0.0
+            update[:3] = 0.0
+        elif case == "nan_update":
+            update[5] = np.nan
+        elif case == "huge":
+            param[9] = 1e-45  # update / param overflows to Inf: a value, not a zero parameter
+        want = np.empty_like(update)  # the general code: divide, then 0 where the parameter is 0
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            np.divide(update, param, out=want)
+        np.copyto(want, 0.0, where=param == 0)
+        got = np.empty_like(update)
+        with np.errstate(over="ignore"):
+            lo, hi = ratio_into(update, param, got)
+        assert got.tobytes() == want.tobytes(), case
+        assert np.asarray(lo).tobytes() == np.asarray(want.min()).tobytes(), case
+        assert np.asarray(hi).tobytes() == np.asarray(want.max()).tobytes(), case

@@ -32,7 +32,7 @@ import torch
 from trainmon.base.records import MAX, MIN, NORM, NUMEL, PARTIAL_SLOTS, combine_partials
 from trainmon.collect.fallback import partials_torch
 from trainmon.collect.kernel_ops import ADAM_PARTS, PRECURSOR_PARTS, adam_partials_op, adam_parts, partials_op
-from trainmon.collect.stats_base import StatsSpec, partial_numpy
+from trainmon.collect.stats_base import StatsSpec, bounds, partial_numpy
 
 logger = logging.getLogger("trainmon")
 CHUNK = 65536
@@ -140,11 +140,19 @@ def update_into(m: Array, v: Array, out: Array, scale: float, eps: float) -> Non
     out *= scale
 
 
-def ratio_into(update: Array, param: Array, out: Array) -> None:
-    """``update / param``, 0 where the parameter is exactly 0."""
+def ratio_into(update: Array, param: Array, out: Array) -> tuple[Any, Any]:
+    """``update / param``, 0 where the parameter is exactly 0; returns the result's ``(min, max)``.
+
+    A zero parameter makes ``update / param`` infinite or NaN there, so finite bounds mean there is none: the
+    fix-up (a mask of the parameter and a masked copy) is then skipped.
+    """
     with np.errstate(divide="ignore", invalid="ignore"):
         np.divide(update, param, out=out)
+    lo, hi = bounds(out)
+    if math.isfinite(lo) and math.isfinite(hi):
+        return lo, hi
     np.copyto(out, 0.0, where=param == 0)
+    return bounds(out)
 
 
 def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, scale: float, eps: float,
@@ -191,8 +199,7 @@ def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, 
             if update_spec is not None:
                 partial_numpy(u, update_spec, parts[0, i])
             if ratio_spec is not None:
-                ratio_into(u, arrays[2], r)
-                partial_numpy(r, ratio_spec, parts[1, i])
+                partial_numpy(r, ratio_spec, parts[1, i], ratio_into(u, arrays[2], r))
             if precursors:
                 g = arrays[3]
                 if taken is not None:  # sign * g + decay * (p + lr * u): p + lr * u are the weights before the step

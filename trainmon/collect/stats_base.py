@@ -66,13 +66,15 @@ zero = _Zeros()
 """``zero(device)``: a cached 0-d float32 zero on ``device``."""
 
 
-def partial_numpy(values: FloatArray, spec: StatsSpec, out: FloatArray) -> FloatArray:
+def partial_numpy(values: FloatArray, spec: StatsSpec, out: FloatArray,
+                  known_bounds: tuple[Any, Any] | None = None) -> FloatArray:
     """Fill the 8-slot partial ``out`` from a float16/32/64 numpy array (no copy of ``values``).
 
     The norm of a contiguous float32/float64 array is a BLAS dot (2x ``vector_norm`` on
     cache-sized arrays); the NaN and Inf counts are only computed when min or max is not finite
     (they are exactly 0 otherwise). Also the building block of chunked statistics
-    (:func:`trainmon.collect.adam.adam_partials_cpu`).
+    (:func:`trainmon.collect.adam.adam_partials_cpu`). ``known_bounds``: ``(values.min(), values.max())`` where
+    the caller has them already.
     """
     if spec.norm:
         if values.dtype != np.float16 and values.flags.c_contiguous:
@@ -80,7 +82,8 @@ def partial_numpy(values: FloatArray, spec: StatsSpec, out: FloatArray) -> Float
             out[0] = np.sqrt(np.dot(flat, flat))
         else:
             out[0] = _norm(torch.from_numpy(values)).numpy()  # CPU views, no sync
-    lo, hi = bounds(values)  # between two forward passes: its backward chunks start where the last one ended
+    # between two forward passes: its backward chunks start where the last one ended
+    lo, hi = bounds(values) if known_bounds is None else known_bounds
     out[2], out[3] = lo, hi
     if spec.sum:
         out[1] = torch.from_numpy(values).sum(dtype=_F32).numpy()  # torch's CPU sum (4x numpy's); CPU view: no sync
