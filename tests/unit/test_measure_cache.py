@@ -107,6 +107,17 @@ def test_subclasses_are_measured_by_identity_only():
     assert len(measured) == 1
 
 
+def test_a_tensor_without_memory_of_its_own_is_measured_by_identity_only():
+    keys = []
+
+    def hook_like(x):
+        keys.append(alias_key(x))  # a batched tensor's data_ptr raises: no key, no exception
+        return x * 2
+
+    torch.func.vmap(hook_like)(torch.randn(3, 4))
+    assert keys == [None]
+
+
 def test_the_cache_is_forgotten_with_the_step():
     ctx = _context()
     measured = _counting(ctx)

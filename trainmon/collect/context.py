@@ -87,11 +87,14 @@ def alias_key(tensor: Any) -> tuple[Any, tuple[Any, ...]] | None:
     """
     if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
         return None
+    try:
+        address = tensor.data_ptr()
+    except RuntimeError:  # no memory of its own to compare (a functorch batched or functional tensor)
+        return None
     base = tensor._base
     if base is None:
         base = tensor
-    return base, (id(base), tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.is_neg(),
-                  tensor.is_conj())
+    return base, (id(base), address, tensor.shape, tensor.stride(), tensor.dtype, tensor.is_neg(), tensor.is_conj())
 
 
 class Collector(Protocol):
