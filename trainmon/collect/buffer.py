@@ -235,15 +235,21 @@ class Transfer:
     def result(self) -> HostStep:
         """The host copy (waits for the copies' events only, which have long ended one step later)."""
         pieces: list[npt.NDArray[np.float32]] = [np.empty(0, np.float32)] * sum(len(c[0]) for c in self.copies)
+        n_blocks = self.n_blocks
+        partials = None
         for indices, sizes, host, event in self.copies:
             if event is not None:
                 event.synchronize()  # this copy only, not the device
             values = host.numpy()  # host memory (its copy ended with the event): no sync
+            if len(self.copies) == 1 and n_blocks:  # one device: the blocks are the copy's first values, in order
+                end = sum(sizes[:n_blocks])
+                partials = values[:end].astype(np.float64).reshape(-1, PARTIAL_SLOTS)
+                values, indices, sizes = values[end:], indices[n_blocks:], sizes[n_blocks:]
             for i, piece in zip(indices, np.split(values, np.cumsum(sizes)[:-1])):
                 pieces[i] = piece
-        n_blocks = self.n_blocks
-        partials = (np.concatenate(pieces[:n_blocks]).astype(np.float64).reshape(-1, PARTIAL_SLOTS) if n_blocks
-                    else np.empty((0, PARTIAL_SLOTS)))
+        if partials is None:
+            partials = (np.concatenate(pieces[:n_blocks]).astype(np.float64).reshape(-1, PARTIAL_SLOTS) if n_blocks
+                        else np.empty((0, PARTIAL_SLOTS)))
         scalars = dict(self.host_scalars)
         for names, piece in zip(self.scalar_names, pieces[n_blocks:]):
             scalars.update((name, float(value)) for name, value in zip(names, piece))

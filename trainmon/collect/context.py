@@ -73,6 +73,30 @@ def _version(tensor: Any) -> int | None:
     return tensor._version if isinstance(tensor, torch.Tensor) else None
 
 
+def alias_key(tensor: Any) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(base, key)``: what makes two plain torch tensors views of the same elements. ``base`` is the tensor they
+    are views of (their ``_base``, or the tensor itself; views share its version counter); ``key`` is its id and
+    where and how they read its memory (address, shape, strides, dtype, negative and conjugate bits). An id is
+    only meaningful while ``base`` lives: keep a weak reference to it. None for a tensor subclass or another
+    framework's tensor (measured by identity only).
+
+    Example:
+        >>> x = torch.ones(2, 3)
+        >>> alias_key(x.view(2, 3)) == alias_key(x[:]), alias_key(x.view(3, 2)) == alias_key(x)
+        (True, False)
+    """
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+        return None
+    try:
+        address = tensor.data_ptr()
+    except RuntimeError:  # no memory of its own to compare (a functorch batched or functional tensor)
+        return None
+    base = tensor._base
+    if base is None:
+        base = tensor
+    return base, (id(base), address, tensor.shape, tensor.stride(), tensor.dtype, tensor.is_neg(), tensor.is_conj())
+
+
 class Collector(Protocol):
     """Something that measures tensors into the step buffer.
 
@@ -170,6 +194,9 @@ class StepContext:
     collector sets its ``limit_bytes``)."""
     _measured: dict[int, tuple[weakref.ref[Any], int, StatsSpec, torch.Tensor, int | None]] = field(
         default_factory=dict)
+    _aliases: dict[tuple[Any, ...], tuple[weakref.ref[Any], int, StatsSpec, torch.Tensor, int | None]] = field(
+        default_factory=dict)
+    """The same partials by :func:`alias_key`: another view of the same memory (see :meth:`cached`)."""
     _unmeasurable: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -210,13 +237,17 @@ class StepContext:
         # that is the next module's input, a gradient unchanged between accumulation and the
         # optimizer step): reuse its statistics instead of reading the tensor again.
         partial = self.cached(tensor, spec)
-        if partial is None:
-            try:
-                partial = self.stats_fn(tensor, spec)
-            except Exception as exc:  # a tensor we cannot measure must not break the user's step
-                self._cannot_measure(family, name, exc)
-                return None
-            self.remember(tensor, spec, partial, None)
+        return partial if partial is not None else self.measure_anew(family, name, tensor, spec)
+
+    def measure_anew(self, family: str, name: str, tensor: Any, spec: StatsSpec) -> torch.Tensor | None:
+        """:meth:`measure` of a tensor known not to be in the cache (``cached`` just said so), with ``family``'s
+        spec: computed and remembered; None when it cannot be measured (warned once per row)."""
+        try:
+            partial: torch.Tensor = self.stats_fn(tensor, spec)
+        except Exception as exc:  # a tensor we cannot measure must not break the user's step
+            self._cannot_measure(family, name, exc)
+            return None
+        self.remember(tensor, spec, partial, None)
         return partial
 
     def record_many(self, family: str, names: Sequence[str], tensors: Sequence[torch.Tensor],
@@ -300,15 +331,26 @@ class StepContext:
 
     def _seen(self, tensor: Any, spec: StatsSpec) -> tuple[torch.Tensor, int | None] | None:
         version = _version(tensor)
-        seen = self._measured.get(id(tensor)) if version is not None else None
-        if seen is None or seen[0]() is not tensor or seen[1] != version or seen[2] != spec:
+        if version is None:
             return None
+        seen = self._measured.get(id(tensor))
+        if seen is None or seen[0]() is not tensor or seen[1] != version or seen[2] != spec:
+            # Another view of a measured tensor's memory (with module backward hooks, torch hands each hook its
+            # own alias of an input or output): the same elements, the same version counter.
+            alias = alias_key(tensor)
+            seen = self._aliases.get(alias[1]) if alias is not None else None
+            if seen is None or alias is None or seen[0]() is not alias[0] or seen[1] != version or seen[2] != spec:
+                return None
         return seen[3], seen[4]
 
     def remember(self, tensor: Any, spec: StatsSpec, block: Any, row: int | None) -> None:
         version = _version(tensor)
         if version is not None:
-            self._measured[id(tensor)] = (weakref.ref(tensor), version, spec, block, row)
+            entry = (weakref.ref(tensor), version, spec, block, row)
+            self._measured[id(tensor)] = entry
+            alias = alias_key(tensor)
+            if alias is not None:
+                self._aliases[alias[1]] = (weakref.ref(alias[0]), version, spec, block, row)
 
     def forget_measured(self) -> None:
         """Forget which tensors were measured: the next read measures again.
@@ -317,6 +359,7 @@ class StepContext:
         place without bumping their version, so a cached partial could be the scaled gradient's.
         """
         self._measured.clear()
+        self._aliases.clear()
 
     def _cannot_measure(self, family: str, name: str, exc: Exception) -> None:
         if (family, name) not in self._unmeasurable:
@@ -328,6 +371,7 @@ class StepContext:
         """Reset the per-step state after the step's transfer."""
         self.buffer = self.buffer_factory()
         self._measured.clear()
+        self._aliases.clear()
         self.micro_step = 0
 
     def add(self, family: str, name: str, partial: torch.Tensor, vpp_stage: int = 0,

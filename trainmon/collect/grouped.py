@@ -54,6 +54,8 @@ class RowContext(Protocol):
 
     def measure(self, family: str, name: str, tensor: torch.Tensor) -> torch.Tensor | None: ...
 
+    def measure_anew(self, family: str, name: str, tensor: Any, spec: StatsSpec) -> torch.Tensor | None: ...
+
     def cached(self, tensor: Any, spec: StatsSpec) -> torch.Tensor | None: ...
 
     def remember(self, tensor: Any, spec: StatsSpec, block: Any, row: int | None) -> None: ...
@@ -105,12 +107,14 @@ class GroupedRows:
                      ctx.buffer.next_order())
         kept = self._kept.setdefault(family, _Kept())
         mode = self._mode.get((family, name))
-        cached = ctx.cached(tensor, ctx.specs[family])
-        if mode is not _GROUPED or cached is not None or not _groupable(tensor):
-            partial = cached if cached is not None else ctx.measure(family, name, tensor)
+        spec = ctx.specs[family]
+        cached = ctx.cached(tensor, spec)
+        groupable = _groupable(tensor)
+        if mode is not _GROUPED or cached is not None or not groupable:
+            partial = cached if cached is not None else ctx.measure_anew(family, name, tensor, spec)
             if partial is not None:
                 kept.rows.append((key, partial))
-            if mode is None and partial is not None and _groupable(tensor):  # learning: watched to the flush
+            if mode is None and partial is not None and groupable:  # learning: watched to the flush
                 self._watched.append((family, name, tensor, tensor._version))
                 self._add_bytes(tensor)
             return

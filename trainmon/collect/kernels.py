@@ -29,10 +29,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from trainmon.base.records import PARTIAL_SLOTS, combine_partials
+from trainmon.base.records import MAX, MIN, NORM, NUMEL, PARTIAL_SLOTS, combine_partials
 from trainmon.collect.fallback import partials_torch
 from trainmon.collect.kernel_ops import ADAM_PARTS, PRECURSOR_PARTS, adam_partials_op, adam_parts, partials_op
-from trainmon.collect.stats_base import StatsSpec, partial_numpy
+from trainmon.collect.stats_base import StatsSpec, bounds, partial_numpy
 
 logger = logging.getLogger("trainmon")
 CHUNK = 65536
@@ -140,11 +140,19 @@ def update_into(m: Array, v: Array, out: Array, scale: float, eps: float) -> Non
     out *= scale
 
 
-def ratio_into(update: Array, param: Array, out: Array) -> None:
-    """``update / param``, 0 where the parameter is exactly 0."""
+def ratio_into(update: Array, param: Array, out: Array) -> tuple[Any, Any]:
+    """``update / param``, 0 where the parameter is exactly 0; returns the result's ``(min, max)``.
+
+    A zero parameter makes ``update / param`` infinite or NaN there, so finite bounds mean there is none: the
+    fix-up (a mask of the parameter and a masked copy) is then skipped.
+    """
     with np.errstate(divide="ignore", invalid="ignore"):
         np.divide(update, param, out=out)
+    lo, hi = bounds(out)
+    if math.isfinite(lo) and math.isfinite(hi):
+        return lo, hi
     np.copyto(out, 0.0, where=param == 0)
+    return bounds(out)
 
 
 def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, scale: float, eps: float,
@@ -191,8 +199,7 @@ def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, 
             if update_spec is not None:
                 partial_numpy(u, update_spec, parts[0, i])
             if ratio_spec is not None:
-                ratio_into(u, arrays[2], r)
-                partial_numpy(r, ratio_spec, parts[1, i])
+                partial_numpy(r, ratio_spec, parts[1, i], ratio_into(u, arrays[2], r))
             if precursors:
                 g = arrays[3]
                 if taken is not None:  # sign * g + decay * (p + lr * u): p + lr * u are the weights before the step
@@ -209,10 +216,36 @@ def adam_partial_into(m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, 
     for spec, out, part in ((update_spec, update_out, parts[0]), (ratio_spec, ratio_out, parts[1]),
                             (state_spec, m_out, parts[2]), (state_spec, v_out, parts[3])):
         if spec is not None and out is not None:
-            out[:] = combine_partials(part[:, None, :])[0]
+            combine_chunks(part, out)
     if precursors:
         assert precursor_out is not None
         precursor_out[:] = finish_precursors(combine_partials(parts[4:].transpose(1, 0, 2)), lr, bias2)
+
+
+def combine_chunks(parts: Array, out: Array) -> None:
+    """``out[:] = combine_partials(parts[:, None, :])[0]``: one tensor's ``[chunks, 8]`` float64 partials combined.
+    One chunk (every tensor of up to 64 K elements) takes the same float64 operations on scalars instead of a
+    dozen array operations (~20 us of numpy calls): the same values.
+
+    Example:
+        >>> out = np.zeros(8, np.float32)
+        >>> combine_chunks(np.array([[3.0, 1.0, np.nan, 2.0, 0, 1, 0, 4]]), out)
+        >>> out.tolist()
+        [3.0, 1.0, nan, nan, 0.0, 1.0, 0.0, 4.0]
+    """
+    if len(parts) != 1:
+        out[:] = combine_partials(parts[:, None, :])[0]
+        return
+    part = parts[0]
+    row = part + 0.0  # a float64 copy, as the sum of one chunk (-0.0 becomes 0.0)
+    row[NORM] = np.sqrt(np.square(part[NORM]))
+    if not part[NUMEL] > 0:  # no element: min and max are neutral
+        row[MIN], row[MAX] = np.inf, -np.inf
+    elif math.isnan(part[MIN]) or math.isnan(part[MAX]):
+        row[MIN] = row[MAX] = np.nan
+    else:  # the chunk's own (a -0.0 stays)
+        row[MIN], row[MAX] = part[MIN], part[MAX]
+    out[:] = row
 
 
 def precursor_chunk(u: Array, m: Array, v: Array, p: Array, g: Array, eps2: float, buffer: Array, other: Array,
