@@ -59,6 +59,8 @@ FAULTS: dict[str, Fault] = {
     "anomaly": Fault("trainmon.anomaly.engine", "AnomalyEngine", "process", "anomaly"),
     # the step model (a root forward pre-hook): fatal, the whole monitor stops
     "step_model": Fault("trainmon.runtime.lifecycle", "StepLifecycle", "_maybe_end_training", "step"),
+    # the step model's global optimizer post-hook (ends a step in which no root forward ran)
+    "step_model_optimizer": Fault("trainmon.runtime.lifecycle", "StepLifecycle", "_after_optimizer_step", "step"),
     # a torch.distributed collective wrapper
     "collective": Fault("trainmon.collect.comm", "CommCollector", "_measure", "communication"),
     # DeepSpeed: the engine's step wrapper (ZeRO shards' statistics)

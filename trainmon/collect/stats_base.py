@@ -82,7 +82,8 @@ def partial_numpy(values: FloatArray, spec: StatsSpec, out: FloatArray,
             out[0] = np.sqrt(np.dot(flat, flat))
         else:
             out[0] = _norm(torch.from_numpy(values)).numpy()  # CPU views, no sync
-    # between two forward passes: its backward chunks start where the last one ended
+    # min and max between the norm's pass and the sum's: bounds() reads backwards from the end, which the norm's
+    # pass left in the cache
     lo, hi = bounds(values) if known_bounds is None else known_bounds
     out[2], out[3] = lo, hi
     if spec.sum:

@@ -14,8 +14,8 @@ times the one that fired (or after it fell back below it). ``persist`` asks the 
 in a row; ``min_value`` ignores climbs that end below an absolute level (a series that grows from a small start,
 as attention logits do early in training). Values that are not finite or not positive are skipped (not fed).
 ``reduce: max`` watches one series instead of each: the largest selected value of every step (a model's largest
-attention logit, whichever head holds it; a small head that triples while others stay far above it is not a
-climb of the model's logits).
+attention logit, whichever head holds it; one head that triples while the largest barely moves, a head catching
+up with the others, is not a climb of the model's logits).
 
 Cost per selected series and collected step: ``blocks`` medians of ``window / blocks`` values (14-40 us measured on
 the 2-core development machine under load, 100 series, windows of 100 and 40).
