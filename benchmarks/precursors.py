@@ -131,8 +131,10 @@ LAYER_RULES: tuple[tuple[str, str, tuple[float, ...], float], ...] = (
 )
 """Rules applied to every per-layer series (``family/column``) of the store."""
 FAMILY_DETECTORS: tuple[DetectorDef, ...] = (
-    DetectorDef("trainmon growth (largest head, window 40, min 30)", "attn/max_logit", "trainmon_growth",
-                (1.5, 2.0, 3.0, 4.0, 6.0, 10.0), float(ATTN_GROWTH_DEFAULT["factor"])),
+    DetectorDef(f"trainmon growth (largest head, window {ATTN_GROWTH_DEFAULT['window']}, "
+                f"min {ATTN_GROWTH_DEFAULT['min_value']:g})", "attn/max_logit", "trainmon_growth",
+                tuple(sorted({1.5, 1.7, 2.0, 3.0, 4.0, 6.0, 10.0, float(ATTN_GROWTH_DEFAULT["factor"])})),
+                float(ATTN_GROWTH_DEFAULT["factor"])),
     DetectorDef("trainmon level (persist 5)", "precursors/eps_underflow", "trainmon_level",
                 (0.1, 0.3, 0.5, 0.7, 0.9, 0.99), 0.9),
 )

@@ -54,8 +54,8 @@ def test_growth_default_fires_on_a_growing_attention_logit_only(tmp_path):
     assert growth, (events, largest)
     assert all(family == "attn" and name.startswith("blocks.0.attn.head") for _, _, family, name in growth)
     first = growth[0][0]
-    # a full window of 40 steps, 2x from the first block's median to the last's, the last above 30
-    assert first > GROW_FROM and largest[first] > 30 and math.isfinite(largest[first])
+    # a full window of 40 steps, 1.7x from the first block's median to the last's, the last above 25
+    assert first > GROW_FROM and largest[first] > 25 and math.isfinite(largest[first])
     assert not [e for e in events if e[1] == "level"]
     quiet, _, _ = _run(tmp_path, grow=False)
     assert not [e for e in quiet if e[1] in ("growth", "level")]

@@ -36,9 +36,9 @@ GRAD_NORM_DROP_DEFAULT: dict[str, Any] = {"type": "spike", "series": ["grad_norm
 """The global grad norm collapsing: below a tenth of its level with z > 7, or below a tenth of the smallest of the
 100 norms before the level window (a loss-scale bug, gradients under Adam's epsilon, a detached graph)."""
 ATTN_GROWTH_DEFAULT: dict[str, Any] = {"type": "growth", "series": ["attn/*/max_logit"], "window": 40,
-                                       "factor": 2.0, "min_value": 30.0, "reduce": "max"}
-"""The model's largest attention logit (whichever head holds it) climbing block after block to 2x within 40
-collected steps, to above 30 (with the attn family on; docs/anomaly.md, "Lead time")."""
+                                       "factor": 1.7, "min_value": 25.0, "reduce": "max"}
+"""The model's largest attention logit (whichever head holds it) climbing block after block to 1.7x within 40
+collected steps, to above 25 (with the attn family on; docs/anomaly.md, "Lead time")."""
 EPS_LEVEL_DEFAULT: dict[str, Any] = {"type": "level", "series": ["precursors/*/eps_underflow"], "threshold": 0.9,
                                      "persist": 5}
 """Adam's epsilon underflow: over 90% of a tensor's elements with sqrt(v) < eps, 5 steps in a row (with the
