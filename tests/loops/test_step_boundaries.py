@@ -389,3 +389,82 @@ def test_a_gradient_changed_inside_the_backward_is_skipped_then_read_in_its_hook
     assert (unreduced.step == 0).sum() == 0
     for step in (1, 2):
         assert_rows_match(unreduced, step, per_step[step])
+
+
+class _WordLanguageModel(torch.nn.Module):
+    """pytorch/examples' word_language_model ``RNNModel`` (LSTM, smaller): embedding, LSTM, decoder, dropout."""
+
+    def __init__(self, ntoken: int = 30, ninp: int = 8, nhid: int = 8, nlayers: int = 2) -> None:
+        super().__init__()
+        self.ntoken, self.nlayers, self.nhid = ntoken, nlayers, nhid
+        self.drop = torch.nn.Dropout(0.2)
+        self.encoder = torch.nn.Embedding(ntoken, ninp)
+        self.rnn = torch.nn.LSTM(ninp, nhid, nlayers, dropout=0.2)
+        self.decoder = torch.nn.Linear(nhid, ntoken)
+
+    def forward(self, input, hidden):
+        emb = self.drop(self.encoder(input))
+        output, hidden = self.rnn(emb, hidden)
+        decoded = self.decoder(self.drop(output)).view(-1, self.ntoken)
+        return torch.nn.functional.log_softmax(decoded, dim=1), hidden
+
+    def init_hidden(self, bsz):
+        weight = next(self.parameters())
+        return (weight.new_zeros(self.nlayers, bsz, self.nhid), weight.new_zeros(self.nlayers, bsz, self.nhid))
+
+
+@pytest.mark.parametrize("interval", [1, 2], ids=["every-step", "every-2nd-step"])
+@pytest.mark.parametrize("user_steps", [True, False], ids=["monitor.step", "no-monitor.step"])
+def test_word_language_model_without_an_optimizer(tmp_path, user_steps, interval):
+    """pytorch/examples' word_language_model: no optimizer object (``p.data.add_(p.grad, alpha=-lr)``),
+    ``model.zero_grad()``, the hidden state repackaged, ``clip_grad_norm_``, an evaluation under ``no_grad`` after
+    each epoch, ``attach(model)``. One step per batch, with or without ``monitor.step()`` (before, without it, every
+    batch of the run was written as a micro-step of step 0); ``grad_unreduced`` is the gradient of the backward
+    (before clipping), against the loop's own float64 copies; training is bit-identical to a run without trainmon."""
+    def train(monitor):
+        torch.manual_seed(1111)
+        model = _WordLanguageModel()
+        if monitor is not None:
+            monitor.attach(model)
+        source = torch.randint(0, 30, (4 * 22,), generator=torch.Generator().manual_seed(0)).view(4, -1).t()
+        grads, losses, lr = [], [], 20.0
+        for _epoch in range(2):
+            model.train()
+            hidden = model.init_hidden(4)
+            for i in range(0, source.size(0) - 1, 7):
+                seq_len = min(7, len(source) - 1 - i)
+                data, targets = source[i:i + seq_len], source[i + 1:i + 1 + seq_len].reshape(-1)
+                model.zero_grad()
+                hidden = tuple(h.detach() for h in hidden)
+                output, hidden = model(data, hidden)
+                loss = torch.nn.functional.nll_loss(output, targets)
+                loss.backward()
+                grads.append(grads64(model))
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+                for p in model.parameters():
+                    p.data.add_(p.grad, alpha=-lr)
+                losses.append(loss.item())
+                if monitor is not None and user_steps:
+                    monitor.step(loss=loss)
+            model.eval()
+            with torch.no_grad():
+                model(source[:5, :2], model.init_hidden(2))
+            lr /= 4.0
+        if monitor is not None:
+            monitor.close()
+        return model, grads, losses
+
+    plain, _, plain_losses = train(None)
+    cfg = config(tmp_path, activations={"enabled": True}, step_interval=interval)
+    model, grads, losses = train(TrainerMonitor(cfg))
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
+    collected = list(range(0, len(grads), interval))
+    unreduced, actv = rows(tmp_path, "grad_unreduced"), rows(tmp_path, "actv")
+    assert sorted(set(unreduced.step)) == collected and set(unreduced.micro_step) == {0}
+    assert sorted(set(actv.step)) == collected and set(actv.micro_step) == {0}
+    for step in collected:
+        assert_rows_match(unreduced, step, grads[step], metrics=["norm", "min", "max"])
+    if user_steps:
+        logged = scalars(tmp_path)["loss"].dropna()
+        assert list(logged.index) == list(range(len(grads)))
+        assert list(logged) == pytest.approx(losses, rel=1e-6)
