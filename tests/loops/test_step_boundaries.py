@@ -47,6 +47,45 @@ def test_lbfgs_closure_grads_are_those_of_the_first_evaluation(tmp_path):
     assert transfers == [["cpu"]] * 3
 
 
+def test_lbfgs_closure_without_monitor_step(tmp_path):
+    """pytorch/examples' time_sequence_prediction: ``optimizer.step(closure)`` with LBFGS, which evaluates the closure
+    several times a step, a ``no_grad`` prediction after each step, no ``monitor.step()``. Each evaluation is a
+    micro-step of its optimizer step (activations and ``grad_unreduced`` per evaluation, against the closure's own
+    float64 copies), ``grad_reduced`` is the first evaluation's, and every step, the last one too (ended by
+    ``close()`` after its optimizer step: before, it had no ``step_skipped``), has ``step_skipped`` 0."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    monitor = TrainerMonitor(config(tmp_path, activations=ACTIVATIONS, targets={"modules": ["fc1"]}))
+    monitor.attach(model, optimizer)
+    evaluations: dict[int, list[dict]] = {}
+    for step in range(3):
+        x, y = data(step)
+        evaluations[step] = []
+
+        def closure(x=x, y=y, step=step):
+            optimizer.zero_grad()
+            hidden = model.fc1(x)  # the test's own copy of fc1's output, as the model computes it
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            evaluations[step].append({"fc1": hidden.detach().double().numpy(), "grads": grads64(model)})
+            return loss
+
+        optimizer.step(closure)
+        with torch.no_grad():
+            model(data(100)[0])
+    monitor.close()
+    unreduced, reduced, actv = rows(tmp_path, "grad_unreduced"), rows(tmp_path, "grad_reduced"), rows(tmp_path, "actv")
+    for step, evaluated in evaluations.items():
+        assert sorted(set(unreduced[unreduced.step == step].micro_step)) == list(range(len(evaluated)))
+        for micro, evaluation in enumerate(evaluated):
+            assert_rows_match(unreduced, step, evaluation["grads"], micro_step=micro)
+            at = actv[(actv.step == step) & (actv.micro_step == micro) & (actv.name == "fc1.output")]
+            assert np.isclose(float(at["norm"].iloc[0]), np.linalg.norm(evaluation["fc1"]), rtol=1e-5)
+        assert_rows_match(reduced, step, evaluated[0]["grads"])
+    assert list(scalars(tmp_path)["step_skipped"]) == [0.0, 0.0, 0.0]
+
+
 def test_lightning_style_accumulation_with_a_closure(tmp_path):
     """Lightning's automatic optimisation: micro-batches 0..k-2 run forward+backward outside the
     optimizer; the last runs inside ``optimizer.step(closure)``. The step uses the sum of all."""
