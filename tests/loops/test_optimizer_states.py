@@ -127,3 +127,38 @@ def test_optimizers_without_the_states_asked_for_say_so_once(tmp_path, caplog, m
     assert not families & {"exp_avg", "exp_avg_sq", "momentum", "update", "ratio"}
     warned = [r.getMessage() for r in caplog.records if "keeps none of" in r.getMessage()]
     assert len(warned) == 1 and all(key in warned[0] for key in keys), warned
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
+def test_nadam_under_fsdp2_gets_no_adam_update(tmp_path, caplog):
+    """The same under FSDP2 (``fully_shard`` on a 1-rank gloo group): the moments are written, from the shards the
+    optimizer holds; no ``update``/``ratio`` rows, one warning."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    assert not dist.is_initialized(), "a process group is already alive"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = MLP()
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        optimizer = torch.optim.NAdam(model.parameters(), lr=1e-2)
+        with caplog.at_level(logging.WARNING, logger="trainmon"):
+            monitor = TrainerMonitor(config(tmp_path, optimizer_states=STATES)).attach(model, optimizer)
+        moments = []
+        for step in range(2):
+            x, y = data(step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            moments.append({n: optimizer.state[p]["exp_avg"].full_tensor().double().numpy()
+                            for n, p in model.named_parameters()})
+            monitor.step()
+        monitor.close()
+    finally:
+        dist.destroy_process_group()
+    _assert_state_rows(tmp_path, "exp_avg", [{"states": {n: {"exp_avg": m} for n, m in step.items()}}
+                                             for step in moments], lambda t, name: t["states"][name]["exp_avg"])
+    assert not any((rank_dir(tmp_path) / f"{family}.csv").exists() for family in ("update", "ratio"))
+    assert len([r for r in caplog.records if "Adam's" in r.getMessage()]) == 1

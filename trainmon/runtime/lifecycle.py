@@ -437,7 +437,8 @@ class StepLifecycle:
         ctx, buffer = self.ctx, self.ctx.buffer
         known = "step_skipped" in buffer.scalar_names or "step_skipped" in buffer.host_scalars
         if (ctx.collecting and not known and self.optimizer is not None and self.forwards
-                and (not self.closing or self.optimizer_stepped) and hasattr(self.optimizer, "register_step_post_hook")):
+                and (not self.closing or self.optimizer_stepped)
+                and hasattr(self.optimizer, "register_step_post_hook")):
             # (a step ended by close() before its optimizer step - forwards after the last one, a crash - was not
             # skipped: it never came to its update; one ended by close() after it, the loop's last, was applied)
             # nothing (scaler, engine) told us: the step was skipped when the optimizer's step did not run
