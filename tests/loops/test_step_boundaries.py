@@ -47,6 +47,45 @@ def test_lbfgs_closure_grads_are_those_of_the_first_evaluation(tmp_path):
     assert transfers == [["cpu"]] * 3
 
 
+def test_lbfgs_closure_without_monitor_step(tmp_path):
+    """pytorch/examples' time_sequence_prediction: ``optimizer.step(closure)`` with LBFGS, which evaluates the closure
+    several times a step, a ``no_grad`` prediction after each step, no ``monitor.step()``. Each evaluation is a
+    micro-step of its optimizer step (activations and ``grad_unreduced`` per evaluation, against the closure's own
+    float64 copies), ``grad_reduced`` is the first evaluation's, and every step, the last one too (ended by
+    ``close()`` after its optimizer step: before, it had no ``step_skipped``), has ``step_skipped`` 0."""
+    torch.manual_seed(0)
+    model = MLP()
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+    monitor = TrainerMonitor(config(tmp_path, activations=ACTIVATIONS, targets={"modules": ["fc1"]}))
+    monitor.attach(model, optimizer)
+    evaluations: dict[int, list[dict]] = {}
+    for step in range(3):
+        x, y = data(step)
+        evaluations[step] = []
+
+        def closure(x=x, y=y, step=step):
+            optimizer.zero_grad()
+            hidden = model.fc1(x)  # the test's own copy of fc1's output, as the model computes it
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            evaluations[step].append({"fc1": hidden.detach().double().numpy(), "grads": grads64(model)})
+            return loss
+
+        optimizer.step(closure)
+        with torch.no_grad():
+            model(data(100)[0])
+    monitor.close()
+    unreduced, reduced, actv = rows(tmp_path, "grad_unreduced"), rows(tmp_path, "grad_reduced"), rows(tmp_path, "actv")
+    for step, evaluated in evaluations.items():
+        assert sorted(set(unreduced[unreduced.step == step].micro_step)) == list(range(len(evaluated)))
+        for micro, evaluation in enumerate(evaluated):
+            assert_rows_match(unreduced, step, evaluation["grads"], micro_step=micro)
+            at = actv[(actv.step == step) & (actv.micro_step == micro) & (actv.name == "fc1.output")]
+            assert np.isclose(float(at["norm"].iloc[0]), np.linalg.norm(evaluation["fc1"]), rtol=1e-5)
+        assert_rows_match(reduced, step, evaluated[0]["grads"])
+    assert list(scalars(tmp_path)["step_skipped"]) == [0.0, 0.0, 0.0]
+
+
 def test_lightning_style_accumulation_with_a_closure(tmp_path):
     """Lightning's automatic optimisation: micro-batches 0..k-2 run forward+backward outside the
     optimizer; the last runs inside ``optimizer.step(closure)``. The step uses the sum of all."""
@@ -389,3 +428,82 @@ def test_a_gradient_changed_inside_the_backward_is_skipped_then_read_in_its_hook
     assert (unreduced.step == 0).sum() == 0
     for step in (1, 2):
         assert_rows_match(unreduced, step, per_step[step])
+
+
+class _WordLanguageModel(torch.nn.Module):
+    """pytorch/examples' word_language_model ``RNNModel`` (LSTM, smaller): embedding, LSTM, decoder, dropout."""
+
+    def __init__(self, ntoken: int = 30, ninp: int = 8, nhid: int = 8, nlayers: int = 2) -> None:
+        super().__init__()
+        self.ntoken, self.nlayers, self.nhid = ntoken, nlayers, nhid
+        self.drop = torch.nn.Dropout(0.2)
+        self.encoder = torch.nn.Embedding(ntoken, ninp)
+        self.rnn = torch.nn.LSTM(ninp, nhid, nlayers, dropout=0.2)
+        self.decoder = torch.nn.Linear(nhid, ntoken)
+
+    def forward(self, input, hidden):
+        emb = self.drop(self.encoder(input))
+        output, hidden = self.rnn(emb, hidden)
+        decoded = self.decoder(self.drop(output)).view(-1, self.ntoken)
+        return torch.nn.functional.log_softmax(decoded, dim=1), hidden
+
+    def init_hidden(self, bsz):
+        weight = next(self.parameters())
+        return (weight.new_zeros(self.nlayers, bsz, self.nhid), weight.new_zeros(self.nlayers, bsz, self.nhid))
+
+
+@pytest.mark.parametrize("interval", [1, 2], ids=["every-step", "every-2nd-step"])
+@pytest.mark.parametrize("user_steps", [True, False], ids=["monitor.step", "no-monitor.step"])
+def test_word_language_model_without_an_optimizer(tmp_path, user_steps, interval):
+    """pytorch/examples' word_language_model: no optimizer object (``p.data.add_(p.grad, alpha=-lr)``),
+    ``model.zero_grad()``, the hidden state repackaged, ``clip_grad_norm_``, an evaluation under ``no_grad`` after
+    each epoch, ``attach(model)``. One step per batch, with or without ``monitor.step()`` (before, without it, every
+    batch of the run was written as a micro-step of step 0); ``grad_unreduced`` is the gradient of the backward
+    (before clipping), against the loop's own float64 copies; training is bit-identical to a run without trainmon."""
+    def train(monitor):
+        torch.manual_seed(1111)
+        model = _WordLanguageModel()
+        if monitor is not None:
+            monitor.attach(model)
+        source = torch.randint(0, 30, (4 * 22,), generator=torch.Generator().manual_seed(0)).view(4, -1).t()
+        grads, losses, lr = [], [], 20.0
+        for _epoch in range(2):
+            model.train()
+            hidden = model.init_hidden(4)
+            for i in range(0, source.size(0) - 1, 7):
+                seq_len = min(7, len(source) - 1 - i)
+                data, targets = source[i:i + seq_len], source[i + 1:i + 1 + seq_len].reshape(-1)
+                model.zero_grad()
+                hidden = tuple(h.detach() for h in hidden)
+                output, hidden = model(data, hidden)
+                loss = torch.nn.functional.nll_loss(output, targets)
+                loss.backward()
+                grads.append(grads64(model))
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+                for p in model.parameters():
+                    p.data.add_(p.grad, alpha=-lr)
+                losses.append(loss.item())
+                if monitor is not None and user_steps:
+                    monitor.step(loss=loss)
+            model.eval()
+            with torch.no_grad():
+                model(source[:5, :2], model.init_hidden(2))
+            lr /= 4.0
+        if monitor is not None:
+            monitor.close()
+        return model, grads, losses
+
+    plain, _, plain_losses = train(None)
+    cfg = config(tmp_path, activations={"enabled": True}, step_interval=interval)
+    model, grads, losses = train(TrainerMonitor(cfg))
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
+    collected = list(range(0, len(grads), interval))
+    unreduced, actv = rows(tmp_path, "grad_unreduced"), rows(tmp_path, "actv")
+    assert sorted(set(unreduced.step)) == collected and set(unreduced.micro_step) == {0}
+    assert sorted(set(actv.step)) == collected and set(actv.micro_step) == {0}
+    for step in collected:
+        assert_rows_match(unreduced, step, grads[step], metrics=["norm", "min", "max"])
+    if user_steps:
+        logged = scalars(tmp_path)["loss"].dropna()
+        assert list(logged.index) == list(range(len(grads)))
+        assert list(logged) == pytest.approx(losses, rel=1e-6)

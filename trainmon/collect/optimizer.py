@@ -16,7 +16,15 @@ from trainmon.collect.adam import (  # re-exported (__all__): integrations and t
     coupled_groups,
 )
 from trainmon.collect.hooks import HookedCollector, HookRegistry, post_accumulate_grad_hook
-from trainmon.collect.optimizer_parts import optimizer_parts, param_groups_of, state_holder, states_of
+from trainmon.collect.optimizer_parts import (
+    kept_states,
+    optimizer_parts,
+    other_rule_groups,
+    other_update_rule,
+    param_groups_of,
+    state_holder,
+    states_of,
+)
 from trainmon.collect.stats_base import foreach_norms, norm_of_norms
 from trainmon.collect.step_hooks import scale_of
 
@@ -115,6 +123,9 @@ class TorchOptimizerCollector(HookedCollector):
         self.config = config
         self._states = [s for s in config.optimizer_states.states if s in ctx.specs]
         self._precursors = PRECURSORS in ctx.specs
+        self._states_found = not self._states
+        """A collected step wrote optimizer-state rows (else one warning says why none are: :meth:`_post_step`)."""
+        self._warn_other_rule()
         self._norm: torch.Tensor | None = None
         self._norm_final = False
         self.batch_unreduced = batch_unreduced
@@ -128,6 +139,17 @@ class TorchOptimizerCollector(HookedCollector):
         if optimizer is not None:
             ctx.backward_end.append(self._backward_ended)
             ctx.step_not_taken.append(self._step_not_taken)
+
+    def _warn_other_rule(self) -> None:
+        """One warning at attach when the update-derived rows are asked of an optimizer that does not step by Adam's
+        rule (:func:`other_update_rule`): they are not written, rather than written wrong."""
+        derived: list[str] = [family for family in ("update", "ratio") if family in self._states]
+        derived += [PRECURSORS] if self._precursors else []
+        others = sorted({type(part).__name__ for part in self.parts if other_update_rule(part)})
+        if derived and others:
+            logger.warning("trainmon: %s does not step by Adam's m_hat / (sqrt(v_hat) + eps): its %s rows are not "
+                           "written (they would be Adam's arithmetic on its moments, not its update); exp_avg and "
+                           "exp_avg_sq are", ", ".join(others), ", ".join(derived))
 
     HOOK_GROUPS = (_GRADS, _OPTIMIZER)
     reads_missing_grads = True
@@ -365,6 +387,7 @@ class TorchOptimizerCollector(HookedCollector):
         adam_rows: list[tuple[str, int]] = []
         grads: list[torch.Tensor | None] = []
         derived = "update" in self._states or "ratio" in self._states
+        other_rule = other_rule_groups(self.parts) if derived or self._precursors else frozenset()
         for name, param, vpp_stage in self.params:
             state, group = found.get(id(param), (None, {}))
             if not state or (param.grad is None and not param.requires_grad):  # frozen: its state is not stepped
@@ -374,8 +397,8 @@ class TorchOptimizerCollector(HookedCollector):
                     rows[family].append((name, state[family], vpp_stage))
             if "momentum" in self._states and state.get("momentum_buffer") is not None:
                 rows["momentum"].append((name, state["momentum_buffer"], vpp_stage))
-            if (derived or self._precursors) and all(state.get(key) is not None
-                                                     for key in ("exp_avg", "exp_avg_sq", "step")):
+            if (derived or self._precursors) and id(group) not in other_rule and all(
+                    state.get(key) is not None for key in ("exp_avg", "exp_avg_sq", "step")):
                 # placeholders keep the rows' execution order; the values come from adam_partials_many
                 for family in ("update", "ratio"):
                     if family in self._states:
@@ -393,6 +416,14 @@ class TorchOptimizerCollector(HookedCollector):
             wanted: list[str] = [family for family in ("exp_avg", "exp_avg_sq") if family in self._states]
             if len({ctx.specs[family] for family in wanted}) == 1:
                 fused_states = wanted
+        if not self._states_found and any(found.get(id(param), (None,))[0] for _, param, _ in self.params):
+            # (an optimizer that has not stepped yet, a step skipped before it did, holds no state: not decided)
+            self._states_found = any(rows[family] for family in self._states)
+            if not self._states_found:
+                self._states_found = True  # said once
+                logger.warning("trainmon: optimizer_states asked for %s, but %s keeps none of them: no optimizer-state "
+                               "rows are written (the gradients and lr are)", ", ".join(self._states),
+                               kept_states(self.parts))
         orders = self._record_interleaved(rows, skip=("update", "ratio", PRECURSORS, *fused_states))
         if adam_entries:
             self._record_adam(adam_entries, adam_rows, orders, rows, fused_states, grads,

@@ -81,4 +81,43 @@ def state_holder(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-__all__ = ["OptimizerContainerError", "optimizer_parts", "param_groups_of", "state_holder", "states_of"]
+def other_update_rule(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` keeps Adam's ``exp_avg`` and ``exp_avg_sq`` but does not step by Adam's
+    ``m_hat / (sqrt(v_hat) + eps)``: torch's ``NAdam`` (Nesterov momentum with its own schedule) and ``RAdam``
+    (rectified; SGD with momentum in the first steps). Their ``update``, ``ratio`` and ``precursors`` would be Adam's
+    arithmetic on their moments, not the step they took (up to 36x it in a test), so none are written.
+
+    Example:
+        >>> params = [torch.nn.Parameter(torch.ones(1))]
+        >>> other_update_rule(torch.optim.NAdam(params)), other_update_rule(torch.optim.AdamW(params))
+        (True, False)
+    """
+    return isinstance(state_holder(optimizer), (torch.optim.NAdam, torch.optim.RAdam))
+
+
+def other_rule_groups(parts: Sequence[torch.optim.Optimizer]) -> frozenset[int]:
+    """``id`` of every parameter group (as :func:`states_of` gives them) of an optimizer of
+    :func:`other_update_rule`."""
+    return frozenset(id(group) for part in parts if other_update_rule(part)
+                     for group in state_holder(part).param_groups)
+
+
+def kept_states(parts: Sequence[torch.optim.Optimizer]) -> str:
+    """The optimizers' class names and the state keys they keep, for a warning (host-side, no tensor read).
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 1)
+        >>> adagrad = torch.optim.Adagrad(layer.parameters())
+        >>> kept_states([adagrad])
+        'Adagrad (its state: step, sum)'
+    """
+    described = []
+    for part in parts:
+        holder = state_holder(part)
+        keys = sorted({key for state in holder.state.values() for key in state})
+        described.append(f"{type(part).__name__} ({'its state: ' + ', '.join(keys) if keys else 'no state'})")
+    return ", ".join(dict.fromkeys(described))
+
+
+__all__ = ["OptimizerContainerError", "kept_states", "optimizer_parts", "other_rule_groups", "other_update_rule",
+           "param_groups_of", "state_holder", "states_of"]

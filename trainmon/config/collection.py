@@ -107,7 +107,10 @@ class OptimizerStatesConfig:
     enabled: bool = True
     """Collect optimizer states."""
     states: list[str] = setting(["exp_avg", "exp_avg_sq", "update", "ratio"], choices=OPTIMIZER_STATES, unique=True)
-    """Any of exp_avg, exp_avg_sq, update (m_hat / (sqrt(v_hat) + eps)), ratio (update / param), momentum (SGD)."""
+    """Any of exp_avg, exp_avg_sq, update (m_hat / (sqrt(v_hat) + eps)), ratio (update / param), momentum (SGD).
+    ``momentum`` is the optimizer's ``momentum_buffer`` (SGD, RMSprop with momentum); update and ratio are not
+    written for NAdam and RAdam (not Adam's update; one warning); an optimizer keeping none of these (Adadelta,
+    Adagrad, LBFGS) gets no rows, with one warning (docs/training_loops.md)."""
     metrics: list[str] = metric_list()
     """Statistics per state tensor."""
     precursors: bool = False

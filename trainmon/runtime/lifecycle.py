@@ -23,7 +23,8 @@ A *monitor step* is one optimizer step. Within it:
   forward (no grad, eval mode) ends nothing. A step in which no training forward of the attached module ran (its
   forward called as ``model.forward(x)``, which runs no module hook, as pytorch/examples' forward-forward layers do)
   has nothing later to mark the next iteration: it ends at the optimizer's step (at ``GradScaler.update()`` under a
-  scaler), and a ``monitor.step()`` right after that closes the same step;
+  scaler), and a ``monitor.step()`` right after that closes the same step. Without an optimizer (an update
+  written by hand) and without ``monitor.step()``, a step is ``grad_acc_steps`` training forwards of the root;
 - whether the step was **applied**: with a ``GradScaler`` from its ``found_inf`` (scalar
   ``step_skipped``, with ``loss_scale``), otherwise from whether the optimizer's step ran.
 
@@ -216,7 +217,7 @@ class StepLifecycle:
         discriminator, called again for the generator's loss after its own optimizer stepped)."""
         if self.user_steps:
             return
-        if self.finished:
+        if self.finished or self._counted_step_done():
             site = _call_site()
             if self.first_site is not None and site != self.first_site:
                 return
@@ -224,6 +225,19 @@ class StepLifecycle:
             self.first_site = site
         elif self.first_site is None:
             self.first_site = _call_site()
+
+    def _counted_step_done(self) -> bool:
+        """Without an optimizer (an update written by hand, pytorch/examples' word_language_model) nothing marks the
+        end of a step but ``monitor.step()``: until the user calls it, a step is ``grad_acc_steps`` training forwards
+        of a root (else every batch of the run would be a micro-step of step 0)."""
+        if self.optimizer is not None or self.drive_by_trainer or not self.forwards:
+            return False
+        if max(self.forwards.values()) < self.ctx.grad_acc_steps:
+            return False
+        self._warn_once("counted", "trainmon: attach() got no optimizer and monitor.step() has not been called: each "
+                        "step is taken to be %d training forward(s) of the model (attach(grad_acc_steps=...)); call "
+                        "monitor.step() after your update if that is not so", self.ctx.grad_acc_steps)
+        return True
 
     def _forward_pre_plain(self, module: Any, args: Any) -> None:
         self._maybe_end()
@@ -422,10 +436,11 @@ class StepLifecycle:
             return {"step_skipped": _any_skipped(self.skip_flags)}
         ctx, buffer = self.ctx, self.ctx.buffer
         known = "step_skipped" in buffer.scalar_names or "step_skipped" in buffer.host_scalars
-        if (ctx.collecting and not known and self.optimizer is not None and self.forwards and not self.closing
+        if (ctx.collecting and not known and self.optimizer is not None and self.forwards
+                and (not self.closing or self.optimizer_stepped)
                 and hasattr(self.optimizer, "register_step_post_hook")):
             # (a step ended by close() before its optimizer step - forwards after the last one, a crash - was not
-            # skipped: it never came to its update)
+            # skipped: it never came to its update; one ended by close() after it, the loop's last, was applied)
             # nothing (scaler, engine) told us: the step was skipped when the optimizer's step did not run
             return {"step_skipped": 0.0 if self.optimizer_stepped else 1.0}
         return {}

@@ -40,7 +40,7 @@ from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.adam import adam_partials_cpu, adam_update, coupled_groups, precursor_partials, update_ratio
 from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.optimizer import TorchOptimizerCollector, global_grad_norm, unless_skipped
-from trainmon.collect.optimizer_parts import param_groups_of, state_holder, states_of
+from trainmon.collect.optimizer_parts import other_rule_groups, param_groups_of, state_holder, states_of
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.collect.step_hooks import scale_of, unwrap_optimizer
 from trainmon.integrations.base import (
@@ -159,6 +159,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
             return
         found = states_of(self.parts)
         adam = "update" in self._states or "ratio" in self._states
+        other_rule = other_rule_groups(self.parts) if adam or self._precursors else frozenset()
         precursors: list[tuple[str, int, tuple[torch.Tensor, dict[str, Any], dict[str, Any]], torch.Tensor]] = []
         for name, param, vpp_stage in self.params:
             state, group = found.get(id(param), (None, {}))
@@ -169,6 +170,8 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
                     self._shard(family, name, vpp_stage, state[family])
             if "momentum" in self._states and state.get("momentum_buffer") is not None:
                 self._shard("momentum", name, vpp_stage, state["momentum_buffer"])
+            if id(group) in other_rule:  # NAdam, RAdam: Adam's arithmetic would not be their update
+                continue
             if adam and "exp_avg" in state and "exp_avg_sq" in state:
                 self._adam_rows(name, vpp_stage, state, group, local_shard(param))
             if self._precursors and param.grad is not None and all(
