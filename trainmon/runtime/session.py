@@ -21,7 +21,8 @@ from trainmon.collect.struct import StructRecorder
 from trainmon.config import ConfigError, MonitorConfig, check_ranks, family_metrics
 from trainmon.errors import AnomalyError
 from trainmon.integrations.base import Attachment, AttachOptions
-from trainmon.runtime.lifecycle import StepLifecycle, part_of
+from trainmon.runtime.lifecycle import StepLifecycle
+from trainmon.runtime.micro_steps import part_of
 from trainmon.runtime.replicas import plan_replicas
 from trainmon.runtime.rundir import (
     remove_empty_dirs,
