@@ -32,6 +32,11 @@ Framework specifics come in through two small pieces in :mod:`trainmon.collect.s
 :class:`~trainmon.collect.step_hooks.StepWrapper` gives pre/post step hooks to an object that has none (a
 ``DeepSpeedEngine``, a Megatron optimizer), and :class:`~trainmon.collect.step_hooks.ScalerHooks` reads a
 torch ``GradScaler`` at its ``update()``.
+
+Here: where steps end and whether they were applied (:class:`StepLifecycle`'s hooks on the roots' forward pre-hooks,
+the optimizer and the scaler). The frames of the micro-steps in flight (a forward's end, its backward's beginning
+and end, the rows of failed and abandoned micro-steps) are its base,
+:class:`~trainmon.runtime.micro_steps.MicroSteps`.
 """
 
 from __future__ import annotations
@@ -40,15 +45,14 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from trainmon.collect.activations import named_tensors
-from trainmon.collect.hooks import H, HookRegistry
+from trainmon.collect.hooks import HookRegistry
 from trainmon.collect.step_hooks import ScalerHooks
+from trainmon.runtime.micro_steps import BACKWARD_HOOKS, Frame, MicroSteps, part_of
 
 if TYPE_CHECKING:
     from trainmon.base.types import GradScaler, Optimizer
@@ -57,26 +61,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("trainmon")
 
 _ROOTS = "step_roots"
-_BACKWARD = "step_backward"
 
 
-@dataclass
-class _Frame:
-    """One training micro-step in flight: where its rows begin, whether its backward began/ended."""
-
-    root: int
-    mark: int
-    returned: bool = False
-    backward_started: bool = False
-    backward_done: bool = False
-    end: int = -1
-    """Buffer length when the forward's rows were all recorded (its rows are ``mark:end``)."""
-    micro: int = 0
-    watched: bool = False
-    """Its output has a tensor whose gradient hook tells when its backward begins."""
-
-
-class StepLifecycle:
+class StepLifecycle(MicroSteps):
     """Owns when micro-steps and steps begin and end, for every integration.
 
     Args:
@@ -113,21 +100,15 @@ class StepLifecycle:
         """Where the user's code called this step's first training forward (kept while steps end by themselves)."""
         self.skip_flags: list[torch.Tensor | float] = []
         """This step's verdicts on whether the update was skipped: a GradScaler's, the step guard's."""
-        self._pending: _Frame | None = None
-        self._frames: list[_Frame] = []
-        self._done: list[_Frame] = []
+        self._pending: Frame | None = None
+        self._frames: list[Frame] = []
+        self._done: list[Frame] = []
         """The step's training forwards that returned (in order), until their backward began or they were dropped."""
-        self.registry.remove(_BACKWARD)
+        self.registry.remove(BACKWARD_HOOKS)
         self._suspended: list[bool] = []
         self._backward_task: int | None = None
 
     # ------------------------------------------------------------------ set-up
-    def guarded(self, fn: H) -> H:
-        """``fn`` (a hook of the step model) under the fail-safe guard as part ``step``: when it fails, the
-        monitor cannot tell steps apart any more and switches itself off (:mod:`trainmon.base.guard`). While
-        dynamo traces it (a root inside ``torch.compile``) it is called as it is, as without the guard."""
-        return self.ctx.guard.wrap("step", fn, bypass=torch.compiler.is_compiling)
-
     def hook_roots(self, roots: list[Any]) -> None:
         guarded = self.guarded
         for root in roots:
@@ -256,132 +237,12 @@ class StepLifecycle:
             # evaluation / no_grad / inference_mode: not a micro-step, no rows
             self._suspended.append(ctx.collecting)
             ctx.collecting = False
-            self._frames.append(_Frame(root=-1, mark=-1))
+            self._frames.append(Frame(root=-1, mark=-1))
             return
         ctx.forwards += 1
         ctx.micro_step = self.forwards.get(id(module), 0)
-        self._frames.append(_Frame(root=id(module), mark=len(ctx.buffer.keys), micro=ctx.micro_step))
+        self._frames.append(Frame(root=id(module), mark=len(ctx.buffer.keys), micro=ctx.micro_step))
         ctx.training_forward_open = True
-
-    def _forward_ok(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._frames:
-            self._frames[-1].returned = True  # hooks registered without always_call run only on success
-
-    def _forward_done(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if not self._frames:
-            return
-        frame = self._frames.pop()
-        self.ctx.training_forward_open = any(open_frame.root != -1 for open_frame in self._frames)
-        if frame.root == -1:
-            if self._suspended:
-                self.ctx.collecting = self._suspended.pop()
-            return
-        if not frame.returned:  # the forward raised: its rows go, the micro-step is not counted
-            self._rollback(frame.mark)
-            return
-        self.forwards[frame.root] = self.forwards.get(frame.root, 0) + 1
-        if self.ctx.collecting:
-            self.ctx.grouped.flush()  # the forward's activations, measured together
-            frame.end = len(self.ctx.buffer.keys)
-            if torch.is_grad_enabled():
-                self._watch_backward(frame, output)
-
-    def _watch_backward(self, frame: _Frame, output: Any) -> None:
-        """Hooks on the forward's output tensors: mark when its backward begins (kept until the step ends, so
-        that a pipeline's forwards, whose backwards come later, are each seen)."""
-        self._pending = frame
-        for _, tensor in named_tensors(output, ""):
-            if tensor.requires_grad and tensor.grad_fn is not None:  # a hook on a leaf would outlive the step
-                frame.watched = True
-                self.registry.add(_BACKWARD, tensor.register_hook(self.guarded(
-                    lambda grad, frame=frame: self._backward_begins(frame))))
-        if frame.watched:
-            self._done.append(frame)
-
-    def _backward_begins(self, frame: _Frame) -> None:
-        frame.backward_started = True
-        self.backward_started()
-
-    def backward_started(self) -> None:
-        """Called from inside a backward pass on a collected step: schedule the end-of-backward work once.
-
-        Two hops: a callback queued during the backward runs when the pass ends, but before
-        callbacks queued later (torch DDP queues its gradient reduction when the first gradient
-        is ready); a callback queued from that callback runs after all of them, when the
-        gradients are reduced and final.
-        """
-        task = torch._C._current_graph_task_id()
-        if task == -1 or task == self._backward_task:
-            return
-        self._backward_task = task
-        engine = torch.autograd.Variable._execution_engine
-        backward_ends = self.guarded(self._backward_ends)  # it runs inside the user's backward()
-        engine.queue_callback(lambda: engine.queue_callback(backward_ends))
-
-    def _backward_ends(self) -> None:
-        self._backward_task = None
-        if self._pending is not None and self._pending.backward_started:
-            self._pending.backward_done = True
-        if not self.ctx.collecting:
-            self._drop_abandoned()
-            return
-        self.ctx.grouped.flush()  # the pass's activation gradients, measured together
-        self._drop_abandoned()  # after the flush: its rows are renumbered with the pass's others
-        guard = self.ctx.guard
-        for hook in list(self.ctx.backward_end):  # each under its collector's part: one failing stops only that
-            guard.run(part_of(hook), hook)
-
-    def _drop_failed_backward(self) -> None:
-        """A backward that began and never ended raised: drop its micro-step's rows."""
-        frame = self._pending
-        if frame is not None and frame.backward_started and not frame.backward_done:
-            self._rollback(frame.mark)
-            for subscriber in self.ctx.backward_failed:
-                subscriber()
-            self.forwards[frame.root] = max(0, self.forwards.get(frame.root, 1) - 1)
-            self._backward_task = None
-            if frame in self._done:
-                self._done.remove(frame)
-        self._pending = None
-
-    def _drop_abandoned(self) -> None:
-        """Drop the micro-steps whose backward never began although a later one of their root finished its
-        backward: a backward that raised before it reached the model's output (pipeline schedules run their
-        backwards in the order of their forwards, and forwards that share one backward all begin in it).
-
-        Their forward rows go, the later micro-steps of the step move down by one (rows, counters, and the
-        subscribers of :attr:`StepContext.micro_step_dropped`)."""
-        done = self._done
-        started_roots = {frame.root: i for i, frame in enumerate(done) if frame.backward_started}
-        abandoned = [frame for i, frame in enumerate(done)
-                     if not frame.backward_started and started_roots.get(frame.root, -1) > i]
-        if not abandoned:
-            self._done = [frame for frame in done if not frame.backward_started]  # begun: settled
-            return
-        ctx = self.ctx
-        drop = getattr(ctx.buffer, "drop_rows", None)  # a StepBuffer (torch roots only make frames)
-        for frame in reversed(abandoned):  # latest first: earlier frames' row ranges stay valid
-            if drop is not None and frame.end >= frame.mark >= 0:
-                drop(frame.mark, frame.end, frame.micro)
-                removed = frame.end - frame.mark
-                for later in [*done, *self._frames]:  # rows recorded after the dropped ones moved up
-                    if later is not frame and later.mark >= frame.end:
-                        later.mark -= removed
-                        later.end = later.end - removed if later.end >= 0 else later.end
-            self.forwards[frame.root] = max(0, self.forwards.get(frame.root, 1) - 1)
-            if ctx.micro_step > frame.micro:
-                ctx.micro_step -= 1
-            for later in [*done, *self._frames]:
-                if later.root == frame.root and later.micro > frame.micro:
-                    later.micro -= 1
-            for subscriber in ctx.micro_step_dropped:  # each under its collector's part, as backward_end
-                ctx.guard.run(part_of(subscriber), subscriber, frame.micro)
-        self._done = [frame for frame in done if not frame.backward_started and frame not in abandoned]
-
-    def _rollback(self, mark: int) -> None:
-        self.ctx.grouped.discard()  # kept since the pass began: they belong to it
-        if mark >= 0:
-            self.ctx.buffer.truncate(mark)
 
     def _optimizer_post(self, *args: Any) -> None:
         self.optimizer_stepped = True
@@ -478,11 +339,3 @@ def _any_skipped(flags: list[torch.Tensor | float]) -> torch.Tensor | float:
     for flag in tensors[1:]:
         combined = torch.maximum(combined, (flag > 0).to(combined.device, torch.float32))
     return combined
-
-
-def part_of(owner: Any) -> str:
-    """The fail-safe guard's part of a collector, or of a collector's bound method (its ``PART``); else ``step``."""
-    part = getattr(owner, "PART", None)
-    if part is None:
-        part = getattr(getattr(owner, "__self__", None), "PART", None)
-    return part if isinstance(part, str) else "step"

@@ -39,8 +39,9 @@ from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
 from trainmon.collect.activations import ActivationCollector
 from trainmon.collect.adam import adam_partials_cpu, adam_update, coupled_groups, precursor_partials, update_ratio
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.optimizer import TorchOptimizerCollector, global_grad_norm, unless_skipped
+from trainmon.collect.optimizer import TorchOptimizerCollector, global_grad_norm
 from trainmon.collect.optimizer_parts import other_rule_groups, param_groups_of, state_holder, states_of
+from trainmon.collect.optimizer_states import unless_skipped
 from trainmon.collect.stats import combine_partials_torch, empty_partial
 from trainmon.collect.step_hooks import scale_of, unwrap_optimizer
 from trainmon.integrations.base import (
