@@ -99,7 +99,7 @@ class AnomalyConfig:
     (``{type: spike, series: ["grad_reduced/*/norm"], method: log, persist: 3}``), the global gradient norm
     watch (``{type: spike, series: [grad_norm], method: log, threshold: 7, min_relative_change: 2.2,
     range_factor: 3}``: a jump above 3.2x its level) and drop watch (the same, ``direction: down``, 10x), the
-    attention logit growth (``{type: growth, series: ["attn/*/max_logit"], window: 40, factor: 2, min_value: 30,
+    attention logit growth (``{type: growth, series: ["attn/*/max_logit"], window: 40, factor: 1.7, min_value: 25,
     reduce: max}``: the model's largest logit)
     and Adam's epsilon underflow (``{type: level, series: ["precursors/*/eps_underflow"], threshold: 0.9,
     persist: 5}``). ``false``: only ``detectors`` run."""
