@@ -12,7 +12,7 @@ import torch
 
 from trainmon.base.precursors import PRECURSORS
 from trainmon.collect.hooks import HookedCollector, HookRegistry, post_accumulate_grad_hook
-from trainmon.collect.optimizer_parts import optimizer_parts, other_update_rule, param_groups_of
+from trainmon.collect.optimizer_parts import optimizer_parts, param_groups_of
 from trainmon.collect.optimizer_states import OptimizerStateRows
 from trainmon.collect.optimizer_states import unless_skipped as unless_skipped  # its address before the split
 from trainmon.collect.stats_base import foreach_norms, norm_of_norms
@@ -112,8 +112,7 @@ class TorchOptimizerCollector(OptimizerStateRows, HookedCollector):
         self.config = config
         self._states = [s for s in config.optimizer_states.states if s in ctx.specs]
         self._precursors = PRECURSORS in ctx.specs
-        self._states_found = not self._states
-        """A collected step wrote optimizer-state rows (else one warning says why none are: :meth:`_post_step`)."""
+        self._states_checked = not self._states
         self._warn_other_rule()
         self._norm: torch.Tensor | None = None
         self._norm_final = False
@@ -128,17 +127,6 @@ class TorchOptimizerCollector(OptimizerStateRows, HookedCollector):
         if optimizer is not None:
             ctx.backward_end.append(self._backward_ended)
             ctx.step_not_taken.append(self._step_not_taken)
-
-    def _warn_other_rule(self) -> None:
-        """One warning at attach when the update-derived rows are asked of an optimizer that does not step by Adam's
-        rule (:func:`other_update_rule`): they are not written, rather than written wrong."""
-        derived: list[str] = [family for family in ("update", "ratio") if family in self._states]
-        derived += [PRECURSORS] if self._precursors else []
-        others = sorted({type(part).__name__ for part in self.parts if other_update_rule(part)})
-        if derived and others:
-            logger.warning("trainmon: %s does not step by Adam's m_hat / (sqrt(v_hat) + eps): its %s rows are not "
-                           "written (they would be Adam's arithmetic on its moments, not its update); exp_avg and "
-                           "exp_avg_sq are", ", ".join(others), ", ".join(derived))
 
     HOOK_GROUPS = (_GRADS, _OPTIMIZER)
     reads_missing_grads = True

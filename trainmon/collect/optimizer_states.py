@@ -16,7 +16,7 @@ import torch
 from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
 from trainmon.base.records import RowKey
 from trainmon.collect.adam import AdamEntry, adam_partials_many, coupled_groups
-from trainmon.collect.optimizer_parts import kept_states, other_rule_groups, state_holder, states_of
+from trainmon.collect.optimizer_parts import kept_states, other_rule_groups, other_update_rule, state_holder, states_of
 
 logger = logging.getLogger("trainmon")
 
@@ -41,8 +41,20 @@ class OptimizerStateRows:
     """The optimizer-state families measured (``optimizer_states.states`` that have a spec)."""
     _precursors: bool
     """Whether the ``precursors`` rows are measured."""
-    _states_found: bool
-    """A collected step wrote optimizer-state rows (else one warning says why none are: :meth:`_post_step`)."""
+    _states_checked: bool
+    """Whether the optimizer's states were checked for the families asked for (one warning if it keeps none of
+    them: :meth:`_post_step`)."""
+
+    def _warn_other_rule(self) -> None:
+        """One warning at attach when the update-derived rows are asked of an optimizer that does not step by Adam's
+        rule (:func:`other_update_rule`): they are not written (:meth:`_post_step`), rather than written wrong."""
+        derived: list[str] = [family for family in ("update", "ratio") if family in self._states]
+        derived += [PRECURSORS] if self._precursors else []
+        others = sorted({type(part).__name__ for part in self.parts if other_update_rule(part)})
+        if derived and others:
+            logger.warning("trainmon: %s does not step by Adam's m_hat / (sqrt(v_hat) + eps): its %s rows are not "
+                           "written (they would be Adam's arithmetic on its moments, not its update); exp_avg and "
+                           "exp_avg_sq are", ", ".join(others), ", ".join(derived))
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Optimizer states, ``update``, ``ratio`` and ``precursors`` after the step, each family measured at once."""
@@ -85,11 +97,10 @@ class OptimizerStateRows:
             wanted: list[str] = [family for family in ("exp_avg", "exp_avg_sq") if family in self._states]
             if len({ctx.specs[family] for family in wanted}) == 1:
                 fused_states = wanted
-        if not self._states_found and any(found.get(id(param), (None,))[0] for _, param, _ in self.params):
-            # (an optimizer that has not stepped yet, a step skipped before it did, holds no state: not decided)
-            self._states_found = any(rows[family] for family in self._states)
-            if not self._states_found:
-                self._states_found = True  # said once
+        if not self._states_checked and any(found.get(id(param), (None,))[0] for _, param, _ in self.params):
+            # decided at the first step with any state (an optimizer that has not stepped yet holds none)
+            self._states_checked = True
+            if not any(rows[family] for family in self._states):
                 logger.warning("trainmon: optimizer_states asked for %s, but %s keeps none of them: no optimizer-state "
                                "rows are written (the gradients and lr are)", ", ".join(self._states),
                                kept_states(self.parts))
