@@ -14,6 +14,7 @@ import sys
 
 import pandas as pd
 import pytest
+import torch
 
 from tests.launch import run_ranks
 
@@ -69,11 +70,11 @@ def _worker(out_dir: str) -> None:
         for kind in KINDS:
             got = train(kind, guarded=True)
             assert_bit_identical(got, train(kind, guarded=False))
-            # and the ranks agree with each other
+            # the ranks' parameters, compared by the test: a collective of the test's own as the worker's last act
+            # can abort the process at exit (gloo's worker thread frees the finished work's Python tensors while
+            # the interpreter finalises: "terminate called without an active exception", ~1 run in 12)
             flat = torch.cat([p.detach().reshape(-1) for p in got[0].parameters()])
-            gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, flat)
-            assert all(torch.equal(gathered[0], other) for other in gathered[1:]), "the ranks' parameters differ"
+            torch.save(flat, f"{out_dir}/{kind}_params_rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -82,6 +83,8 @@ def _worker(out_dir: str) -> None:
 def test_every_rank_skips_the_poisoned_steps_as_a_job_without_their_batches(tmp_path):
     run_ranks([__file__, tmp_path], world_size=2, timeout=180)
     for kind in KINDS:
+        params = [torch.load(tmp_path / f"{kind}_params_rank{rank}.pt") for rank in range(2)]
+        assert torch.equal(params[0], params[1]), f"{kind}: the ranks' parameters differ"
         for rank in range(2):
             scalars = pd.read_csv(tmp_path / kind / f"rank{rank}" / "scalars.csv")
             skipped = scalars[(scalars["name"] == "step_skipped") & (scalars["value"] == 1.0)]
