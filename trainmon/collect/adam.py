@@ -9,7 +9,7 @@ from typing import Any, TypeAlias, TypeGuard
 import numpy as np
 import torch
 
-from trainmon.base.records import PARTIAL_SLOTS
+from trainmon.base.partials import PARTIAL_SLOTS
 from trainmon.collect import kernels
 from trainmon.collect.fallback import bounded_batches
 from trainmon.collect.kernel_ops import ADAM_PARTS, adam_parts
