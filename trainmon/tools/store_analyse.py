@@ -42,8 +42,8 @@ import pyarrow as pa
 
 from trainmon.anomaly.events import NONFINITE_DETECTORS, WRITE_ORDER, encode_float
 from trainmon.anomaly.firsts import check_detectors, headline
-from trainmon.anomaly.merge import StepRanges
 from trainmon.anomaly.ordering import describe
+from trainmon.anomaly.step_ranges import StepRanges
 from trainmon.base.inputs import rank_dirs_of
 from trainmon.sinks.store_events import EVENTS_FILE, stored_ranges
 from trainmon.sinks.store_layout import ANOMALIES, SCALARS, STORE_DIR, table_dir

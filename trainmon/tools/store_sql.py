@@ -12,8 +12,8 @@ from contextlib import contextmanager
 import duckdb
 import pyarrow as pa
 
-from trainmon.anomaly.merge import StepRanges
 from trainmon.anomaly.ordering import PHASE_RANK
+from trainmon.anomaly.step_ranges import StepRanges
 
 _MAX_INLINE_RANGES = 64
 
