@@ -19,7 +19,8 @@ import pytest
 from benchmarks.synthetic_store import Spike, llama_names, write_store
 from trainmon.tools.cli import main
 from trainmon.tools.report import data as report_data
-from trainmon.tools.report.grids import largest_change, module_grids, rank_grids, running_median, step_grids
+from trainmon.tools.report.colours import largest_change, running_median
+from trainmon.tools.report.grids import module_grids, rank_grids, step_grids
 from trainmon.tools.report.rows import order_rows, parse_name
 from trainmon.tools.report.source import open_source
 

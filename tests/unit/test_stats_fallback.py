@@ -12,8 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.reference import METRICS, np_stats
 from tests.unit.test_stats_many import _adam_reference, _adam_states
-from trainmon.collect import adam, fallback, stats
-from trainmon.collect.adam import _adam_items, _adam_torch
+from trainmon.collect import adam, adam_fallback, fallback, stats
+from trainmon.collect.adam import _adam_items
+from trainmon.collect.adam_fallback import adam_partials_torch
 from trainmon.collect.fallback import partials_torch
 from trainmon.collect.stats import partial_stats, partial_stats_many
 from trainmon.collect.stats_base import StatsSpec, zero_threshold
@@ -210,7 +211,7 @@ def _assert_adam(update_block, ratio_block, entries, label=""):
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
 def test_adam_fallback_matches_float64(variant, dtype, amsgrad, monkeypatch):
-    monkeypatch.setattr(adam, "_TEMPORARY_ELEMENTS", 50000)  # the 196,731-element parameter in 4 pieces
+    monkeypatch.setattr(adam_fallback, "TEMPORARY_ELEMENTS", 50000)  # the 196,731-element parameter in 4 pieces
     entries = _adam_entries(dtype, amsgrad)
     spec = StatsSpec.from_metrics(["norm", "min", "max", "mean", "nans", "infs"], eps=1e-8)
     adam_indices, blocks = adam.adam_partials_many(entries, spec, spec)
@@ -227,7 +228,7 @@ def test_adam_fallback_with_device_scalar_constants():
              for m, v, p, *constants in _adam_items(entries)]
     spec = StatsSpec.from_metrics(["norm", "min", "max", "mean", "nans", "infs"], eps=1e-8)
     with torch.no_grad():
-        update_block, ratio_block, _, precursors = _adam_torch(items, spec, spec, torch.device("cpu"), [])
+        update_block, ratio_block, _, precursors = adam_partials_torch(items, spec, spec, torch.device("cpu"), [])
     assert precursors is None  # not asked for
     _assert_adam(update_block, ratio_block, entries)
 
@@ -239,7 +240,7 @@ def test_precursor_fallback_in_pieces_matches_float64(dtype, monkeypatch):
     from trainmon.base.precursors import finalize_precursors
 
     monkeypatch.setattr(stats, "fused_enabled", False)
-    monkeypatch.setattr(adam, "_TEMPORARY_ELEMENTS", 50000)  # the 196,731-element parameter in 4 pieces
+    monkeypatch.setattr(adam_fallback, "TEMPORARY_ELEMENTS", 50000)  # the 196,731-element parameter in 4 pieces
     entries = _adam_states(dtype)
     grads = [p.grad for p, _, _ in entries]
     got = adam.precursor_partials(entries, grads)

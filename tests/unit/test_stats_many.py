@@ -17,10 +17,10 @@ from trainmon.collect.adam import (
     _CHUNK,
     _adam_fused,
     _adam_items,
-    _adam_torch,
     adam_partials_many,
     precursor_partials,
 )
+from trainmon.collect.adam_fallback import adam_partials_torch
 from trainmon.collect.context import StepContext
 from trainmon.collect.stats import partial_stats, partial_stats_many
 from trainmon.collect.stats_base import StatsSpec
@@ -289,7 +289,8 @@ def test_adam_constants_as_device_scalars(implementation):
         if implementation == "fused":
             update_block, ratio_block, _, precursors = _adam_fused(items, SPEC, SPEC, None, torch.device("cpu"), grads)
         else:
-            update_block, ratio_block, _, precursors = _adam_torch(items, SPEC, SPEC, torch.device("cpu"), grads)
+            update_block, ratio_block, _, precursors = adam_partials_torch(items, SPEC, SPEC, torch.device("cpu"),
+                                                                           grads)
     heads, tails = (block.view(-1, 8).numpy() for block in precursors)
     values, _ = finalize_precursors(heads, tails)
     for row, entry in enumerate(entries):

@@ -115,7 +115,7 @@ def _columns(records: list[StepRecord], family: str, piece: int) -> list[dict[st
 
 @pytest.mark.parametrize("seed", range(4))
 def test_the_sink_and_csv2tb_compute_the_same_overview(seed):
-    from trainmon.tools.csv2tb import _complete_steps
+    from trainmon.tools.csv2tb_sources import complete_steps
     from trainmon.tools.readers import Table
 
     records = _records(seed)
@@ -127,7 +127,7 @@ def test_the_sink_and_csv2tb_compute_the_same_overview(seed):
     for family in ("actv", "grad_reduced"):
         pieces = [Table(family, t["metrics"], t["keys"], t["rows"], t["steps"], t["micro"], t["values"])
                   for t in _columns(records, family, piece=3)]
-        for table in _complete_steps(iter(pieces)):
+        for table in complete_steps(iter(pieces)):
             got += offline.blocks(family, table.metrics, table.keys, table.rows, table.micro_steps, table.steps,
                                   table.values)
     got += offline.finish()

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trainmon.base.records import ACTIVATION_KINDS
-from trainmon.collect.activations import named_tensors
 from trainmon.collect.hooks import HookRegistry
+from trainmon.collect.tensor_names import named_tensors
 
 if TYPE_CHECKING:
     from trainmon.actions.modules import Key, ModuleTable

@@ -1,11 +1,11 @@
 """Reading and merging every rank's ``anomalies.jsonl`` of a run (framework-free): :func:`analyse_run`.
 
-The steps to keep (:class:`StepRanges`, :func:`parse_steps`), the checked line readers (one regex per file, a
-validating slow path per line), and the merge: events ordered earliest first with the DESIGN.md rule (see
-:mod:`trainmon.anomaly.ordering`). Only the top ``K`` events, the earliest event of every step, the first
-non-finite and the first spike (:mod:`trainmon.anomaly.firsts`), and counts are kept in memory, so a 1,024-rank
-run with 1,000 events per rank is merged in seconds. Corrupt lines are
-reported with their file and line number and skipped. ``trainmon analyse`` (:mod:`trainmon.tools.analyse`)
+The checked line readers (one regex per file, a validating slow path per line) and the merge, over the steps to keep
+(:class:`~trainmon.anomaly.step_ranges.StepRanges`, :func:`parse_steps`: :mod:`trainmon.anomaly.step_ranges`):
+events ordered earliest first with the DESIGN.md rule (see :mod:`trainmon.anomaly.ordering`). Only the top ``K``
+events, the earliest event of every step, the first non-finite and the first spike (:mod:`trainmon.anomaly.firsts`),
+and counts are kept in memory, so a 1,024-rank run with 1,000 events per rank is merged in seconds. Corrupt lines
+are reported with their file and line number and skipped. ``trainmon analyse`` (:mod:`trainmon.tools.analyse`)
 prints and writes the result; ``trainmon report`` draws it.
 """
 
@@ -16,16 +16,17 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeAlias
 
 import numpy as np
-import numpy.typing as npt
 
 from trainmon.anomaly.events import NONFINITE_DETECTORS, decode_float
 from trainmon.anomaly.firsts import check_detectors, headline
 from trainmon.anomaly.ordering import PHASE_RANK, sort_key_fields
+from trainmon.anomaly.step_ranges import StepRanges
+from trainmon.anomaly.step_ranges import parse_steps as parse_steps  # also its address before the split (docs, tests)
 from trainmon.base.inputs import INT64_MAX, read_regular
 from trainmon.base.progress import Bar
 
@@ -35,89 +36,6 @@ _MAX_CORRUPT_KEPT = 1000
 _NONFINITE_TEXT = frozenset({'"nan"', '"inf"', '"-inf"', "nan", "inf", "-inf"})  # a value as a line spells it
 RANK_DIR = re.compile(r"rank(\d+)$")
 """A rank directory's name (``rank{R}``)."""
-
-
-
-class StepRanges:
-    """A set of steps kept as sorted, merged, inclusive ranges: ``0-99999999999999`` costs two integers.
-
-    Steps beyond int64 cannot occur in a run, so ranges are clipped to ``0..2**63-1``.
-
-    Example:
-        >>> steps = parse_steps("9,1,3,5-8")
-        >>> str(steps), 7 in steps, 4 in steps, list(steps)
-        ('1,3,5-9', True, False, [1, 3, 5, 6, 7, 8, 9])
-    """
-
-    def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
-        merged: list[list[int]] = []
-        for low, high in sorted((max(low, 0), min(high, INT64_MAX)) for low, high in ranges):
-            if low > high:
-                continue
-            if merged and low <= merged[-1][1] + 1:
-                merged[-1][1] = max(merged[-1][1], high)
-            else:
-                merged.append([low, high])
-        self.ranges: tuple[tuple[int, int], ...] = tuple((low, high) for low, high in merged)
-
-    @classmethod
-    def of(cls, steps: Iterable[int]) -> StepRanges:
-        """From individual steps (a set or list of ints)."""
-        return cls((step, step) for step in steps)
-
-    def __contains__(self, step: object) -> bool:
-        return isinstance(step, int) and any(low <= step <= high for low, high in self.ranges)
-
-    def __iter__(self) -> Iterator[int]:
-        for low, high in self.ranges:
-            yield from range(low, high + 1)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, StepRanges) and self.ranges == other.ranges
-
-    def __hash__(self) -> int:
-        return hash(self.ranges)
-
-    def __str__(self) -> str:
-        return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in self.ranges)
-
-    def __repr__(self) -> str:
-        return f"StepRanges({str(self)!r})"
-
-    def mask(self, steps: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
-        """Which entries of an int64 array are in the set (vectorised: one binary search per entry)."""
-        if not self.ranges:
-            return np.zeros(steps.shape, dtype=bool)
-        lows = np.array([low for low, _ in self.ranges], dtype=np.int64)
-        highs = np.array([high for _, high in self.ranges], dtype=np.int64)
-        index = np.searchsorted(lows, steps, side="right") - 1
-        return (index >= 0) & (steps <= highs[np.clip(index, 0, None)])
-
-
-def parse_steps(text: str) -> StepRanges:
-    """``"1,3,5-9"`` -> the steps 1, 3 and 5 to 9, as lazy ranges (``0-99999999999999`` is cheap).
-
-    Raises:
-        ValueError: malformed text or a descending range.
-    """
-    ranges = []
-    for part in text.split(","):
-        part = part.strip()
-        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not match:
-            raise ValueError(f"bad step list {text[:50]!r}: expected e.g. 1,3,5-9")
-        low = bounded_int(match.group(1))
-        high = bounded_int(match.group(2)) if match.group(2) else low
-        if high < low:
-            raise ValueError(f"bad step range {part[:50]!r}: end before start")
-        ranges.append((low, high))
-    return StepRanges(ranges)
-
-
-def bounded_int(digits: str) -> int:
-    """The integer of a digit string, or INT64_MAX + 1 for anything larger (no 4,300-digit int limit)."""
-    digits = digits.lstrip("0") or "0"
-    return int(digits) if len(digits) <= 19 else INT64_MAX + 1
 
 
 def _check(event: Any) -> tuple[int, ...]:
@@ -401,4 +319,4 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-__all__ = ["RANK_DIR", "StepRanges", "analyse_run", "bounded_int", "find_files", "parse_steps", "printable"]
+__all__ = ["RANK_DIR", "analyse_run", "find_files", "printable"]

@@ -3,7 +3,7 @@ how the host turns them into values.
 
 A parameter's precursor row is measured on the device as two 8-slot vectors, the row itself (family
 ``precursors``) and a hidden second half (:data:`PRECURSORS_TAIL`), laid out so that the ordinary combination of
-shards' partials (:func:`trainmon.base.records.combine_partials`: slot 0 the square root of the sum of squares,
+shards' partials (:func:`trainmon.base.partials.combine_partials`: slot 0 the square root of the sum of squares,
 slot 2 the min, slot 3 the max, the other slots summed) combines them exactly, with no code of their own in
 an integration. With ``g`` the gradient the optimizer stepped with, ``m``, ``v`` its Adam moments after the
 step (AMSGrad: ``max_exp_avg_sq``), ``v_hat = v / (1 - beta2^t)``, ``u = m_hat / (sqrt(v_hat) + eps)`` (the

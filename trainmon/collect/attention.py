@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from trainmon.base.records import PARTIAL_SLOTS, RowKey, module_call
+from trainmon.base.partials import PARTIAL_SLOTS
+from trainmon.base.records import RowKey, module_call
 from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 

@@ -13,7 +13,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from trainmon.base.records import PARTIAL_SLOTS, RowKey
+from trainmon.base.partials import PARTIAL_SLOTS
+from trainmon.base.records import RowKey
 
 DeviceHook = Callable[[list[torch.Tensor]], None]
 """Runs on the device tensors just before the transfer (e.g. one cross-rank collective)."""

@@ -2,7 +2,8 @@
 
 While a :class:`CommCollector` is attached, the supported functions of ``torch.distributed``
 (and the same names in ``torch.distributed.distributed_c10d``, which its own helpers call) are
-replaced by thin wrappers; :meth:`CommCollector.close` puts the originals back. On a step that is
+replaced by thin wrappers (installed and removed by :mod:`trainmon.collect.comm_wraps`);
+:meth:`CommCollector.close` puts the originals back. On a step that is
 not collected a wrapper calls straight through. On a collected step it measures the inputs
 before the call and the outputs after it (for async calls: after ``wait()`` on the returned
 handle), on the device and without a host synchronisation, and adds the host-known payload size
@@ -32,7 +33,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import CodeType, FrameType, ModuleType
+from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +51,7 @@ from trainmon.collect.comm_ops import (
     in_coalescing,
     payload_bytes,
 )
+from trainmon.collect.comm_wraps import Wrap, install, restore
 from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector
 from trainmon.collect.stats import combine_partials_torch, partial_stats
@@ -64,7 +66,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FAMILY = "comm"
-_MODULES: tuple[ModuleType, ...] = (dist, c10d)
 
 
 def _plumbing_dirs() -> tuple[str, ...]:
@@ -86,17 +87,6 @@ class _Row:
     micro_step: int
     phase: str
     partials: list[torch.Tensor] = field(default_factory=list)
-
-
-@dataclass
-class _Wrap:
-    """One installed wrapper. The wrapper calls ``original`` through this object, so a later
-    trainmon wrapper's ``original`` can be re-pointed when an earlier one is removed."""
-
-    name: str
-    original: Callable[..., Any]
-    modules: list[ModuleType]
-    wrapper: Callable[..., Any] = lambda *a, **k: None
 
 
 class CommCollector(HookedCollector):
@@ -137,10 +127,10 @@ class CommCollector(HookedCollector):
         self._plumbing: dict[CodeType, bool] = {}
         self._places = _plumbing_dirs()
         self._binders: dict[str, ArgumentBinder] = {}
-        self._wraps: list[_Wrap] = []
+        self._wraps: list[Wrap] = []
         self._active = True
         self._hook_phases(roots, optimizer)
-        self._install(config.ops or list(COMM_OPS))
+        install(config.ops or list(COMM_OPS), self._wrap, self._wraps)
 
     # ------------------------------------------------------------------ lifecycle
     def reset(self) -> None:
@@ -164,13 +154,9 @@ class CommCollector(HookedCollector):
         ours, its wrapper is left in place (not clobbered) and ours underneath only calls through.
         """
         self._active = False
-        for wrap in self._wraps:
-            for module in wrap.modules:
-                if getattr(module, wrap.name, None) is wrap.wrapper:
-                    setattr(module, wrap.name, wrap.original)
-                elif not _splice(getattr(module, wrap.name, None), wrap):
-                    log.info("%s.%s was wrapped again after trainmon; trainmon's wrapper stays under it and "
-                             "only calls through", module.__name__, wrap.name)
+        for module, name in restore(self._wraps):
+            log.info("%s.%s was wrapped again after trainmon; trainmon's wrapper stays under it and "
+                     "only calls through", module.__name__, name)
         self._wraps.clear()
         self._groups.clear()
 
@@ -216,22 +202,9 @@ class CommCollector(HookedCollector):
         return "optimizer" if self._in_optimizer else "communication"
 
     # ------------------------------------------------------------------ wrapping
-    def _install(self, names: list[str]) -> None:
-        for name in names:
-            by_function: dict[int, _Wrap] = {}  # torch.distributed and c10d share the function objects
-            for module in _MODULES:
-                current = getattr(module, name, None)
-                if current is None:
-                    continue
-                wrap = by_function.get(id(current))
-                if wrap is None:
-                    wrap = by_function[id(current)] = self._wrap(name, current)
-                    self._wraps.append(wrap)
-                wrap.modules.append(module)
-                setattr(module, name, wrap.wrapper)
-
-    def _wrap(self, name: str, original: Callable[..., Any]) -> _Wrap:
-        wrap = _Wrap(name, original, [])
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Wrap:
+        """The wrapper of one function (installed by :func:`~trainmon.collect.comm_wraps.install`)."""
+        wrap = Wrap(name, original, [])
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -405,16 +378,3 @@ class CommCollector(HookedCollector):
             buffer.add_scalar(f"comm/{prefix}/calls", calls)
             buffer.add_scalar(f"comm/{prefix}/bytes", nbytes)
 
-
-def _splice(top: Any, wrap: _Wrap) -> bool:
-    """Remove ``wrap`` from a chain of trainmon wrappers starting at ``top``; False when a foreign
-    wrapper is in the way (or ``wrap`` is not in the chain)."""
-    node = getattr(top, "_trainmon_wrap", None)
-    while node is not None and node is not wrap:  # `is wrap`: a foreign functools.wraps copy of ours
-        if node.original is wrap.wrapper:
-            node.original = node.wrapper.__wrapped__ = wrap.original
-            return True
-        if node.original is wrap.original:
-            return True  # already spliced through the other module that shares the wrapper
-        node = getattr(node.original, "_trainmon_wrap", None)
-    return False

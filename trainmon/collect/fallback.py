@@ -14,7 +14,7 @@ from typing import TypeAlias, TypeVar
 
 import torch
 
-from trainmon.base.records import PARTIAL_SLOTS
+from trainmon.base.partials import PARTIAL_SLOTS
 from trainmon.collect.stats_base import LOW_PRECISION as _LOW_PRECISION
 from trainmon.collect.stats_base import StatsSpec, foreach_norms, numel_minus, zero_threshold
 from trainmon.collect.stats_base import zero as _zero

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from trainmon.base.records import PARTIAL_SLOTS, RowKey
+from trainmon.base.partials import PARTIAL_SLOTS
+from trainmon.base.records import RowKey
 from trainmon.collect.buffer import StepBuffer, device_module
 from trainmon.collect.stats import numpy_viewable, partial_stats, partial_stats_many
 

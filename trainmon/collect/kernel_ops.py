@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from trainmon.base.records import PARTIAL_SLOTS
+from trainmon.base.partials import PARTIAL_SLOTS
 
 _F32 = torch.float32
 ADAM_PARTS = 4

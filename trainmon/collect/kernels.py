@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from trainmon.base.records import MAX, MIN, NORM, NUMEL, PARTIAL_SLOTS, combine_partials
+from trainmon.base.partials import MAX, MIN, NORM, NUMEL, PARTIAL_SLOTS, combine_partials
 from trainmon.collect.fallback import partials_torch
 from trainmon.collect.kernel_ops import ADAM_PARTS, PRECURSOR_PARTS, adam_partials_op, adam_parts, partials_op
 from trainmon.collect.stats_base import StatsSpec, bounds, partial_numpy

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from trainmon.base.records import PARTIAL_SLOTS, RowKey, module_call
+from trainmon.base.partials import PARTIAL_SLOTS
+from trainmon.base.records import RowKey, module_call
 from trainmon.collect.buffer import StepBuffer
 from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector, HookRegistry

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from trainmon.base.records import PARTIAL_SLOTS, RowKey
+from trainmon.base.partials import PARTIAL_SLOTS
+from trainmon.base.records import RowKey
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.collect.stats_base import vector_norm
 

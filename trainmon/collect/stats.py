@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from trainmon.base.records import PARTIAL_SLOTS
+from trainmon.base.partials import PARTIAL_SLOTS
 from trainmon.collect import fallback
 from trainmon.collect.stats_base import (
     StatsSpec,
@@ -140,7 +140,7 @@ def empty_partial(device: torch.device) -> torch.Tensor:
 
 
 def combine_partials_torch(gathered: torch.Tensor) -> torch.Tensor:
-    """Combine ``[shards, N, 8]`` partial statistics on the device (mirror of records.combine_partials).
+    """Combine ``[shards, N, 8]`` partial statistics on the device (mirror of partials.combine_partials).
 
     Used by integrations after their one all-gather of a step, so that combining costs no
     extra host transfer.

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.collect.activations import named_tensors
 from trainmon.collect.hooks import ForwardHook, HookedCollector, HookRegistry
+from trainmon.collect.tensor_names import named_tensors
 
 if TYPE_CHECKING:
     from trainmon.collect.context import StepContext

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainmon.base.records import PARTIAL_SLOTS
+from trainmon.base.partials import PARTIAL_SLOTS
 from trainmon.collect.kernel_ops import ADAM_PARTS, adam_partials_op, adam_parts
 from trainmon.collect.stats_base import zero_threshold
 from trainmon.collect.triton_kernels import (

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trainmon.base.records import PARTIAL_SLOTS
+from trainmon.base.partials import PARTIAL_SLOTS
 from trainmon.collect.kernel_ops import partials_op
 from trainmon.collect.stats_base import zero_threshold
 

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, ParamSpec
 
 from trainmon.anomaly.events import decode_float
 from trainmon.anomaly.firsts import UnknownDetectorError
-from trainmon.anomaly.merge import RANK_DIR, StepRanges, analyse_run, bounded_int, find_files, parse_steps, printable
+from trainmon.anomaly.merge import RANK_DIR, analyse_run, find_files, printable
+from trainmon.anomaly.step_ranges import StepRanges, bounded_int, parse_steps
 from trainmon.base.inputs import find_runs, is_dir, rank_dirs_of, read_regular, runs_hint
 from trainmon.errors import UsageError
 from trainmon.sinks.store_layout import STORE_DIR

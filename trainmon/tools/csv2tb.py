@@ -9,8 +9,8 @@ file (:mod:`trainmon.tools.store_reader`): the event files are the same as from 
 
 Also reads msprobe's CSV output (``$MONITOR_OUTPUT_DIR/{time}-rank{R}-{id}/{family}_{a}-{b}.csv``, msprobe
 1.2 and 8.x-26.x layouts, see :mod:`trainmon.tools.msprobe_output`) and says which layout it read. This module
-finds the rank folders and writes the event files; reading and checking the CSV files is
-:mod:`trainmon.tools.readers`'s (its names are re-exported here).
+writes the event files; the rank folders and the sources of each rank are found by
+:mod:`trainmon.tools.csv2tb_sources`, and reading and checking the CSV files is :mod:`trainmon.tools.readers`'s.
 """
 
 from __future__ import annotations
@@ -24,28 +24,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-import numpy as np
-
-from trainmon.base.inputs import describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of, runs_hint
+from trainmon.base.inputs import describe_os_error, find_runs, is_dir, open_regular, rank_dirs_of
 from trainmon.base.progress import Bar
 from trainmon.base.records import FAMILIES, ROW_METRICS, split_row_tag
 from trainmon.errors import ConfigError, UsageError
 from trainmon.sinks import tensorboard as board
 from trainmon.sinks.tensorboard_overview import SCALAR_TAGS, Block, Overview, TagSelection
+from trainmon.tools.csv2tb_sources import complete_steps, has_csv, layouts_of, sources_of
 from trainmon.tools.msprobe_output import ANOMALY_FOLDER, rank_folders
-from trainmon.tools.readers import CsvFormatError, read_scalars_noting_layout
+from trainmon.tools.readers import CsvFormatError
 from trainmon.tools.store_reader import (
     STORE_LAYOUT,
-    Source,
     StoreError,
-    StoreFamily,
     replica_note,
     replica_writers,
     source_family,
     source_scalars,
     source_tables,
-    store_families,
-    with_store,
 )
 
 if TYPE_CHECKING:
@@ -102,7 +97,7 @@ def _main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     output = Path(args.output) if args.output else None
     jobs = [(run_dir, output)]
-    if is_dir(run_dir) and not rank_dirs_of(run_dir) and not _has_csv(run_dir):
+    if is_dir(run_dir) and not rank_dirs_of(run_dir) and not has_csv(run_dir):
         # A parent output folder: convert each of its runs (to RUN/tensorboard, or OUT/RUN with -o),
         # and msprobe's rank folders beside them (to FOLDER/tensorboard/{rank folder}, or OUT/{rank folder}).
         runs = [run for run in find_runs(run_dir) if run.name != ANOMALY_FOLDER]
@@ -145,42 +140,6 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _has_csv(folder: Path) -> bool:
-    try:
-        return any(folder.glob("*.csv"))
-    except (OSError, ValueError):
-        return False
-
-
-def rank_dirs(run_dir: Path) -> list[Path]:
-    """The ``rank*`` directories of a run (or the directory itself if it is one); none for a run that has only
-    its ``store/`` (:func:`_sources` adds the store's ranks).
-
-    Raises:
-        FileNotFoundError: not a directory, or one with neither ``rank*/`` folders nor CSV files nor a store
-            (a folder of runs is named as such, with its runs).
-        StoreError: the run's store cannot be listed.
-    """
-    if not is_dir(run_dir):
-        raise FileNotFoundError(f"{run_dir}: {'not a directory' if os.path.lexists(run_dir) else 'no such directory'}")
-    ranks = rank_dirs_of(run_dir)
-    if not ranks and _has_csv(run_dir):
-        return [run_dir]
-    if not ranks and rank_folders(run_dir):
-        return rank_folders(run_dir)
-    if not ranks and store_families(run_dir):  # a run's store without its rank folders: the store's ranks
-        return []
-    if not ranks:
-        runs = find_runs(run_dir)
-        if runs:
-            raise FileNotFoundError(runs_hint(run_dir, runs, "csv2tb"))
-        if rank_dirs_of(run_dir.parent) and store_families(run_dir.parent):
-            raise FileNotFoundError(f"{run_dir}: no CSV files; its run {run_dir.parent} holds its statistics in "
-                                    "store/: give the run directory")
-        raise FileNotFoundError(f"{run_dir}: no rank*/ directories and no CSV files")
-    return ranks
-
-
 def convert(run_dir: Path, output: Path | None = None, families: list[str] | None = None, workers: int = 2,
             selection: TagSelection | None = None) -> int:
     """Export a run to ``{output}/{rank dir}/events.out.tfevents.*``; returns the number of scalars written.
@@ -205,7 +164,7 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None,
 
     selection = selection or TagSelection()
     output = output or run_dir / "tensorboard"
-    csv_files = _sources(run_dir)
+    csv_files = sources_of(run_dir)
     ranks = list(csv_files)
     if not any(csv_files.values()):
         events = any(any(rank_dir.glob("events.out.tfevents.*")) for rank_dir in ranks)
@@ -246,8 +205,8 @@ def _convert(run_dir: Path, output: Path | None, families: list[str] | None,
                 if selection.per_tensor:
                     writer.stream(source_scalars(source, layouts), _per_tensor(selection))
                 else:
-                    layouts.update(_layouts_of(source))
-                for table in _complete_steps(source_tables(source)):
+                    layouts.update(layouts_of(source))
+                for table in complete_steps(source_tables(source)):
                     writer.blocks(overview.blocks(family, table.metrics, table.keys, table.rows, table.micro_steps,
                                                   table.steps, table.values))
                 bar.advance()
@@ -285,59 +244,6 @@ def _per_tensor(selection: TagSelection) -> Any:
 
     return tags
 
-
-def _layouts_of(source: Source) -> set[str]:
-    """The layout of a source, as :func:`source_scalars` notes it (a CSV file's from its header)."""
-    if isinstance(source, StoreFamily):
-        return {STORE_LAYOUT}
-    layouts: set[str] = set()
-    rows = read_scalars_noting_layout(source, layouts)
-    try:
-        next(rows, None)
-    finally:
-        rows.close()
-    return layouts
-
-
-def _complete_steps(tables: Iterator[Any]) -> Iterator[Any]:
-    """``tables`` (a source's, in the order written) as tables that each end with a whole step: the rows of a step
-    split between two batches of a store part are joined (row ids made common to the tables given)."""
-    from trainmon.tools.readers import Table
-
-    keys: dict[tuple[int, str], int] = {}
-    held: Any = None
-    for table in tables:
-        if not len(table.steps):
-            continue
-        lookup = np.fromiter((keys.setdefault(key, len(keys)) for key in table.keys), np.int64, len(table.keys))
-        rows = lookup[table.rows]
-        if held is not None and held.metrics == table.metrics:
-            rows = np.concatenate((held.rows, rows))
-            steps, micro = np.concatenate((held.steps, table.steps)), np.concatenate((held.micro_steps,
-                                                                                     table.micro_steps))
-            values = np.concatenate((held.values, table.values))
-        else:
-            if held is not None:
-                yield held
-            steps, micro, values = table.steps, table.micro_steps, table.values
-        last = len(steps) - int(np.argmax(steps[::-1] != steps[-1])) if (steps != steps[-1]).any() else 0
-        names = list(keys)
-        if last:
-            yield Table(table.family, table.metrics, names, rows[:last], steps[:last], micro[:last], values[:last])
-        held = Table(table.family, table.metrics, names, rows[last:], steps[last:], micro[last:], values[last:])
-    if held is not None:
-        yield held
-
-
-def _sources(run_dir: Path) -> dict[Path, list[Source]]:
-    """``rank folder -> CSV files`` of a run (:func:`rank_dirs`), with the families of its store that have no CSV
-    file (a rank only in the store gets its ``rank{R}`` path, whether the folder exists or not)."""
-    ranks = rank_dirs(run_dir)
-    sources: dict[Path, list[Source]] = {rank_dir: [*sorted(rank_dir.glob("*.csv"))] for rank_dir in ranks}
-    numbered = {int(p.name[4:]): p for p in ranks if p.parent == run_dir and p.name[4:].isdigit()}
-    for rank, found in with_store(run_dir, {n: list(sources[p]) for n, p in numbered.items()}).items():
-        sources[numbered.get(rank, run_dir / f"rank{rank}")] = found
-    return sources
 
 
 class NothingToConvert(FileNotFoundError):

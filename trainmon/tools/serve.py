@@ -37,8 +37,9 @@ from urllib.parse import parse_qs, urlsplit
 from trainmon.errors import UsageError
 from trainmon.tools.analyse import add_detector_option, selected_detectors
 from trainmon.tools.report import MAX_BYTES, Prepared, open_prepared, page_data, prepare
+from trainmon.tools.report.colours import encode
 from trainmon.tools.report.curves import curves
-from trainmon.tools.report.grids import Grid, encode, module_grids, rank_grids, step_grids
+from trainmon.tools.report.grids import Grid, module_grids, rank_grids, step_grids
 from trainmon.tools.report.page import render
 from trainmon.tools.report.rows import RowSet, order_rows
 from trainmon.tools.report.source import RunSource, identifier

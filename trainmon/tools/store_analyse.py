@@ -26,15 +26,14 @@ view that maps or expands rows serves this module too. Two kinds of answers:
     non-finite row answers for them).
 
 The ordering and phase ranks come from :mod:`trainmon.anomaly.ordering`, the non-finite rule from
-:mod:`trainmon.anomaly.events`.
+:mod:`trainmon.anomaly.events`; the connection, the quoting, the SQL order and the step filter they share from
+:mod:`trainmon.tools.store_sql`.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
-from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +42,16 @@ import pyarrow as pa
 
 from trainmon.anomaly.events import NONFINITE_DETECTORS, WRITE_ORDER, encode_float
 from trainmon.anomaly.firsts import check_detectors, headline
-from trainmon.anomaly.merge import StepRanges
-from trainmon.anomaly.ordering import PHASE_RANK, describe
+from trainmon.anomaly.ordering import describe
+from trainmon.anomaly.step_ranges import StepRanges
 from trainmon.base.inputs import rank_dirs_of
 from trainmon.sinks.store_events import EVENTS_FILE, stored_ranges
 from trainmon.sinks.store_layout import ANOMALIES, SCALARS, STORE_DIR, table_dir
 from trainmon.tools.store import REPLICAS, event_ranks, open_run, views
 from trainmon.tools.store_reader import StoreError
+from trainmon.tools.store_sql import ORDER_KEY as ORDER_KEY  # also its address before the split
+from trainmon.tools.store_sql import StepFilter, identifier, literal
+from trainmon.tools.store_sql import connect as connect  # also its address before the split
 
 Z_THRESHOLD = 3.5
 """``|z|`` from which a rank is an outlier of a group (Iglewicz and Hoaglin's cut-off for the modified z score)."""
@@ -62,61 +64,8 @@ METRIC = "norm"
 """The metric compared across ranks."""
 _MAD_SCALE = 1.4826  # 1 / Phi^-1(3/4): the MAD of a normal sample times this estimates its standard deviation
 _MEAN_AD_SCALE = 1.2533  # sqrt(pi / 2): the same for the mean absolute deviation
-_MAX_INLINE_RANGES = 64
 _GROUP = ("family", "name", "step", "micro_step", "vpp_stage")
-
-
-def _phase_rank(column: str = "phase") -> str:
-    cases = " ".join(f"WHEN '{phase}' THEN {rank}" for phase, rank in PHASE_RANK.items())
-    return f"CASE {column} {cases} ELSE {len(PHASE_RANK)} END"
-
-
-ORDER_KEY = (f"step, micro_step, {_phase_rank()}, CASE WHEN phase = 'backward' THEN -vpp_stage ELSE vpp_stage END, "
-             "CASE WHEN phase = 'backward' THEN -pp_stage ELSE pp_stage END, \"order\", rank")
-"""The earliest-first sort key in SQL (:func:`trainmon.anomaly.ordering.sort_key_fields`)."""
 _NONFINITE = f"(detector IN ({', '.join(repr(d) for d in sorted(NONFINITE_DETECTORS))}) OR NOT isfinite(value))"
-
-
-def _identifier(text: str) -> str:
-    return '"' + text.replace('"', '""') + '"'
-
-
-def _literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-@contextmanager
-def connect() -> Iterator[duckdb.DuckDBPyConnection]:
-    """An in-memory DuckDB connection that draws no progress bar and spills to a temporary folder of its own
-    (DuckDB's default is ``.tmp`` in the working directory), removed on exit."""
-    with tempfile.TemporaryDirectory(prefix="trainmon-duckdb-") as spill:
-        con = duckdb.connect()
-        try:
-            con.execute("SET enable_progress_bar = false")
-            con.execute(f"SET temp_directory = {_literal(spill)}")
-            yield con
-        finally:
-            con.close()
-
-
-class _Filter:
-    """The ``WHERE`` of the selected steps (and detectors): inline ranges, or a temporary table of many ranges."""
-
-    def __init__(self, con: duckdb.DuckDBPyConnection, steps: StepRanges | None) -> None:
-        self.steps = "TRUE"
-        if steps is None:
-            return
-        if not steps.ranges:
-            self.steps = "FALSE"
-        elif len(steps.ranges) <= _MAX_INLINE_RANGES:
-            self.steps = "(" + " OR ".join(f"step BETWEEN {low} AND {high}" for low, high in steps.ranges) + ")"
-        else:
-            lows, highs = zip(*steps.ranges)
-            ranges = pa.table({"low": pa.array(lows, pa.int64()), "high": pa.array(highs, pa.int64())})
-            con.register("_trainmon_ranges", ranges)
-            con.execute("CREATE OR REPLACE TEMP TABLE _trainmon_steps AS SELECT * FROM _trainmon_ranges")
-            con.unregister("_trainmon_ranges")
-            self.steps = "EXISTS (SELECT 1 FROM _trainmon_steps WHERE step BETWEEN low AND high)"
 
 
 def _event(row: tuple[Any, ...], columns: list[str]) -> dict[str, Any]:
@@ -202,7 +151,7 @@ def _analyse_events(con: duckdb.DuckDBPyConnection, root: Path, top: int, steps:
                     detectors: Collection[str] | None) -> dict[str, Any]:
     present = sorted(str(d) for (d,) in con.execute(f"SELECT DISTINCT detector FROM {ANOMALIES}").fetchall())
     check_detectors(detectors, present)
-    where = _Filter(con, steps).steps
+    where = StepFilter(con, steps).steps
     if detectors is not None:
         where += " AND detector IN (SELECT unnest($detectors))"
     params = {"detectors": sorted(detectors)} if detectors is not None else {}
@@ -260,7 +209,7 @@ def row_families(con: duckdb.DuckDBPyConnection) -> dict[str, list[str]]:
     for view in views(con):
         if view in (ANOMALIES, SCALARS):
             continue
-        columns = [str(name) for name, *_ in con.execute(f"DESCRIBE {_identifier(view)}").fetchall()]
+        columns = [str(name) for name, *_ in con.execute(f"DESCRIBE {identifier(view)}").fetchall()]
         if "nonfinite" in columns:
             found[view] = columns
     return found
@@ -275,7 +224,7 @@ def row_sections(con: duckdb.DuckDBPyConnection, top: int = 20, steps: StepRange
     """The answers of the rows (see the module): ``first_nonfinite_row``, ``nonfinite_rows``, ``spread`` and
     ``deviating_ranks``, over the family views of ``con`` (:func:`trainmon.tools.store.open_run`'s)."""
     families = row_families(con)
-    where = _Filter(con, steps).steps
+    where = StepFilter(con, steps).steps
     first, count, ranks = _first_nonfinite_row(con, families, where)
     # A family written once per data-parallel group is the same on every rank of the group by construction: no
     # cross-rank spread to find there (and the view would repeat the writer's rows for every rank).
@@ -295,7 +244,7 @@ def _first_nonfinite_row(con: duckdb.DuckDBPyConnection, families: dict[str, lis
                          where: str) -> tuple[dict[str, Any] | None, int, int]:
     if not families:
         return None, 0, 0
-    union = " UNION ALL ".join(f"SELECT {_literal(family)} AS family, {_KEY_COLUMNS} FROM {_identifier(family)} "
+    union = " UNION ALL ".join(f"SELECT {literal(family)} AS family, {_KEY_COLUMNS} FROM {identifier(family)} "
                                f"WHERE nonfinite AND {where}" for family in families)
     found = con.execute(f"WITH nonfinite AS ({union}) SELECT (SELECT count(*) FROM nonfinite), "
                         "(SELECT count(DISTINCT rank) FROM nonfinite), * FROM nonfinite "
@@ -307,8 +256,8 @@ def _first_nonfinite_row(con: duckdb.DuckDBPyConnection, families: dict[str, lis
     data = dict(zip(columns[2:], row[2:]))
     family = data["family"]
     metrics = [c for c in families[family] if c not in _NOT_METRICS]
-    selected = ", ".join(_identifier(m) for m in metrics)
-    values = con.execute(f"SELECT {selected} FROM {_identifier(family)} WHERE rank = $rank AND step = $step AND "
+    selected = ", ".join(identifier(m) for m in metrics)
+    values = con.execute(f"SELECT {selected} FROM {identifier(family)} WHERE rank = $rank AND step = $step AND "
                          "micro_step = $micro_step AND vpp_stage = $vpp_stage AND \"order\" = $order AND name = $name "
                          "AND phase = $phase AND nonfinite LIMIT 1",
                          {k: data[k] for k in ("rank", "step", "micro_step", "vpp_stage", "order", "name", "phase")}
@@ -336,7 +285,7 @@ def _cross_rank(con: duckdb.DuckDBPyConnection, families: list[str], where: str,
     con.execute("CREATE OR REPLACE TEMP TABLE _trainmon_rank_z (rank BIGINT, groups BIGINT, sum_abs_z DOUBLE, "
                 "max_abs_z DOUBLE, family VARCHAR, gid BIGINT, x DOUBLE, z DOUBLE)")
     for family in families:
-        rows = (f"SELECT rank, name, step, micro_step, vpp_stage, {METRIC} AS x FROM {_identifier(family)} "
+        rows = (f"SELECT rank, name, step, micro_step, vpp_stage, {METRIC} AS x FROM {identifier(family)} "
                 f"WHERE isfinite({METRIC}) AND {where}")
         # Three passes, each an aggregation that DuckDB streams: per group (numbered: the later passes group by the
         # number, not by name and step) the median and extremes; then, the rows joined with them, the absolute
@@ -363,17 +312,17 @@ def _cross_rank(con: duckdb.DuckDBPyConnection, families: list[str], where: str,
                                WHEN mean_ad > 0 THEN {_MEAN_AD_SCALE} * mean_ad END AS robust,
                        greatest(hi - med, med - lo) AS far
                 FROM _trainmon_family JOIN deviations USING (gid))
-            SELECT {_literal(family)}, gid, name, step, micro_step, vpp_stage, ranks, lo, med, hi, lo_rank, hi_rank,
+            SELECT {literal(family)}, gid, name, step, micro_step, vpp_stage, ranks, lo, med, hi, lo_rank, hi_rank,
                    CASE WHEN robust IS NOT NULL THEN greatest(robust, {MIN_RELATIVE_SCALE} * abs(med)) END AS scale,
                    far_rank, far / scale
             FROM robust""")
         con.execute(f"""
             INSERT INTO _trainmon_rank_z
-            SELECT rank, groups, sum_abs_z, max_abs_z, {_literal(family)}, worst.gid, worst.x, worst.z FROM (
+            SELECT rank, groups, sum_abs_z, max_abs_z, {literal(family)}, worst.gid, worst.x, worst.z FROM (
                 SELECT rank, count(*) AS groups, sum(abs(z)) AS sum_abs_z, max(abs(z)) AS max_abs_z,
                        arg_max(struct_pack(gid, x, z), row(abs(z), -step)) AS worst
                 FROM (SELECT r.rank, r.x, r.step, g.gid, (r.x - g.med) / g.scale AS z
-                      FROM ({rows}) r JOIN (SELECT * FROM _trainmon_groups WHERE family = {_literal(family)}
+                      FROM ({rows}) r JOIN (SELECT * FROM _trainmon_groups WHERE family = {literal(family)}
                                             AND scale IS NOT NULL) g USING (name, step, micro_step, vpp_stage))
                 GROUP BY rank)""")
     spread = con.execute(f"""
@@ -412,5 +361,5 @@ def _cross_rank(con: duckdb.DuckDBPyConnection, families: list[str], where: str,
     return groups, deviating
 
 
-__all__ = ["MIN_RANKS_Z", "MIN_RELATIVE_SCALE", "ORDER_KEY", "Z_THRESHOLD", "analyse_store", "connect",
-           "row_families", "row_sections", "store_rows"]
+__all__ = ["MIN_RANKS_Z", "MIN_RELATIVE_SCALE", "Z_THRESHOLD", "analyse_store", "row_families", "row_sections",
+           "store_rows"]

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainmon.collect.activations import named_tensors
 from trainmon.collect.hooks import HookedCollector, HookRegistry
+from trainmon.collect.tensor_names import named_tensors
 from trainmon.errors import UnsupportedSetupError
 
 if TYPE_CHECKING:

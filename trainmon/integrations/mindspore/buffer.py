@@ -23,7 +23,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint
 
-from trainmon.base.records import PARTIAL_SLOTS, RowKey
+from trainmon.base.partials import PARTIAL_SLOTS
+from trainmon.base.records import RowKey
 from trainmon.collect.buffer import HostStep
 from trainmon.integrations.mindspore.host import Deferred, HostEntry, HostRows
 

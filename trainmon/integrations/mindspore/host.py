@@ -30,8 +30,9 @@ import numpy.typing as npt
 import torch
 from mindspore import Tensor, mint
 
+from trainmon.base.partials import PARTIAL_SLOTS
 from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
-from trainmon.base.records import PARTIAL_SLOTS, RowKey
+from trainmon.base.records import RowKey
 from trainmon.collect.kernels import adam_partial_into, partial_into
 from trainmon.integrations.mindspore.stats import constants, partial_stats, tensor_meta
 

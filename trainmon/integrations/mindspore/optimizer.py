@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import mindspore as ms
 from mindspore import Parameter, Tensor, mint
 
+from trainmon.base.partials import PARTIAL_SLOTS
 from trainmon.base.precursors import PRECURSORS, PRECURSORS_TAIL
-from trainmon.base.records import PARTIAL_SLOTS, RowKey
+from trainmon.base.records import RowKey
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 from trainmon.integrations.mindspore.buffer import buffer_of
 from trainmon.integrations.mindspore.host import (

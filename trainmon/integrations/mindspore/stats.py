@@ -3,7 +3,7 @@
 A tensor's statistics are 8 float32 values on the tensor's device,
 ``[norm, sum, min, max, zeros, nans, infs, numel]`` (slot indices in :mod:`trainmon.base.records`),
 computed with MindSpore ops and no host synchronisation. Slots the configured metrics do not
-need hold 0. The host side (``records.finalize``) is shared with PyTorch.
+need hold 0. The host side (``partials.finalize``) is shared with PyTorch.
 
 What makes this fast in PyNative mode (docs/performance.md has the profile):
 
@@ -38,7 +38,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint
 
-from trainmon.base.records import PARTIAL_SLOTS
+from trainmon.base.partials import PARTIAL_SLOTS
 
 if TYPE_CHECKING:
     from trainmon.collect.stats_base import StatsSpec

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainmon.anomaly.merge import StepRanges, analyse_run, find_files, parse_steps
+from trainmon.anomaly.merge import analyse_run, find_files
+from trainmon.anomaly.step_ranges import StepRanges, parse_steps
 from trainmon.base.inputs import describe_os_error, find_runs, is_dir, rank_dirs_of, runs_hint
 from trainmon.base.progress import Bar
 from trainmon.base.safe_io import write_atomic
@@ -124,7 +125,7 @@ def build(run_dir: Path, output: Path, ranks: Any = None, families: list[str] | 
     """Read ``run_dir``, write the report to ``output``; returns what it did (counts, bytes, seconds).
 
     Args:
-        ranks: only these ranks (a :class:`~trainmon.anomaly.merge.StepRanges` or ints; None: every rank).
+        ranks: only these ranks (a :class:`~trainmon.anomaly.step_ranges.StepRanges` or ints; None: every rank).
         families: only these families' heatmaps (None: all).
         metrics: only these metrics' heatmaps (None: all).
         max_columns: heatmap step columns at most; curves keep up to twice as many points.

@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from trainmon.base.inputs import open_regular
 from trainmon.sinks.store_replicas import ranks_text
-from trainmon.tools.csv2tb import rank_dirs
+from trainmon.tools.csv2tb_sources import rank_dirs
 from trainmon.tools.readers import CsvFormatError, Table
 from trainmon.tools.store_reader import Source, StoreError, with_store
 
@@ -46,7 +46,7 @@ def rank_of(folder: Path, default: int) -> int:
 
 
 def sources(run_dir: Path) -> dict[int, list[Source]]:
-    """``rank -> CSV files`` of a run (trainmon or msprobe layout; see :func:`trainmon.tools.csv2tb.rank_dirs`),
+    """``rank -> CSV files`` of a run (trainmon or msprobe layout; see :func:`trainmon.tools.csv2tb_sources.rank_dirs`),
     with the families of the run's store that have no CSV file (:func:`trainmon.tools.store_reader.with_store`).
 
     Raises:

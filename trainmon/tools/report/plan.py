@@ -24,18 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from trainmon.tools.report.grids import (
-    MAX_RANKS,
-    Grid,
-    bucket_width,
-    encode,
-    encoded_size,
-    largest_change,
-    module_grids,
-    rank_grids,
-    row_set,
-    step_grids,
-)
+from trainmon.tools.report.colours import encode, encoded_size, largest_change
+from trainmon.tools.report.grids import MAX_RANKS, Grid, bucket_width, module_grids, rank_grids, row_set, step_grids
 from trainmon.tools.report.source import RunSource, identifier
 
 DEFAULT_FAMILIES = ("grad_reduced", "grad_unreduced", "actv_grad", "actv", "update", "param", "exp_avg", "ratio",

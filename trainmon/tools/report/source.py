@@ -27,7 +27,7 @@ from trainmon.tools.readers import Table
 from trainmon.tools.store_reader import Source, StoreError, StoreFamily, read_source, source_family, store_families
 
 if TYPE_CHECKING:
-    from trainmon.anomaly.merge import StepRanges
+    from trainmon.anomaly.step_ranges import StepRanges
 
 
 @dataclass
