@@ -58,9 +58,10 @@ def _train(make: Make, monitor: TrainerMonitor | None, steps: int = 3, closure: 
     return model, losses, truth
 
 
-def _run(tmp_path, make: Make, closure: bool = False) -> list[dict]:
+def _run(tmp_path, make: Make, closure: bool = False, states: dict | None = None) -> list[dict]:
     plain, plain_losses, _ = _train(make, None, closure=closure)
-    model, losses, truth = _train(make, TrainerMonitor(config(tmp_path, optimizer_states=STATES)), closure=closure)
+    model, losses, truth = _train(make, TrainerMonitor(config(tmp_path, optimizer_states=states or STATES)),
+                                  closure=closure)
     assert losses == plain_losses
     assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters()))
     learning_rates = scalars(tmp_path)["lr/group0"]
@@ -82,8 +83,12 @@ def _assert_state_rows(tmp_path, family: str, truth: list[dict], want: Callable[
     lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
     lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.9),
 ], ids=["sgd-nesterov", "rmsprop-momentum"])
-def test_momentum_buffers_are_the_optimizers_own(tmp_path, make):
-    truth = _run(tmp_path, make)
+def test_momentum_buffers_are_the_optimizers_own(tmp_path, caplog, make):
+    """With the default ``states`` (which name ``momentum`` since SGD users expect it: before, the default wrote
+    nothing for SGD and warned)."""
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        truth = _run(tmp_path, make, states={"enabled": True})
+    assert not [r.getMessage() for r in caplog.records if "keeps none of" in r.getMessage()]
     _assert_state_rows(tmp_path, "momentum", truth, lambda t, name: t["states"][name]["momentum_buffer"])
     assert not any((rank_dir(tmp_path) / f"{family}.csv").exists() for family in ("exp_avg", "update", "ratio"))
 

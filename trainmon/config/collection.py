@@ -106,9 +106,11 @@ class OptimizerStatesConfig:
 
     enabled: bool = True
     """Collect optimizer states."""
-    states: list[str] = setting(["exp_avg", "exp_avg_sq", "update", "ratio"], choices=OPTIMIZER_STATES, unique=True)
+    states: list[str] = setting(["exp_avg", "exp_avg_sq", "update", "ratio", "momentum"], choices=OPTIMIZER_STATES,
+                                unique=True)
     """Any of exp_avg, exp_avg_sq, update (m_hat / (sqrt(v_hat) + eps)), ratio (update / param), momentum (SGD).
-    ``momentum`` is the optimizer's ``momentum_buffer`` (SGD, RMSprop with momentum); update and ratio are not
+    Each is written for the optimizers that keep it: Adam's moments for Adam, ``momentum`` (the optimizer's
+    ``momentum_buffer``: SGD, RMSprop with momentum) for those; update and ratio are not
     written for NAdam and RAdam (not Adam's update; one warning); an optimizer keeping none of these (Adadelta,
     Adagrad, LBFGS) gets no rows, with one warning (docs/training_loops.md)."""
     metrics: list[str] = metric_list()
