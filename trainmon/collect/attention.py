@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from trainmon.base.partials import PARTIAL_SLOTS
 from trainmon.base.records import RowKey, module_call
+from trainmon.collect.attention_scores import Logits, ScoreChain
 from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 
@@ -84,9 +85,13 @@ def sample_rows(batch: int, queries: int, wanted: int, device: torch.device) -> 
     return batch_index, position
 
 
-def features_from_scores(logits: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
-    """``[heads, 8]`` partial rows from sampled logits ``[sequences, heads, rows, keys]`` (float32): slot 0 the
-    largest visible logit, slot 1 the mean entropy (nats) of the rows that see a key (a NaN anywhere stays NaN).
+def features_from_scores(logits: torch.Tensor, visible: torch.Tensor | None, raw: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+    """``[heads, 8]`` partial rows from sampled scores ``[sequences, heads, rows, columns]`` (float32, what the
+    softmax sees): slot 0 the largest visible logit, slot 1 the mean entropy (nats) of the rows that see a key (a NaN
+    anywhere stays NaN). ``raw``: the logits ``q.k * scale`` of the first ``keys`` columns, ``[sequences, heads, rows,
+    keys]``, when the scores are not them (capped, a bias added, sink columns after the keys): the largest logit is
+    then theirs, where the scores are visible.
 
     Example:
         >>> out = features_from_scores(torch.tensor([[[[0.0, 0.0], [5.0, -1.0]]]]), None)
@@ -97,6 +102,10 @@ def features_from_scores(logits: torch.Tensor, visible: torch.Tensor | None) -> 
         logits = logits.masked_fill(~visible, -math.inf)
     row_max = logits.amax(dim=-1)  # -inf: a row that sees no key (left out below); NaN stays NaN
     seen = row_max != -math.inf
+    if raw is not None:
+        keys = raw.shape[-1]
+        shown = raw if visible is None else raw.masked_fill(~visible[..., :keys], -math.inf)
+        row_max = torch.where(seen, shown.amax(dim=-1), row_max)
     probs = torch.softmax(logits, dim=-1)
     entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)  # p log p is 0 where p is 0
     entropy = torch.where(seen, entropy, torch.zeros((), dtype=entropy.dtype, device=entropy.device))
@@ -130,6 +139,7 @@ def features_from_qk(query: torch.Tensor, key: torch.Tensor, rows: _Rows, *, sca
     logits = torch.matmul(sampled.reshape(sequences, key_heads, group * per, size), keys_of.transpose(-1, -2))
     logits = logits.view(sequences, heads, per, keys) * (1.0 / math.sqrt(size) if scale is None else scale)
     visible: torch.Tensor | None = None
+    raw: torch.Tensor | None = None
     if causal:
         visible = torch.arange(keys, device=query.device) <= position[:, None]
     if mask is not None:
@@ -137,35 +147,49 @@ def features_from_qk(query: torch.Tensor, key: torch.Tensor, rows: _Rows, *, sca
         if picked.dtype == torch.bool:
             keep = picked if mask_keeps else ~picked
         else:  # added to the logits; at or below half of finfo.min (HF's masked value) counts as masked, as -inf
-            logits = logits + picked.float()
+            raw, logits = logits, logits + picked.float()  # a position bias (ALiBi) is in the scores, not the logit
             keep = picked > torch.finfo(picked.dtype).min / 2
         visible = keep if visible is None else visible & keep
-    return features_from_scores(logits, visible)
+    return features_from_scores(logits, visible, raw)
 
 
-def features_from_softmax_input(scores: torch.Tensor, rows: _Rows) -> torch.Tensor:
-    """``[heads, 8]`` partial rows from the ``[batch, heads, queries, keys]`` scores a softmax is given (the mask
-    already added: an entry at or below half of ``finfo.min`` counts as masked, as HF's eager attention marks it)."""
+def features_from_softmax_input(scores: torch.Tensor, rows: _Rows, logits: Logits | None = None) -> torch.Tensor:
+    """``[heads, 8]`` partial rows from the ``[batch, heads, queries, columns]`` scores a softmax is given (the mask
+    already added: an entry at or below half of ``finfo.min`` counts as masked, as HF's eager attention marks it);
+    ``logits``: where the largest logit is read (:class:`~trainmon.collect.attention_scores.Logits`), else the
+    scores."""
     batch_index, position = rows
     sampled = scores.index_select(0, batch_index).index_select(2, position)
     floor = torch.finfo(scores.dtype).min / 2 if scores.is_floating_point() else -math.inf
-    return features_from_scores(sampled.float(), sampled > floor)
+    raw = logits.sampled(scores, batch_index, position) if logits is not None else None
+    return features_from_scores(sampled.float(), sampled > floor, raw)
 
 
 class _AttentionMode(TorchFunctionMode):
-    """Sees the first attention function a module's forward calls (see the module docstring) and hands it on."""
+    """Sees the first attention function a module's forward calls (see the module docstring) and hands it on, with
+    the :class:`ScoreChain` of the functions before it."""
 
-    def __init__(self, on_call: Callable[[Any, tuple[Any, ...], dict[str, Any]], bool]) -> None:
+    def __init__(self, on_call: Callable[[Any, tuple[Any, ...], dict[str, Any], ScoreChain], bool]) -> None:
         super().__init__()
         self.on_call = on_call
         self.done = False
+        self.chain = ScoreChain()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if not self.done and (func is F.scaled_dot_product_attention or func in _SOFTMAXES):
-            self.done = bool(self.on_call(func, args, kwargs))
-        return func(*args, **kwargs)  # the user's op, outside the guard
+        if self.done:
+            return func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention or func in _SOFTMAXES:
+            self.done = bool(self.on_call(func, args, kwargs, self.chain))
+            return func(*args, **kwargs)  # the user's op, outside the guard
+        result = func(*args, **kwargs)  # the user's op, outside the guard
+        try:
+            self.chain.follow(func, args, kwargs, result)
+        except Exception:  # trainmon's own bookkeeping never reaches the user's forward
+            self.chain.refused = "trainmon could not follow the scores"
+            logger.debug("trainmon: following attention scores failed", exc_info=True)
+        return result
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
@@ -198,6 +222,7 @@ class AttentionFeatures(HookedCollector):
         self._calls: dict[tuple[str, int], int] = {}
         self._calls_at: tuple[int, int, int] = (-1, -1, -1)
         self._silent: dict[str, bool] = {}  # module -> it ran and no attention was read (warned once)
+        self._refused: set[str] = set()  # modules whose logits cannot be read: warned once, never a row
 
     def install_hooks(self) -> None:
         if FAMILY not in self.ctx.specs:
@@ -241,7 +266,7 @@ class AttentionFeatures(HookedCollector):
     def _pre_hook(self, source: AttentionSource) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], None]:
         def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             # a forward re-run inside a backward pass (activation checkpointing) was measured in its first run
-            active = self.ctx.collecting and not in_backward()
+            active = self.ctx.collecting and not in_backward() and source.name not in self._refused
             stack = self._modes.setdefault(id(module), [])
             if not active:
                 if source.inputs is None:
@@ -252,7 +277,8 @@ class AttentionFeatures(HookedCollector):
                 self._from_inputs(source, call, args, kwargs)
                 return
             self._silent.setdefault(source.name, True)
-            mode = _AttentionMode(self.guarded(lambda func, a, k: self._from_function(source, call, func, a, k)))
+            mode = _AttentionMode(self.guarded(lambda func, a, k, chain: self._from_function(source, call, func, a, k,
+                                                                                              chain)))
             mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             stack.append(mode)
 
@@ -274,8 +300,8 @@ class AttentionFeatures(HookedCollector):
 
     # ------------------------------------------------------------------ reading q and k
     def _from_function(self, source: AttentionSource, call: int, func: Any, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> bool:
-        """The first attention function call of a module call: True when it was read."""
+                       kwargs: dict[str, Any], chain: ScoreChain) -> bool:
+        """The first attention function call of a module call: True when it was read (or refused)."""
         if func is F.scaled_dot_product_attention:
             query, key = _argument(args, kwargs, 0, "query"), _argument(args, kwargs, 1, "key")
             if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4
@@ -290,7 +316,11 @@ class AttentionFeatures(HookedCollector):
             dim = _argument(args, kwargs, 1, "dim")
             if not (isinstance(scores, torch.Tensor) and scores.dim() == 4 and dim in (-1, 3)):
                 return False
-            block = features_from_softmax_input(scores.detach(), self._sample(scores))
+            logits = chain.logits_of(scores)
+            if logits is not None and logits.refused:
+                self._refuse(source, logits.refused)
+                return True
+            block = features_from_softmax_input(scores.detach(), self._sample(scores), logits)
         self._add(source, call, block)
         return True
 
@@ -314,8 +344,17 @@ class AttentionFeatures(HookedCollector):
             rows = self._rows[key] = sample_rows(query.shape[0], query.shape[2], self.query_rows, query.device)
         return rows
 
+    def _refuse(self, source: AttentionSource, why: str) -> None:
+        self._silent[source.name] = False
+        if source.name not in self._refused:
+            self._refused.add(source.name)
+            logger.warning("trainmon: features.attention: module %s: %s; it gets no attn rows (docs/features.md)",
+                           source.name, why)
+
     def _add(self, source: AttentionSource, call: int, block: torch.Tensor) -> None:
         self._silent[source.name] = False
+        if source.name in self._refused:
+            return
         buffer = self.ctx.buffer
         heads = block.shape[0]
         first = buffer.reserve_orders(heads) if hasattr(buffer, "reserve_orders") else buffer.next_order()
