@@ -24,7 +24,8 @@ def test_the_7b_shape_with_the_former_default_config():
     sizing = project(Measured(params=LLAMA_7B, optimizer_states=None), config, world_size=64)
     assert len(LLAMA_7B) == 291
     assert {f.family: f.rows for f in sizing.families} == {
-        f: 291 for f in ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "update", "ratio")}
+        **{f: 291 for f in ("grad_unreduced", "grad_reduced", "exp_avg", "exp_avg_sq", "update", "ratio")},
+        "momentum": 0}  # an optimizer not known here keeps Adam's moments or a momentum buffer, not both
     assert not sizing.estimated
     assert sizing.bytes_per_step == pytest.approx(1.0e6, rel=0.1)
     assert sizing.bytes_per_steps(10_000) * 64 == pytest.approx(650e9, rel=0.1)

@@ -190,7 +190,8 @@ class Measured:
         params: names of the measured parameters (those that get gradient rows).
         modules: names of the activation target modules that run a forward of their own.
         optimizer_states: the optimizer-state families the optimizer keeps (``exp_avg``, ...); None when unknown
-            (then every configured state is counted); ``[]`` without an optimizer.
+            (then every configured state is counted, but ``momentum`` only when no Adam family is configured: an
+            optimizer keeps one or the other); ``[]`` without an optimizer.
         has_optimizer: False when no optimizer was given (then only ``grad_unreduced``).
     """
 
@@ -242,8 +243,11 @@ def _row_names(family: str, measured: Measured, config: MonitorConfig) -> list[s
         return measured.params
     if not measured.has_optimizer:
         return []  # grad_reduced, param and the states are read in the optimizer's hooks
-    if family in ("grad_reduced", "param") or measured.optimizer_states is None:
+    if family in ("grad_reduced", "param"):
         return measured.params
+    if measured.optimizer_states is None:  # an optimizer keeps Adam's moments or a momentum buffer, not both
+        adam = any(state in ADAM_FAMILIES for state in config.optimizer_states.states)
+        return [] if family == "momentum" and adam else measured.params
     return measured.params if family in measured.optimizer_states else []
 
 
