@@ -16,6 +16,7 @@ from trainmon.anomaly.detectors import (
     GRAD_NORM_DEFAULT,
     GRAD_NORM_DROP_DEFAULT,
     PER_LAYER_DEFAULT,
+    ZERO_GRAD_DEFAULT,
 )
 from trainmon.anomaly.engine import AnomalyEngine
 from trainmon.config import load_config
@@ -67,6 +68,51 @@ def test_a_collapse_of_the_global_grad_norm_is_reported_by_default(tmp_path):
     assert _run(tmp_path, "", jump=0.3, seed=0) == []  # a 3x smaller step is no collapse
 
 
+def _zero_gradient_run(tmp_path: Path, name: str, make_loss, steps: int) -> tuple[list, list[float]]:
+    """A user's loop with SGD; ``make_loss(model, x, y, step)``. Returns the events (step, detector, name, message)
+    and, as the truth, the float64 norm over every parameter's ``p.grad`` the optimizer used at each step."""
+    torch.manual_seed(0)
+    model = nn.Linear(20, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = TrainerMonitor({"output_dir": str(tmp_path), "run_name": name, "sinks": [],
+                              "anomaly": {"actions": ["callback"]}})
+    events, norms = [], []
+    monitor.on_anomaly(events.append)
+    with monitor.attach(model, optimizer):
+        for step in range(steps):
+            x, y = torch.rand(32, 20), torch.rand(32, 1)
+            optimizer.zero_grad()
+            loss = make_loss(model, x, y, step)
+            loss.backward()
+            norms.append(sum(float(p.grad.double().square().sum()) for p in model.parameters()) ** 0.5)
+            optimizer.step()
+            monitor.step(loss=loss)
+    return [(e.step, e.detector, e.name, e.message) for e in events], norms
+
+
+def test_a_run_whose_gradients_are_all_zero_is_told_so_once(tmp_path):
+    """pytorch/examples' ddp-tutorial-series as published: ``cross_entropy`` over the one output of ``Linear(20, 1)``
+    is 0 whatever the weights, so nothing trains; every other default is silent on a flat 0."""
+    events, norms = _zero_gradient_run(
+        tmp_path, "one_class", lambda model, x, y, step: nn.functional.cross_entropy(model(x), y), 12)
+    assert norms == [0.0] * 12  # the truth: every gradient the optimizer got was zero
+    assert [event[:3] for event in events] == [(2, "level", "grad_norm")]
+    assert "every gradient is zero" in events[0][3]
+
+
+def test_gradients_collapsing_to_zero_mid_run_are_told_once_per_stretch(tmp_path):
+    """A loss that stops depending on the weights for a while (steps 20-29, then again from 40): one event at the third
+    zero of each stretch; the log watches cannot see a 0."""
+    def loss(model, x, y, step):
+        out = nn.functional.mse_loss(model(x), y)
+        return out * 0.0 if 20 <= step < 30 or step >= 40 else out
+
+    events, norms = _zero_gradient_run(tmp_path, "collapse", loss, 45)
+    assert [step for step, norm in enumerate(norms) if norm == 0.0] == [*range(20, 30), *range(40, 45)]
+    assert all(norm > 0 for norm in norms[:20])
+    assert [event[:3] for event in events] == [(22, "level", "grad_norm"), (42, "level", "grad_norm")]
+
+
 def test_user_detectors_are_added_to_the_defaults(tmp_path):
     user = "  detectors: [{type: spike, series: [loss]}]\n"
     # the user's spike on the loss did not switch off the grad-norm watch
@@ -75,7 +121,7 @@ def test_user_detectors_are_added_to_the_defaults(tmp_path):
     engine = AnomalyEngine(config.anomaly, rank=0, rank_dir=None)
     assert engine.specs == [*DEFAULT_DETECTORS, {"type": "spike", "series": ["loss"]}]
     assert [d.type_name for d in engine.detectors] == ["nonfinite", "loss_spike", "spike", "spike", "spike", "growth",
-                                                       "level", "spike"]
+                                                       "level", "level", "spike"]
 
 
 def test_default_detectors_false_runs_only_the_users(tmp_path):
@@ -95,7 +141,7 @@ def test_a_user_spec_on_a_default_series_replaces_that_default(tmp_path):
     specs = AnomalyEngine(config.anomaly, rank=0, rank_dir=None).specs
     # both grad-norm defaults (the jump and the drop watch) share its series: the user's takes their place
     assert specs == [{"type": "nonfinite", "scalars": ["loss"]}, {"type": "loss_spike"}, PER_LAYER_DEFAULT, mine,
-                     ATTN_GROWTH_DEFAULT, EPS_LEVEL_DEFAULT]
+                     ATTN_GROWTH_DEFAULT, EPS_LEVEL_DEFAULT, ZERO_GRAD_DEFAULT]  # a level is not a spike: kept
     assert GRAD_NORM_DEFAULT not in specs and GRAD_NORM_DROP_DEFAULT not in specs
     # a growth or level spec replaces a default of its type only when it shares a series
     other = [{"type": "growth", "series": ["grad_norm"]}, {"type": "level", "series": ["loss"], "threshold": 9.0}]

@@ -66,7 +66,7 @@ def test_the_attention_and_precursor_rows_reach_the_defaults(tmp_path):
     from trainmon.config import load_config
 
     engine = AnomalyEngine(load_config({}).anomaly, rank=0, rank_dir=None)
-    assert [d.type_name for d in engine.detectors][-2:] == ["growth", "level"]
+    assert [d.type_name for d in engine.detectors][-3:] == ["growth", "level", "level"]  # the last: zero gradients
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, d=32, layers=2, heads=4, seq=16)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -84,7 +84,7 @@ def test_the_attention_and_precursor_rows_reach_the_defaults(tmp_path):
             assert sorted(heads) == [f"blocks.{b}.attn.head{h}" for b in range(2) for h in range(4)]
             largest.append(max(heads.values()))
         state = monitor.state_dict()["anomaly"]["detectors"]
-    growth, level = state[-2]["state"]["series"], state[-1]["state"]["series"]
+    growth, level = state[-3]["state"]["series"], state[-2]["state"]["series"]
     # the growth default watches one series: the largest of the 8 heads' max_logit at each step
     assert [key for key, _ in growth] == [["*", "max", "value", 0, 0]] and growth[0][1]["values"] == largest
     assert {key[0] for key, _ in level} == {"precursors"} and len(level) >= 8  # one per Adam weight matrix at least

@@ -149,13 +149,30 @@ def test_a_state_saved_with_earlier_defaults_loads_into_the_current_defaults(def
     resumed = AnomalyEngine(AnomalyConfig(actions=[]), 0, None)
     resumed.load_state_dict(state)
     now = resumed.state_dict()["detectors"]
-    assert [d["type"] for d in now] == ["nonfinite", "loss_spike", "spike", "spike", "spike", "growth", "level"]
+    assert [d["type"] for d in now] == ["nonfinite", "loss_spike", "spike", "spike", "spike", "growth", "level",
+                                        "level"]
     assert now[:defaults] == state["detectors"]
     assert all(d["state"] == {"series": []} for d in now[defaults:])  # fresh
     assert [e.name for e in resumed.process(record(20, loss=5.0, grad_norm=1.0))] == ["loss"]  # warm loss_spike
     with pytest.raises(ValueError, match="holds detectors"):
         AnomalyEngine(AnomalyConfig(detectors=[{"type": "spike", "series": ["lr"]}], actions=[]), 0,
                       None).load_state_dict(state)
+
+
+def test_a_state_saved_before_the_zero_gradient_default_loads_into_the_current_defaults():
+    """The seven defaults of the round before the zero-gradient level: their states load, the new level starts
+    fresh."""
+    from trainmon.anomaly.detectors import DEFAULT_DETECTORS, ZERO_GRAD_DEFAULT
+
+    seven = [dict(spec) for spec in DEFAULT_DETECTORS if spec is not ZERO_GRAD_DEFAULT]
+    saved = AnomalyEngine(AnomalyConfig(detectors=seven, default_detectors=False, actions=[]), 0, None)
+    for step in range(20):
+        saved.process(record(step, loss=1.0 + 0.01 * (step % 3), grad_norm=1.0))
+    state = json.loads(json.dumps(saved.state_dict()))
+    resumed = AnomalyEngine(AnomalyConfig(actions=[]), 0, None)
+    resumed.load_state_dict(state)
+    now = resumed.state_dict()["detectors"]
+    assert now[:7] == state["detectors"] and now[7] == {"type": "level", "state": {"series": []}}
 
 
 def test_anomaly_package_imports_no_framework():

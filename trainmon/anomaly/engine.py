@@ -210,8 +210,8 @@ class AnomalyEngine:
         """Restore :meth:`state_dict` output.
 
         A state saved with an earlier set of defaults (:data:`~trainmon.anomaly.detectors.ADDED_DEFAULTS`: the
-        three defaults before the global grad-norm watch, the four before the growth and level watches) loads into
-        the detectors it has; the defaults added since start fresh.
+        three defaults before the global grad-norm watch, the four before the growth and level watches, the seven
+        before the zero-gradient level) loads into the detectors it has; the defaults added since start fresh.
 
         Raises:
             ValueError: the state does not match the detectors that run (count or types).

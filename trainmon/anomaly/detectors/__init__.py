@@ -43,21 +43,29 @@ EPS_LEVEL_DEFAULT: dict[str, Any] = {"type": "level", "series": ["precursors/*/e
                                      "persist": 5}
 """Adam's epsilon underflow: over 90% of a tensor's elements with sqrt(v) < eps, 5 steps in a row (with the
 precursors family on)."""
+ZERO_GRAD_DEFAULT: dict[str, Any] = {
+    "type": "level", "series": ["grad_norm"], "direction": "down", "threshold": 1e-30, "persist": 3,
+    "from_below": False,
+    "note": "every gradient is zero, nothing trains (a loss that does not depend on the parameters, such as a "
+            "cross-entropy over one class, or a graph detached from them)"}
+"""The global grad norm exactly 0 (below 1e-30) on 3 collected steps in a row, from the first step on or after a
+collapse; once per stretch. The log watches cannot see a 0 (no log level); an overflowed fp16 step's norm is Inf or
+absent, never 0."""
 DEFAULT_DETECTORS: tuple[dict[str, Any], ...] = (
     {"type": "nonfinite"}, {"type": "loss_spike"}, PER_LAYER_DEFAULT, GRAD_NORM_DEFAULT, GRAD_NORM_DROP_DEFAULT,
-    ATTN_GROWTH_DEFAULT, EPS_LEVEL_DEFAULT)
+    ATTN_GROWTH_DEFAULT, EPS_LEVEL_DEFAULT, ZERO_GRAD_DEFAULT)
 """The detectors that run unless ``anomaly.default_detectors: false``; the user's ``anomaly.detectors`` are added
 to them (:func:`effective_specs`). Read-only: copy before changing."""
 ADDED_DEFAULTS: tuple[tuple[dict[str, Any], ...], ...] = (
-    (GRAD_NORM_DEFAULT,), (GRAD_NORM_DROP_DEFAULT, ATTN_GROWTH_DEFAULT, EPS_LEVEL_DEFAULT))
+    (GRAD_NORM_DEFAULT,), (GRAD_NORM_DROP_DEFAULT, ATTN_GROWTH_DEFAULT, EPS_LEVEL_DEFAULT), (ZERO_GRAD_DEFAULT,))
 """The defaults added after the first three, in the order they came: an engine state saved before them loads
 into the others, and they start fresh."""
 
 __all__ = ["ADDED_DEFAULTS", "ATTN_GROWTH_DEFAULT", "DEFAULT_DETECTORS", "DETECTORS", "Detector", "EPS_LEVEL_DEFAULT",
            "GRAD_NORM_DEFAULT", "GRAD_NORM_DROP_DEFAULT", "GrowthConfig", "GrowthDetector", "LevelConfig",
            "LevelDetector", "LossSpikeConfig", "LossSpikeDetector", "NonfiniteConfig", "NonfiniteDetector",
-           "PER_LAYER_DEFAULT", "SERIES_TYPES", "SpikeConfig", "SpikeDetector", "build_detectors", "check_specs",
-           "effective_specs", "load_spec"]
+           "PER_LAYER_DEFAULT", "SERIES_TYPES", "SpikeConfig", "SpikeDetector", "ZERO_GRAD_DEFAULT", "build_detectors",
+           "check_specs", "effective_specs", "load_spec"]
 
 
 def load_spec(spec: object, path: str) -> tuple[type[Detector[object]], object]:
@@ -144,8 +152,10 @@ def effective_specs(specs: Sequence[Mapping[str, Any]], defaults: bool = True) -
 
     Example:
         >>> specs = effective_specs([{"type": "spike", "series": ["grad_norm"]}])
-        >>> [s["type"] for s in specs], specs[3]
-        (['nonfinite', 'loss_spike', 'spike', 'spike', 'growth', 'level'], {'type': 'spike', 'series': ['grad_norm']})
+        >>> [s["type"] for s in specs]
+        ['nonfinite', 'loss_spike', 'spike', 'spike', 'growth', 'level', 'level']
+        >>> specs[3]
+        {'type': 'spike', 'series': ['grad_norm']}
         >>> effective_specs([{"type": "nonfinite"}], defaults=False)
         [{'type': 'nonfinite'}]
     """

@@ -48,6 +48,9 @@ class LevelConfig:
     from_below: bool = True
     """Fire only on a series seen on the quiet side after ``warmup`` (a series past the threshold from the start
     is left alone)."""
+    note: str = ""
+    """Said after the event's message: what being past the level means (the default on ``grad_norm`` says what a
+    zero gradient comes from)."""
 
     def cross_check(self, path: str) -> None:
         """``threshold`` is given and finite."""
@@ -106,7 +109,8 @@ class LevelDetector(Detector[LevelConfig]):
             if not self._observe(seen.key, seen.value):
                 continue
             message = (f"{self.type_name}: {seen.where} at step {record.step} is {format_number(seen.value)}, {side} "
-                       f"{format_number(self.threshold)} for {self.config.persist} values in a row")
+                       f"{format_number(self.threshold)} for {self.config.persist} values in a row"
+                       + (f": {self.config.note}" if self.config.note else ""))
             if seen.row is None:
                 events.append(scalar_event(record, seen.key[1], value=seen.value, baseline=self.threshold,
                                            detector=self.type_name, message=message, time=time))
