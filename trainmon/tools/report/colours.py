@@ -19,14 +19,13 @@ import numpy.typing as npt
 from trainmon.tools.report.grids import (
     CHANGE_LEVELS,
     CHANGE_RANGE,
-    LEVELS,
     NAN,
     NEG_INF,
     WINDOW,
-    ZERO,
     Axis,
     Floats,
     Grid,
+    log_levels,
 )
 
 
@@ -130,12 +129,7 @@ def encode(grid: Grid, first: int | None = None) -> dict[str, Any]:
     finite = special == 0
     high = grid.high
     codes = special.copy()
-    nonzero = finite & (high > 0)
-    codes[finite & (high == 0)] = ZERO
-    logs = np.log10(high[nonzero])
-    lo, hi = (float(logs.min()), float(logs.max())) if logs.size else (0.0, 0.0)
-    span = hi - lo if hi > lo else 1.0
-    codes[nonzero] = np.clip(np.rint((logs - lo) / span * (LEVELS - 1)), 0, LEVELS - 1)
+    lo, hi = log_levels(codes, high, finite)
     change_codes = special.copy()
     change_codes[finite] = np.rint(np.clip(shift[finite], -CHANGE_RANGE, CHANGE_RANGE) / CHANGE_RANGE
                                    * CHANGE_LEVELS) + CHANGE_LEVELS

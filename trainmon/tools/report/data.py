@@ -26,13 +26,11 @@ from trainmon.base.inputs import open_regular
 from trainmon.sinks.store_replicas import ranks_text
 from trainmon.tools.csv2tb_sources import rank_dirs
 from trainmon.tools.readers import CsvFormatError, Table
+from trainmon.tools.report.grids import LEVELS, MISSING, NAN, NEG_INF, POS_INF, log_levels
 from trainmon.tools.store_reader import Source, StoreError, with_store
 
 Ints: TypeAlias = "npt.NDArray[np.int64]"
 """Steps, bins and flat cell indices."""
-LEVELS = 250
-"""Colour levels of a finite non-zero cell (codes 0..249); then the codes below."""
-ZERO, NAN, POS_INF, NEG_INF, MISSING = 250, 251, 252, 253, 255
 PROBE_METRICS = {"sign_agree_prev": (0.0, 1.0), "sign_agree_exp_avg": (0.0, 1.0), "cos_prev": (-1.0, 1.0),
                  "cos_exp_avg": (-1.0, 1.0)}
 """grad_probe summary columns drawn as direction-similarity heatmaps, with their fixed colour range."""
@@ -164,12 +162,7 @@ def encode_grid(cells: Ints, shape: tuple[int, int], values: npt.NDArray[np.floa
         level = (best[seen] - lo) / (hi - lo)
         codes[seen] = np.clip(np.rint(level * (LEVELS - 1)), 0, LEVELS - 1)
     else:
-        nonzero = seen & (best > 0)
-        codes[seen & (best == 0)] = ZERO
-        logs = np.log10(best[nonzero])
-        lo, hi = (float(logs.min()), float(logs.max())) if logs.size else (0.0, 0.0)
-        span = hi - lo if hi > lo else 1.0
-        codes[nonzero] = np.clip(np.rint((logs - lo) / span * (LEVELS - 1)), 0, LEVELS - 1)
+        lo, hi = log_levels(codes, best, seen)
     codes[neg_inf] = NEG_INF
     codes[pos_inf] = POS_INF
     codes[nan] = NAN

@@ -43,12 +43,27 @@ CHANGE_LEVELS = 124
 """Levels on each side of no change (codes 0..248, 124 = the reference)."""
 ZERO, NAN, POS_INF, NEG_INF, MISSING = 250, 251, 252, 253, 255
 """Codes of a zero (``abs``), a NaN, +Inf, -Inf and an empty cell."""
+
 CHANGE_RANGE = 1.0
 """Decades of change at either end of the ``change`` colour scale (x0.1 .. x10)."""
 WINDOW = 16
 """Columns before a cell whose median is its reference in the ``change`` mode of ``steps`` and ``module``."""
 MAX_RANKS = 512
 """Rank columns (``ranks``) and rank rows (``module``) at most; more ranks are bucketed like steps."""
+
+
+def log_levels(codes: npt.NDArray[np.uint8], values: Floats, seen: npt.NDArray[np.bool_]
+               ) -> tuple[float, float]:
+    """In place: ``codes`` of the ``seen`` cells of ``values``: ZERO for a 0, else ``LEVELS`` levels of ``log10``
+    between the smallest and the largest positive value (the report's and the heatmaps' one colour scale).
+    Returns those two ``log10`` bounds ``(lo, hi)`` (0, 0 when no value is positive)."""
+    nonzero = seen & (values > 0)
+    codes[seen & (values == 0)] = ZERO
+    logs = np.log10(values[nonzero])
+    lo, hi = (float(logs.min()), float(logs.max())) if logs.size else (0.0, 0.0)
+    span = hi - lo if hi > lo else 1.0
+    codes[nonzero] = np.clip(np.rint((logs - lo) / span * (LEVELS - 1)), 0, LEVELS - 1)
+    return lo, hi
 
 
 @dataclass
