@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from trainmon.base.partials import PARTIAL_SLOTS
 from trainmon.base.records import RowKey, module_call
-from trainmon.collect.attention_scores import Logits, ScoreChain
+from trainmon.collect.attention_scores import Logits, ScoreChain, argument
 from trainmon.collect.context import in_backward
 from trainmon.collect.hooks import HookedCollector, HookRegistry
 
@@ -192,10 +192,6 @@ class _AttentionMode(TorchFunctionMode):
         return result
 
 
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
-    return args[index] if len(args) > index else kwargs.get(name, default)
-
-
 class AttentionFeatures(HookedCollector):
     """Family ``attn`` for the modules of ``sources`` (see the module docstring); hooks on collected steps only.
 
@@ -303,17 +299,17 @@ class AttentionFeatures(HookedCollector):
                        kwargs: dict[str, Any], chain: ScoreChain) -> bool:
         """The first attention function call of a module call: True when it was read (or refused)."""
         if func is F.scaled_dot_product_attention:
-            query, key = _argument(args, kwargs, 0, "query"), _argument(args, kwargs, 1, "key")
+            query, key = argument(args, kwargs, 0, "query"), argument(args, kwargs, 1, "key")
             if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and query.dim() == 4
                     and key.dim() == 4 and query.shape[1] % key.shape[1] == 0):
                 return False
             rows = self._sample(query)
             block = features_from_qk(query.detach(), key.detach(), rows, scale=kwargs.get("scale"),
-                                     causal=bool(_argument(args, kwargs, 5, "is_causal", False)),
-                                     mask=_detached(_argument(args, kwargs, 3, "attn_mask")))
+                                     causal=bool(argument(args, kwargs, 5, "is_causal", False)),
+                                     mask=_detached(argument(args, kwargs, 3, "attn_mask")))
         else:
-            scores = _argument(args, kwargs, 0, "input")
-            dim = _argument(args, kwargs, 1, "dim")
+            scores = argument(args, kwargs, 0, "input")
+            dim = argument(args, kwargs, 1, "dim")
             if not (isinstance(scores, torch.Tensor) and scores.dim() == 4 and dim in (-1, 3)):
                 return False
             logits = chain.logits_of(scores)
@@ -395,7 +391,7 @@ def _megatron_attention(module: Any, args: tuple[Any, ...], kwargs: dict[str, An
     coefficient = getattr(getattr(module, "scale_mask_softmax", None), "scale", None)
     if coefficient:
         scale *= float(coefficient)
-    mask_type = _argument(args, kwargs, 4, "attn_mask_type") or getattr(module, "attn_mask_type", None)
+    mask_type = argument(args, kwargs, 4, "attn_mask_type") or getattr(module, "attn_mask_type", None)
     causal = getattr(mask_type, "name", str(mask_type)) == "causal"
-    mask = _argument(args, kwargs, 3, "attention_mask")
+    mask = argument(args, kwargs, 3, "attention_mask")
     return scale, causal, mask.detach() if isinstance(mask, torch.Tensor) and mask.dim() == 4 else None

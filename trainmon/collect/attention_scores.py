@@ -93,8 +93,8 @@ class ScoreChain:
             elif isinstance(other, torch.Tensor):
                 self.refused = self.refused or "the scores are multiplied by a tensor (a scale trainmon cannot read)"
         elif func in _CATS:
-            tensors = _argument(args, kwargs, 0, "tensors")
-            dim = _argument(args, kwargs, 1, "dim", 0)
+            tensors = argument(args, kwargs, 0, "tensors")
+            dim = argument(args, kwargs, 1, "dim", 0)
             if not (isinstance(tensors, (list, tuple)) and tensors and tensors[0] is scores and dim in (-1, 3)):
                 self.refused = self.refused or "columns are joined to the scores before the keys"
         self.scores = result
@@ -115,10 +115,10 @@ class ScoreChain:
 
     def _product(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: torch.Tensor) -> None:
         if func in _ADDMM:
-            left, right = _argument(args, kwargs, 1, "batch1"), _argument(args, kwargs, 2, "batch2")
-            alpha = _argument(args, kwargs, 4, "alpha", 1.0)
+            left, right = argument(args, kwargs, 1, "batch1"), argument(args, kwargs, 2, "batch2")
+            alpha = argument(args, kwargs, 4, "alpha", 1.0)
         else:
-            left, right, alpha = args[0] if args else None, _argument(args, kwargs, 1, "other"), 1.0
+            left, right, alpha = args[0] if args else None, argument(args, kwargs, 1, "other"), 1.0
         if not (isinstance(left, torch.Tensor) and isinstance(right, torch.Tensor) and left.dim() == right.dim() >= 3
                 and left.shape[-1] == right.shape[-2] and isinstance(alpha, (int, float))):
             return
@@ -135,5 +135,6 @@ def _operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     return out
 
 
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
+def argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
+    """A torch function's argument, given by position ``index`` or by ``name``."""
     return args[index] if len(args) > index else kwargs.get(name, default)
