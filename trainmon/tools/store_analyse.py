@@ -64,7 +64,6 @@ METRIC = "norm"
 """The metric compared across ranks."""
 _MAD_SCALE = 1.4826  # 1 / Phi^-1(3/4): the MAD of a normal sample times this estimates its standard deviation
 _MEAN_AD_SCALE = 1.2533  # sqrt(pi / 2): the same for the mean absolute deviation
-_GROUP = ("family", "name", "step", "micro_step", "vpp_stage")
 _NONFINITE = f"(detector IN ({', '.join(repr(d) for d in sorted(NONFINITE_DETECTORS))}) OR NOT isfinite(value))"
 
 
