@@ -16,9 +16,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import runpy
 import sys
-import traceback
+
+from tests.rank_main import run_main
 
 
 def _child(request: dict) -> int:
@@ -31,24 +31,7 @@ def _child(request: dict) -> int:
     os.dup2(devnull, 0)  # the server's stdin carries requests: not for the child
     os.close(devnull)
     os.environ.update(request["env"])
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
-    try:
-        runpy.run_path(script, run_name="__main__")
-        return 0
-    except SystemExit as stop:
-        code = stop.code
-        if code is None or isinstance(code, int):
-            return code or 0
-        print(code, file=sys.stderr)
-        return 1
-    except BaseException:  # report anything the script raised, as python would
-        traceback.print_exc()
-        return 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+    return run_main(request["argv"])
 
 
 def _answer(message: dict) -> None:

@@ -37,8 +37,9 @@ def free_port() -> int:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """The environment for a child process: one OMP thread, DeepSpeed's CPU accelerator, the repo importable."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+    """The environment for a child process: one OMP thread, DeepSpeed's CPU accelerator, the repo importable,
+    and Python's fault handler on (a rank that crashes prints every thread's Python stack)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONFAULTHANDLER": "1",
             "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p), **extra}
 
 
@@ -50,7 +51,8 @@ def rendezvous_env(rank: int, world_size: int, port: int | str) -> dict[str, str
 
 def run_ranks(args: Sequence[str | Path], world_size: int = 2, timeout: float = 120.0, **env: str) -> list[str]:
     """Run ``python *args`` as ``world_size`` local ranks (``env://`` on a free port, :func:`child_env` plus
-    ``env``) and wait for every one.
+    ``env``) and wait for every one. Each rank runs through ``tests/rank_main.py``: the script as ``__main__``,
+    then an exit without interpreter finalisation (where torch's Gloo threads can abort a finished rank).
 
     Fails the test with every rank's output when a rank exits non-zero; the ranks still running
     ``GRACE_S`` after that (they may wait in a collective) are killed, and all of them after ``timeout``.
@@ -61,8 +63,9 @@ def run_ranks(args: Sequence[str | Path], world_size: int = 2, timeout: float = 
     port = free_port()
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(tempfile.TemporaryFile("w+", errors="replace")) for _ in range(world_size)]
-        procs = [subprocess.Popen([sys.executable, *map(str, args)], stdout=logs[rank], stderr=subprocess.STDOUT,
-                                  env=child_env(**rendezvous_env(rank, world_size, port), **env), text=True)
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.rank_main", *map(str, args)], stdout=logs[rank],
+                                  stderr=subprocess.STDOUT, text=True,
+                                  env=child_env(**rendezvous_env(rank, world_size, port), **env))
                  for rank in range(world_size)]
         note = _wait_all(procs, timeout)
         outputs = []
