@@ -54,6 +54,9 @@ def forced_device_path(monkeypatch):
         from trainmon.collect import stats
 
         monkeypatch.setattr(stats, "_NUMPY_VIEWABLE", ())
+        from trainmon.collect import param_check
+
+        monkeypatch.setattr(param_check, "COUNTED_AT_ONCE", ())
     if mode != "triton":
         yield
         return

@@ -48,6 +48,7 @@ _ADVICE: dict[str, str] = {
     "dump": "set dump.enabled: false to run without it",
     "free_benchmark": "set free_benchmark.enabled: false to run without it",
     "anomaly": "anomaly detection is off; check anomaly.detectors",
+    "param_check": "the parameters were not checked for NaN/Inf as training began; nothing else is affected",
     "step_guard": "optimizer steps are applied unguarded from now on (anomaly.guard.enabled: false runs without it)",
     "step": "the monitor is off for the rest of the run",
 }

@@ -171,7 +171,7 @@ class StepBuffer:
         copies = []
         for indices in by_device.values():
             stacked = torch.cat([entries[i] for i in indices]) if len(indices) > 1 else entries[indices[0]]
-            copies.append((indices, [entries[i].numel() for i in indices], *_copy_to_host(stacked, wait)))
+            copies.append((indices, [entries[i].numel() for i in indices], *copy_to_host(stacked, wait)))
         scalar_names = [[self.scalar_names[i] for i in indices] for indices in scalar_devices.values()]
         return Transfer(list(self.keys), len(self.partials), copies, scalar_names, dict(self.host_scalars))
 
@@ -184,7 +184,7 @@ def device_module(device_type: str) -> Any:
         return None
 
 
-def _copy_to_host(tensor: torch.Tensor, wait: bool) -> tuple[torch.Tensor, Any]:
+def copy_to_host(tensor: torch.Tensor, wait: bool) -> tuple[torch.Tensor, Any]:
     """``(host tensor, event or None)``: a copy started on the device's stream, or made now."""
     if tensor.device.type == "cpu" and not wait:
         return tensor, None  # on the host already (a fresh tensor: the entries were concatenated or stacked)

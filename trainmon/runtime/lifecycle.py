@@ -88,6 +88,8 @@ class StepLifecycle(MicroSteps):
         """The step model just ended a step at its optimizer step because no training forward of the root ran in it
         (:meth:`_end_without_forward`); a ``monitor.step()`` before anything else closes that same step."""
         self._warned: set[str] = set()
+        self.on_first_forward: Callable[[], None] | None = None
+        """Called once, as the first training micro-step begins (before its forward runs), then forgotten."""
         self.reset()
 
     def reset(self) -> None:
@@ -226,6 +228,7 @@ class StepLifecycle(MicroSteps):
         self.forwards[id(module)] = count + 1
         self.ctx.micro_step = count
         self.ctx.forwards += 1
+        self._first_forward()
 
     def _forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         training = torch.is_grad_enabled() and module.training
@@ -243,6 +246,12 @@ class StepLifecycle(MicroSteps):
         ctx.micro_step = self.forwards.get(id(module), 0)
         self._frames.append(Frame(root=id(module), mark=len(ctx.buffer.keys), micro=ctx.micro_step))
         ctx.training_forward_open = True
+        self._first_forward()
+
+    def _first_forward(self) -> None:
+        if self.on_first_forward is not None:
+            call, self.on_first_forward = self.on_first_forward, None
+            call()
 
     def _optimizer_post(self, *args: Any) -> None:
         self.optimizer_stepped = True

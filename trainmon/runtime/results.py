@@ -7,6 +7,7 @@ action's error of a step settled early kept for the end of the next step; and th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 from trainmon.anomaly.events import utc_now
 from trainmon.base.records import StepRecord, build_record
 from trainmon.base.safe_io import write_json
+from trainmon.collect.param_check import ParameterCheck, held_parameters
 from trainmon.errors import AnomalyError
 from trainmon.runtime.rundir import unused_name
 
@@ -59,6 +61,9 @@ class StepResults:
     pending: PendingScalars
     in_flight: tuple[int, Transfer] | None
     deferred: AnomalyError | None
+    parameter_check: ParameterCheck | None
+    """The parameters' NaN/Inf counts as training began (:mod:`trainmon.collect.param_check`), until the detectors
+    get them with the first record checked."""
 
     def settle(self) -> None:
         """Check every ended step now (the uncollected steps' scalars waiting for their copies, the collected step
@@ -86,6 +91,10 @@ class StepResults:
             logger.warning("trainmon: flush failed (%s: %s)", type(exc).__name__, exc)
             return False
 
+    def _check_parameters(self) -> None:
+        """As the first training forward begins: count the parameters' NaN and Inf values, for the detectors."""
+        self.parameter_check = ParameterCheck(held_parameters(self.attachment.roots), self.ctx.step)
+
     def _finish(self, step: int, host: HostStep) -> tuple[StepRecord, AnomalyError | None]:
         """The host side of a collected step: its record, handed to the writer and the anomaly engine."""
         record = build_record(step, self.attachment.rank, self.ctx.pp_stage, host.keys, host.partials, host.scalars,
@@ -106,8 +115,13 @@ class StepResults:
         self.writer.submit(self.replicas.stored(record))  # the detectors below get every row
         self.anomaly.last_events = []
         error = None
+        checked = record  # the detectors see the parameters found non-finite as training began before its rows
+        if self.parameter_check is not None and self.parameter_check.step <= record.step:
+            check, self.parameter_check = self.parameter_check, None
+            if rows := self.guard.run("param_check", check.rows):
+                checked = dataclasses.replace(record, rows=[*rows, *record.rows])
         try:
-            self.guard.run("anomaly", self.anomaly.process, record, found)
+            self.guard.run("anomaly", self.anomaly.process, checked, found)
             if escalation is not None:
                 self.guard.run("anomaly", self.anomaly.act, [escalation], self.config.anomaly.guard.escalate)
         except AnomalyError as exc:

@@ -85,6 +85,7 @@ class Session(StepResults):
         """The scalars (loss, ...) of uncollected steps on their way to the detectors (no host sync)."""
         self.boundary = HookRegistry()
         self.created_dirs: list[Path] = []
+        self.parameter_check = None
         """Directories this attach created (deepest first); removed again, when empty, if it fails."""
         self.lifecycle = StepLifecycle(self.ctx, end_step=lambda: self.end_step(None, {}, by_user=False))
         self.step_guard: GuardedSteps | None = None
@@ -149,6 +150,8 @@ class Session(StepResults):
                 self.writer.submit(lambda: write_json(unused_name(run_dir, "run", ".json", "resume"), info,
                                                       root=run_dir))
             self._arm(self.schedule.is_collected(self.ctx.step))
+            if config.enabled and self.writes:
+                self.lifecycle.on_first_forward = lambda: self.guard.run("param_check", self._check_parameters)
         except BaseException:
             self._release()  # a failed attach leaves no hook, thread or file handle behind ...
             remove_empty_dirs(self.created_dirs)  # ... nor the (empty) directories it made

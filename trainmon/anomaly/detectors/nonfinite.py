@@ -99,9 +99,14 @@ class NonfiniteDetector(Detector[NonfiniteConfig]):
         hits.sort(key=lambda hit: hit[0])
         _, first_row, first_label = hits[0]
         rest = Counter(SCALAR_FAMILY if row is None else label for _, row, label in hits[1:])
+        hint = ""
         if first_row is not None:
             metric, value = _row_metric(first_row)
             where = describe(first_row.key.family, first_row.key.name, first_row.key.phase)
+            if first_row.key.family == "param" and first_row.key.phase == "forward":  # collect/param_check.py
+                where += " as training began"
+                hint = ("; a parameter not finite before its first update: memory left uninitialised (to_empty() "
+                        "without re-initialising every module) or a checkpoint saved after a non-finite step")
             micro_step = first_row.key.micro_step
             detail = f"{first_row.key.family}/{first_row.key.name} {metric}={format_number(value)}"
         else:
@@ -114,6 +119,7 @@ class NonfiniteDetector(Detector[NonfiniteConfig]):
         if rest:
             counts = ", ".join(f"{family} {n}" for family, n in sorted(rest.items()))
             message += f"; {len(hits) - 1} more non-finite values later in this step ({counts})"
+        message += hint
         if first_row is not None:
             event = row_event(record, first_row, metric=metric, value=value, baseline=0.0,
                               detector=self.type_name, message=message, time=time)
