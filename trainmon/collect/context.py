@@ -161,6 +161,10 @@ class StepContext:
     forwards: int = 0
     """Training root forwards begun so far (each one a pass: a forward that raises and is retried is a new one)."""
     collecting: bool = False
+    state_init_step: bool = False
+    """An optimizer step of ``torch.distributed.checkpoint``'s state initialisation is running
+    (:func:`~trainmon.collect.step_hooks.state_dict_init_step`): not a training step; no hook of trainmon's acts on it.
+    [lifecycle]"""
     training_forward_open: bool = True
     """Whether a training forward of the root may be in flight: False only while the step model, following the
     root's forwards, knows that none is; a forward under ``no_grad`` then is an evaluation's (``model.decode(z)``

@@ -295,7 +295,7 @@ class TorchOptimizerCollector(OptimizerStateRows, HookedCollector):
                     self._precursors = precursors
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
-        if not self.ctx.collecting:
+        if not self.ctx.collecting or self.ctx.state_init_step:  # not a training step: nothing to measure
             return None
         self._backward_end_rows()  # a backward whose end was not seen: before unscale_ or the step change them
         self.ctx.forget_measured()  # unscale_ rewrote the gradients without bumping their versions

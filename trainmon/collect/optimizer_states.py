@@ -59,7 +59,7 @@ class OptimizerStateRows:
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Optimizer states, ``update``, ``ratio`` and ``precursors`` after the step, each family measured at once."""
         ctx = self.ctx
-        if not ctx.collecting:
+        if not ctx.collecting or ctx.state_init_step:  # not a training step: nothing to measure
             return
         found = states_of(self.parts)
         rows: dict[str, list[tuple[str, torch.Tensor, int]]] = {

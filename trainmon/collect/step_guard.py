@@ -36,7 +36,7 @@ import torch
 from trainmon.base.records import GUARD_PREFIX, GUARD_VERDICT
 from trainmon.collect.optimizer_parts import optimizer_parts, param_groups_of
 from trainmon.collect.stats_base import foreach_norms, norm_of_norms
-from trainmon.collect.step_hooks import StepWrapper
+from trainmon.collect.step_hooks import StepWrapper, state_dict_init_step
 
 if TYPE_CHECKING:
     from trainmon.base.guard import Guard
@@ -261,8 +261,8 @@ class StepGuard:
 
     # ------------------------------------------------------------------ the wrapped step
     def _step(self, inner: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.guard.off(PART):  # failed earlier (or the monitor stopped): the step as without the guard
-            return inner(*args, **kwargs)
+        if self.guard.off(PART) or state_dict_init_step():  # failed earlier (or the monitor stopped), or not a
+            return inner(*args, **kwargs)  # training step: the step as without the guard
         closure = kwargs.get("closure", args[0] if args else None)
         loss = None
         if closure is not None:  # the user's code, outside trainmon's guard: the gradients exist after it

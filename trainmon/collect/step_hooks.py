@@ -7,6 +7,8 @@ The step model that uses them is :mod:`trainmon.runtime.lifecycle`.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import types
 from collections import OrderedDict
 from collections.abc import Callable
@@ -22,6 +24,30 @@ logger = logging.getLogger("trainmon")
 
 StepHook = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 """A step pre/post hook: ``hook(owner, args, kwargs)``, as torch's optimizer step hooks."""
+
+
+_DCP_STATE_DICT = os.path.join("distributed", "checkpoint", "state_dict.py")
+
+
+def state_dict_init_step() -> bool:
+    """Whether the optimizer step now running is ``torch.distributed.checkpoint``'s state initialisation rather
+    than a training step.
+
+    ``set_optimizer_state_dict`` and ``get_optimizer_state_dict`` (how FSDP2 and torchtitan-style loops load and
+    save an optimizer) call ``_init_optim_state`` on an optimizer that holds no state yet: ``optimizer.step()`` with
+    zero gradients and the learning rate set to 0, so that the states exist to load into. Counted as a step, it
+    would shift every later step by one against the loop's own count and write rows of a step that never trained.
+    Found from the call stack (a few frames, once per optimizer step).
+    """
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(24):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "_init_optim_state" and code.co_filename.endswith(_DCP_STATE_DICT):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class StepWrapper:

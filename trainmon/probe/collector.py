@@ -164,7 +164,8 @@ class GradProbe(HookedCollector):
         self._prev_sample.clear()
 
     def _pre_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self.measure()
+        if not self.ctx.state_init_step:  # torch.distributed.checkpoint's state initialisation is not a step
+            self.measure()
 
     def _adam_exp_avg(self, param: torch.Tensor) -> torch.Tensor | None:
         state = getattr(self.optimizer, "state", None)

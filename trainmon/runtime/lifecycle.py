@@ -48,10 +48,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from trainmon.collect.hooks import HookRegistry
-from trainmon.collect.step_hooks import ScalerHooks
+from trainmon.collect.step_hooks import ScalerHooks, state_dict_init_step
 from trainmon.runtime.micro_steps import BACKWARD_HOOKS, Frame, MicroSteps, part_of
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("trainmon")
 
 _ROOTS = "step_roots"
+_STATE_INIT = "state_init_steps"
 
 
 class StepLifecycle(MicroSteps):
@@ -162,6 +163,9 @@ class StepLifecycle(MicroSteps):
             # own hooks (collectors arm and disarm) after torch iterated over them, never while it does
             self.registry.add(_ROOTS, register_optimizer_step_post_hook(
                 self.guarded(self._after_optimizer_step)))
+        if not self.registry.count(_STATE_INIT):  # torch runs global pre-hooks first and global post-hooks last
+            self.registry.add(_STATE_INIT, register_optimizer_step_pre_hook(self.guarded(self._state_init_begins)))
+            self.registry.add(_STATE_INIT, register_optimizer_step_post_hook(self.guarded(self._state_init_ends)))
 
     def hook_scaler(self, scaler: GradScaler | None) -> None:
         if scaler is not None and self.scaler is None:
@@ -253,12 +257,22 @@ class StepLifecycle(MicroSteps):
             call, self.on_first_forward = self.on_first_forward, None
             call()
 
+    def _state_init_begins(self, *args: Any) -> None:
+        """Before any hook of a torch optimizer's step: is it ``torch.distributed.checkpoint``'s state
+        initialisation (not a training step: nothing of trainmon's acts on it)?"""
+        self.ctx.state_init_step = state_dict_init_step()
+
+    def _state_init_ends(self, *args: Any) -> None:
+        self.ctx.state_init_step = False
+
     def _optimizer_post(self, *args: Any) -> None:
-        self.optimizer_stepped = True
+        if not self.ctx.state_init_step:
+            self.optimizer_stepped = True
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Every torch optimizer's step ends here, after its own post-hooks (the collectors' states are read)."""
-        if optimizer is self.optimizer and self.scaler is None:  # under a scaler, its update() reads the step's verdict
+        # under a scaler, its update() reads the step's verdict; a state initialisation is not a step
+        if optimizer is self.optimizer and self.scaler is None and not self.ctx.state_init_step:
             self._end_without_forward()
 
     def _scaler_update(self, scale: torch.Tensor | None, skipped: torch.Tensor | None) -> None:

@@ -156,7 +156,7 @@ class FSDPOptimizerCollector(TorchOptimizerCollector):
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         ctx = self.ctx
-        if not ctx.collecting:
+        if not ctx.collecting or ctx.state_init_step:  # not a training step: nothing to measure
             return
         found = states_of(self.parts)
         adam = "update" in self._states or "ratio" in self._states
