@@ -6,7 +6,10 @@ test's own hooks and reads, copied to float64 numpy), never from trainmon's outp
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -79,3 +82,18 @@ def assert_rows_match(frame: pd.DataFrame, step: int, reference: dict[str, np.nd
         for metric in metrics:
             assert np.isclose(float(row[metric]), want[metric], rtol=rtol, atol=1e-7), \
                 (step, row["name"], metric, float(row[metric]), want[metric])
+
+
+@contextlib.contextmanager
+def one_rank_gloo() -> Iterator[Any]:
+    """A 1-rank gloo process group in this process (an in-memory store), destroyed after; yields its CPU device
+    mesh, for ``fully_shard(module, mesh=...)``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not dist.is_initialized(), "a process group is already alive"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

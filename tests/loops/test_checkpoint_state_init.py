@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from tests.loops.common import MLP, config, data, rank_dir, rows
+from tests.loops.common import MLP, config, data, one_rank_gloo, rank_dir, rows
 from trainmon import TrainerMonitor
 
 
@@ -73,17 +73,11 @@ def test_resuming_with_dcp_counts_only_training_steps(tmp_path, guard):
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
 def test_resuming_fsdp2_with_dcp_counts_only_training_steps(tmp_path):
     """The same under FSDP2 (``fully_shard`` on a 1-rank gloo group), as the FSDP2 example resumes."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    assert not dist.is_initialized(), "a process group is already alive"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_gloo() as mesh:
         torch.manual_seed(0)
         model = MLP()
-        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        fully_shard(model, mesh=mesh)
         losses, norms = _resume(tmp_path, model, start_step=0, guard=False)
-    finally:
-        dist.destroy_process_group()
     _check(tmp_path, losses, norms)

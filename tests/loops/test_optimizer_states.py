@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.loops.common import MLP, config, data, rank_dir, rows, scalars
+from tests.loops.common import MLP, config, data, one_rank_gloo, rank_dir, rows, scalars
 from tests.reference import np_stats
 from trainmon import TrainerMonitor
 
@@ -138,16 +138,12 @@ def test_optimizers_without_the_states_asked_for_say_so_once(tmp_path, caplog, m
 def test_nadam_under_fsdp2_gets_no_adam_update(tmp_path, caplog):
     """The same under FSDP2 (``fully_shard`` on a 1-rank gloo group): the moments are written, from the shards the
     optimizer holds; no ``update``/``ratio`` rows, one warning."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    assert not dist.is_initialized(), "a process group is already alive"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with one_rank_gloo() as mesh:
         torch.manual_seed(0)
         model = MLP()
-        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        fully_shard(model, mesh=mesh)
         optimizer = torch.optim.NAdam(model.parameters(), lr=1e-2)
         with caplog.at_level(logging.WARNING, logger="trainmon"):
             monitor = TrainerMonitor(config(tmp_path, optimizer_states=STATES)).attach(model, optimizer)
@@ -161,8 +157,6 @@ def test_nadam_under_fsdp2_gets_no_adam_update(tmp_path, caplog):
                             for n, p in model.named_parameters()})
             monitor.step()
         monitor.close()
-    finally:
-        dist.destroy_process_group()
     _assert_state_rows(tmp_path, "exp_avg", [{"states": {n: {"exp_avg": m} for n, m in step.items()}}
                                              for step in moments], lambda t, name: t["states"][name]["exp_avg"])
     assert not any((rank_dir(tmp_path) / f"{family}.csv").exists() for family in ("update", "ratio"))

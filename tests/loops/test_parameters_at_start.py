@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.integration.test_torch_lifecycle import _TransferCounter
-from tests.loops.common import MLP, config, data, rank_dir
+from tests.loops.common import MLP, config, data, one_rank_gloo, rank_dir
 from trainmon import TrainerMonitor
 from trainmon.collect import param_check
 
@@ -128,14 +128,9 @@ def test_fsdp2_local_shards_are_checked(tmp_path):
     """pytorch/examples' FSDP2 example as published: ``fully_shard`` on the meta device, ``to_empty``, a root
     ``reset_parameters()`` that does not reach the blocks (a 1-rank gloo group here: DTensor parameters whose
     local shards are read, on the CPU without waiting for anything)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    assert not dist.is_initialized(), "a process group is already alive"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
+    with one_rank_gloo() as mesh:
         with torch.device("meta"):
             model = MLP()
         fully_shard(model.fc2, mesh=mesh)
@@ -149,8 +144,6 @@ def test_fsdp2_local_shards_are_checked(tmp_path):
             model.fc2.bias.to_local().zero_()
         infs = int(np.isinf(model.fc2.weight.detach().full_tensor().double().numpy()).sum())
         transfers = _train(model, tmp_path, steps=2)
-    finally:
-        dist.destroy_process_group()
     assert all(calls == ["cpu"] for calls in transfers), transfers
     first = _events(tmp_path)[0]
     assert (first["family"], first["name"], first["metric"], first["value"]) == ("param", "fc2.weight", "infs", infs)
