@@ -182,4 +182,15 @@ def test_a_reused_run_name_says_at_attach_that_it_appends(tmp_path, caplog):
     monitor.close()
     (message,) = [m for m in _warnings(caplog) if "already holds a run" in m]
     assert message == (f"trainmon: {tmp_path / 'run'} already holds a run (last step 3); this run appends to it "
-                       "from step 2 (start_step) - set another run_name to start a new run")
+                       "from step 2 (start_step) - attach(..., start_step=4) continues its step count, or set "
+                       "another run_name")
+    # the default sinks (the store, no CSV): the last step from the store's part names; past it, no overlap
+    caplog.clear()
+    config = {"output_dir": str(tmp_path), "run_name": "stored"}
+    assert _train(TrainerMonitor(config), 4, poisoned=set()) == []
+    monitor = TrainerMonitor(config)
+    monitor.attach(model, torch.optim.SGD(model.parameters(), lr=0.1), start_step=4)
+    monitor.close()
+    (message,) = [m for m in _warnings(caplog) if "already holds a run" in m]
+    assert message.endswith("(last step 3); this run appends to it from step 4 (start_step) - set another run_name "
+                            "to start a new run"), message

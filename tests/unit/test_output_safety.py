@@ -435,3 +435,12 @@ def test_previous_run_finds_the_last_step_from_the_tails_only(tmp_path, monkeypa
     (rank_dir / "anomalies.jsonl").unlink()
     (run_dir / "run.json").write_text("{}")
     assert rundir.previous_run(run_dir, rank_dir) == "last step unknown"
+    # the default sinks write no CSV: the store's part names hold the step range (this rank's parts only)
+    from trainmon.sinks.store_layout import part_name
+
+    for table, rank, last in [("scalars", 0, 9), ("actv", 0, 10), ("scalars", 1, 50)]:
+        folder = run_dir / "store" / table / f"rank={rank}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / part_name(0, last, "ab12cd34", 0, 0)).write_bytes(b"")
+    (run_dir / "store" / "scalars" / "rank=0" / ".part-000000000-000000099-tmp.parquet").write_bytes(b"")
+    assert rundir.previous_run(run_dir, rank_dir) == "last step 10"

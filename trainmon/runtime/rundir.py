@@ -16,6 +16,7 @@ from typing import Any
 from trainmon.anomaly.detectors import effective_specs
 from trainmon.base.inputs import open_regular
 from trainmon.config import MonitorConfig
+from trainmon.sinks.store_layout import STORE_DIR, parse_part
 from trainmon.version import __version__
 
 logger = logging.getLogger("trainmon")
@@ -87,16 +88,22 @@ _NEWEST = 16
 def warn_if_appending(run_dir: Path, rank_dir: Path, start_step: int) -> None:
     """One warning when ``run_dir`` already holds a run: this one appends to it (a reused ``run_name``)."""
     previous = previous_run(run_dir, rank_dir)
-    if previous is not None:
-        logger.warning("trainmon: %s already holds a run (%s); this run appends to it from step %d (start_step) - "
-                       "set another run_name to start a new run", run_dir, previous, start_step)
+    if previous is None:
+        return
+    last = previous.rpartition(" ")[2]
+    overlap = last.isdigit() and start_step <= int(last)  # its steps would be written twice
+    logger.warning("trainmon: %s already holds a run (%s); this run appends to it from step %d (start_step) - %s",
+                   run_dir, previous, start_step,
+                   f"attach(..., start_step={int(last) + 1}) continues its step count, or set another run_name"
+                   if overlap else "set another run_name to start a new run")
 
 
 def previous_run(run_dir: Path, rank_dir: Path) -> str | None:
     """``last step N`` (or ``last step unknown``) when ``run_dir`` already holds a run, else None.
 
     Cheap at any run length: it reads the header and the last ``_TAIL`` bytes of the newest ``_NEWEST`` CSV files
-    of ``rank_dir`` and the tail of its ``anomalies.jsonl``, never a whole file.
+    of ``rank_dir`` and the tail of its ``anomalies.jsonl``, never a whole file, and the names of the rank's store
+    parts (which hold their step range).
     """
     try:
         held = os.path.lexists(run_dir / "run.json") or (rank_dir.is_dir() and any(rank_dir.iterdir()))
@@ -106,6 +113,7 @@ def previous_run(run_dir: Path, rank_dir: Path) -> str | None:
         return None
     steps = [_last_csv_step(path) for path in _newest(rank_dir.glob("*.csv"))]
     steps.append(_last_jsonl_step(rank_dir / "anomalies.jsonl"))
+    steps.append(_last_store_step(run_dir, rank_dir.name))
     known = [step for step in steps if step is not None]
     return f"last step {max(known)}" if known else "last step unknown"
 
@@ -143,6 +151,26 @@ def _last_csv_step(path: Path) -> int | None:
     except (OSError, ValueError, csv.Error):  # unreadable, not a trainmon CSV: no step from it
         pass
     return None
+
+
+def _last_store_step(run_dir: Path, rank_dir_name: str) -> int | None:
+    """The last step in the names of the store's parts of this rank (``store/{table}/rank={R}/part-...``)."""
+    if not rank_dir_name.startswith("rank"):
+        return None
+    partition = f"rank={rank_dir_name[len('rank'):]}"
+    last = None
+    try:
+        tables = [entry.path for entry in os.scandir(run_dir / STORE_DIR) if entry.is_dir(follow_symlinks=False)]
+    except OSError:
+        return None
+    for table in tables:
+        try:
+            names = [entry.name for entry in os.scandir(os.path.join(table, partition))]
+        except OSError:
+            continue
+        for part in filter(None, (parse_part(Path(name)) for name in names)):
+            last = part.last_step if last is None else max(last, part.last_step)
+    return last
 
 
 def _last_jsonl_step(path: Path) -> int | None:
