@@ -89,7 +89,7 @@ class ParameterCheck:
             for device, indices in by_device.items():
                 if device.type in COUNTED_AT_ONCE:  # screened, then the flagged ones counted: nothing to wait for
                     for index in _screen([(index, held[index][2]) for index in indices]):
-                        nans, infs = _counts(held[index][2]).numpy()
+                        nans, infs = _counts(held[index][2]).numpy()  # a CPU tensor: no sync
                         if nans or infs:
                             self._counted.append((index, int(nans), int(infs)))
                 else:  # counted on the device, copied without waiting
@@ -102,7 +102,8 @@ class ParameterCheck:
         for indices, host, event in self._copies:
             if event is not None:
                 event.synchronize()  # this copy only, not the device
-            self._counted += [(index, int(nans), int(infs)) for index, (nans, infs) in zip(indices, host.numpy())
+            counts = host.numpy()  # host memory, its copy ended with the event: no sync
+            self._counted += [(index, int(nans), int(infs)) for index, (nans, infs) in zip(indices, counts)
                               if nans or infs]
         self._copies = []
         found = sorted(self._counted)
@@ -123,6 +124,6 @@ def _screen(indexed: Sequence[tuple[int, torch.Tensor]]) -> list[int]:
         by_dtype.setdefault(tensor.dtype, []).append((index, tensor))
     flagged: list[int] = []
     for group in by_dtype.values():
-        finite = torch.stack(torch._foreach_norm([tensor for _, tensor in group], 2)).isfinite().numpy()
+        finite = torch.stack(torch._foreach_norm([t for _, t in group], 2)).isfinite().numpy()  # CPU: no sync
         flagged += [index for (index, _), ok in zip(group, finite) if not ok]
     return flagged

@@ -87,19 +87,28 @@ _NEWEST = 16
 
 def warn_if_appending(run_dir: Path, rank_dir: Path, start_step: int) -> None:
     """One warning when ``run_dir`` already holds a run: this one appends to it (a reused ``run_name``)."""
-    previous = previous_run(run_dir, rank_dir)
-    if previous is None:
+    held, last = _previous(run_dir, rank_dir)
+    if not held:
         return
-    last = previous.rpartition(" ")[2]
-    overlap = last.isdigit() and start_step <= int(last)  # its steps would be written twice
+    overlap = last is not None and start_step <= last  # its steps would be written twice
     logger.warning("trainmon: %s already holds a run (%s); this run appends to it from step %d (start_step) - %s",
-                   run_dir, previous, start_step,
-                   f"attach(..., start_step={int(last) + 1}) continues its step count, or set another run_name"
-                   if overlap else "set another run_name to start a new run")
+                   run_dir, _describe(last), start_step,
+                   f"attach(..., start_step={last + 1}) continues its step count, or set another run_name"
+                   if overlap and last is not None else "set another run_name to start a new run")
 
 
 def previous_run(run_dir: Path, rank_dir: Path) -> str | None:
-    """``last step N`` (or ``last step unknown``) when ``run_dir`` already holds a run, else None.
+    """``last step N`` (or ``last step unknown``) when ``run_dir`` already holds a run, else None."""
+    held, last = _previous(run_dir, rank_dir)
+    return _describe(last) if held else None
+
+
+def _describe(last: int | None) -> str:
+    return f"last step {last}" if last is not None else "last step unknown"
+
+
+def _previous(run_dir: Path, rank_dir: Path) -> tuple[bool, int | None]:
+    """Whether ``run_dir`` already holds a run, and its last step where one is found.
 
     Cheap at any run length: it reads the header and the last ``_TAIL`` bytes of the newest ``_NEWEST`` CSV files
     of ``rank_dir`` and the tail of its ``anomalies.jsonl``, never a whole file, and the names of the rank's store
@@ -108,14 +117,14 @@ def previous_run(run_dir: Path, rank_dir: Path) -> str | None:
     try:
         held = os.path.lexists(run_dir / "run.json") or (rank_dir.is_dir() and any(rank_dir.iterdir()))
     except OSError:
-        return None
+        return False, None
     if not held:
-        return None
+        return False, None
     steps = [_last_csv_step(path) for path in _newest(rank_dir.glob("*.csv"))]
     steps.append(_last_jsonl_step(rank_dir / "anomalies.jsonl"))
     steps.append(_last_store_step(run_dir, rank_dir.name))
     known = [step for step in steps if step is not None]
-    return f"last step {max(known)}" if known else "last step unknown"
+    return True, max(known) if known else None
 
 
 def _newest(paths: Iterable[Path]) -> list[Path]:
